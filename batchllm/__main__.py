@@ -1,0 +1,3 @@
+from batchllm.cli import main
+
+main()

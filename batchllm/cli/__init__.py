@@ -1,0 +1,45 @@
+"""The `batchllm` command. Each command is a thin layer over one library call.
+
+Heavy modules (pyarrow, sqlalchemy, and above all vllm/torch) are imported inside commands, so
+`batchllm --help` is instant and importing this package never loads vllm or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from batchllm import __version__
+from batchllm.errors import BatchLLMError
+
+
+class _Group(click.Group):
+    """Turns deliberate batchllm errors into one clear line and exit code 1, not a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BatchLLMError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="batchllm")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def cli(verbose: int) -> None:
+    """Batch inference jobs over vLLM: JSONL prompts in, Parquet results out."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    cli(prog_name="batchllm")
+
+
+from batchllm.cli import admin, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
+
+__all__ = ["cli", "main", "admin", "fleet", "inspect", "run"]

@@ -1,0 +1,50 @@
+"""`batchllm run`: a whole job in this process, no broker needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from batchllm.cli import cli
+from batchllm.cli.options import job_options, spec_from_flags
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@job_options
+@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+              help="Also copy the finished Parquet dataset into this directory.")
+def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
+    """Run the prompts in FILE (JSONL) to the end in this process and print where the results
+    are. Exit code 0 when the job completed, also when some lines became error rows.
+
+    \b
+    Example:
+      batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
+    """
+    from batchllm.cli.progress import Progress
+    from batchllm.cli.render import echo_job
+    from batchllm.jobs.models import JobStatus
+    from batchllm.worker.local import run_job
+
+    spec = spec_from_flags(flags)
+    progress: list[Progress] = []
+
+    def created(job) -> None:
+        click.echo(f"job {job.id}: {job.request_total:,} requests, loading {spec.model} ...",
+                   err=True)
+        progress.append(Progress(job.request_total))
+
+    job = run_job(file, spec, strict=strict, on_created=created,
+                  on_progress=lambda rows, tokens: progress[0].advance(rows, tokens))
+    if progress:
+        progress[0].close()
+    if output is not None and job.status is JobStatus.COMPLETED:
+        from batchllm.jobs.export import copy_output
+
+        copy_output(job, output)
+        click.echo(f"copied the output to {output}", err=True)
+    echo_job(job)
+    if job.status is not JobStatus.COMPLETED:
+        raise SystemExit(1)

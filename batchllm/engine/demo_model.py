@@ -1,0 +1,147 @@
+"""A tiny random-weight Llama model, built locally, so tests and demos never download weights.
+
+The model is useless as a language model but real to vLLM: a Llama architecture, a byte-level
+BPE tokenizer with a chat template, safetensors weights. torch, transformers and tokenizers are
+imported inside ``build_demo_model`` so importing this module (e.g. from the CLI) stays cheap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pathlib
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+TARGET_VOCAB_SIZE = 3000
+
+# Plain "role: content" lines keep prompts readable in test assertions; bos_token is written here
+# because apply_chat_template tokenizes without adding special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+_SUBJECTS = (
+    "the farmer", "a young teacher", "my neighbour", "the captain", "our doctor", "the engineer",
+    "a quiet student", "the baker", "her brother", "the small child", "a tired nurse", "the pilot",
+    "his grandmother", "the musician", "a careful driver", "the gardener", "every scientist",
+    "the shopkeeper", "a famous writer", "the fisherman", "their manager", "the painter",
+)
+_VERBS = (
+    "found", "carried", "painted", "repaired", "described", "borrowed", "noticed", "cleaned",
+    "ordered", "remembered", "delivered", "measured", "opened", "followed", "collected", "watched",
+    "explained", "protected", "discovered", "requested", "organized", "translated", "calculated",
+)
+_OBJECTS = (
+    "a wooden table", "the broken window", "an empty bottle", "the newspaper", "a heavy box",
+    "the yellow bicycle", "a long letter", "the silver spoon", "an important message", "the map",
+    "a basket of apples", "the kitchen door", "a strange dog", "the weather report", "a blanket",
+    "the train schedule", "a bowl of soup", "the mountain road", "a green umbrella", "the garden",
+)
+_PLACES = (
+    "near the river", "in the village", "at the station", "behind the library", "under the bridge",
+    "inside the museum", "beside the harbour", "across the valley", "on the hill", "in the market",
+    "at the hospital", "outside the factory", "during the storm", "at dawn", "before winter",
+    "in the evening", "on a sunny afternoon", "at midnight", "through the forest", "by the lake",
+)
+_ENDINGS = (
+    ".", " yesterday.", " again.", " quickly.", " without a word.", " because it was necessary.",
+    " and smiled.", " for the first time.", " while everyone was sleeping.", " with great care.",
+)
+_QUESTIONS = (
+    "What time is it?", "Where did you put the keys?", "How many people came to the meeting?",
+    "Why is the sky blue?", "Can you explain how a bridge is built?", "Who wrote this letter?",
+    "Which road leads to the city?", "When does the next train leave?", "Is it going to rain?",
+)
+
+
+def _corpus(sentences: int = 800) -> list[str]:
+    """Deterministic English-like sentences; arithmetic strides mix parts without an RNG."""
+    lines = []
+    for i in range(sentences):
+        subject = _SUBJECTS[i % len(_SUBJECTS)]
+        line = (
+            f"{subject[0].upper()}{subject[1:]} {_VERBS[(i * 7) % len(_VERBS)]} "
+            f"{_OBJECTS[(i * 3) % len(_OBJECTS)]} {_PLACES[(i * 11) % len(_PLACES)]}"
+            f"{_ENDINGS[(i * 13) % len(_ENDINGS)]} {_QUESTIONS[i % len(_QUESTIONS)]} {i} {i * 37}"
+        )
+        lines.append(line)
+    # Chat-formatted lines teach the tokenizer the role prefixes the template produces.
+    roles = ("system", "user", "assistant")
+    lines.extend(f"{role}: {q}" for role, q in itertools.product(roles, _QUESTIONS))
+    return lines
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TARGET_VOCAB_SIZE,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+        # The full byte alphabet makes every string encodable, whatever the corpus covered.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    # Like Llama, plain text prompts get a BOS; the chat template writes its own.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def build_demo_model(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """Build the tiny model and tokenizer into ``directory``; the same seed gives the same files.
+
+    Weights are saved as bfloat16 safetensors: vLLM's dtype="auto" downcasts float32 checkpoints
+    to bfloat16 anyway, and logs a warning for every float32 tensor it loads.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    # head_dim = 256 / 4 = 64: vLLM's CPU attention rejects small head sizes such as 16.
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        **ids,
+    )
+    # fork_rng keeps the caller's global torch RNG untouched while seeding the weight init.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # Only token ids: sampling defaults here would silently change vLLM's default SamplingParams.
+    model.generation_config = GenerationConfig(**ids)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    logger.info("built demo model in %s (vocab %d, seed %d)", directory, len(tokenizer), seed)
+    return directory

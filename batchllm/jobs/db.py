@@ -1,0 +1,90 @@
+"""Database engine and sessions from Settings; the embedded SQLite database migrates itself."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from batchllm.errors import BatchLLMError
+from batchllm.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+_lock = threading.Lock()
+_engines: dict[str, Engine] = {}
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    # WAL lets `status` read while a run writes; busy_timeout waits instead of failing on a lock.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str) -> None:
+    """Bring the schema at `url` to the newest migration."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), "head")
+
+
+def _is_current(engine: Engine) -> bool:
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision() == head
+
+
+def get_engine(settings: Settings | None = None) -> Engine:
+    settings = settings or get_settings()
+    url = settings.resolved_database_url
+    with _lock:
+        if url in _engines:
+            return _engines[url]
+        if url.startswith("sqlite"):
+            settings.home.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(url, connect_args={"timeout": 30})
+            event.listen(engine, "connect", _sqlite_pragmas)
+            upgrade(url)
+        else:
+            engine = create_engine(url, pool_pre_ping=True)
+            if not _is_current(engine):
+                raise BatchLLMError(
+                    f"the database at {engine.url.render_as_string(hide_password=True)} is not "
+                    "at the newest schema: run `batchllm db upgrade`")
+        _engines[url] = engine
+        return engine
+
+
+@contextmanager
+def session_scope(settings: Settings | None = None) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    factory = sessionmaker(get_engine(settings), expire_on_commit=False)
+    with factory() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise

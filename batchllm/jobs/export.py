@@ -1,0 +1,19 @@
+"""Copying a finished job's output dataset to a place the user chose (`run --output`)."""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+from batchllm.jobs.models import Job
+from batchllm.jobs.storage import Storage
+
+
+def copy_output(job: Job, destination: Path) -> None:
+    storage = Storage(job.storage_root)
+    source = storage.output_dir(job.id)
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in storage.listdir(source):
+        if name.startswith("."):
+            continue
+        (destination / name).write_bytes(storage.read_bytes(posixpath.join(source, name)))

@@ -1,0 +1,141 @@
+"""SQLAlchemy 2.0 models: a Job, its Shards, and each shard's committed Checkpoints.
+
+Request counts and token totals are only ever changed by SQL increments in the same transaction
+that records a checkpoint, so they count each committed row exactly once, even with several
+workers on PostgreSQL and redelivered shards.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Enum, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobStatus(str, enum.Enum):
+    """The OpenAI Batch API lifecycle."""
+
+    VALIDATING = "validating"
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class ShardStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+def _enum(kind: type[enum.Enum], name: str) -> Enum:
+    # Stored by value ("in_progress"), not by member name, so SQL readers see the API's words.
+    return Enum(kind, name=name, values_callable=lambda e: [m.value for m in e],
+                native_enum=False, length=16)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), index=True)
+    model: Mapped[str] = mapped_column(String(512))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    job_metadata: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+    input_file: Mapped[str] = mapped_column(Text)
+    storage_root: Mapped[str] = mapped_column(Text)
+    output_dir: Mapped[str] = mapped_column(Text)
+    max_model_len: Mapped[int | None] = mapped_column(Integer)
+
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    request_completed: Mapped[int] = mapped_column(Integer, default=0)
+    request_failed: Mapped[int] = mapped_column(Integer, default=0)
+    shards_total: Mapped[int] = mapped_column(Integer, default=0)
+    shards_done: Mapped[int] = mapped_column(Integer, default=0)
+
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+
+    # Throughput. Counters add up from checkpoints; rates are computed when the job ends.
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    wall_seconds: Mapped[float | None] = mapped_column(Float)
+    requests_per_s: Mapped[float | None] = mapped_column(Float)
+    output_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    total_tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    hardware: Mapped[str | None] = mapped_column(String(256))
+    vllm_version: Mapped[str | None] = mapped_column(String(64))
+
+    shards: Mapped[list[Shard]] = relationship(back_populates="job", order_by="Shard.index",
+                                               cascade="all, delete-orphan")
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("job_id", "index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    status: Mapped[ShardStatus] = mapped_column(_enum(ShardStatus, "shard_status"))
+    input_path: Mapped[str] = mapped_column(Text)
+    rows: Mapped[int] = mapped_column(Integer)
+    first_line: Mapped[int] = mapped_column(Integer)
+    last_line: Mapped[int] = mapped_column(Integer)
+
+    rows_ok: Mapped[int] = mapped_column(Integer, default=0)
+    rows_failed: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    next_seq: Mapped[int] = mapped_column(Integer, default=0)
+
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(256))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    error: Mapped[str | None] = mapped_column(Text)
+
+    job: Mapped[Job] = relationship(back_populates="shards")
+
+
+class Checkpoint(Base):
+    """One committed part file: its rows are done and must never be produced again."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("shard_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    rows: Mapped[int] = mapped_column(Integer)
+    rows_ok: Mapped[int] = mapped_column(Integer)
+    rows_failed: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    engine_seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

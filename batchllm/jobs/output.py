@@ -1,0 +1,103 @@
+"""The Parquet contract: one row per input line, the same schema for success and error rows.
+
+A job's output directory holds part files `part-s<shard>-<seq>.parquet`, plus `_manifest.json`
+and `_SUCCESS` once the job is finalized. Names starting with `_` or `.` are skipped by pyarrow,
+pandas, Polars and Spark dataset readers, so the directory reads as one table without options
+(DuckDB: `read_parquet('<dir>/*.parquet')`). Part files appear atomically (written under a
+dot-name, then renamed), so the results of a running job can be read at any time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchllm.jobs.storage import Storage
+
+SCHEMA_VERSION = 1
+
+OUTPUT_SCHEMA = pa.schema(
+    [
+        pa.field("custom_id", pa.string(), nullable=False),
+        pa.field("line", pa.int64(), nullable=False),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("text", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("error", pa.string()),
+    ],
+    metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
+)
+
+MANIFEST_NAME = "_manifest.json"
+SUCCESS_NAME = "_SUCCESS"
+
+
+@dataclass(slots=True)
+class OutputRow:
+    custom_id: str
+    line: int
+    status: str
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, custom_id: str, line: int, error: str,
+               prompt_tokens: int | None = None) -> "OutputRow":
+        return cls(custom_id=custom_id, line=line, status="error", error=error,
+                   prompt_tokens=prompt_tokens)
+
+
+def part_name(shard: int, seq: int) -> str:
+    return f"part-s{shard:05d}-{seq:05d}.parquet"
+
+
+def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
+    columns: dict[str, list] = {name: [] for name in OUTPUT_SCHEMA.names}
+    for row in rows:
+        for name in OUTPUT_SCHEMA.names:
+            columns[name].append(getattr(row, name))
+    return pa.Table.from_pydict(columns, schema=OUTPUT_SCHEMA)
+
+
+def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow]) -> str:
+    """Write one part file atomically; returns its path."""
+    sink = io.BytesIO()
+    pq.write_table(rows_to_table(rows), sink, compression="zstd")
+    path = posixpath.join(out_dir, name)
+    storage.write_bytes(path, sink.getvalue())
+    return path
+
+
+def read_lines(storage: Storage, path: str) -> list[int]:
+    """The input line numbers a committed part file holds (for resume)."""
+    with storage.fs.open_input_file(path) as src:
+        return pq.read_table(src, columns=["line"]).column("line").to_pylist()
+
+
+def write_manifest(storage: Storage, out_dir: str, manifest: dict) -> None:
+    body = {"schema_version": SCHEMA_VERSION, **manifest}
+    storage.write_bytes(posixpath.join(out_dir, MANIFEST_NAME),
+                        json.dumps(body, indent=2, sort_keys=True, default=str).encode())
+    storage.write_bytes(posixpath.join(out_dir, SUCCESS_NAME), b"")
+
+
+def read_output(storage: Storage, out_dir: str) -> pa.Table:
+    """All committed rows of a job's output as one table."""
+    import pyarrow.dataset as ds
+
+    names = [n for n in storage.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet")]
+    if not names:
+        return OUTPUT_SCHEMA.empty_table()
+    paths = [posixpath.join(out_dir, n) for n in names]
+    return ds.dataset(paths, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet").to_table()

@@ -1,0 +1,164 @@
+"""Input line formats, job-level specs and the normalized request every form becomes.
+
+Three line forms are accepted (see README "Input"):
+  {"prompt": "..."}                         plain completion
+  {"messages": [{"role": ..., "content": ...}]}  chat, the model's chat template is applied
+  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+Sampling overrides sit at the top level of the first two forms and inside `body` for the third.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class SamplingOverrides(BaseModel):
+    """Per-line sampling settings; any field left out takes the job's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(default=None, ge=0, description="0 means greedy.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, description="Sample from the k likeliest; -1 or 0: all.")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="Minimum relative probability.")
+    stop: str | list[str] | None = Field(default=None, description="Stop strings.")
+    seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
+    repetition_penalty: float | None = Field(default=None, gt=0, description="vLLM-style.")
+    ignore_eos: bool | None = Field(default=None, description="Keep generating past EOS.")
+
+
+class SamplingDefaults(BaseModel):
+    """Job-level sampling defaults (CLI flags); lines override them field by field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate per request.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens tokens.")
+
+    def merged(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The full sampling settings for one request: these defaults under its overrides."""
+        return {**self.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+
+
+class EngineOptions(BaseModel):
+    """vLLM engine settings. `None` means: let batchllm or vLLM choose (see descriptions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1, description="GPU memory share.")
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        description="Context length. Default: the job's longest prompt plus its max_tokens, "
+        "capped by the model; oversizing it only costs KV cache.",
+    )
+    max_num_seqs: int | None = Field(default=None, ge=1, description="Sequences per engine step.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=1, description="Tokens per step.")
+    dtype: str = Field(default="auto", description="Weights/activations dtype, e.g. bfloat16.")
+    quantization: str | None = Field(default=None, description="e.g. fp8, awq, gptq.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per engine.")
+    enable_prefix_caching: bool | None = Field(default=None, description="vLLM default: on.")
+    enforce_eager: bool = Field(default=False, description="Skip CUDA graph capture.")
+    group_prefixes: bool = Field(
+        default=True,
+        description="Run requests that share a prompt prefix next to each other so the prefix "
+        "cache pays; output row identity is unchanged.",
+    )
+
+    def engine_key(self, model: str) -> str:
+        """Identity of a built engine: a warm engine is reused only for an equal key."""
+        return model + "|" + self.model_dump_json(exclude={"group_prefixes"})
+
+
+class JobSpec(BaseModel):
+    """Everything a job needs besides its input rows."""
+
+    model: NonEmptyStr = Field(description="Model path or name, as vLLM loads it.")
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    engine: EngineOptions = Field(default_factory=EngineOptions)
+    metadata: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(value, list):
+            for part in value:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts are supported")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class PromptLine(SamplingOverrides):
+    custom_id: NonEmptyStr | None = None
+    prompt: NonEmptyStr
+
+
+class ChatLine(SamplingOverrides):
+    custom_id: NonEmptyStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class OpenAICompletionBody(SamplingOverrides):
+    model: str | None = None
+    prompt: NonEmptyStr
+
+
+class OpenAIChatBody(SamplingOverrides):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class OpenAIBatchLine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: NonEmptyStr
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class Request(BaseModel):
+    """One validated input line in the one shape the engine path consumes."""
+
+    line: int
+    custom_id: str
+    kind: Literal["prompt", "chat"]
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any] = Field(default_factory=dict)
+
+
+class LineError(BaseModel):
+    """A line that cannot run. It still becomes one output row, with status `error`."""
+
+    file: str
+    line: int
+    custom_id: str
+    field: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}" + (f" field '{self.field}'" if self.field else "")
+        return f"{where}: {self.message}"

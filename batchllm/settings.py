@@ -1,0 +1,67 @@
+"""All configuration in one place: environment variables prefixed BATCHLLM_ (or a .env file).
+
+Nothing else in batchllm reads the environment; code asks `get_settings()`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BATCHLLM_", env_file=".env", extra="ignore")
+
+    home: Path = Field(
+        default=Path("~/.batchllm"),
+        description="Root for the embedded database and the default storage.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL. Default: SQLite at HOME/batchllm.db. "
+        "For a fleet: postgresql+psycopg://user@host/db.",
+    )
+    storage: str | None = Field(
+        default=None,
+        description="Where job inputs and outputs live: a local path or a pyarrow.fs URI "
+        "shared by the fleet. Default: HOME/jobs.",
+    )
+    broker_url: str = Field(
+        default="redis://localhost:6379/0", description="Celery broker for `submit` and `worker`."
+    )
+    shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
+    commit_rows: int = Field(
+        default=2_000, ge=1, description="Finished rows per Parquet part file and checkpoint."
+    )
+    commit_seconds: float = Field(
+        default=10.0, gt=0, description="Longest time finished rows wait before a checkpoint."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.92, gt=0, le=1, description="Default share of GPU memory for vLLM."
+    )
+    visibility_timeout: int = Field(
+        default=6 * 3600,
+        description="Seconds before Redis redelivers an unacknowledged shard; must exceed the "
+        "longest shard, or a slow shard would run twice.",
+    )
+
+    @model_validator(mode="after")
+    def _expand_home(self) -> "Settings":
+        self.home = self.home.expanduser()
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'batchllm.db'}"
+
+    @property
+    def resolved_storage(self) -> str:
+        return self.storage or str(self.home / "jobs")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,54 @@
+"""One warm engine per process, rebuilt only when a shard needs other engine settings."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.inputs import iter_shard_rows
+from batchllm.jobs.models import Job
+from batchllm.jobs.schemas import JobSpec
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) -> int:
+    """The job's max_model_len: as given, or sized once from its rows and stored on the job."""
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        if job.max_model_len:
+            return job.max_model_len
+        spec = JobSpec.model_validate(job.spec)
+        paths = [s.input_path for s in job.shards]
+    from batchllm.engine.sizing import size_max_model_len
+
+    rows = itertools.chain.from_iterable(iter_shard_rows(storage, p) for p in paths)
+    sized = size_max_model_len(spec.model, rows, spec.sampling)
+    with session_scope(settings) as session:
+        return service.set_max_model_len(session, job_id, sized)
+
+
+class EngineCache:
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self.engine = None
+
+    def get(self, spec: JobSpec, max_model_len: int):
+        key = spec.engine.engine_key(spec.model) + f"|{max_model_len}"
+        if self.engine is not None and key == self._key:
+            return self.engine
+        self.close()
+        from batchllm.engine.vllm_engine import VllmEngine
+
+        self.engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
+        self._key = key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine, self._key = None, None

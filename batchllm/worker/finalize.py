@@ -1,0 +1,48 @@
+"""Finalizing a job, done exactly once by whoever ended its last shard: the manifest,
+`_SUCCESS`, and the throughput figures."""
+
+from __future__ import annotations
+
+import logging
+
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job
+from batchllm.jobs.output import OUTPUT_SCHEMA, write_manifest
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware: str,
+                 vllm_version: str) -> None:
+    with session_scope(settings) as session:
+        job = service.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
+        write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
+    log.info("job %s completed: %d ok, %d failed, %.1f output tokens/s", job_id,
+             job.request_completed, job.request_failed, job.output_tokens_per_s or 0)
+
+
+def manifest_of(job: Job) -> dict:
+    return {
+        "job_id": job.id,
+        "model": job.model,
+        "status": job.status.value,
+        "sampling": job.spec.get("sampling"),
+        "engine": {**(job.spec.get("engine") or {}), "max_model_len": job.max_model_len},
+        "metadata": job.job_metadata,
+        "vllm_version": job.vllm_version,
+        "hardware": job.hardware,
+        "input_file": job.input_file,
+        "rows": {"total": job.request_total, "ok": job.request_completed,
+                 "error": job.request_failed},
+        "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens},
+        "throughput": {"wall_seconds": job.wall_seconds, "engine_seconds": job.engine_seconds,
+                       "requests_per_s": job.requests_per_s,
+                       "output_tokens_per_s": job.output_tokens_per_s,
+                       "total_tokens_per_s": job.total_tokens_per_s},
+        "columns": OUTPUT_SCHEMA.names,
+        "created_at": job.created_at,
+        "finished_at": job.finished_at,
+    }

@@ -1,0 +1,245 @@
+"""The shard runner: streams shards' rows through one engine with a continuous feed.
+
+The engine is kept full (a window of a few times max_num_seqs requests in flight) across shard
+boundaries; finished rows are buffered per shard and committed as Parquet part files plus a
+database checkpoint every `commit_rows` rows or `commit_seconds`, so a crash loses at most the
+rows in flight. What runs between engine steps is kept small: tokenization happens in batches
+when requests are fed, commits happen only at the thresholds.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from batchllm.errors import BatchLLMError
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import JobStatus, ShardStatus
+from batchllm.jobs.output import OutputRow
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings, get_settings
+from batchllm.worker.finalize import finalize_job
+from batchllm.worker.shard_state import ShardState, load_shard_state, sampling_for
+
+log = logging.getLogger(__name__)
+
+_PREPARE_BATCH = 256
+_CONTROL_INTERVAL = 1.0  # seconds between checks for cancel / stop requests
+
+
+class Outcome(str, enum.Enum):
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"  # stopped by the worker's shutdown; rows committed, rest to redo
+    SKIPPED = "skipped"  # nothing to do (already finished or cancelled before it started)
+
+
+@dataclass
+class _Pending:
+    state: ShardState
+    line: int
+    custom_id: str
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+class ShardRunner:
+    """Runs shards on one engine. The engine object is the VllmEngine interface (add, step,
+    abort, has_unfinished, prepare, sampling_params, max_num_seqs, version, hardware)."""
+
+    def __init__(self, engine, *, worker: str, settings: Settings | None = None,
+                 window: int | None = None, on_progress: ProgressFn | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or get_settings()
+        self.storage = Storage(self.settings.resolved_storage)
+        self.worker = worker
+        self.window = window or 4 * engine.max_num_seqs
+        self.on_progress = on_progress or (lambda rows, tokens: None)
+        self.should_stop = should_stop or (lambda: False)
+        self._pending: dict[str, _Pending] = {}
+        self._next_id = 0
+        self._active: list[ShardState] = []
+        self._outcomes: dict[int, Outcome] = {}
+        self._started_jobs: set[str] = set()
+        self._stopping = False
+
+    # -- public ---------------------------------------------------------------------------
+
+    def run(self, shard_ids: list[int]) -> dict[int, Outcome]:
+        """Run these shards to an end; returns each shard's outcome."""
+        self._outcomes = {}
+        source = self._rows(shard_ids)
+        exhausted = False
+        last_control = time.monotonic()
+        try:
+            while True:
+                while not exhausted and len(self._pending) < self.window and not self._stopping:
+                    exhausted = self._feed(source)
+                if self.engine.has_unfinished():
+                    self._step()
+                elif exhausted or self._stopping:
+                    break
+                now = time.monotonic()
+                if now - last_control >= _CONTROL_INTERVAL:
+                    last_control = now
+                    self._control()
+                self._housekeep()
+            self._housekeep()
+        except BaseException as exc:
+            self._fail_active(exc)
+            raise
+        return self._outcomes
+
+    # -- feeding --------------------------------------------------------------------------
+
+    def _rows(self, shard_ids: list[int]) -> Iterator[tuple[ShardState, dict]]:
+        for shard_id in shard_ids:
+            if self._stopping:
+                return
+            with session_scope(self.settings) as session:
+                claimed = service.claim_shard(session, shard_id, self.worker)
+            if claimed is None:
+                self._outcomes[shard_id] = Outcome.SKIPPED
+                continue
+            state = load_shard_state(self.storage, self.settings, shard_id)
+            self._active.append(state)
+            for row in state.rows(self.storage):
+                if self._stopping or state.fed_all:  # fed_all early: the job was cancelled
+                    break
+                yield state, row
+            state.fed_all = True
+
+    def _feed(self, source: Iterator[tuple[ShardState, dict]]) -> bool:
+        """Feed up to one batch of rows; True when the source is exhausted."""
+        batch: list[tuple[ShardState, dict]] = []
+        for item in source:
+            batch.append(item)
+            if len(batch) >= _PREPARE_BATCH:
+                break
+        runnable = [(s, r) for s, r in batch if r["kind"] != "invalid"]
+        errors = 0
+        for state, row in batch:
+            if row["kind"] == "invalid":
+                state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], row["error"]))
+                errors += 1
+        prepared = self.engine.prepare([r for _, r in runnable])
+        for (state, row), ids in zip(runnable, prepared):
+            if isinstance(ids, str):
+                state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], ids))
+                errors += 1
+            elif not self._add(state, row, ids):
+                errors += 1
+        if errors:
+            self.on_progress(errors, 0)
+        return len(batch) < _PREPARE_BATCH
+
+    def _add(self, state: ShardState, row: dict, ids: list[int]) -> bool:
+        if state.job_id not in self._started_jobs:
+            self._started_jobs.add(state.job_id)
+            with session_scope(self.settings) as session:
+                service.mark_generation_started(session, state.job_id)
+        request_id = str(self._next_id)
+        self._next_id += 1
+        try:
+            self.engine.add(request_id, ids, self.engine.sampling_params(sampling_for(state.spec, row)))
+        except BatchLLMError as exc:  # vLLM refused this one request, not the job
+            state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], f"rejected by "
+                                                 f"vLLM: {exc}", prompt_tokens=len(ids)))
+            return False
+        self._pending[request_id] = _Pending(state, row["line"], row["custom_id"])
+        state.inflight += 1
+        return True
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        finished = self.engine.step()
+        elapsed = time.perf_counter() - started
+        running = [s for s in self._active if s.inflight]
+        for state in running:
+            state.step_seconds += elapsed / len(running)
+        tokens = 0
+        for out in finished:
+            pending = self._pending.pop(out.request_id, None)
+            if pending is None:  # aborted earlier
+                continue
+            pending.state.inflight -= 1
+            pending.state.buffer.append(OutputRow(
+                custom_id=pending.custom_id, line=pending.line, status="ok", text=out.text,
+                finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens))
+            tokens += out.completion_tokens
+        if finished:
+            self.on_progress(len(finished), tokens)
+
+    # -- commits, shard ends, control ------------------------------------------------------
+
+    def _housekeep(self) -> None:
+        now = time.monotonic()
+        for state in list(self._active):
+            if state.finished:
+                state.commit(self.storage, self.settings)
+                self._end(state, ShardStatus.COMPLETED, Outcome.COMPLETED)
+            elif len(state.buffer) >= self.settings.commit_rows or (
+                    state.buffer and now - state.last_commit >= self.settings.commit_seconds):
+                state.commit(self.storage, self.settings)
+
+    def _end(self, state: ShardState, status: ShardStatus, outcome: Outcome,
+             error: str | None = None) -> None:
+        self._active.remove(state)
+        self._outcomes[state.shard_id] = outcome
+        with session_scope(self.settings) as session:
+            next_step = service.end_shard(session, state.shard_id, status, error)
+        if next_step is JobStatus.FINALIZING:
+            finalize_job(state.job_id, storage=self.storage, settings=self.settings,
+                         hardware=self.engine.hardware, vllm_version=self.engine.version)
+
+    def _abort(self, state: ShardState) -> None:
+        ids = [rid for rid, p in self._pending.items() if p.state is state]
+        self.engine.abort(ids)
+        for rid in ids:
+            del self._pending[rid]
+        state.inflight = 0
+        state.fed_all = True
+
+    def _control(self) -> None:
+        if self.should_stop() and not self._stopping:
+            log.warning("stop requested: committing finished rows, handing the rest back")
+            self._stopping = True
+            for state in list(self._active):
+                self._abort(state)
+                state.commit(self.storage, self.settings)
+                self._active.remove(state)
+                self._outcomes[state.shard_id] = Outcome.INTERRUPTED
+            return
+        job_ids = {s.job_id for s in self._active}
+        if not job_ids:
+            return
+        with session_scope(self.settings) as session:
+            states = {j: service.job_status(session, j) for j in job_ids}
+        for state in list(self._active):
+            if states[state.job_id] in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+                log.info("job %s cancelled: aborting shard %d", state.job_id, state.index)
+                self._abort(state)
+                state.commit(self.storage, self.settings)
+                self._end(state, ShardStatus.CANCELLED, Outcome.CANCELLED)
+
+    def _fail_active(self, exc: BaseException) -> None:
+        """A fatal error (engine died, interrupt): keep what finished, fail or release shards."""
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        for state in list(self._active):
+            try:
+                state.commit(self.storage, self.settings)
+            except Exception:
+                log.exception("shard %d: could not commit finished rows", state.index)
+            if interrupted:
+                self._active.remove(state)
+                self._outcomes[state.shard_id] = Outcome.INTERRUPTED
+            else:
+                self._end(state, ShardStatus.FAILED, Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,103 @@
+"""Per-shard bookkeeping while it runs: pending rows, buffered results, checkpoint commits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.inputs import iter_shard_rows
+from batchllm.jobs.output import OutputRow, part_name, read_lines, write_part
+from batchllm.jobs.schemas import JobSpec
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardState:
+    shard_id: int
+    index: int
+    job_id: str
+    spec: JobSpec
+    input_path: str
+    out_dir: str
+    next_seq: int
+    done_lines: set[int]
+    buffer: list[OutputRow] = field(default_factory=list)
+    inflight: int = 0
+    fed_all: bool = False
+    last_commit: float = field(default_factory=time.monotonic)
+    step_seconds: float = 0.0  # engine time to attribute to the next checkpoint
+
+    @property
+    def finished(self) -> bool:
+        return self.fed_all and self.inflight == 0
+
+    def rows(self, storage: Storage) -> Iterator[dict]:
+        """The shard's rows still to do, prefix-grouped when the job asks for it."""
+        rows = (r for r in iter_shard_rows(storage, self.input_path)
+                if r["line"] not in self.done_lines)
+        if not self.spec.engine.group_prefixes:
+            return rows
+        # Sorting by the prompt text puts requests sharing a prefix (a system prompt, a few-shot
+        # header) next to each other, so vLLM's prefix cache still holds it for the next one.
+        # The shard is bounded by --shard-size, so holding it in memory is bounded too.
+        return iter(sorted(rows, key=lambda r: (r["kind"], r["messages"] or r["prompt"] or "")))
+
+    def commit(self, storage: Storage, settings: Settings) -> int:
+        """Write buffered rows as one part file, then record the checkpoint. Returns rows."""
+        if not self.buffer:
+            return 0
+        rows, self.buffer = self.buffer, []
+        path = write_part(storage, self.out_dir, part_name(self.index, self.next_seq), rows)
+        ok = sum(1 for r in rows if r.status == "ok")
+        with session_scope(settings) as session:
+            service.record_checkpoint(
+                session, shard_id=self.shard_id, job_id=self.job_id, seq=self.next_seq, path=path,
+                rows_ok=ok, rows_failed=len(rows) - ok,
+                prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
+                completion_tokens=sum(r.completion_tokens or 0 for r in rows),
+                engine_seconds=self.step_seconds)
+        self.next_seq += 1
+        self.step_seconds = 0.0
+        self.last_commit = time.monotonic()
+        return len(rows)
+
+
+def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> ShardState:
+    """State of a claimed shard, resuming from its checkpoints.
+
+    Part files of this shard that no checkpoint records were written by a worker that died
+    between the file and the database commit: they are deleted, and their rows run again.
+    """
+    with session_scope(settings) as session:
+        shard = session.get(service.Shard, shard_id)
+        job = shard.job
+        checkpoints = service.checkpoints_of(session, shard_id)
+        spec = JobSpec.model_validate(job.spec)
+        index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
+    out_dir = storage.output_dir(job_id)
+    recorded = {posixpath.basename(c.path) for c in checkpoints}
+    prefix = f"part-s{index:05d}-"
+    for name in storage.listdir(out_dir):
+        if name.startswith(prefix) and name not in recorded:
+            log.warning("shard %d: removing uncommitted part file %s", index, name)
+            storage.delete(posixpath.join(out_dir, name))
+    done: set[int] = set()
+    for checkpoint in checkpoints:
+        done.update(read_lines(storage, checkpoint.path))
+    if done:
+        log.info("shard %d: resuming, %d rows already committed", index, len(done))
+    return ShardState(shard_id=shard_id, index=index, job_id=job_id, spec=spec,
+                      input_path=input_path, out_dir=out_dir, next_seq=next_seq, done_lines=done)
+
+
+def sampling_for(spec: JobSpec, row: dict) -> dict:
+    return spec.sampling.merged(json.loads(row["sampling"]) if row["sampling"] else {})
