@@ -19,3 +19,7 @@ class EngineUnavailable(BatchLLMError):
 
 class JobStateError(BatchLLMError):
     """The requested action does not fit the job's current state."""
+
+
+class ShardBusy(BatchLLMError):
+    """The shard is running on a live worker (its heartbeat is fresh)."""

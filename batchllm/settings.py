@@ -48,6 +48,11 @@ class Settings(BaseSettings):
         "longest shard, or a slow shard would run twice.",
     )
 
+    lease_seconds: float = Field(
+        default=120.0, gt=0,
+        description="A running shard whose worker has not sent a heartbeat for this long is "
+        "taken over by the worker its task is redelivered to.")
+
     @model_validator(mode="after")
     def _expand_home(self) -> "Settings":
         self.home = self.home.expanduser()

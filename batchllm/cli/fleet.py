@@ -1,19 +1,148 @@
-"""The fleet: `submit`, `worker`, `wait`, `cancel` (Celery over Redis)."""
+"""The fleet: `submit`, `worker`, `wait`, `cancel` (Celery workers over Redis)."""
 
 from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.options import job_options, spec_from_flags
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@job_options
+@click.option("--shard-size", type=click.IntRange(min=1), default=None,
+              help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].")
+@click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
+def submit(file: Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
+    """Validate FILE, queue it for the worker fleet and print the job id.
+
+    \b
+    Example:
+      batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
+    """
+    from batchllm.worker.dispatch import submit_job
+
+    job = submit_job(file, spec_from_flags(flags), shard_size=shard_size, strict=strict)
+    click.echo(job.id)
+    click.echo(f"{job.request_total:,} requests in {job.shards_total} shard(s), queued", err=True)
+    if wait_:
+        _follow(job.id)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
+def wait(job_id: str, timeout: float | None) -> None:
+    """Follow a job until it ends; exit 0 if it completed, 1 otherwise."""
+    _follow(job_id, timeout)
+
+
+def _follow(job_ref: str, timeout: float | None = None) -> None:
+    from batchllm.cli.progress import Progress
+    from batchllm.cli.render import echo_job
+    from batchllm.jobs import service
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.models import JobStatus
+
+    deadline = time.monotonic() + timeout if timeout else None
+    progress = None
+    while True:
+        with session_scope() as session:
+            job = service.get_job(session, job_ref)
+        if progress is None:
+            progress = Progress(job.request_total)
+        progress.set(job.request_completed + job.request_failed, job.completion_tokens)
+        if job.status.is_final:
+            break
+        if deadline and time.monotonic() > deadline:
+            progress.close()
+            raise click.ClickException(f"{job.id} is still {job.status.value} after {timeout}s")
+        time.sleep(1.0)
+    progress.close()
+    echo_job(job)
+    if job.status is not JobStatus.COMPLETED:
+        raise SystemExit(1)
 
 
 @cli.command()
 @click.argument("job_id")
 def cancel(job_id: str) -> None:
-    """Cancel a job: in-flight requests are aborted, rows already done are kept."""
+    """Cancel a job: in-flight requests are aborted within seconds, finished rows are kept."""
     from batchllm.jobs import service
     from batchllm.jobs.db import session_scope
 
     with session_scope() as session:
         job = service.cancel_job(session, job_id)
         click.echo(f"{job.id}: {job.status.value}")
+
+
+@cli.command()
+@click.option("--model", "-m", "models", multiple=True,
+              help="Serve this model (repeatable): consume its queue.")
+@click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes, one engine each (one per GPU: process i sees GPU i).")
+@click.option("--name", "-n", default=None, help="Worker name [default: batchllm-PID@host].")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+def worker(models: tuple[str, ...], queues: str | None, concurrency: int, name: str | None,
+           loglevel: str) -> None:
+    """Start a Celery worker that runs shards through vLLM (broker: BATCHLLM_BROKER_URL).
+
+    Each process uses Celery's solo pool: vLLM starts its engine in a child process, which
+    prefork children are not allowed to have. The engine stays warm across shards and jobs.
+
+    \b
+    Example:
+      batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --concurrency 8
+    """
+    from batchllm.worker.celery_app import queue_for_model
+
+    names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
+    if not names:
+        raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    if concurrency > 1:
+        _supervise(concurrency, models, queues, name, loglevel)
+        return
+    from batchllm.worker.celery_app import create_app
+
+    app = create_app()
+    node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", ",".join(names),
+                     "-n", node, f"--loglevel={loglevel}", "--without-gossip",
+                     "--without-mingle"])
+
+
+def _supervise(count: int, models, queues, name, loglevel) -> None:
+    """Run `count` single-process workers, GPU i visible to process i, and forward signals."""
+    children = []
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    for i in range(count):
+        argv = [sys.executable, "-m", "batchllm", "worker", "--loglevel", loglevel]
+        for model in models:
+            argv += ["--model", model]
+        if queues:
+            argv += ["--queues", queues]
+        argv += ["--name", f"{name or 'batchllm'}-{i}@{socket.gethostname()}"]
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)] if visible else str(i)
+        children.append(subprocess.Popen(argv, env=env))
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [child.wait() for child in children]
+    if any(codes):
+        raise SystemExit(max(codes))

@@ -43,7 +43,12 @@ def alembic_config(url: str):
 def upgrade(url: str) -> None:
     """Bring the schema at `url` to the newest migration."""
     from alembic import command
+    from sqlalchemy.engine import make_url
 
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        # SQLite creates the file but not its directory (a fresh BATCHLLM_HOME).
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     command.upgrade(alembic_config(url), "head")
 
 

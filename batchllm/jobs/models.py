@@ -115,6 +115,9 @@ class Shard(Base):
 
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(256))
+    # Refreshed every second by the worker running the shard: a redelivered shard is taken over
+    # only when its heartbeat is older than the lease, so a live worker is never doubled.
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(Text)

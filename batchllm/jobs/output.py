@@ -2,9 +2,10 @@
 
 A job's output directory holds part files `part-s<shard>-<seq>.parquet`, plus `_manifest.json`
 and `_SUCCESS` once the job is finalized. Names starting with `_` or `.` are skipped by pyarrow,
-pandas, Polars and Spark dataset readers, so the directory reads as one table without options
-(DuckDB: `read_parquet('<dir>/*.parquet')`). Part files appear atomically (written under a
-dot-name, then renamed), so the results of a running job can be read at any time.
+pandas and Spark dataset readers, so the directory reads as one table without options; Polars
+(2.x refuses a directory of mixed extensions) and DuckDB take the glob `<dir>/*.parquet`.
+Part files appear atomically (written under a dot-name, then renamed), so the results of a
+running job can be read at any time.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.errors import InputError, JobNotFound, JobStateError
+from batchllm.errors import InputError, JobNotFound, JobStateError, ShardBusy
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.inputs import StoredInput, store_input
 from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -94,10 +95,12 @@ def list_jobs(session: Session, *, status: JobStatus | None = None, limit: int =
     return list(session.scalars(query))
 
 
-def claim_shard(session: Session, shard_id: int, worker: str) -> Shard | None:
+def claim_shard(session: Session, shard_id: int, worker: str,
+                lease_seconds: float = 120.0) -> Shard | None:
     """Mark a shard running for this worker; None when it must not run (done, or cancelled).
 
-    A shard already `running` is claimable again: that is a redelivery after its worker died.
+    A shard already `running` is claimable again when its heartbeat is older than the lease:
+    that is a redelivery after its worker died. With a fresh heartbeat it raises ShardBusy.
     """
     shard = session.get(Shard, shard_id)
     if shard is None or shard.status not in (ShardStatus.QUEUED, ShardStatus.RUNNING):
@@ -106,17 +109,29 @@ def claim_shard(session: Session, shard_id: int, worker: str) -> Shard | None:
     if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
         _end_shard(session, shard, ShardStatus.CANCELLED)
         return None
+    now = utcnow()
+    stale = now - timedelta(seconds=lease_seconds)
     claimed = session.execute(
-        update(Shard).where(Shard.id == shard_id,
-                            Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING]))
+        update(Shard).where(Shard.id == shard_id, or_(
+            Shard.status == ShardStatus.QUEUED,
+            and_(Shard.status == ShardStatus.RUNNING,
+                 or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale))))
         .values(status=ShardStatus.RUNNING, worker=worker, attempts=Shard.attempts + 1,
-                started_at=func.coalesce(Shard.started_at, utcnow()))).rowcount
+                heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))).rowcount
     if not claimed:
+        session.refresh(shard)
+        if shard.status == ShardStatus.RUNNING:
+            raise ShardBusy(f"shard {shard.index} of {shard.job_id} is running on {shard.worker}")
         return None
     session.execute(update(Job).where(Job.id == shard.job_id, Job.status == JobStatus.QUEUED)
                     .values(status=JobStatus.IN_PROGRESS))
     session.refresh(shard)
     return shard
+
+
+def heartbeat(session: Session, shard_ids: list[int]) -> None:
+    if shard_ids:
+        session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(heartbeat_at=utcnow()))
 
 
 def mark_generation_started(session: Session, job_id: str) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from batchllm.errors import BatchLLMError
+from batchllm.errors import BatchLLMError, ShardBusy
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
@@ -37,6 +37,7 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # stopped by the worker's shutdown; rows committed, rest to redo
     SKIPPED = "skipped"  # nothing to do (already finished or cancelled before it started)
+    BUSY = "busy"  # running on another live worker; try again later
 
 
 @dataclass
@@ -103,8 +104,14 @@ class ShardRunner:
         for shard_id in shard_ids:
             if self._stopping:
                 return
-            with session_scope(self.settings) as session:
-                claimed = service.claim_shard(session, shard_id, self.worker)
+            try:
+                with session_scope(self.settings) as session:
+                    claimed = service.claim_shard(session, shard_id, self.worker,
+                                                  self.settings.lease_seconds)
+            except ShardBusy as exc:
+                log.info("%s", exc)
+                self._outcomes[shard_id] = Outcome.BUSY
+                continue
             if claimed is None:
                 self._outcomes[shard_id] = Outcome.SKIPPED
                 continue
@@ -222,6 +229,7 @@ class ShardRunner:
         if not job_ids:
             return
         with session_scope(self.settings) as session:
+            service.heartbeat(session, [s.shard_id for s in self._active])
             states = {j: service.job_status(session, j) for j in job_ids}
         for state in list(self._active):
             if states[state.job_id] in (JobStatus.CANCELLING, JobStatus.CANCELLED):

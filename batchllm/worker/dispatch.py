@@ -1,0 +1,48 @@
+"""Submitting a job to the fleet: validate and store, commit, and only then enqueue."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from batchllm.errors import BatchLLMError
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job, Shard
+from batchllm.jobs.schemas import JobSpec
+from batchllm.settings import Settings, get_settings
+from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
+
+log = logging.getLogger(__name__)
+
+
+def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = None,
+               strict: bool = False, settings: Settings | None = None) -> Job:
+    """Create the job and its shards, then enqueue one task per shard on the model's queue.
+
+    Tasks go out only after the database commit, so a worker never sees a shard that is not
+    there yet. If the broker cannot be reached, the job is marked failed and the error says so.
+    """
+    settings = settings or get_settings()
+    created = service.create_job(source, spec, shard_size=shard_size or settings.shard_size,
+                                 strict=strict, settings=settings)
+    job_id = created.job.id
+    with session_scope(settings) as session:
+        shard_ids = list(session.scalars(
+            Shard.__table__.select().with_only_columns(Shard.id).where(Shard.job_id == job_id)
+            .order_by(Shard.index)))
+    app = create_app(settings)
+    queue = queue_for_model(spec.model)
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=2)
+            for shard_id in shard_ids:
+                app.send_task(TASK_RUN_SHARD, args=(shard_id,), queue=queue, connection=conn)
+    except Exception as exc:
+        message = f"could not reach the broker at {settings.broker_url}: {exc}"
+        with session_scope(settings) as session:
+            service.fail_job(session, job_id, message)
+        raise BatchLLMError(message) from exc
+    log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
+    with session_scope(settings) as session:
+        return session.get(Job, job_id)

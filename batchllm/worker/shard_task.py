@@ -1,0 +1,39 @@
+"""What a worker does with one shard task, free of Celery so it can be tested directly."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job, JobStatus, Shard
+from batchllm.jobs.schemas import JobSpec
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings, get_settings
+from batchllm.worker.engines import EngineCache, resolve_max_model_len
+from batchllm.worker.runner import Outcome, ShardRunner
+
+log = logging.getLogger(__name__)
+
+
+def process_shard(shard_id: int, *, worker: str, engines: EngineCache,
+                  should_stop: Callable[[], bool] = lambda: False,
+                  settings: Settings | None = None) -> Outcome:
+    settings = settings or get_settings()
+    with session_scope(settings) as session:
+        shard = session.get(Shard, shard_id)
+        if shard is None:
+            log.warning("shard %s does not exist (job deleted?): dropping the task", shard_id)
+            return Outcome.SKIPPED
+        job = session.get(Job, shard.job_id)
+        if job.status.is_final or job.status in (JobStatus.CANCELLING, JobStatus.FINALIZING):
+            # Nothing to run; the runner's claim ends a queued shard of a cancelling job.
+            if job.status is not JobStatus.CANCELLING:
+                return Outcome.SKIPPED
+        spec = JobSpec.model_validate(job.spec)
+        job_id = job.id
+    storage = Storage(settings.resolved_storage)
+    max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
+    engine = engines.get(spec, max_model_len)
+    runner = ShardRunner(engine, worker=worker, settings=settings, should_stop=should_stop)
+    return runner.run([shard_id]).get(shard_id, Outcome.SKIPPED)
