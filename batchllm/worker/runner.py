@@ -152,7 +152,9 @@ class ShardRunner:
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
                 service.mark_generation_started(session, state.job_id)
-        request_id = str(self._next_id)
+        # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
+        # benchmark drives generate and this runner on one engine.
+        request_id = f"r{self._next_id}"
         self._next_id += 1
         try:
             self.engine.add(request_id, ids, self.engine.sampling_params(sampling_for(state.spec, row)))
