@@ -209,9 +209,13 @@ def _after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     return JobStatus.FINALIZING if moved else None
 
 
-def complete_job(session: Session, job_id: str, *, hardware: str, vllm_version: str) -> Job:
-    """Compute the job's throughput and mark it completed (the manifest is already written)."""
-    job = session.get(Job, job_id)
+def complete_job(session: Session, job_id: str, *, hardware: str,
+                 vllm_version: str) -> Job | None:
+    """Compute the job's throughput and mark it completed; None if it is not finalizing
+    (another worker finished it first). The row lock makes the check-and-set one step."""
+    job = session.get(Job, job_id, with_for_update=True)
+    if job is None or job.status is not JobStatus.FINALIZING:
+        return None
     finished = utcnow()
     started = job.started_at or job.created_at
     if started.tzinfo is None:  # SQLite returns naive datetimes

@@ -19,6 +19,10 @@ def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware:
                  vllm_version: str) -> None:
     with session_scope(settings) as session:
         job = service.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
+        if job is None:
+            return
+        # The manifest is written before the commit: a crash in between leaves the job
+        # `finalizing` and the redelivered shard task finalizes it again.
         write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
     log.info("job %s completed: %d ok, %d failed, %.1f output tokens/s", job_id,
              job.request_completed, job.request_failed, job.output_tokens_per_s or 0)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
 from batchllm.worker.engines import EngineCache, resolve_max_model_len
+from batchllm.worker.finalize import finalize_job
 from batchllm.worker.runner import Outcome, ShardRunner
 
 log = logging.getLogger(__name__)
@@ -26,13 +28,22 @@ def process_shard(shard_id: int, *, worker: str, engines: EngineCache,
             log.warning("shard %s does not exist (job deleted?): dropping the task", shard_id)
             return Outcome.SKIPPED
         job = session.get(Job, shard.job_id)
-        if job.status.is_final or job.status in (JobStatus.CANCELLING, JobStatus.FINALIZING):
-            # Nothing to run; the runner's claim ends a queued shard of a cancelling job.
-            if job.status is not JobStatus.CANCELLING:
-                return Outcome.SKIPPED
+        status, job_id = job.status, job.id
         spec = JobSpec.model_validate(job.spec)
-        job_id = job.id
     storage = Storage(settings.resolved_storage)
+    if status.is_final:
+        return Outcome.SKIPPED
+    if status is JobStatus.CANCELLING:
+        # No engine needed: the claim itself ends a shard of a cancelling job as cancelled.
+        with session_scope(settings) as session:
+            service.claim_shard(session, shard_id, worker, settings.lease_seconds)
+        return Outcome.CANCELLED
+    if status is JobStatus.FINALIZING:
+        # The worker that ended the last shard died before finishing the job: finish it here.
+        finalize_job(job_id, storage=storage, settings=settings,
+                     hardware=engines.engine.hardware if engines.engine else "unknown",
+                     vllm_version=engines.engine.version if engines.engine else "unknown")
+        return Outcome.SKIPPED
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
     engine = engines.get(spec, max_model_len)
     runner = ShardRunner(engine, worker=worker, settings=settings, should_stop=should_stop)

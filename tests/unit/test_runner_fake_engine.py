@@ -1,0 +1,403 @@
+"""The shard runner on a deterministic fake engine: every line exactly once, across commits,
+crashes, resumes and cancellation, without vLLM."""
+
+from __future__ import annotations
+
+import collections
+import json
+import posixpath
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import update
+
+from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.vllm_engine import Finished
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME, read_output
+from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.storage import Storage
+from batchllm.worker.local import run_job
+from batchllm.worker.runner import Outcome, ShardRunner
+
+MAX_MODEL_LEN = 24
+DEFAULT_MAX_TOKENS = 5
+
+
+class WordTokenizer:
+    """Tokenizes by splitting on whitespace; a plain prompt gets a BOS token like Llama's."""
+
+    BOS = 1
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def _id(self, word: str) -> int:
+        if word not in self.vocab:
+            self.vocab[word] = len(self.vocab) + 10
+            self.words[self.vocab[word]] = word
+        return self.vocab[word]
+
+    def __call__(self, texts: list[str], add_special_tokens: bool) -> dict:
+        prefix = [self.BOS] if add_special_tokens else []
+        return {"input_ids": [prefix + [self._id(w) for w in t.split()] for t in texts]}
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt) -> str:
+        assert tokenize is False and add_generation_prompt is True
+        return "<s> " + " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words.get(i, "<s>") for i in ids)
+
+
+class FakeEngine:
+    """The VllmEngine interface, deterministic: runs at most `max_num_seqs` requests at a time,
+    each finishes after `steps` steps with `max_tokens` completion tokens and echoes the last
+    words of its prompt. `on_step(step_number)` lets a test act between steps."""
+
+    version = "fake-1.0"
+    hardware = "fake CPU (2 cores)"
+
+    def __init__(self, *, steps: int = 2, max_num_seqs: int = 4,
+                 max_model_len: int = MAX_MODEL_LEN, on_step=None) -> None:
+        self.tokenizer = WordTokenizer()
+        self.steps, self.max_num_seqs, self.max_model_len = steps, max_num_seqs, max_model_len
+        self.on_step = on_step or (lambda n: None)
+        self.waiting: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self.running: dict[str, list] = {}
+        self.prompts_added: list[str] = []
+        self.aborted: list[str] = []
+        self.step_count = 0
+
+    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+
+    def sampling_params(self, merged: dict) -> dict:
+        return dict(merged)
+
+    def add(self, request_id: str, token_ids: list[int], params: dict) -> None:
+        self.prompts_added.append(self.tokenizer.decode(token_ids))
+        self.waiting[request_id] = [token_ids, params, self.steps]
+
+    def step(self) -> list[Finished]:
+        self.step_count += 1
+        self.on_step(self.step_count)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request_id, state = self.waiting.popitem(last=False)
+            self.running[request_id] = state
+        done = []
+        for request_id, state in list(self.running.items()):
+            state[2] -= 1
+            if state[2] == 0:
+                ids, params, _ = self.running.pop(request_id)
+                echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
+                done.append(Finished(request_id=request_id, text=f"echo {echo}",
+                                     finish_reason="length", prompt_tokens=len(ids),
+                                     completion_tokens=params["max_tokens"]))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.waiting.pop(request_id, None)
+            self.running.pop(request_id, None)
+
+
+class FakeEngines:
+    """Stands in for EngineCache: hands run_job the one fake engine."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
+        self.engine.max_model_len = max_model_len
+        return self.engine
+
+    def close(self) -> None:
+        pass
+
+
+def make_spec() -> JobSpec:
+    return JobSpec(model="/models/fake",
+                   sampling=SamplingDefaults(max_tokens=DEFAULT_MAX_TOKENS),
+                   engine=EngineOptions(max_model_len=MAX_MODEL_LEN))
+
+
+def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Path:
+    """`count` valid lines in the three forms (custom_id item-N, prompt words `item-N ...`),
+    then the raw `extra` lines."""
+    lines = []
+    for i in range(count):
+        text = f"item-{i} " + " ".join(["word"] * (i % 4))
+        if i % 3 == 0:
+            lines.append({"custom_id": f"item-{i}", "prompt": text, "max_tokens": 2 + i % 3})
+        elif i % 3 == 1:
+            lines.append({"custom_id": f"item-{i}",
+                          "messages": [{"role": "user", "content": text}]})
+        else:
+            lines.append({"custom_id": f"item-{i}", "method": "POST",
+                          "url": "/v1/completions", "body": {"prompt": text}})
+    with path.open("w") as out:
+        for line in lines:
+            out.write(json.dumps(line) + "\n")
+        for raw in extra or []:
+            out.write(raw + "\n")
+    return path
+
+
+def item_of(prompt: str) -> str:
+    """The `item-N` a prompt the fake engine saw was made from."""
+    return next(word for word in prompt.split() if word.startswith("item-"))
+
+
+def output_rows(settings, job_id: str) -> list[dict]:
+    storage = Storage(settings.resolved_storage)
+    return sorted(read_output(storage, storage.output_dir(job_id)).to_pylist(),
+                  key=lambda r: r["line"])
+
+
+def part_files(settings, job_id: str) -> list[str]:
+    storage = Storage(settings.resolved_storage)
+    return [n for n in storage.listdir(storage.output_dir(job_id)) if n.startswith("part-")]
+
+
+@pytest.fixture
+def small_commits(settings):
+    settings.commit_rows = 5
+    settings.shard_size = 12
+    return settings
+
+
+# -- a whole job ------------------------------------------------------------------------------
+
+
+def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_prompts(
+        small_commits, tmp_path):
+    settings = small_commits
+    too_long = " ".join(["long"] * (MAX_MODEL_LEN + 3))
+    source = write_items(tmp_path / "in.jsonl", 30, extra=[
+        "{broken json",
+        json.dumps({"custom_id": "blank", "prompt": "   "}),
+        json.dumps({"custom_id": "too-long", "prompt": too_long}),
+        "",
+        json.dumps({"custom_id": "item-0", "prompt": "a duplicate id"}),
+        json.dumps({"custom_id": "too-long-chat",
+                    "messages": [{"role": "user", "content": too_long}]}),
+    ])
+    engine = FakeEngine()
+
+    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+
+    rows = output_rows(settings, job.id)
+    assert [r["line"] for r in rows] == list(range(1, 34)) + [35, 36]
+    assert [r["custom_id"] for r in rows[:30]] == [f"item-{i}" for i in range(30)]
+    by_id = {r["custom_id"]: r for r in rows}
+    errors = {r["line"]: r["error"] for r in rows if r["status"] == "error"}
+    assert sorted(errors) == [31, 32, 33, 35, 36]
+    assert "malformed JSON" in errors[31]
+    assert errors[32] == "field 'prompt': prompt is blank"
+    assert "prompt is 31 tokens; the engine's max_model_len is 24" in errors[33]
+    assert "duplicate custom_id 'item-0' (first on line 1)" in errors[35]
+    assert "the engine's max_model_len is 24" in errors[36]
+    assert by_id["too-long"]["prompt_tokens"] is None
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == 30
+    assert all(r["error"] is None and r["finish_reason"] == "length" for r in ok)
+    assert len(engine.prompts_added) == 30
+    # Token counts are the engine's: a BOS plus one token per word for a plain prompt.
+    assert by_id["item-3"]["prompt_tokens"] == 1 + 1 + 3
+    assert by_id["item-3"]["completion_tokens"] == 2  # the line's own max_tokens
+    assert by_id["item-5"]["completion_tokens"] == DEFAULT_MAX_TOKENS
+    assert by_id["item-4"]["text"] == "echo word assistant:"  # chat template applied
+    assert by_id["item-6"]["text"] == "echo word word"
+
+
+def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small_commits,
+                                                                          tmp_path):
+    settings = small_commits
+    source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
+
+    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(FakeEngine()))
+
+    assert job.status is JobStatus.COMPLETED
+    assert (job.request_total, job.request_completed, job.request_failed) == (31, 30, 1)
+    assert (job.shards_total, job.shards_done) == (3, 3)
+    rows = output_rows(settings, job.id)
+    assert job.completion_tokens == sum(r["completion_tokens"] or 0 for r in rows) > 0
+    assert job.prompt_tokens == sum(r["prompt_tokens"] or 0 for r in rows) > 0
+    assert job.requests_per_s > 0
+    assert job.output_tokens_per_s > 0
+    assert job.total_tokens_per_s > job.output_tokens_per_s
+    assert job.wall_seconds > 0
+    assert job.engine_seconds > 0
+    assert (job.hardware, job.vllm_version) == (FakeEngine.hardware, FakeEngine.version)
+    assert len(part_files(settings, job.id)) >= 6  # commit_rows=5 over 31 rows
+    storage = Storage(settings.resolved_storage)
+    out_dir = storage.output_dir(job.id)
+    manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
+    assert manifest["job_id"] == job.id
+    assert manifest["status"] == "completed"
+    assert manifest["rows"] == {"total": 31, "ok": 30, "error": 1}
+    assert manifest["tokens"]["completion"] == job.completion_tokens
+    assert manifest["throughput"]["requests_per_s"] == pytest.approx(job.requests_per_s)
+    assert manifest["engine"]["max_model_len"] == MAX_MODEL_LEN
+    assert manifest["vllm_version"] == "fake-1.0"
+    assert storage.exists(posixpath.join(out_dir, SUCCESS_NAME))
+    with session_scope(settings) as session:
+        shards = session.get(Job, job.id).shards
+        assert [s.status for s in shards] == [ShardStatus.COMPLETED] * 3
+        assert [s.rows_ok + s.rows_failed for s in shards] == [12, 12, 7]
+
+
+def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_path):
+    settings = small_commits
+    source = write_items(tmp_path / "in.jsonl", 9)
+    spec = make_spec()
+    spec.engine.group_prefixes = False
+    engine = FakeEngine()
+
+    run_job(source, spec, settings=settings, engines=FakeEngines(engine))
+
+    assert [item_of(p) for p in engine.prompts_added] == [f"item-{i}" for i in range(9)]
+
+
+# -- crash and resume -------------------------------------------------------------------------
+
+
+def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
+    """Kill the 'process' between writing a part file and recording its checkpoint."""
+    real = service.record_checkpoint
+    calls = {"n": 0}
+
+    def record(session, **kwargs):
+        calls["n"] += 1
+        if calls["n"] >= crash_at:
+            raise KeyboardInterrupt("simulated worker death")
+        real(session, **kwargs)
+
+    monkeypatch.setattr(service, "record_checkpoint", record)
+
+
+def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_once(
+        small_commits, tmp_path, monkeypatch):
+    settings = small_commits
+    settings.shard_size = 20
+    source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
+    created = service.create_job(source, make_spec(), shard_size=settings.shard_size,
+                                 settings=settings)
+    job_id = created.job.id
+    storage = Storage(settings.resolved_storage)
+    out_dir = storage.output_dir(job_id)
+    with session_scope(settings) as session:
+        shard_ids = [s.id for s in session.get(Job, job_id).shards]
+    assert len(shard_ids) == 2
+
+    crash_on_checkpoint(monkeypatch, crash_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        ShardRunner(FakeEngine(), worker="dead", settings=settings).run(shard_ids)
+    monkeypatch.undo()
+
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        committed_paths = [c.path for s in job.shards for c in service.checkpoints_of(session, s.id)]
+        assert job.status is JobStatus.IN_PROGRESS
+    assert len(committed_paths) == 2
+    committed = {r["custom_id"] for p in committed_paths for r in read_output_file(storage, p)}
+    on_disk = part_files(settings, job_id)
+    orphans = [n for n in on_disk if posixpath.join(out_dir, n) not in committed_paths]
+    assert len(orphans) == 1, on_disk
+    # A second orphan with a sequence number the resumed run will not reuse.
+    planted = posixpath.join(out_dir, "part-s00000-00099.parquet")
+    shutil.copyfile(posixpath.join(out_dir, orphans[0]), planted)
+    # The dead worker's heartbeat goes stale, so its redelivered shards may be taken over.
+    with session_scope(settings) as session:
+        session.execute(update(Shard).where(Shard.job_id == job_id)
+                        .values(heartbeat_at=utcnow() - timedelta(hours=1)))
+
+    resumed = FakeEngine()
+    outcomes = ShardRunner(resumed, worker="alive", settings=settings).run(shard_ids)
+
+    assert outcomes == {shard_ids[0]: Outcome.COMPLETED, shard_ids[1]: Outcome.COMPLETED}
+    assert not storage.exists(planted)
+    rows = output_rows(settings, job_id)
+    assert collections.Counter(r["line"] for r in rows) == collections.Counter(range(1, 38))
+    redone = {item_of(p) for p in resumed.prompts_added}
+    assert redone.isdisjoint(committed)
+    assert redone | committed >= {f"item-{i}" for i in range(36)}
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        assert job.status is JobStatus.COMPLETED
+        assert (job.request_completed, job.request_failed) == (36, 1)
+        assert job.completion_tokens == sum(r["completion_tokens"] or 0 for r in rows)
+        assert job.vllm_version == "fake-1.0"
+        assert [s.worker for s in job.shards] == ["alive", "alive"]
+
+
+def read_output_file(storage: Storage, path: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    with storage.fs.open_input_file(path) as src:
+        return pq.read_table(src).to_pylist()
+
+
+def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):
+    settings = small_commits
+    created = service.create_job(write_items(tmp_path / "in.jsonl", 4), make_spec(),
+                                 shard_size=10, settings=settings)
+    with session_scope(settings) as session:
+        (shard,) = session.get(Job, created.job.id).shards
+        service.claim_shard(session, shard.id, "first", settings.lease_seconds)
+        shard_id = shard.id
+
+    engine = FakeEngine()
+    outcomes = ShardRunner(engine, worker="second", settings=settings).run([shard_id])
+
+    assert outcomes == {shard_id: Outcome.BUSY}
+    assert engine.prompts_added == []
+    assert output_rows(settings, created.job.id) == []
+
+
+# -- cancellation -----------------------------------------------------------------------------
+
+
+def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
+        small_commits, tmp_path, monkeypatch):
+    settings = small_commits
+    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    source = write_items(tmp_path / "in.jsonl", 40)
+    seen: dict[str, int] = {}
+
+    def cancel_at_step(step: int) -> None:
+        if step == 6:
+            with session_scope(settings) as session:
+                job = service.list_jobs(session, limit=1)[0]
+                seen["committed"] = job.request_completed + job.request_failed
+                service.cancel_job(session, job.id)
+
+    engine = FakeEngine(on_step=cancel_at_step)
+
+    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+
+    assert job.status is JobStatus.CANCELLED
+    assert engine.aborted
+    assert not engine.has_unfinished()
+    rows = output_rows(settings, job.id)
+    done = job.request_completed + job.request_failed
+    assert 0 < seen["committed"] <= done == len(rows) < 40
+    assert len({r["line"] for r in rows}) == len(rows)
+    assert all(r["status"] == "ok" for r in rows)
+    # Every request fed either finished into a committed row or was aborted.
+    assert len(rows) + len(engine.aborted) == len(engine.prompts_added)
+    storage = Storage(settings.resolved_storage)
+    assert not storage.exists(posixpath.join(storage.output_dir(job.id), SUCCESS_NAME))
+    with session_scope(settings) as session:
+        shards = session.get(Job, job.id).shards
+        assert {s.status for s in shards} == {ShardStatus.CANCELLED}
