@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import click
@@ -29,6 +30,7 @@ def job_dict(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "progress": (job.request_completed + job.request_failed) / job.request_total
         if job.request_total else 0.0,
         "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
+        "throughput_so_far": live_throughput(job),
         "max_model_len": job.max_model_len,
         "metadata": job.job_metadata,
         "created_at": _iso(job.created_at),
@@ -46,6 +48,18 @@ def job_dict(job: Job, *, shards: bool = False) -> dict[str, Any]:
     return data
 
 
+def live_throughput(job: Job) -> dict[str, float] | None:
+    """Rates of a running job from its checkpoints so far (final rates are in `throughput`)."""
+    if job.status.is_final or job.started_at is None:
+        return None
+    now = datetime.now(timezone.utc)
+    started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+    elapsed = max((now - started).total_seconds(), 1e-9)
+    done = job.request_completed + job.request_failed
+    return {"elapsed_seconds": elapsed, "requests_per_s": done / elapsed,
+            "output_tokens_per_s": job.completion_tokens / elapsed}
+
+
 def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -58,6 +72,11 @@ def echo_job(job: Job) -> None:
     click.echo(f"requests   {done:,}/{job.request_total:,} done: {job.request_completed:,} ok, "
                f"{job.request_failed:,} error")
     click.echo(f"output     {job.output_dir}")
+    live = live_throughput(job)
+    if live:
+        click.echo(f"so far     {live['requests_per_s']:,.2f} req/s, "
+                   f"{live['output_tokens_per_s']:,.1f} output tok/s over "
+                   f"{live['elapsed_seconds']:,.0f} s")
     click.echo(f"throughput {fmt(job.requests_per_s, 2)} req/s, "
                f"{fmt(job.output_tokens_per_s)} output tok/s, "
                f"{fmt(job.total_tokens_per_s)} total tok/s")

@@ -117,7 +117,10 @@ def claim_shard(session: Session, shard_id: int, worker: str,
             and_(Shard.status == ShardStatus.RUNNING,
                  or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale))))
         .values(status=ShardStatus.RUNNING, worker=worker, attempts=Shard.attempts + 1,
-                heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))).rowcount
+                heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))
+        # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
+        # Python, and the shard is refreshed below anyway.
+        .execution_options(synchronize_session=False)).rowcount
     if not claimed:
         session.refresh(shard)
         if shard.status == ShardStatus.RUNNING:

