@@ -35,7 +35,7 @@ def command_paths(group: click.Group = cli, prefix: tuple[str, ...] = ()) -> lis
 
 
 def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args))
+    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 @pytest.mark.parametrize("path", command_paths(), ids=lambda p: " ".join(p) or "batchllm")
