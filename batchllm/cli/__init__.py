@@ -7,6 +7,7 @@ Heavy modules (pyarrow, sqlalchemy, and above all vllm/torch) are imported insid
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -32,6 +33,8 @@ class _Group(click.Group):
 def cli(verbose: int) -> None:
     """Batch inference jobs over vLLM: JSONL prompts in, Parquet results out."""
     level = logging.WARNING - 10 * verbose
+    # vLLM logs every engine detail at INFO to stdout; keep it quiet unless asked (-v).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(max(level, logging.DEBUG)))
     logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

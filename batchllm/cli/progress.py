@@ -15,17 +15,21 @@ class Progress:
     def __init__(self, total: int, label: str = "rows") -> None:
         self.total, self.label = total, label
         self.rows = self.tokens = 0
-        self.started = time.monotonic()
+        self.started: float | None = None  # from the first finished row, not engine start-up
         self._tty = sys.stderr.isatty()
         self._last_draw = 0.0
         self._interval = 0.2 if self._tty else 15.0
 
     def advance(self, rows: int, tokens: int) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
         self.rows += rows
         self.tokens += tokens
         self.draw()
 
     def set(self, rows: int, tokens: int) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
         self.rows, self.tokens = rows, tokens
         self.draw()
 
@@ -34,7 +38,7 @@ class Progress:
         if not force and now - self._last_draw < self._interval:
             return
         self._last_draw = now
-        elapsed = max(now - self.started, 1e-9)
+        elapsed = max(now - (self.started or now), 1e-9)
         pct = 100.0 * self.rows / self.total if self.total else 100.0
         rate = self.rows / elapsed
         eta = (self.total - self.rows) / rate if rate > 0 else 0
