@@ -6,7 +6,7 @@ import logging
 import threading
 
 from celery import shared_task
-from celery.signals import worker_shutting_down
+from celery.signals import worker_shutdown, worker_shutting_down
 
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.runner import Outcome
@@ -24,6 +24,13 @@ _RETRY_BUSY_SECONDS = 30
 def _on_shutdown(**_kwargs) -> None:
     """SIGTERM (warm shutdown): the running shard checkpoints and hands the rest back."""
     _stop.set()
+
+
+@worker_shutdown.connect
+def _close_engine(**_kwargs) -> None:
+    """Stop the EngineCore process before the interpreter exits: multiprocessing's exit handler
+    joins it, and vLLM's own finalizer would only run after that, so the worker never exits."""
+    _engines.close()
 
 
 @shared_task(name="batchllm.run_shard", bind=True, acks_late=True, reject_on_worker_lost=True,

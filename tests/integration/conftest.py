@@ -1,0 +1,299 @@
+"""Fixtures for the fleet tests: the real Redis and PostgreSQL on 127.0.0.1 and real
+`batchllm worker` processes.
+
+Each test session gets a fresh PostgreSQL database and an empty Redis database of its own, so
+sessions running side by side on one machine cannot take each other's shards. Workers run in
+their own process groups (vLLM starts an EngineCore child and its workers), so one killpg
+reaches all of them; their output goes to log files whose tails are attached to a failing
+test's report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchllm.jobs.schemas import EngineOptions
+from batchllm.settings import Settings
+from tests.conftest import require
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+REDIS_PORT = 6379
+POSTGRES_PORT = 5432
+POSTGRES_USERS = ("root", "postgres")
+# Small enough that a shard of the tiny model commits several checkpoints, and that a killed
+# worker's shard is taken over within a test: its lease expires after 10 s, Redis hands its task
+# out again after the visibility timeout (plus up to ~100 s: kombu 5.7 sweeps for expired tasks
+# every 10th 10-second tick).
+WORKER_SETTINGS = {
+    "BATCHLLM_COMMIT_ROWS": "100",
+    "BATCHLLM_COMMIT_SECONDS": "2",
+    "BATCHLLM_LEASE_SECONDS": "10",
+    "BATCHLLM_VISIBILITY_TIMEOUT": "20",
+}
+# Every job of the fleet tests uses these engine options, so a worker's warm engine serves them all.
+ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
+_SESSION_MARK = "batchllm-integration-session"
+
+_running: list[Worker] = []
+
+
+# -- services ------------------------------------------------------------------------------
+
+
+@contextmanager
+def _postgres_database(name: str) -> Iterator[str]:
+    """A fresh database on the local PostgreSQL, dropped afterwards; yields its URL."""
+    try:
+        import psycopg
+    except ImportError as exc:
+        require(False, f"psycopg is not installed: {exc}")
+    errors = []
+    for user in POSTGRES_USERS:
+        try:
+            admin = psycopg.connect(host=HOST, port=POSTGRES_PORT, user=user, dbname="test",
+                                    autocommit=True, connect_timeout=3)
+            break
+        except psycopg.Error as exc:
+            errors.append(f"{user}: {exc}")
+    else:
+        require(False, f"PostgreSQL is not reachable at {HOST}:{POSTGRES_PORT} (database "
+                       f"`test`): " + "; ".join(errors))
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield f"postgresql+psycopg://{user}@{HOST}:{POSTGRES_PORT}/{name}"
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def _redis_database(token: str) -> Iterator[tuple[redis.Redis, str]]:
+    """An empty database on the local Redis, marked as ours so that a test session running
+    beside this one picks another; flushed afterwards. Yields a client and its URL."""
+    try:
+        redis.Redis(host=HOST, port=REDIS_PORT, socket_connect_timeout=3).ping()
+    except redis.RedisError as exc:
+        require(False, f"Redis is not reachable at {HOST}:{REDIS_PORT}: {exc}")
+    for index in range(15, 0, -1):
+        client = redis.Redis(host=HOST, port=REDIS_PORT, db=index, socket_connect_timeout=3)
+        try:
+            if client.dbsize() == 0 and client.set(_SESSION_MARK, token, nx=True):
+                break
+        except redis.ResponseError:  # the server has fewer databases
+            continue
+    else:
+        require(False, f"no empty Redis database on {HOST}:{REDIS_PORT} for the fleet tests")
+    try:
+        yield client, f"redis://{HOST}:{REDIS_PORT}/{index}"
+    finally:
+        client.flushdb()
+
+
+@dataclass
+class FleetEnv:
+    """Where the fleet under test keeps its state: what workers and the test process share."""
+
+    settings: Settings
+    env: dict[str, str]
+    redis: redis.Redis  # the broker's database
+
+    def worker_env(self, **extra: str) -> dict[str, str]:
+        return {**self.env, **extra}
+
+    def submit(self, source: Path, model: Path | str, *, shard_size: int,
+               max_tokens: int = 64):
+        """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
+        from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+        from batchllm.worker.dispatch import submit_job
+
+        spec = JobSpec(model=str(model), engine=ENGINE,
+                       sampling=SamplingDefaults(max_tokens=max_tokens))
+        return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        """`batchllm ARGS` as a user on this fleet runs it."""
+        return subprocess.run([sys.executable, "-m", "batchllm", *args], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
+    require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
+    token = uuid.uuid4().hex[:12]
+    with (_redis_database(token) as (broker, broker_url),
+          _postgres_database(f"batchllm_it_{token}") as url):
+        from batchllm.jobs.db import get_engine, upgrade
+
+        upgrade(url)
+        root = tmp_path_factory.mktemp("fleet")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+        env.update(WORKER_SETTINGS)
+        env.update({
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+            "BATCHLLM_HOME": str(root / "home"),
+            "BATCHLLM_DATABASE_URL": url,
+            "BATCHLLM_BROKER_URL": broker_url,
+            "BATCHLLM_STORAGE": str(root / "storage"),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        # The test process reads and submits with the same settings the workers get.
+        settings = Settings(**{k.removeprefix("BATCHLLM_").lower(): v for k, v in env.items()
+                               if k.startswith("BATCHLLM_")})
+        try:
+            yield FleetEnv(settings=settings, env=env, redis=broker)
+        finally:
+            get_engine(settings).dispose()
+
+
+# -- workers -------------------------------------------------------------------------------
+
+
+class Worker:
+    """One `batchllm worker` process (and its engine children) in its own process group."""
+
+    def __init__(self, name: str, *, model: Path, env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self._terminated = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "worker", "--model", str(model), "--name", name,
+             "--loglevel", "INFO"],
+            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        _running.append(self)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while f"{self.name} ready." not in self.log():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}:\n"
+                                     + self.tail())
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name} not ready after {timeout}s:\n"
+                                     + self.tail())
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: the worker, its EngineCore and engine workers."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def terminate(self) -> None:
+        """Ask for a warm shutdown (once: a second SIGTERM would make it a cold one)."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self) -> None:
+        """Warm shutdown first (vLLM cleans up its shared memory), then kill what is left."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        self._log.close()
+        if self in _running:
+            _running.remove(self)
+
+
+def start_workers(names: list[str], *, fleet_env: FleetEnv, model: Path,
+                  log_dir: Path) -> list[Worker]:
+    """Start the workers and wait until each consumes its queue. On two cores, each worker's
+    engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
+    workers = []
+    try:
+        for i, name in enumerate(names):
+            cores = str(i % (os.cpu_count() or 1))
+            workers.append(Worker(name, model=model, log_path=log_dir / f"{name}.log",
+                                  env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores)))
+        for worker in workers:
+            worker.wait_ready()
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.stop()
+
+
+def tails(workers: list[Worker]) -> str:
+    return "".join(f"\n--- {w.name} log (tail) ---\n{w.tail()}" for w in workers)
+
+
+def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir: Path) -> None:
+    """One small shard per worker, so each builds its engine (the slow part, and slower for one
+    worker than the other) before the tests time or balance anything."""
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.models import Job, JobStatus
+    from batchllm.jobs.workload import write_workload
+
+    source = write_workload(work_dir / "warm-up.jsonl", requests=4 * len(workers))
+    job_id = fleet_env.submit(source, model, shard_size=4, max_tokens=8).id
+    deadline = time.monotonic() + 240
+    while True:
+        with session_scope(fleet_env.settings) as session:
+            job = session.get(Job, job_id)
+            status, workers_used = job.status, {s.worker for s in job.shards}
+        if status.is_final:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"warm-up job still {status.value} after 240s" + tails(workers))
+        time.sleep(0.5)
+    assert status is JobStatus.COMPLETED, (
+        f"warm-up job {status.value}: {job.error}" + tails(workers))
+    assert workers_used == {w.name for w in workers}, f"warm-up shards ran on {workers_used}"
+
+
+@pytest.fixture(scope="class")
+def pair(fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory) -> list[Worker]:
+    """Two workers serving the tiny model with warm engines, alive for one test class."""
+    work_dir = tmp_path_factory.mktemp("workers")
+    workers = start_workers(["w1@test", "w2@test"], fleet_env=fleet_env, model=tiny_model,
+                            log_dir=work_dir)
+    try:
+        warm_up(workers, fleet_env=fleet_env, model=tiny_model, work_dir=work_dir)
+        yield workers
+    finally:
+        stop_workers(workers)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for worker in list(_running):
+            report.sections.append((f"worker {worker.name} log (tail)", worker.tail()))
