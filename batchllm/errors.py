@@ -23,3 +23,7 @@ class JobStateError(BatchLLMError):
 
 class ShardBusy(BatchLLMError):
     """The shard is running on a live worker (its heartbeat is fresh)."""
+
+
+class ShardLost(BatchLLMError):
+    """This worker's lease on the shard ran out and another worker took it over."""

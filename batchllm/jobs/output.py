@@ -1,6 +1,6 @@
 """The Parquet contract: one row per input line, the same schema for success and error rows.
 
-A job's output directory holds part files `part-s<shard>-<seq>.parquet`, plus `_manifest.json`
+A job's output directory holds part files `part-s<shard>-a<attempt>-<seq>.parquet`, plus `_manifest.json`
 and `_SUCCESS` once the job is finalized. Names starting with `_` or `.` are skipped by pyarrow,
 pandas and Spark dataset readers, so the directory reads as one table without options; Polars
 (2.x refuses a directory of mixed extensions) and DuckDB take the glob `<dir>/*.parquet`.
@@ -59,8 +59,11 @@ class OutputRow:
                    prompt_tokens=prompt_tokens)
 
 
-def part_name(shard: int, seq: int) -> str:
-    return f"part-s{shard:05d}-{seq:05d}.parquet"
+def part_name(shard: int, seq: int, attempt: int | None = None) -> str:
+    """`part-s<shard>-<seq>`, or with the attempt `part-s<shard>-a<attempt>-<seq>`: a worker that
+    lost its shard can then never overwrite a file of the worker that took the shard over."""
+    middle = f"a{attempt:03d}-" if attempt is not None else ""
+    return f"part-s{shard:05d}-{middle}{seq:05d}.parquet"
 
 
 def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:

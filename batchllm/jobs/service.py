@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.errors import InputError, JobNotFound, JobStateError, ShardBusy
+from batchllm.errors import InputError, JobNotFound, JobStateError, ShardBusy, ShardLost
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.inputs import StoredInput, store_input
 from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -132,9 +132,18 @@ def claim_shard(session: Session, shard_id: int, worker: str,
     return shard
 
 
-def heartbeat(session: Session, shard_ids: list[int]) -> None:
-    if shard_ids:
-        session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(heartbeat_at=utcnow()))
+def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
+    """Refresh the heartbeat of the shards this worker runs ({shard id: attempt}); returns the
+    ids it no longer owns (taken over after its lease ran out), which it must stop running."""
+    lost = set()
+    now = utcnow()
+    for shard_id, attempt in owned.items():
+        if not session.execute(update(Shard).where(
+                Shard.id == shard_id, Shard.attempts == attempt,
+                Shard.status == ShardStatus.RUNNING).values(heartbeat_at=now)
+                .execution_options(synchronize_session=False)).rowcount:
+            lost.add(shard_id)
+    return lost
 
 
 def mark_generation_started(session: Session, job_id: str) -> None:
@@ -145,16 +154,28 @@ def mark_generation_started(session: Session, job_id: str) -> None:
 
 def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int, path: str,
                       rows_ok: int, rows_failed: int, prompt_tokens: int,
-                      completion_tokens: int, engine_seconds: float) -> None:
-    """Record one committed part file and add its counts, in the caller's transaction."""
-    session.add(Checkpoint(shard_id=shard_id, seq=seq, path=path, rows=rows_ok + rows_failed,
-                           rows_ok=rows_ok, rows_failed=rows_failed, prompt_tokens=prompt_tokens,
-                           completion_tokens=completion_tokens, engine_seconds=engine_seconds))
-    session.execute(update(Shard).where(Shard.id == shard_id).values(
+                      completion_tokens: int, engine_seconds: float,
+                      attempt: int | None = None) -> None:
+    """Record one committed part file and add its counts, in the caller's transaction.
+
+    With `attempt`, the write is fenced: it only lands while the shard is still running under
+    that attempt. A worker that lost its shard (its lease ran out and another worker took the
+    shard over) gets ShardLost and must not count its rows.
+    """
+    fence = [Shard.id == shard_id]
+    if attempt is not None:
+        fence += [Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING]
+    owned = session.execute(update(Shard).where(*fence).values(
         rows_ok=Shard.rows_ok + rows_ok, rows_failed=Shard.rows_failed + rows_failed,
         prompt_tokens=Shard.prompt_tokens + prompt_tokens,
         completion_tokens=Shard.completion_tokens + completion_tokens,
-        engine_seconds=Shard.engine_seconds + engine_seconds, next_seq=seq + 1))
+        engine_seconds=Shard.engine_seconds + engine_seconds, next_seq=seq + 1)
+        .execution_options(synchronize_session=False)).rowcount
+    if not owned:
+        raise ShardLost(f"shard {shard_id} is no longer run by attempt {attempt}")
+    session.add(Checkpoint(shard_id=shard_id, seq=seq, path=path, rows=rows_ok + rows_failed,
+                           rows_ok=rows_ok, rows_failed=rows_failed, prompt_tokens=prompt_tokens,
+                           completion_tokens=completion_tokens, engine_seconds=engine_seconds))
     session.execute(update(Job).where(Job.id == job_id).values(
         request_completed=Job.request_completed + rows_ok,
         request_failed=Job.request_failed + rows_failed,
@@ -163,16 +184,39 @@ def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int,
         engine_seconds=Job.engine_seconds + engine_seconds))
 
 
+def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
+    """Put back running shards whose worker stopped heartbeating (killed, node lost).
+
+    Returns (shard id, model) for each shard put back, for the caller to enqueue. Each shard is
+    moved by one conditional UPDATE, so of several sweeping workers only one re-enqueues it.
+    """
+    stale = utcnow() - timedelta(seconds=lease_seconds)
+    found = session.execute(select(Shard.id, Job.model).join(Job).where(
+        Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale,
+        Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]))).all()
+    moved = []
+    for shard_id, model in found:
+        if session.execute(update(Shard).where(
+                Shard.id == shard_id, Shard.status == ShardStatus.RUNNING,
+                Shard.heartbeat_at < stale).values(status=ShardStatus.QUEUED)
+                .execution_options(synchronize_session=False)).rowcount:
+            moved.append((shard_id, model))
+    return moved
+
+
 def checkpoints_of(session: Session, shard_id: int) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.shard_id == shard_id)
                                 .order_by(Checkpoint.seq)))
 
 
-def _end_shard(session: Session, shard: Shard, status: ShardStatus, error: str | None = None) -> bool:
+def _end_shard(session: Session, shard: Shard, status: ShardStatus, error: str | None = None,
+               attempt: int | None = None) -> bool:
+    fence = [Shard.id == shard.id, Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING])]
+    if attempt is not None:
+        fence.append(Shard.attempts == attempt)
     ended = session.execute(
-        update(Shard).where(Shard.id == shard.id,
-                            Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING]))
-        .values(status=status, finished_at=utcnow(), error=error)).rowcount
+        update(Shard).where(*fence).values(status=status, finished_at=utcnow(), error=error)
+    ).rowcount
     if ended:
         session.execute(update(Job).where(Job.id == shard.job_id)
                         .values(shards_done=Job.shards_done + 1))
@@ -180,11 +224,11 @@ def _end_shard(session: Session, shard: Shard, status: ShardStatus, error: str |
 
 
 def end_shard(session: Session, shard_id: int, status: ShardStatus,
-              error: str | None = None) -> JobStatus | None:
+              error: str | None = None, attempt: int | None = None) -> JobStatus | None:
     """End a shard once. When it was the job's last, move the job on and return the state the
     caller must finish it in (FINALIZING: write the manifest; CANCELLED/FAILED: already set)."""
     shard = session.get(Shard, shard_id)
-    if shard is None or not _end_shard(session, shard, status, error):
+    if shard is None or not _end_shard(session, shard, status, error, attempt):
         return None
     return _after_last_shard(session, shard.job_id)
 

@@ -3,7 +3,7 @@ path today and object storage later without touching the callers.
 
 Layout under the storage root:
   <job_id>/input/shard-00000.parquet     validated input rows of shard 0
-  <job_id>/output/part-s00000-00000.parquet   finished rows, one file per checkpoint
+  <job_id>/output/part-s00000-a001-00000.parquet   finished rows, one file per checkpoint
   <job_id>/output/_manifest.json, _SUCCESS
 """
 

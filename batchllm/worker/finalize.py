@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import logging
+import posixpath
+
+from sqlalchemy import select
 
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job
+from batchllm.jobs.models import Checkpoint, Job, Shard
 from batchllm.jobs.output import OUTPUT_SCHEMA, write_manifest
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
@@ -21,6 +24,7 @@ def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware:
         job = service.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
         if job is None:
             return
+        _remove_unrecorded_parts(session, storage, job_id)
         # The manifest is written before the commit: a crash in between leaves the job
         # `finalizing` and the redelivered shard task finalizes it again.
         write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
@@ -50,3 +54,15 @@ def manifest_of(job: Job) -> dict:
         "created_at": job.created_at,
         "finished_at": job.finished_at,
     }
+
+
+def _remove_unrecorded_parts(session, storage: Storage, job_id: str) -> None:
+    """Delete part files no checkpoint records: left by a worker that died between writing a
+    file and its commit, or that lost its shard. Their rows were produced again elsewhere."""
+    out_dir = storage.output_dir(job_id)
+    recorded = {posixpath.basename(p) for p in session.scalars(
+        select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))}
+    for name in storage.listdir(out_dir):
+        if name.startswith("part-") and name not in recorded:
+            log.warning("job %s: removing unrecorded part file %s", job_id, name)
+            storage.delete(posixpath.join(out_dir, name))

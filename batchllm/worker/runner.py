@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from batchllm.errors import BatchLLMError, ShardBusy
+from batchllm.errors import BatchLLMError, ShardBusy, ShardLost
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
@@ -38,6 +38,7 @@ class Outcome(str, enum.Enum):
     INTERRUPTED = "interrupted"  # stopped by the worker's shutdown; rows committed, rest to redo
     SKIPPED = "skipped"  # nothing to do (already finished or cancelled before it started)
     BUSY = "busy"  # running on another live worker; try again later
+    LOST = "lost"  # this worker's lease ran out and another worker took the shard over
 
 
 @dataclass
@@ -193,18 +194,36 @@ class ShardRunner:
         now = time.monotonic()
         for state in list(self._active):
             if state.finished:
-                state.commit(self.storage, self.settings)
-                self._end(state, ShardStatus.COMPLETED, Outcome.COMPLETED)
+                if self._commit(state):
+                    self._end(state, ShardStatus.COMPLETED, Outcome.COMPLETED)
             elif len(state.buffer) >= self.settings.commit_rows or (
                     state.buffer and now - state.last_commit >= self.settings.commit_seconds):
-                state.commit(self.storage, self.settings)
+                self._commit(state)
+
+    def _commit(self, state: ShardState) -> bool:
+        """Commit the state's finished rows; False (and the shard dropped) if it was lost."""
+        try:
+            state.commit(self.storage, self.settings)
+            return True
+        except ShardLost as exc:
+            self._drop(state, exc)
+            return False
+
+    def _drop(self, state: ShardState, reason: Exception) -> None:
+        log.warning("shard %d: %s; dropping this worker's run of it", state.index, reason)
+        self._abort(state)
+        state.buffer = []
+        if state in self._active:
+            self._active.remove(state)
+        self._outcomes[state.shard_id] = Outcome.LOST
 
     def _end(self, state: ShardState, status: ShardStatus, outcome: Outcome,
              error: str | None = None) -> None:
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
         with session_scope(self.settings) as session:
-            next_step = service.end_shard(session, state.shard_id, status, error)
+            next_step = service.end_shard(session, state.shard_id, status, error,
+                                          attempt=state.attempt)
         if next_step is JobStatus.FINALIZING:
             finalize_job(state.job_id, storage=self.storage, settings=self.settings,
                          hardware=self.engine.hardware, vllm_version=self.engine.version)
@@ -223,29 +242,32 @@ class ShardRunner:
             self._stopping = True
             for state in list(self._active):
                 self._abort(state)
-                state.commit(self.storage, self.settings)
-                self._active.remove(state)
-                self._outcomes[state.shard_id] = Outcome.INTERRUPTED
+                if self._commit(state):
+                    self._active.remove(state)
+                    self._outcomes[state.shard_id] = Outcome.INTERRUPTED
             return
         job_ids = {s.job_id for s in self._active}
         if not job_ids:
             return
         with session_scope(self.settings) as session:
-            service.heartbeat(session, [s.shard_id for s in self._active])
+            lost = service.heartbeat(session, {s.shard_id: s.attempt for s in self._active})
             states = {j: service.job_status(session, j) for j in job_ids}
+        for state in [s for s in self._active if s.shard_id in lost]:
+            self._drop(state, ShardLost("its lease ran out and another worker took it over"))
         for state in list(self._active):
             if states[state.job_id] in (JobStatus.CANCELLING, JobStatus.CANCELLED):
                 log.info("job %s cancelled: aborting shard %d", state.job_id, state.index)
                 self._abort(state)
-                state.commit(self.storage, self.settings)
-                self._end(state, ShardStatus.CANCELLED, Outcome.CANCELLED)
+                if self._commit(state):
+                    self._end(state, ShardStatus.CANCELLED, Outcome.CANCELLED)
 
     def _fail_active(self, exc: BaseException) -> None:
         """A fatal error (engine died, interrupt): keep what finished, fail or release shards."""
         interrupted = isinstance(exc, KeyboardInterrupt)
         for state in list(self._active):
             try:
-                state.commit(self.storage, self.settings)
+                if not self._commit(state):
+                    continue
             except Exception:
                 log.exception("shard %d: could not commit finished rows", state.index)
             if interrupted:

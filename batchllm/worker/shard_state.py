@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from batchllm.errors import ShardLost
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.inputs import iter_shard_rows
@@ -28,6 +29,7 @@ class ShardState:
     spec: JobSpec
     input_path: str
     out_dir: str
+    attempt: int  # this run's claim; fences every write against a worker that took over
     next_seq: int
     done_lines: set[int]
     buffer: list[OutputRow] = field(default_factory=list)
@@ -56,15 +58,20 @@ class ShardState:
         if not self.buffer:
             return 0
         rows, self.buffer = self.buffer, []
-        path = write_part(storage, self.out_dir, part_name(self.index, self.next_seq), rows)
+        name = part_name(self.index, self.next_seq, self.attempt)
+        path = write_part(storage, self.out_dir, name, rows)
         ok = sum(1 for r in rows if r.status == "ok")
-        with session_scope(settings) as session:
-            service.record_checkpoint(
-                session, shard_id=self.shard_id, job_id=self.job_id, seq=self.next_seq, path=path,
-                rows_ok=ok, rows_failed=len(rows) - ok,
-                prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
-                completion_tokens=sum(r.completion_tokens or 0 for r in rows),
-                engine_seconds=self.step_seconds)
+        try:
+            with session_scope(settings) as session:
+                service.record_checkpoint(
+                    session, shard_id=self.shard_id, job_id=self.job_id, seq=self.next_seq,
+                    path=path, rows_ok=ok, rows_failed=len(rows) - ok,
+                    prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
+                    completion_tokens=sum(r.completion_tokens or 0 for r in rows),
+                    engine_seconds=self.step_seconds, attempt=self.attempt)
+        except ShardLost:
+            storage.delete(path)  # its rows belong to the worker that took the shard over
+            raise
         self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()
@@ -83,6 +90,7 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         checkpoints = service.checkpoints_of(session, shard_id)
         spec = JobSpec.model_validate(job.spec)
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
+        attempt = shard.attempts
     out_dir = storage.output_dir(job_id)
     recorded = {posixpath.basename(c.path) for c in checkpoints}
     prefix = f"part-s{index:05d}-"
@@ -96,7 +104,8 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
     if done:
         log.info("shard %d: resuming, %d rows already committed", index, len(done))
     return ShardState(shard_id=shard_id, index=index, job_id=job_id, spec=spec,
-                      input_path=input_path, out_dir=out_dir, next_seq=next_seq, done_lines=done)
+                      input_path=input_path, out_dir=out_dir, attempt=attempt, next_seq=next_seq,
+                      done_lines=done)
 
 
 def sampling_for(spec: JobSpec, row: dict) -> dict:

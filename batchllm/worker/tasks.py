@@ -6,8 +6,12 @@ import logging
 import threading
 
 from celery import shared_task
-from celery.signals import worker_shutdown, worker_shutting_down
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.settings import get_settings
+from batchllm.worker.celery_app import queue_for_model
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.runner import Outcome
 from batchllm.worker.shard_task import process_shard
@@ -24,6 +28,27 @@ _RETRY_BUSY_SECONDS = 30
 def _on_shutdown(**_kwargs) -> None:
     """SIGTERM (warm shutdown): the running shard checkpoints and hands the rest back."""
     _stop.set()
+
+
+@worker_ready.connect
+def _start_sweeper(sender=None, **_kwargs) -> None:
+    """Put back the shards of dead workers within a lease, not after Redis's visibility timeout
+    (hours, so that long shards are never redelivered while they run)."""
+    threading.Thread(target=_sweep_forever, name="batchllm-sweeper", daemon=True).start()
+
+
+def _sweep_forever() -> None:
+    settings = get_settings()
+    interval = max(settings.lease_seconds / 2, 1.0)
+    while not _stop.wait(interval):
+        try:
+            with session_scope(settings) as session:
+                stale = service.requeue_stale_shards(session, settings.lease_seconds)
+            for shard_id, model in stale:
+                log.warning("shard %s lost its worker: queued again", shard_id)
+                run_shard.apply_async((shard_id,), queue=queue_for_model(model))
+        except Exception:  # the sweeper must outlive a database or broker hiccup
+            log.exception("sweeping stale shards failed; retrying in %.0f s", interval)
 
 
 @worker_shutdown.connect
