@@ -43,6 +43,6 @@ def main() -> None:
     cli(prog_name="batchllm")
 
 
-from batchllm.cli import admin, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
+from batchllm.cli import admin, bench, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
 
-__all__ = ["cli", "main", "admin", "fleet", "inspect", "run"]
+__all__ = ["cli", "main", "admin", "bench", "fleet", "inspect", "run"]

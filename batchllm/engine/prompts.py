@@ -8,7 +8,10 @@ The same code sizes a job's context length, so sizing and running agree on every
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
+
+Encode = Callable[[list[str], bool], list[list[int]]]
 
 
 def render(tokenizer: Any, row: dict) -> str:
@@ -16,6 +19,25 @@ def render(tokenizer: Any, row: dict) -> str:
         return tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False,
                                              add_generation_prompt=True)
     return row["prompt"]
+
+
+def batch_encoder(tokenizer: Any) -> Encode:
+    """Token ids for a batch of texts, through the Rust tokenizer directly when that gives the
+    same ids: a Hugging Face fast tokenizer computes offsets, masks and Python objects per text
+    that nothing here reads, a third of the tokenization time.
+
+    The wrapper turns the backend's truncation and padding off on every call and sets its
+    special-token splitting; the direct path is taken only when the backend is already in that
+    state, so both paths give equal ids.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (backend is not None and hasattr(backend, "encode_batch_fast")
+            and backend.truncation is None and backend.padding is None
+            and getattr(backend, "encode_special_tokens", False)
+            == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return lambda texts, special: [
+            e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
+    return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
 def prepare_prompts(tokenizer: Any, rows: list[dict],
@@ -29,10 +51,11 @@ def prepare_prompts(tokenizer: Any, rows: list[dict],
             groups[row["kind"] != "chat"].append((i, render(tokenizer, row)))
         except Exception as exc:  # a template can raise on unusual message orders
             results[i] = f"chat template failed: {exc}"
+    encode = batch_encoder(tokenizer)
     for special, items in groups.items():
         if not items:
             continue
-        encoded = tokenizer([text for _, text in items], add_special_tokens=special)["input_ids"]
+        encoded = encode([text for _, text in items], special)
         for (i, _), ids in zip(items, encoded):
             results[i] = ids
     if max_model_len is not None:

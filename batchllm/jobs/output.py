@@ -67,10 +67,8 @@ def part_name(shard: int, seq: int, attempt: int | None = None) -> str:
 
 
 def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
-    columns: dict[str, list] = {name: [] for name in OUTPUT_SCHEMA.names}
-    for row in rows:
-        for name in OUTPUT_SCHEMA.names:
-            columns[name].append(getattr(row, name))
+    rows = list(rows)
+    columns = {name: [getattr(row, name) for row in rows] for name in OUTPUT_SCHEMA.names}
     return pa.Table.from_pydict(columns, schema=OUTPUT_SCHEMA)
 
 

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _PREPARE_BATCH = 256
 _CONTROL_INTERVAL = 1.0  # seconds between checks for cancel / stop requests
+_SAMPLING_CACHE = 4096  # distinct (job, per-line overrides) pairs kept built
 
 
 class Outcome(str, enum.Enum):
@@ -70,6 +71,7 @@ class ShardRunner:
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
+        self._sampling_cache: dict[tuple[str, str | None], object] = {}
         self._stopping = False
 
     # -- public ---------------------------------------------------------------------------
@@ -158,7 +160,7 @@ class ShardRunner:
         request_id = f"r{self._next_id}"
         self._next_id += 1
         try:
-            self.engine.add(request_id, ids, self.engine.sampling_params(sampling_for(state.spec, row)))
+            self.engine.add(request_id, ids, self._sampling(state, row))
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
             state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], f"rejected by "
                                                  f"vLLM: {exc}", prompt_tokens=len(ids)))
@@ -166,6 +168,19 @@ class ShardRunner:
         self._pending[request_id] = _Pending(state, row["line"], row["custom_id"])
         state.inflight += 1
         return True
+
+    def _sampling(self, state: ShardState, row: dict):
+        """The row's engine sampling parameters, built once per job and distinct per-line
+        override text: a job's lines share a handful, and decoding, merging and keying them
+        again for every row was most of the feed's own per-row cost."""
+        key = (state.job_id, row["sampling"])
+        params = self._sampling_cache.get(key)
+        if params is None:
+            if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
+                self._sampling_cache.clear()
+            params = self.engine.sampling_params(sampling_for(state.spec, row))
+            self._sampling_cache[key] = params
+        return params
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -1,0 +1,87 @@
+"""The in-process contenders, one after another on one shared vLLM engine.
+
+Raw vLLM gets pre-tokenized prompts (`TokensPrompt`) so its figure is the engine alone; the
+batchllm contender is the job path after validation: the continuous feed with tokenization,
+per-row bookkeeping, Parquet part files and database checkpoints, through the real `run_job`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from batchllm.bench.figures import BenchFailed, Run
+from batchllm.bench.memory import PeakRss
+from batchllm.bench.workload import TEMPERATURE, Workload, iter_requests
+from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.settings import Settings
+from batchllm.worker.engines import EngineCache
+
+
+def job_spec(model: str, workload: Workload, max_model_len: int, *,
+             group_prefixes: bool = True) -> JobSpec:
+    """Job defaults equal to what every request line asks for, so the lines decide nothing."""
+    return JobSpec(model=model,
+                   sampling=SamplingDefaults(max_tokens=workload.max_output,
+                                             temperature=TEMPERATURE, ignore_eos=True),
+                   engine=EngineOptions(max_model_len=max_model_len,
+                                        group_prefixes=group_prefixes))
+
+
+def bench_settings(home: Path) -> Settings:
+    """A private BATCHLLM_HOME: the bench never touches the user's jobs or database."""
+    return Settings(home=home, database_url=f"sqlite:///{home / 'batchllm.db'}",
+                    storage=str(home / "jobs"))
+
+
+class Prompts:
+    """One variant of a workload, tokenized before any timing, as raw vLLM receives it."""
+
+    def __init__(self, engine, workload: Workload, variant: int) -> None:
+        from vllm import SamplingParams
+
+        requests = list(iter_requests(workload, variant))
+        ids = engine.prepare([r.row(line) for line, r in enumerate(requests, start=1)])
+        bad = [i for i in ids if isinstance(i, str)]
+        if bad:
+            raise BenchFailed(f"a bench prompt cannot run: {bad[0]}")
+        self.prompts = [{"prompt_token_ids": i} for i in ids]
+        self.params = [SamplingParams(max_tokens=r.max_tokens, temperature=TEMPERATURE,
+                                      ignore_eos=True)
+                       for r in requests]
+
+
+def run_generate(engine, prompts: Prompts, batch: int | None) -> Run:
+    """`LLM.generate` with every prompt at once (batch None) or `batch` prompts per call."""
+    size = batch or len(prompts.prompts)
+    outputs = []
+    with PeakRss() as memory:
+        started = time.perf_counter()
+        for start in range(0, len(prompts.prompts), size):
+            outputs += engine.llm.generate(prompts.prompts[start:start + size],
+                                           prompts.params[start:start + size], use_tqdm=False)
+        seconds = time.perf_counter() - started
+    return Run(seconds=seconds, requests=len(outputs),
+               prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+               output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+               peak_rss=memory.peak)
+
+
+def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: Settings) -> Run:
+    """The whole `run_job`, timed from the end of validation and storage to the finished job."""
+    from batchllm.jobs.models import JobStatus
+    from batchllm.worker.local import run_job
+
+    stored_at: list[float] = []
+    with PeakRss() as memory:
+        started = time.perf_counter()
+        job = run_job(source, spec, settings=settings, engines=engines,
+                      on_created=lambda _job: stored_at.append(time.perf_counter()))
+        ended = time.perf_counter()
+    if job.status is not JobStatus.COMPLETED:
+        raise BenchFailed(f"bench job {job.id} ended {job.status.value}: {job.error}")
+    return Run(seconds=ended - stored_at[0], requests=job.request_completed + job.request_failed,
+               prompt_tokens=job.prompt_tokens, output_tokens=job.completion_tokens,
+               failed=job.request_failed, peak_rss=memory.peak,
+               extra={"job_id": job.id, "validation_seconds": stored_at[0] - started,
+                      "sql_output_tokens_per_s": job.output_tokens_per_s})

@@ -1,0 +1,198 @@
+"""Everything a job costs except generation, on an instant engine, at a size that shows scale.
+
+The instant engine is a VllmEngine whose generation answers at once: tokenization (the model's
+real tokenizer and chat template) and sampling settings run VllmEngine's own code, and the job
+goes through the real `run_job`, so validation, input Parquet, context sizing, the continuous
+feed, output Parquet and database checkpoints are all measured. Each size runs in its own
+process (`python -m batchllm.bench.overhead`) so its peak RSS is its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from batchllm.bench.figures import BenchFailed
+from batchllm.engine.vllm_engine import Finished, VllmEngine
+from batchllm.jobs.workload import sentence
+
+_FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+           "incididunt ut labore et dolore magna aliqua ") * 64
+_CHARS_PER_TOKEN = 4
+_SENTENCES = 4096
+
+
+class _Params:
+    """Stands in for vllm.SamplingParams: keeps the settings, checks nothing."""
+
+    def __init__(self, **values) -> None:
+        self.__dict__.update(values)
+
+
+class InstantEngine(VllmEngine):
+    """Finishes every request at its max_tokens in the step after it was added."""
+
+    version = "instant"
+    hardware = "none (instant engine)"
+
+    def __init__(self, *, tokenizer, max_model_len: int, max_num_seqs: int = 256) -> None:
+        # VllmEngine.__init__ starts vLLM: only the state its preparation code reads is set.
+        self._vllm = SimpleNamespace(SamplingParams=_Params)
+        self._final_only = None
+        self.is_cpu = False
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._params_cache = {}
+        self._warned_seed = False
+        self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
+        self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
+
+    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+        started = time.perf_counter()
+        try:
+            return super().prepare(rows)
+        finally:
+            self.prepare_seconds += time.perf_counter() - started
+
+    def add(self, request_id: str, token_ids: list[int], params) -> None:
+        self._queue.append((request_id, len(token_ids), params.max_tokens))
+
+    def step(self) -> list[Finished]:
+        done = []
+        for _ in range(min(self.max_num_seqs, len(self._queue))):
+            request_id, prompt_tokens, max_tokens = self._queue.popleft()
+            done.append(Finished(request_id=request_id, finish_reason="length",
+                                 text=_FILLER[:max_tokens * _CHARS_PER_TOKEN],
+                                 prompt_tokens=prompt_tokens, completion_tokens=max_tokens))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        gone = set(request_ids)
+        self._queue = collections.deque(q for q in self._queue if q[0] not in gone)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _InstantEngines:
+    """An EngineCache that hands out instant engines and notes when the job asked for one."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.asked_at: float | None = None
+        self.engine: InstantEngine | None = None
+
+    def get(self, spec, max_model_len: int) -> InstantEngine:
+        self.asked_at = time.perf_counter()
+        self.engine = InstantEngine(tokenizer=self.tokenizer, max_model_len=max_model_len)
+        return self.engine
+
+    def close(self) -> None:
+        pass
+
+
+def write_lines(path: Path, lines: int, *, model: str, prompt_words: tuple[int, int],
+                output_tokens: tuple[int, int], seed: int = 0) -> Path:
+    """OpenAI chat lines like the engine workload's. Texts come from a pool and lines from a
+    template, so a million lines are written in seconds (the overhead does not depend on the
+    words); every custom_id is distinct."""
+    rng = random.Random(seed)
+    pool = [json.dumps(sentence(rng, rng.randint(*prompt_words)))[1:-1]
+            for _ in range(_SENTENCES)]
+    template = ('{"custom_id": "req-%d", "method": "POST", "url": "/v1/chat/completions", '
+                '"body": {"model": ' + json.dumps(model).replace("%", "%%") + ', "max_tokens": '
+                '%d, "ignore_eos": true, "messages": [{"role": "user", "content": "%d: %s"}]}}\n')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for i in range(lines):
+            out.write(template % (i, rng.randint(*output_tokens), i, pool[i % _SENTENCES]))
+    return path
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes.
+
+    Linux's VmHWM, not ru_maxrss: the kernel carries ru_maxrss over exec, so a child started by
+    the bench (a process holding vLLM) would report the bench's size instead of its own.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
+    """Run one job on the instant engine in this process; its phases, rows/s and peak RSS."""
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.engine.sizing import load_tokenizer
+    from batchllm.jobs.models import JobStatus
+    from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+    from batchllm.worker.local import run_job
+
+    engines = _InstantEngines(load_tokenizer(model))
+    spec = JobSpec(model=model, sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=True))
+    stored_at: list[float] = []
+    started = time.perf_counter()
+    job = run_job(source, spec, settings=bench_settings(home), engines=engines,
+                  on_created=lambda _job: stored_at.append(time.perf_counter()))
+    ended = time.perf_counter()
+    if job.status is not JobStatus.COMPLETED or job.request_failed:
+        raise BenchFailed(f"overhead job ended {job.status.value}, {job.request_failed} failed: "
+                           f"{job.error}")
+    rows = job.request_completed
+    seconds = ended - started
+    phases = {"validate_and_store": stored_at[0] - started,
+              "size_context": engines.asked_at - stored_at[0],
+              "tokenize": engines.engine.prepare_seconds,
+              "feed_write_commit": ended - engines.asked_at - engines.engine.prepare_seconds}
+    # batchllm's own work: what neither vLLM (it tokenizes text prompts itself) nor a user who
+    # passes --max-model-len (no sizing pass) would pay anyway.
+    own = phases["validate_and_store"] + phases["feed_write_commit"]
+    return {"lines": rows, "seconds": seconds, "rows_per_s": rows / seconds,
+            "seconds_per_row": seconds / rows, "own_seconds_per_row": own / rows,
+            "own_rows_per_s": rows / own, "phases": phases,
+            "peak_rss_bytes": peak_rss()}
+
+
+def run_size(lines: int, workdir: Path, *, model: str, prompt_words: tuple[int, int],
+             output_tokens: tuple[int, int]) -> dict:
+    """Write a file of `lines` lines and measure it in a fresh process; the files are removed
+    afterwards (a million lines are ~1 GB between input, stored input and output)."""
+    import shutil
+
+    sizedir = workdir / f"overhead-{lines}"
+    source = write_lines(sizedir / "input.jsonl", lines, model=model, prompt_words=prompt_words,
+                         output_tokens=output_tokens)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "batchllm.bench.overhead", str(source), str(sizedir / "home"),
+             model, str(output_tokens[1])], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchFailed(f"overhead run of {lines} lines failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["input_bytes"] = source.stat().st_size
+        return result
+    finally:
+        shutil.rmtree(sizedir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    source_arg, home_arg, model_arg, max_tokens_arg = sys.argv[1:5]
+    print(json.dumps(measure(Path(source_arg), Path(home_arg), model=model_arg,
+                             max_tokens=int(max_tokens_arg))))

@@ -1,0 +1,122 @@
+"""The end-to-end contenders: `vllm run-batch` and `batchllm run`, each a fresh process that
+starts its own engine, as a user runs them. Both get the same file and the same engine limits.
+
+Wall time runs from process start to exit. The generation part is read from the contender
+itself: for run-batch, from its "Reading batch" log line (the engine is up) to its "Writing
+outputs" line; for batchllm, the job's wall time as recorded in its SQL database (first request
+fed to job finalized).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchllm.bench.figures import BenchFailed, Run
+from batchllm.bench.memory import PeakRss
+
+_RUN_BATCH_STARTS = "Reading batch from"
+_RUN_BATCH_ENDS = "Writing outputs to"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The scheduler limits every contender runs with (run-batch's own defaults differ)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def flags(self) -> list[str]:
+        return ["--max-model-len", str(self.max_model_len), "--max-num-seqs",
+                str(self.max_num_seqs), "--max-num-batched-tokens",
+                str(self.max_num_batched_tokens)]
+
+
+@dataclass
+class _Finished:
+    seconds: float
+    marks: dict[str, float]  # marker -> seconds from start to the first log line holding it
+    peak_rss: int
+
+
+def _timed(command: list[str], *, log_path: Path, markers: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> _Finished:
+    """Run `command` to its end, logging its output and timing the first line of each marker."""
+    marks: dict[str, float] = {}
+    with log_path.open("w") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+
+        def pump() -> None:
+            for line in proc.stdout:
+                for marker in markers:
+                    if marker not in marks and marker in line:
+                        marks[marker] = time.perf_counter() - started
+                log.write(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        with PeakRss(proc.pid) as memory:
+            code = proc.wait()
+        seconds = time.perf_counter() - started
+        reader.join()
+    if code != 0:
+        raise BenchFailed(f"{' '.join(command[:4])} ... exited {code}; see {log_path}")
+    return _Finished(seconds=seconds, marks=marks, peak_rss=memory.peak)
+
+
+def run_vllm_batch(source: Path, workdir: Path, *, model: str, limits: EngineLimits) -> Run:
+    output = workdir / "run-batch-output.jsonl"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source),
+               "-o", str(output), "--model", model, "--disable-log-stats", *limits.flags()]
+    # The markers are INFO lines: keep them even when the bench quiets vLLM's logs.
+    done = _timed(command, log_path=workdir / "run-batch.log",
+                  markers=(_RUN_BATCH_STARTS, _RUN_BATCH_ENDS),
+                  env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
+    requests = failed = prompt = completion = 0
+    with output.open() as lines:
+        for line in lines:
+            record = json.loads(line)
+            requests += 1
+            response = record.get("response") or {}
+            if record.get("error") or response.get("status_code") != 200:
+                failed += 1
+                continue
+            usage = response["body"]["usage"]
+            prompt += usage["prompt_tokens"]
+            completion += usage["completion_tokens"]
+    generation = None
+    if _RUN_BATCH_STARTS in done.marks and _RUN_BATCH_ENDS in done.marks:
+        generation = done.marks[_RUN_BATCH_ENDS] - done.marks[_RUN_BATCH_STARTS]
+    return Run(seconds=done.seconds, requests=requests, prompt_tokens=prompt,
+               output_tokens=completion, failed=failed, peak_rss=done.peak_rss,
+               generation_seconds=generation)
+
+
+def run_batchllm(source: Path, workdir: Path, *, model: str, limits: EngineLimits,
+                 max_tokens: int) -> Run:
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.jobs import service
+    from batchllm.jobs.db import session_scope
+
+    home = workdir / "batchllm-home"
+    command = [sys.executable, "-m", "batchllm", "run", str(source), "--model", model,
+               "--max-tokens", str(max_tokens), "--ignore-eos", *limits.flags()]
+    # Only the home: a user's BATCHLLM_DATABASE_URL or BATCHLLM_STORAGE must not be used.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    done = _timed(command, log_path=workdir / "batchllm-run.log",
+                  env={**env, "BATCHLLM_HOME": str(home)})
+    with session_scope(bench_settings(home)) as session:
+        (job,) = service.list_jobs(session, limit=1)
+    return Run(seconds=done.seconds, requests=job.request_completed + job.request_failed,
+               prompt_tokens=job.prompt_tokens, output_tokens=job.completion_tokens,
+               failed=job.request_failed, peak_rss=done.peak_rss,
+               generation_seconds=job.wall_seconds, extra={"job_id": job.id})

@@ -1,0 +1,259 @@
+"""One benchmark run: every part, one after another, figures gathered into one JSON document.
+
+Order matters for honesty: the in-process contenders share one warm engine and take turns
+repeat by repeat (so drift on a busy machine hits all of them alike); the shared engine is
+shut down before the end-to-end contenders start their own; the overhead part runs last, each
+size in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from batchllm.bench.figures import Contender
+from batchllm.bench.processes import EngineLimits
+from batchllm.bench.targets import add_ratios_and_targets
+from batchllm.bench.workload import Workload, stored_rows
+
+PARTS = ("engine", "run-batch", "run", "prefix", "overhead")
+_WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
+_FIRST_VARIANT = 1
+_END_TO_END_VARIANT = 0
+Say = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    output: Path
+    model: str | None = None  # None: the demo model, built into OUTPUT/model if absent
+    requests: int = 1000
+    prompt_words: tuple[int, int] = (8, 64)
+    output_tokens: tuple[int, int] = (16, 128)
+    repeats: int = 3
+    process_repeats: int = 1
+    batch_sizes: tuple[int, ...] = (32, 64)
+    parts: tuple[str, ...] = PARTS
+    prefix_requests: int = 1000
+    prefix_system_prompts: int = 4
+    prefix_system_words: int = 250
+    overhead_lines: tuple[int, ...] = (10_000, 100_000)
+    seed: int = 0
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(requests=self.requests, prompt_words=self.prompt_words,
+                        output_tokens=self.output_tokens, seed=self.seed)
+
+    @property
+    def prefix_workload(self) -> Workload:
+        return Workload(requests=self.prefix_requests, prompt_words=(8, 32),
+                        output_tokens=(16, 64), system_prompts=self.prefix_system_prompts,
+                        system_words=self.prefix_system_words, seed=self.seed + 1)
+
+
+def resolve_model(config: BenchConfig, say: Say) -> str:
+    if config.model:
+        return config.model
+    path = config.output / "model"
+    if not (path / "config.json").exists():
+        from batchllm.engine.demo_model import build_demo_model
+
+        say(f"building the tiny demo model in {path}")
+        build_demo_model(path)
+    return str(path)
+
+
+def size_context(model: str, runs: list[tuple[Workload, int]]) -> int:
+    """One max_model_len for every contender: the longest request among the (workload, variant)
+    pairs that will run, sized the way batchllm sizes a job."""
+    from batchllm.engine.sizing import size_max_model_len
+    from batchllm.jobs.schemas import SamplingDefaults
+
+    rows = (row for workload, variant in runs for row in stored_rows(workload, variant))
+    return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1))
+
+
+def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    workdir = config.output / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    model = resolve_model(config, say)
+    parts = set(config.parts)
+    result: dict[str, Any] = {"config": _config_dict(config, model)}
+    contenders: dict[str, Contender] = {}
+    if parts & {"engine", "prefix", "run-batch", "run"}:
+        # Built even for the end-to-end parts alone: its scheduler limits are theirs too.
+        contenders, result["prefix"], result["engine"] = _shared_engine_parts(
+            config, model, parts, workdir, say)
+    if parts & {"run-batch", "run"}:
+        contenders.update(_end_to_end(config, model, parts, workdir,
+                                      EngineLimits(**result["engine"]["limits"]), say))
+    result["contenders"] = {key: c.summary() for key, c in contenders.items()}
+    if "overhead" in parts:
+        result["overhead"] = _overhead(config, model, workdir, say)
+    add_ratios_and_targets(result)
+    result["seconds"] = time.perf_counter() - began
+    return result
+
+
+def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workdir: Path,
+                         say: Say) -> tuple[dict[str, Contender], dict | None, dict]:
+    """The in-process contenders and the prefix part, on one engine started here."""
+    from batchllm.bench.contenders import (Prompts, bench_settings, job_spec, run_generate,
+                                           run_job_phase)
+    from batchllm.bench.workload import write_openai_chat
+    from batchllm.worker.engines import EngineCache
+
+    workload = config.workload
+    # Every timed run gets its own variant (distinct prompts); these are all that will run.
+    engine_variants = range(_FIRST_VARIANT,
+                            _FIRST_VARIANT + (len(config.batch_sizes) + 2) * config.repeats)
+    prefix_variants = range(2 * config.repeats)
+    planned = [(_WARMUP, 0), (_WARMUP, 1), (workload, _END_TO_END_VARIANT)]
+    if "engine" in parts:
+        planned += [(workload, v) for v in engine_variants]
+    if "prefix" in parts:
+        planned += [(config.prefix_workload, v) for v in prefix_variants]
+    say("sizing the context for every run's requests")
+    max_model_len = size_context(model, planned)
+    spec = job_spec(model, workload, max_model_len)
+    engines = EngineCache()
+    say(f"starting the shared vLLM engine ({model}, max_model_len {max_model_len})")
+    started = time.perf_counter()
+    engine = engines.get(spec, max_model_len)
+    scheduler = engine.engine.vllm_config.scheduler_config
+    info = {"version": engine.version, "hardware": engine.hardware,
+            "start_seconds": time.perf_counter() - started,
+            "limits": asdict(EngineLimits(max_model_len=max_model_len,
+                                          max_num_seqs=scheduler.max_num_seqs,
+                                          max_num_batched_tokens=scheduler.max_num_batched_tokens))}
+    settings = bench_settings(workdir / "home")
+    contenders: dict[str, Contender] = {}
+    prefix = None
+    try:
+        say("warming up (one generate, one job)")
+        run_generate(engine, Prompts(engine, _WARMUP, 0), None)
+        warm = write_openai_chat(workdir / "warmup.jsonl", _WARMUP, 1, model=model)
+        run_job_phase(engines, job_spec(model, _WARMUP, max_model_len), warm, settings)
+        if "engine" in parts:
+            contenders = _in_process(config, engines, spec, settings, workdir, model,
+                                     iter(engine_variants), say)
+        if "prefix" in parts:
+            from batchllm.bench.prefix import run_prefix
+
+            sides = run_prefix(engines, model=model, workload=config.prefix_workload,
+                               max_model_len=max_model_len, settings=settings, workdir=workdir,
+                               repeats=config.repeats, variants=iter(prefix_variants),
+                               say=say)
+            prefix = {"workload": asdict(config.prefix_workload),
+                      **{key: c.summary() for key, c in sides.items()}}
+    finally:
+        engines.close()
+    return contenders, prefix, info
+
+
+def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
+                limits: EngineLimits, say: Say) -> dict[str, Contender]:
+    from batchllm.bench.processes import run_batchllm, run_vllm_batch
+    from batchllm.bench.workload import write_openai_chat
+
+    workload = config.workload
+    # One file for both: each process starts its own engine, with an empty prefix cache.
+    source = write_openai_chat(workdir / "end-to-end.jsonl", workload, _END_TO_END_VARIANT,
+                               model=model)
+    steps = []
+    if "run-batch" in parts:
+        steps.append((Contender("vllm_run_batch", "vllm run-batch (end to end)", end_to_end=True),
+                      lambda: run_vllm_batch(source, workdir, model=model, limits=limits)))
+    if "run" in parts:
+        steps.append((Contender("batchllm_run", "batchllm run (end to end)", end_to_end=True),
+                      lambda: run_batchllm(source, workdir, model=model, limits=limits,
+                                           max_tokens=workload.max_output)))
+    for repeat in range(config.process_repeats):
+        for contender, go in steps:
+            run = go()
+            contender.runs.append(run)
+            say(f"[end to end] {contender.label}, repeat {repeat + 1}/{config.process_repeats}: "
+                f"{run.seconds:.1f} s wall, {run.output_tokens / run.generation_seconds:,.0f} "
+                "output tokens/s generating")
+    return {contender.key: contender for contender, _ in steps}
+
+
+def _in_process(config: BenchConfig, engines, spec, settings, workdir: Path, model: str,
+                variants: Iterator[int], say: Say) -> dict[str, Contender]:
+    """Raw vLLM, fixed batches and batchllm's engine phase, taking turns repeat by repeat."""
+    from batchllm.bench.contenders import Prompts, run_generate, run_job_phase
+    from batchllm.bench.workload import write_openai_chat
+
+    engine = engines.engine
+    workload = config.workload
+    raw = Contender("vllm_generate", "raw vLLM: one generate call")
+    batches = {size: Contender(f"vllm_batches_{size}", f"vLLM: fixed batches of {size}")
+               for size in config.batch_sizes}
+    job = Contender("batchllm_engine", "batchllm: job engine phase")
+
+    def generate(batch: int | None):
+        def go(variant: int):
+            return run_generate(engine, Prompts(engine, workload, variant), batch)
+        return go
+
+    def run_job(variant: int):
+        source = write_openai_chat(workdir / f"job-{variant}.jsonl", workload, variant,
+                                   model=model)
+        try:
+            return run_job_phase(engines, spec, source, settings)
+        finally:
+            source.unlink()
+
+    order = [(raw, generate(None)), *((c, generate(s)) for s, c in batches.items()),
+             (job, run_job)]
+    for repeat in range(config.repeats):
+        for contender, go in order:
+            run = go(next(variants))
+            contender.runs.append(run)
+            say(f"[engine] {contender.label}, repeat {repeat + 1}/{config.repeats}: "
+                f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)")
+    return {contender.key: contender for contender, _ in order}
+
+
+def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    from batchllm.bench.overhead import run_size
+
+    sizes = []
+    for lines in config.overhead_lines:
+        say(f"[overhead] {lines:,} lines on the instant engine")
+        figures = run_size(lines, workdir, model=model, prompt_words=config.prompt_words,
+                           output_tokens=config.output_tokens)
+        say(f"[overhead] {lines:,} lines: {figures['own_rows_per_s']:,.0f} rows/s own work, "
+            f"{figures['rows_per_s']:,.0f} with tokenization and sizing, peak RSS "
+            f"{figures['peak_rss_bytes'] / 2**20:,.0f} MiB")
+        sizes.append(figures)
+    return {"sizes": sizes}
+
+
+def _config_dict(config: BenchConfig, model: str) -> dict[str, Any]:
+    from batchllm import __version__
+
+    data = asdict(config)
+    data.update(output=str(config.output), model=model, batchllm_version=__version__,
+                python=platform.python_version(), machine=platform.machine(),
+                cpu_count=os.cpu_count(),
+                kv_cache_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+    return data
+
+
+def write_results(result: dict[str, Any], output: Path) -> tuple[Path, Path]:
+    """bench.json with every figure, bench.png with the chart; returns both paths."""
+    from batchllm.bench.report import draw_chart
+
+    data = output / "bench.json"
+    data.write_text(json.dumps(result, indent=2, sort_keys=True, default=str))
+    return data, draw_chart(result, output / "bench.png")

@@ -1,0 +1,78 @@
+"""Generated benchmark requests with controlled lengths and distinct text.
+
+Lengths (prompt words, output tokens, system prompt choice) come from the workload's seed, so
+every contender gets the same shape of work; the words come from a per-run `variant`, so no run
+finds another run's prompts in vLLM's prefix cache. Outputs run to their exact length
+(`ignore_eos`), so every contender generates the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchllm.jobs.workload import sentence
+
+TEMPERATURE = 1.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_words: tuple[int, int]
+    output_tokens: tuple[int, int]
+    system_prompts: int = 0  # how many distinct shared system prompts; 0 for none
+    system_words: int = 0
+    seed: int = 0
+
+    @property
+    def max_output(self) -> int:
+        return self.output_tokens[1]
+
+
+@dataclass(frozen=True)
+class Request:
+    custom_id: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+
+    def row(self, line: int) -> dict:
+        """The stored input row batchllm's engine path sees for this request."""
+        return {"line": line, "custom_id": self.custom_id, "kind": "chat", "prompt": None,
+                "messages": json.dumps(self.messages), "error": None,
+                "sampling": json.dumps({"max_tokens": self.max_tokens, "ignore_eos": True,
+                                        "temperature": TEMPERATURE})}
+
+
+def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
+    shape = random.Random(workload.seed)
+    words = random.Random(f"{workload.seed}/{variant}")
+    systems = [sentence(words, workload.system_words) for _ in range(workload.system_prompts)]
+    for i in range(workload.requests):
+        prompt_words = shape.randint(*workload.prompt_words)
+        max_tokens = shape.randint(*workload.output_tokens)
+        messages = [{"role": "user", "content": f"{i}: {sentence(words, prompt_words)}"}]
+        if systems:
+            system = systems[shape.randrange(len(systems))]
+            messages.insert(0, {"role": "system", "content": system})
+        yield Request(custom_id=f"req-{i}", messages=messages, max_tokens=max_tokens)
+
+
+def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: str) -> Path:
+    """The requests as OpenAI batch lines, the one form `vllm run-batch` and batchllm share."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for request in iter_requests(workload, variant):
+            body = {"model": model, "messages": request.messages,
+                    "max_tokens": request.max_tokens, "temperature": TEMPERATURE,
+                    "ignore_eos": True}
+            out.write(json.dumps({"custom_id": request.custom_id, "method": "POST",
+                                  "url": "/v1/chat/completions", "body": body}) + "\n")
+    return path
+
+
+def stored_rows(workload: Workload, variant: int) -> list[dict]:
+    return [r.row(line) for line, r in enumerate(iter_requests(workload, variant), start=1)]

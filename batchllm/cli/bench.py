@@ -1,0 +1,104 @@
+"""`batchllm bench`: batchllm against raw vLLM, fixed batches and `vllm run-batch`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from batchllm.bench.suite import PARTS
+from batchllm.cli import cli
+
+
+class _Range(click.ParamType):
+    """`LO-HI`, or one number for a fixed value."""
+
+    name = "LO-HI"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        low, _, high = str(value).partition("-")
+        try:
+            bounds = (int(low), int(high or low))
+        except ValueError:
+            self.fail(f"{value!r} is not a number or a LO-HI range", param, ctx)
+        if not 1 <= bounds[0] <= bounds[1]:
+            self.fail(f"{value!r}: need 1 <= LO <= HI", param, ctx)
+        return bounds
+
+
+class _Numbers(click.ParamType):
+    """A comma-separated list of positive integers, e.g. 10000,100000."""
+
+    name = "N[,N...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            numbers = tuple(int(v.replace("_", "")) for v in str(value).split(",") if v)
+        except ValueError:
+            self.fail(f"{value!r} is not a list of numbers", param, ctx)
+        if not numbers or min(numbers) < 1:
+            self.fail(f"{value!r}: need positive numbers", param, ctx)
+        return numbers
+
+
+@cli.command()
+@click.option("--output", "-o", type=click.Path(path_type=Path), default=Path("batchllm-bench"),
+              show_default=True, help="Directory for bench.json, bench.png and the run's logs.")
+@click.option("--model", "-m", default=None,
+              help="Model path or name [default: the tiny demo model, built in OUTPUT/model].")
+@click.option("--requests", "-n", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Requests in the workload every contender runs.")
+@click.option("--prompt-words", type=_Range(), default="8-64", show_default=True,
+              help="Words per prompt, drawn per request.")
+@click.option("--output-tokens", type=_Range(), default="16-128", show_default=True,
+              help="Tokens generated per request (ignore_eos), drawn per request, or fixed.")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed repeats of each in-process contender (median and spread).")
+@click.option("--process-repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Repeats of the end-to-end contenders (each starts its own engine).")
+@click.option("--batch-sizes", type=_Numbers(), default="32,64", show_default=True,
+              help="Fixed batch sizes of the `generate`-per-batch contenders.")
+@click.option("--parts", type=click.Choice(PARTS), multiple=True,
+              help="Run only these parts (repeatable) [default: all].")
+@click.option("--skip", type=click.Choice(PARTS), multiple=True,
+              help="Leave these parts out (repeatable).")
+@click.option("--prefix-requests", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Requests in the prefix-grouping workload.")
+@click.option("--overhead-lines", type=_Numbers(), default="10000,100000", show_default=True,
+              help="File sizes for the overhead part, e.g. 100000,1000000.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[int, int],
+          output_tokens: tuple[int, int], repeats: int, process_repeats: int,
+          batch_sizes: tuple[int, ...], parts: tuple[str, ...], skip: tuple[str, ...],
+          prefix_requests: int, overhead_lines: tuple[int, ...], seed: int) -> None:
+    """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
+    generated workload, in one run; print the table, write OUTPUT/bench.json and bench.png.
+
+    \b
+    Parts: engine (in-process contenders on one shared engine), run-batch and run (end to
+    end, each its own process), prefix (prefix grouping on/off), overhead (everything but
+    generation, on an instant engine). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on
+    CPU machines.
+    """
+    from batchllm.bench.report import summary_text
+    from batchllm.bench.suite import BenchConfig, run_bench, write_results
+
+    # vLLM's INFO lines would bury the progress lines; set VLLM_LOGGING_LEVEL to see them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    chosen = tuple(p for p in (parts or PARTS) if p not in skip)
+    if not chosen:
+        raise click.BadParameter("every part is skipped", param_hint="--skip")
+    config = BenchConfig(output=output, model=model, requests=requests,
+                         prompt_words=prompt_words, output_tokens=output_tokens,
+                         repeats=repeats, process_repeats=process_repeats,
+                         batch_sizes=batch_sizes, parts=chosen, prefix_requests=prefix_requests,
+                         overhead_lines=overhead_lines, seed=seed)
+    result = run_bench(config, say=lambda line: click.echo(line, err=True))
+    data, chart = write_results(result, output)
+    click.echo(summary_text(result))
+    click.echo(f"\nfigures: {data}\nchart:   {chart}")
