@@ -21,6 +21,9 @@ from pathlib import Path
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
 
+# vLLM at INFO in both contenders: run-batch's markers are INFO lines, and both logs then show
+# the same engine start-up timeline.
+_LOG_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"}
 _RUN_BATCH_STARTS = "Reading batch from"
 _RUN_BATCH_ENDS = "Writing outputs to"
 
@@ -77,10 +80,8 @@ def run_vllm_batch(source: Path, workdir: Path, *, model: str, limits: EngineLim
     output = workdir / "run-batch-output.jsonl"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source),
                "-o", str(output), "--model", model, "--disable-log-stats", *limits.flags()]
-    # The markers are INFO lines: keep them even when the bench quiets vLLM's logs.
     done = _timed(command, log_path=workdir / "run-batch.log",
-                  markers=(_RUN_BATCH_STARTS, _RUN_BATCH_ENDS),
-                  env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
+                  markers=(_RUN_BATCH_STARTS, _RUN_BATCH_ENDS), env={**os.environ, **_LOG_ENV})
     requests = failed = prompt = completion = 0
     with output.open() as lines:
         for line in lines:
@@ -113,7 +114,7 @@ def run_batchllm(source: Path, workdir: Path, *, model: str, limits: EngineLimit
     # Only the home: a user's BATCHLLM_DATABASE_URL or BATCHLLM_STORAGE must not be used.
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
     done = _timed(command, log_path=workdir / "batchllm-run.log",
-                  env={**env, "BATCHLLM_HOME": str(home)})
+                  env={**env, **_LOG_ENV, "BATCHLLM_HOME": str(home)})
     with session_scope(bench_settings(home)) as session:
         (job,) = service.list_jobs(session, limit=1)
     return Run(seconds=done.seconds, requests=job.request_completed + job.request_failed,

@@ -96,6 +96,8 @@ def summary_text(result: dict[str, Any]) -> str:
         parts.append("medians of the repeats; spread: half the min-max range of output tok/s; "
                      "end-to-end rows include engine start-up in wall time, 'generating' is "
                      "their throughput once the engine is up")
+    for key, reason in result.get("skipped", {}).items():
+        parts.append(f"skipped {key}: {reason}")
     prefix = result.get("prefix")
     if prefix:
         workload = prefix["workload"]

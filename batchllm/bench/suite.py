@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.bench.figures import Contender
+from batchllm.bench.figures import BenchFailed, Contender
 from batchllm.bench.processes import EngineLimits
 from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
@@ -95,7 +95,8 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
             config, model, parts, workdir, say)
     if parts & {"run-batch", "run"}:
         contenders.update(_end_to_end(config, model, parts, workdir,
-                                      EngineLimits(**result["engine"]["limits"]), say))
+                                      EngineLimits(**result["engine"]["limits"]),
+                                      result.setdefault("skipped", {}), say))
     result["contenders"] = {key: c.summary() for key, c in contenders.items()}
     if "overhead" in parts:
         result["overhead"] = _overhead(config, model, workdir, say)
@@ -161,7 +162,9 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
 
 
 def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
-                limits: EngineLimits, say: Say) -> dict[str, Contender]:
+                limits: EngineLimits, skipped: dict[str, str], say: Say) -> dict[str, Contender]:
+    """`vllm run-batch` and `batchllm run` as processes. run-batch is a peer that may not run
+    here (a vLLM without it, a model it refuses): then it is reported as skipped."""
     from batchllm.bench.processes import run_batchllm, run_vllm_batch
     from batchllm.bench.workload import write_openai_chat
 
@@ -179,12 +182,22 @@ def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
                                            max_tokens=workload.max_output)))
     for repeat in range(config.process_repeats):
         for contender, go in steps:
-            run = go()
+            if contender.key in skipped:
+                continue
+            try:
+                run = go()
+            except BenchFailed as exc:
+                if contender.key != "vllm_run_batch":
+                    raise
+                skipped[contender.key] = str(exc)
+                say(f"[end to end] {contender.label} did not run: {exc}")
+                continue
             contender.runs.append(run)
             say(f"[end to end] {contender.label}, repeat {repeat + 1}/{config.process_repeats}: "
-                f"{run.seconds:.1f} s wall, {run.output_tokens / run.generation_seconds:,.0f} "
+                f"{run.seconds:.1f} s wall, "
+                f"{run.output_tokens / (run.generation_seconds or run.seconds):,.0f} "
                 "output tokens/s generating")
-    return {contender.key: contender for contender, _ in steps}
+    return {contender.key: contender for contender, _ in steps if contender.runs}
 
 
 def _in_process(config: BenchConfig, engines, spec, settings, workdir: Path, model: str,
