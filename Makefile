@@ -36,7 +36,8 @@ test-unit: install
 	$(BIN)/python -m pytest tests/unit
 
 bench: install
-	$(BIN)/batchllm bench --output $(DEMO)/bench
+	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
+	$(BIN)/batchllm bench --model $(DEMO)/model --output $(DEMO)/bench
 
 clean:
 	rm -rf $(VENV) $(DEMO)
