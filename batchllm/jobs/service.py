@@ -184,6 +184,13 @@ def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int,
         engine_seconds=Job.engine_seconds + engine_seconds))
 
 
+def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
+    """Hand a running shard back (warm shutdown) so its next delivery can claim it at once."""
+    return bool(session.execute(update(Shard).where(
+        Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING)
+        .values(status=ShardStatus.QUEUED)).rowcount)
+
+
 def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
     """Put back running shards whose worker stopped heartbeating (killed, node lost).
 

@@ -258,6 +258,8 @@ class ShardRunner:
             for state in list(self._active):
                 self._abort(state)
                 if self._commit(state):
+                    with session_scope(self.settings) as session:
+                        service.release_shard(session, state.shard_id, state.attempt)
                     self._active.remove(state)
                     self._outcomes[state.shard_id] = Outcome.INTERRUPTED
             return

@@ -403,3 +403,45 @@ def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
         assert {s.status for s in shards} == {ShardStatus.CANCELLED}
+
+
+def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shard_exactly_once(
+        small_commits, tmp_path, monkeypatch):
+    """The worker path (process_shard): a stop request mid-shard aborts in-flight requests,
+    keeps the committed rows and leaves the shard to the next delivery, which runs the rest."""
+    from batchllm.worker.shard_task import process_shard
+
+    settings = small_commits
+    settings.shard_size = 40
+    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    source = write_items(tmp_path / "in.jsonl", 40)
+    created = service.create_job(source, make_spec(), shard_size=40, settings=settings)
+    with session_scope(settings) as session:
+        shard_id = session.get(Job, created.job.id).shards[0].id
+        session.execute(update(Job).where(Job.id == created.job.id).values(max_model_len=64))
+    stop = {"now": False}
+    first = FakeEngine(on_step=lambda n: stop.update(now=n >= 8))
+
+    outcome = process_shard(shard_id, worker="w1", engines=FakeEngines(first),
+                            should_stop=lambda: stop["now"], settings=settings)
+
+    assert outcome is Outcome.INTERRUPTED
+    assert first.aborted and not first.has_unfinished()
+    kept = output_rows(settings, created.job.id)
+    assert 0 < len(kept) < 40
+    with session_scope(settings) as session:
+        # Handed back, not held: the re-queued task can run at once on another worker.
+        assert session.get(Shard, shard_id).status is ShardStatus.QUEUED
+        assert session.get(Job, created.job.id).status is JobStatus.IN_PROGRESS
+
+    second = FakeEngine()
+    assert process_shard(shard_id, worker="w2", engines=FakeEngines(second),
+                         settings=settings) is Outcome.COMPLETED
+
+    rows = output_rows(settings, created.job.id)
+    assert sorted(r["line"] for r in rows) == list(range(1, 41))
+    assert len(second.prompts_added) == 40 - len(kept)
+    with session_scope(settings) as session:
+        job = session.get(Job, created.job.id)
+        assert job.status is JobStatus.COMPLETED
+        assert job.request_completed == 40
