@@ -30,16 +30,18 @@ _RUN_BATCH_ENDS = "Writing outputs to"
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The scheduler limits every contender runs with (run-batch's own defaults differ)."""
+    """The engine settings every contender runs with (run-batch's own defaults differ): the
+    shared engine's scheduler limits and the dtype it resolved `auto` to."""
 
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    dtype: str
 
     def flags(self) -> list[str]:
         return ["--max-model-len", str(self.max_model_len), "--max-num-seqs",
                 str(self.max_num_seqs), "--max-num-batched-tokens",
-                str(self.max_num_batched_tokens)]
+                str(self.max_num_batched_tokens), "--dtype", self.dtype]
 
 
 @dataclass

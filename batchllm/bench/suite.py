@@ -135,7 +135,8 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
             "start_seconds": time.perf_counter() - started,
             "limits": asdict(EngineLimits(max_model_len=max_model_len,
                                           max_num_seqs=scheduler.max_num_seqs,
-                                          max_num_batched_tokens=scheduler.max_num_batched_tokens))}
+                                          max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                                          dtype=engine.dtype))}
     settings = bench_settings(workdir / "home")
     contenders: dict[str, Contender] = {}
     prefix = None

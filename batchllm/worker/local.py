@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,14 +30,18 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
     """
     settings = settings or get_settings()
     storage = Storage(settings.resolved_storage)
-    created = service.create_job(source, spec, shard_size=settings.shard_size, strict=strict,
-                                 settings=settings)
-    job_id = created.job.id
-    if on_created:
-        on_created(created.job)
     own_engines = engines is None
     engines = engines or EngineCache()
     try:
+        job_id, engine_error = _create(source, spec, strict=strict, settings=settings,
+                                       engines=engines, on_created=on_created)
+    except BaseException:
+        if own_engines:
+            engines.close()
+        raise
+    try:
+        if engine_error is not None:
+            raise engine_error
         max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
         engine = engines.get(spec, max_model_len)
         runner = ShardRunner(engine, worker=f"local@{socket.gethostname()}", settings=settings,
@@ -45,16 +50,66 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
             shard_ids = [s.id for s in session.get(Job, job_id).shards]
         runner.run(shard_ids)
     except BaseException as exc:
-        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-        with session_scope(settings) as session:
-            service.fail_job(session, job_id, reason)
+        _fail(job_id, exc, settings)
         if isinstance(exc, BatchLLMError) or not isinstance(exc, Exception):
             raise
         log.debug("job %s failed", job_id, exc_info=True)
-        raise BatchLLMError(f"job {job_id} failed ({reason}); rows finished before the "
+        raise BatchLLMError(f"job {job_id} failed ({_reason(exc)}); rows finished before the "
                             f"failure are kept in its output") from exc
     finally:
         if own_engines:
             engines.close()
     with session_scope(settings) as session:
         return session.get(Job, job_id)
+
+
+def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settings,
+            engines: EngineCache, on_created: Callable[[Job], None] | None,
+            ) -> tuple[str, BaseException | None]:
+    """Create the job; when the context length is given, start the engine meanwhile.
+    Returns the job id and the engine start's error, if it failed after the job was created.
+
+    Starting the engine (~20-30 s on the tiny model, minutes for a large one) and validating and
+    storing the file need nothing from each other once max_model_len is known, so they overlap:
+    the engine is built on this (main) thread, where vLLM may install signal handlers, while
+    a helper thread creates the job. Not under --strict: a refused file should be reported at
+    once, not after an engine start it did not need.
+    """
+    def create() -> str:
+        created = service.create_job(source, spec, shard_size=settings.shard_size,
+                                     strict=strict, settings=settings)
+        if on_created:
+            on_created(created.job)
+        return created.job.id
+
+    early = spec.engine.max_model_len
+    if not early or strict or not Path(source).is_file():
+        return create(), None
+    outcome: dict[str, object] = {}
+
+    def create_in_thread() -> None:
+        try:
+            outcome["job_id"] = create()
+        except BaseException as exc:  # re-raised on the main thread
+            outcome["error"] = exc
+
+    helper = threading.Thread(target=create_in_thread, name="batchllm-create-job")
+    helper.start()
+    engine_error: BaseException | None = None
+    try:
+        engines.get(spec, early)
+    except BaseException as exc:
+        engine_error = exc
+    helper.join()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return str(outcome["job_id"]), engine_error
+
+
+def _reason(exc: BaseException) -> str:
+    return "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
+def _fail(job_id: str, exc: BaseException, settings: Settings) -> None:
+    with session_scope(settings) as session:
+        service.fail_job(session, job_id, _reason(exc))

@@ -7,6 +7,7 @@ import collections
 import json
 import posixpath
 import shutil
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from sqlalchemy import update
 
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.vllm_engine import Finished
+from batchllm.errors import EngineUnavailable, InputError
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
@@ -261,6 +263,64 @@ def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small
         shards = session.get(Job, job.id).shards
         assert [s.status for s in shards] == [ShardStatus.COMPLETED] * 3
         assert [s.rows_ok + s.rows_failed for s in shards] == [12, 12, 7]
+
+
+class StartingEngines(FakeEngines):
+    """An engine start that signals when it begins and can fail."""
+
+    def __init__(self, engine: FakeEngine, *, fail: str | None = None) -> None:
+        super().__init__(engine)
+        self.starting = threading.Event()
+        self.fail = fail
+
+    def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
+        self.starting.set()
+        if self.fail:
+            raise EngineUnavailable(self.fail)
+        return super().get(spec, max_model_len)
+
+
+def test_with_a_given_context_length_the_engine_starts_while_the_file_is_validated(
+        small_commits, tmp_path):
+    source = write_items(tmp_path / "in.jsonl", 20)
+    engines = StartingEngines(FakeEngine())
+    engine_started_before_job_was_stored = []
+
+    def created(job) -> None:
+        engine_started_before_job_was_stored.append(engines.starting.wait(timeout=10))
+
+    job = run_job(source, make_spec(), settings=small_commits, engines=engines,
+                  on_created=created)
+
+    assert engine_started_before_job_was_stored == [True]
+    assert job.status is JobStatus.COMPLETED
+    assert len(output_rows(small_commits, job.id)) == 20
+
+
+def test_under_strict_a_refused_file_is_reported_without_starting_the_engine(
+        small_commits, tmp_path):
+    source = write_items(tmp_path / "in.jsonl", 3, extra=["{broken json"])
+    engines = StartingEngines(FakeEngine())
+
+    with pytest.raises(InputError, match=r"in.jsonl:4: malformed JSON"):
+        run_job(source, make_spec(), strict=True, settings=small_commits, engines=engines)
+
+    assert not engines.starting.is_set()
+
+
+def test_an_engine_that_fails_to_start_fails_the_job_created_meanwhile(small_commits,
+                                                                       tmp_path):
+    source = write_items(tmp_path / "in.jsonl", 5)
+    engines = StartingEngines(FakeEngine(), fail="no such model")
+
+    with pytest.raises(EngineUnavailable, match="no such model"):
+        run_job(source, make_spec(), settings=small_commits, engines=engines)
+
+    with session_scope(small_commits) as session:
+        (job,) = service.list_jobs(session, limit=5)
+        assert job.status is JobStatus.FAILED
+        assert "no such model" in job.error
+        assert job.request_total == 5
 
 
 def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_path):
