@@ -10,6 +10,8 @@ import time
 
 import click
 
+_MIN_RATE_SECONDS = 1.0
+
 
 class Progress:
     def __init__(self, total: int, label: str = "rows") -> None:
@@ -38,12 +40,14 @@ class Progress:
         if not force and now - self._last_draw < self._interval:
             return
         self._last_draw = now
-        elapsed = max(now - (self.started or now), 1e-9)
+        elapsed = now - (self.started or now)
         pct = 100.0 * self.rows / self.total if self.total else 100.0
-        rate = self.rows / elapsed
-        eta = (self.total - self.rows) / rate if rate > 0 else 0
-        line = (f"{self.rows:,}/{self.total:,} {self.label} ({pct:5.1f}%)  "
-                f"{self.tokens / elapsed:,.0f} out tok/s  eta {eta:,.0f}s")
+        line = f"{self.rows:,}/{self.total:,} {self.label} ({pct:5.1f}%)"
+        # The first rows finish together; a rate over a fraction of a second would be nonsense.
+        if elapsed >= _MIN_RATE_SECONDS:
+            rate = self.rows / elapsed
+            eta = (self.total - self.rows) / rate if rate > 0 else 0
+            line += f"  {self.tokens / elapsed:,.0f} out tok/s  eta {eta:,.0f}s"
         if self._tty:
             click.echo("\r" + line.ljust(78), nl=False, err=True)
         else:

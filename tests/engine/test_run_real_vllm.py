@@ -221,10 +221,20 @@ def test_the_job_row_is_completed_with_throughput_hardware_and_version(mixed_run
     assert job.engine_seconds > 0
     assert 0 < job.wall_seconds < 300
     assert job.hardware.startswith("CPU")
+    assert job.hardware.endswith(f", {engines.engine.dtype}")
     assert job.vllm_version == engines.engine.version
     assert job.vllm_version[0].isdigit()
     assert job.max_model_len == MAX_MODEL_LEN
     assert job.error is None
+
+
+def test_auto_dtype_runs_float32_on_a_cpu_without_native_bfloat16(mixed_run, engines):
+    import torch
+
+    # The demo model's weights are bfloat16: vLLM's own `auto` would keep them so.
+    native_bf16 = torch.cpu._is_avx512_bf16_supported()
+    assert engines.engine.dtype == ("bfloat16" if native_bf16 else "float32")
+    assert engines.engine.engine.model_config.dtype == getattr(torch, engines.engine.dtype)
 
 
 def test_the_output_directory_has_parts_a_manifest_and_success(mixed_run):

@@ -208,3 +208,20 @@ def test_help_of_every_command_loads_neither_vllm_nor_torch():
     )
 
     assert json.loads(run_python(code)) == []
+
+
+def test_the_progress_line_shows_a_rate_only_after_a_second_of_rows(monkeypatch, capsys):
+    from batchllm.cli import progress as progress_module
+
+    clock = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    bar = progress_module.Progress(1000)
+    bar.advance(10, 500)
+    bar.draw(force=True)
+    clock[0] += 2.0
+    bar.advance(90, 9_500)
+    bar.draw(force=True)
+
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines[-2].strip() == "10/1,000 rows (  1.0%)"
+    assert lines[-1].strip() == "100/1,000 rows ( 10.0%)  5,000 out tok/s  eta 18s"
