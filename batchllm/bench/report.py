@@ -81,7 +81,8 @@ def summary_text(result: dict[str, Any]) -> str:
     config = result["config"]
     parts = [f"batchllm bench: {config['requests']:,} requests, prompts "
              f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
-             f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens (ignore_eos), "
+             f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
+             f"({config.get('output_shape', 'uniform')}, ignore_eos), "
              f"model {config['model']}"]
     engine = result.get("engine")
     if engine:

@@ -36,6 +36,7 @@ class BenchConfig:
     requests: int = 1000
     prompt_words: tuple[int, int] = (8, 64)
     output_tokens: tuple[int, int] = (16, 128)
+    output_shape: str = "uniform"
     repeats: int = 3
     process_repeats: int = 1
     batch_sizes: tuple[int, ...] = (32, 64)
@@ -49,7 +50,8 @@ class BenchConfig:
     @property
     def workload(self) -> Workload:
         return Workload(requests=self.requests, prompt_words=self.prompt_words,
-                        output_tokens=self.output_tokens, seed=self.seed)
+                        output_tokens=self.output_tokens, output_shape=self.output_shape,
+                        seed=self.seed)
 
     @property
     def prefix_workload(self) -> Workload:

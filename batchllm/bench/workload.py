@@ -9,6 +9,7 @@ finds another run's prompts in vLLM's prefix cache. Outputs run to their exact l
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from pathlib import Path
 from batchllm.jobs.workload import sentence
 
 TEMPERATURE = 1.0
+# How output lengths are drawn within the range. `uniform`: every length alike. `log-uniform`:
+# long-tailed like real chat traffic (most answers short, a few long; the median is the range's
+# geometric mean), the shape that makes fixed batches wait on their longest request.
+OUTPUT_SHAPES = ("uniform", "log-uniform")
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class Workload:
     requests: int
     prompt_words: tuple[int, int]
     output_tokens: tuple[int, int]
+    output_shape: str = "uniform"
     system_prompts: int = 0  # how many distinct shared system prompts; 0 for none
     system_words: int = 0
     seed: int = 0
@@ -31,6 +37,12 @@ class Workload:
     @property
     def max_output(self) -> int:
         return self.output_tokens[1]
+
+    def draw_output(self, shape: random.Random) -> int:
+        low, high = self.output_tokens
+        if self.output_shape == "log-uniform":
+            return min(high, int(math.exp(shape.uniform(math.log(low), math.log(high + 1)))))
+        return shape.randint(low, high)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
     systems = [sentence(words, workload.system_words) for _ in range(workload.system_prompts)]
     for i in range(workload.requests):
         prompt_words = shape.randint(*workload.prompt_words)
-        max_tokens = shape.randint(*workload.output_tokens)
+        max_tokens = workload.draw_output(shape)
         messages = [{"role": "user", "content": f"{i}: {sentence(words, prompt_words)}"}]
         if systems:
             system = systems[shape.randrange(len(systems))]

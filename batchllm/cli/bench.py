@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from batchllm.bench.suite import PARTS
+from batchllm.bench.workload import OUTPUT_SHAPES
 from batchllm.cli import cli
 
 
@@ -57,6 +58,10 @@ class _Numbers(click.ParamType):
               help="Words per prompt, drawn per request.")
 @click.option("--output-tokens", type=_Range(), default="16-128", show_default=True,
               help="Tokens generated per request (ignore_eos), drawn per request, or fixed.")
+@click.option("--output-shape", type=click.Choice(OUTPUT_SHAPES), default="uniform",
+              show_default=True,
+              help="How output lengths spread over the range: log-uniform is long-tailed, like "
+                   "real chat answers.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed repeats of each in-process contender (median and spread).")
 @click.option("--process-repeats", type=click.IntRange(min=1), default=1, show_default=True,
@@ -73,7 +78,7 @@ class _Numbers(click.ParamType):
               help="File sizes for the overhead part, e.g. 100000,1000000.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[int, int],
-          output_tokens: tuple[int, int], repeats: int, process_repeats: int,
+          output_tokens: tuple[int, int], output_shape: str, repeats: int, process_repeats: int,
           batch_sizes: tuple[int, ...], parts: tuple[str, ...], skip: tuple[str, ...],
           prefix_requests: int, overhead_lines: tuple[int, ...], seed: int) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
@@ -95,6 +100,7 @@ def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[in
         raise click.BadParameter("every part is skipped", param_hint="--skip")
     config = BenchConfig(output=output, model=model, requests=requests,
                          prompt_words=prompt_words, output_tokens=output_tokens,
+                         output_shape=output_shape,
                          repeats=repeats, process_repeats=process_repeats,
                          batch_sizes=batch_sizes, parts=chosen, prefix_requests=prefix_requests,
                          overhead_lines=overhead_lines, seed=seed)
