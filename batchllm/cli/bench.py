@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from batchllm.bench.suite import PARTS
+from batchllm.bench.suite import PARTS, BenchConfig
 from batchllm.bench.workload import OUTPUT_SHAPES
 from batchllm.cli import cli
 
@@ -52,7 +52,8 @@ class _Numbers(click.ParamType):
               show_default=True, help="Directory for bench.json, bench.png and the run's logs.")
 @click.option("--model", "-m", default=None,
               help="Model path or name [default: the tiny demo model, built in OUTPUT/model].")
-@click.option("--requests", "-n", type=click.IntRange(min=1), default=1000, show_default=True,
+@click.option("--requests", "-n", type=click.IntRange(min=1), default=BenchConfig.requests,
+              show_default=True,
               help="Requests in the workload every contender runs.")
 @click.option("--prompt-words", type=_Range(), default="8-64", show_default=True,
               help="Words per prompt, drawn per request.")
@@ -72,7 +73,8 @@ class _Numbers(click.ParamType):
               help="Run only these parts (repeatable) [default: all].")
 @click.option("--skip", type=click.Choice(PARTS), multiple=True,
               help="Leave these parts out (repeatable).")
-@click.option("--prefix-requests", type=click.IntRange(min=1), default=1000, show_default=True,
+@click.option("--prefix-requests", type=click.IntRange(min=1),
+              default=BenchConfig.prefix_requests, show_default=True,
               help="Requests in the prefix-grouping workload.")
 @click.option("--overhead-lines", type=_Numbers(), default="10000,100000", show_default=True,
               help="File sizes for the overhead part, e.g. 100000,1000000.")
