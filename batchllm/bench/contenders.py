@@ -19,13 +19,20 @@ from batchllm.worker.engines import EngineCache
 
 
 def job_spec(model: str, workload: Workload, max_model_len: int, *,
-             group_prefixes: bool = True) -> JobSpec:
+             group_prefixes: bool = True, kv_cache_bytes: int | None = None) -> JobSpec:
     """Job defaults equal to what every request line asks for, so the lines decide nothing."""
     return JobSpec(model=model,
                    sampling=SamplingDefaults(max_tokens=workload.max_output,
                                              temperature=TEMPERATURE, ignore_eos=True),
                    engine=EngineOptions(max_model_len=max_model_len,
-                                        group_prefixes=group_prefixes))
+                                        group_prefixes=group_prefixes,
+                                        kv_cache_memory_bytes=kv_cache_bytes))
+
+
+def kv_cache_tokens(engine) -> int:
+    """How many tokens the engine's KV cache holds, as vLLM allocated it."""
+    cache = engine.engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
 
 
 def bench_settings(home: Path) -> Settings:

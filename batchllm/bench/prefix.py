@@ -1,10 +1,10 @@
 """Prefix grouping measured: the same job path with and without `group_prefixes`.
 
-The workload has a few long system prompts shared by many requests, in random order. vLLM's
-prefix cache serves the shared blocks either way once they are computed; grouping makes the
-requests that run side by side share one prefix, which the engine reads from cache-friendly
-memory (and, on GPUs, can run as cascade attention). Each run gets its own system prompts, so
-no run is served from an earlier run's cache.
+The workload has long system prompts shared by many requests, in random order. vLLM's prefix
+cache serves a shared prefix either way while it stays cached; grouping pays when the distinct
+prefixes do not all stay cached (many of them, a KV cache full of running requests): in file
+order a prefix is evicted and recomputed between its uses, grouped it is computed about once.
+Each run gets its own system prompts, so no run is served from an earlier run's cache.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from batchllm.settings import Settings
 
 def run_prefix(engines, *, model: str, workload: Workload, max_model_len: int,
                settings: Settings, workdir: Path, repeats: int, variants: Iterator[int],
-               say) -> dict[str, Contender]:
+               kv_cache_bytes: int | None, say) -> dict[str, Contender]:
+    """Both sides on one engine: the shared one, or with `kv_cache_bytes` an engine of its own
+    whose small KV cache puts the prefix cache under the pressure a GPU's has."""
     sides = {
         "file_order": (Contender("file_order", "file order (--no-group-prefixes)"), False),
         "grouped": (Contender("grouped", "prefix-grouped (default)"), True),
@@ -30,7 +32,8 @@ def run_prefix(engines, *, model: str, workload: Workload, max_model_len: int,
             variant = next(variants)
             source = write_openai_chat(workdir / f"prefix-{variant}.jsonl", workload, variant,
                                        model=model)
-            spec = job_spec(model, workload, max_model_len, group_prefixes=grouped)
+            spec = job_spec(model, workload, max_model_len, group_prefixes=grouped,
+                            kv_cache_bytes=kv_cache_bytes)
             run = run_job_phase(engines, spec, source, settings)
             source.unlink()
             contender.runs.append(run)

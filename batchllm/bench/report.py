@@ -105,7 +105,9 @@ def summary_text(result: dict[str, Any]) -> str:
         parts.append("")
         parts.append(f"prefix grouping: {workload['requests']:,} requests sharing "
                      f"{workload['system_prompts']} system prompts of {workload['system_words']} "
-                     "words, in random order")
+                     "words, in random order, "
+                     + (f"on an engine with a {prefix['kv_cache_mib']} MiB KV cache"
+                        if prefix.get("kv_cache_mib") else "on the shared engine"))
         for key in ("file_order", "grouped"):
             figures = prefix[key]
             parts.append(f"  {figures['label']:<36} "

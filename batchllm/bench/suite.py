@@ -45,6 +45,7 @@ class BenchConfig:
     prefix_requests: int = 400
     prefix_system_prompts: int = 4
     prefix_system_words: int = 250
+    prefix_kv_cache_mib: int | None = None  # None: the shared engine's KV cache
     overhead_lines: tuple[int, ...] = (10_000, 100_000)
     seed: int = 0
 
@@ -111,8 +112,8 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
 def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workdir: Path,
                          say: Say) -> tuple[dict[str, Contender], dict | None, dict]:
     """The in-process contenders and the prefix part, on one engine started here."""
-    from batchllm.bench.contenders import (Prompts, bench_settings, job_spec, run_generate,
-                                           run_job_phase)
+    from batchllm.bench.contenders import (Prompts, bench_settings, job_spec, kv_cache_tokens,
+                                           run_generate, run_job_phase)
     from batchllm.bench.workload import write_openai_chat
     from batchllm.worker.engines import EngineCache
 
@@ -136,6 +137,7 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
     scheduler = engine.engine.vllm_config.scheduler_config
     info = {"version": engine.version, "hardware": engine.hardware,
             "start_seconds": time.perf_counter() - started,
+            "kv_cache_tokens": kv_cache_tokens(engine),
             "limits": asdict(EngineLimits(max_model_len=max_model_len,
                                           max_num_seqs=scheduler.max_num_seqs,
                                           max_num_batched_tokens=scheduler.max_num_batched_tokens,
@@ -157,8 +159,11 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
             sides = run_prefix(engines, model=model, workload=config.prefix_workload,
                                max_model_len=max_model_len, settings=settings, workdir=workdir,
                                repeats=config.repeats, variants=iter(prefix_variants),
+                               kv_cache_bytes=(config.prefix_kv_cache_mib or 0) * 2**20 or None,
                                say=say)
             prefix = {"workload": asdict(config.prefix_workload),
+                      "kv_cache_mib": config.prefix_kv_cache_mib,
+                      "kv_cache_tokens": kv_cache_tokens(engines.engine),
                       **{key: c.summary() for key, c in sides.items()}}
     finally:
         engines.close()

@@ -76,13 +76,21 @@ class _Numbers(click.ParamType):
 @click.option("--prefix-requests", type=click.IntRange(min=1),
               default=BenchConfig.prefix_requests, show_default=True,
               help="Requests in the prefix-grouping workload.")
+@click.option("--prefix-system-prompts", type=click.IntRange(min=1),
+              default=BenchConfig.prefix_system_prompts, show_default=True,
+              help="Distinct shared system prompts (of 250 words) in the prefix workload.")
+@click.option("--prefix-kv-cache-mib", type=click.IntRange(min=1), default=None,
+              help="Run the prefix part on its own engine with this KV cache, small enough that "
+                   "not every prefix stays cached (as on a busy GPU) [default: the shared "
+                   "engine's].")
 @click.option("--overhead-lines", type=_Numbers(), default="10000,100000", show_default=True,
               help="File sizes for the overhead part, e.g. 100000,1000000.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[int, int],
           output_tokens: tuple[int, int], output_shape: str, repeats: int, process_repeats: int,
           batch_sizes: tuple[int, ...], parts: tuple[str, ...], skip: tuple[str, ...],
-          prefix_requests: int, overhead_lines: tuple[int, ...], seed: int) -> None:
+          prefix_requests: int, prefix_system_prompts: int, prefix_kv_cache_mib: int | None,
+          overhead_lines: tuple[int, ...], seed: int) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
     generated workload, in one run; print the table, write OUTPUT/bench.json and bench.png.
 
@@ -105,6 +113,8 @@ def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[in
                          output_shape=output_shape,
                          repeats=repeats, process_repeats=process_repeats,
                          batch_sizes=batch_sizes, parts=chosen, prefix_requests=prefix_requests,
+                         prefix_system_prompts=prefix_system_prompts,
+                         prefix_kv_cache_mib=prefix_kv_cache_mib,
                          overhead_lines=overhead_lines, seed=seed)
     result = run_bench(config, say=lambda line: click.echo(line, err=True))
     data, chart = write_results(result, output)

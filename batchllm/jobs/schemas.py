@@ -68,6 +68,10 @@ class EngineOptions(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per engine.")
     enable_prefix_caching: bool | None = Field(default=None, description="vLLM default: on.")
     enforce_eager: bool = Field(default=False, description="Skip CUDA graph capture.")
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, ge=1,
+        description="KV cache size in bytes. Default: vLLM's (a share of GPU memory; on CPUs "
+        "VLLM_CPU_KVCACHE_SPACE GiB).")
     group_prefixes: bool = Field(
         default=True,
         description="Run requests that share a prompt prefix next to each other so the prefix "

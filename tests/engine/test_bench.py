@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40
 OUTPUT_TOKENS = (4, 24)
 OVERHEAD_LINES = 600
+PREFIX_KV_CACHE_MIB = 64
 IN_PROCESS = {"vllm_generate", "vllm_batches_32", "vllm_batches_64", "batchllm_engine"}
 END_TO_END = {"vllm_run_batch", "batchllm_run"}
 
@@ -39,7 +40,8 @@ def bench(tiny_model, tmp_path_factory) -> tuple[dict, Path, str]:
         [sys.executable, "-m", "batchllm", "bench", "--output", str(out), "--model",
          str(tiny_model), "--requests", str(REQUESTS), "--output-tokens",
          f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]}", "--repeats", "1", "--prefix-requests",
-         str(REQUESTS), "--overhead-lines", str(OVERHEAD_LINES)],
+         str(REQUESTS), "--prefix-kv-cache-mib", str(PREFIX_KV_CACHE_MIB),
+         "--overhead-lines", str(OVERHEAD_LINES)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads((out / "bench.json").read_text()), out, done.stdout
@@ -93,6 +95,9 @@ def test_prefix_and_overhead_parts_report_their_figures(bench):
         assert prefix[side]["failed"] == 0
         assert prefix[side]["output_tokens_per_s"]["median"] > 0
     assert prefix["gain"] > 0
+    # The prefix part ran on its own engine with the small KV cache it asked for.
+    assert prefix["kv_cache_mib"] == PREFIX_KV_CACHE_MIB
+    assert 0 < prefix["kv_cache_tokens"] < result["engine"]["kv_cache_tokens"]
     (size,) = result["overhead"]["sizes"]
     assert size["lines"] == OVERHEAD_LINES
     assert size["rows_per_s"] > 0 and size["own_rows_per_s"] >= size["rows_per_s"]
