@@ -93,13 +93,17 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
         except BaseException as exc:  # re-raised on the main thread
             outcome["error"] = exc
 
-    helper = threading.Thread(target=create_in_thread, name="batchllm-create-job")
+    # A daemon: after a second Ctrl-C the process may exit without waiting for it.
+    helper = threading.Thread(target=create_in_thread, name="batchllm-create-job", daemon=True)
     helper.start()
     engine_error: BaseException | None = None
     try:
         engines.get(spec, early)
     except BaseException as exc:
         engine_error = exc
+        if isinstance(exc, KeyboardInterrupt) and helper.is_alive():
+            log.warning("interrupted: finishing the file's validation to record the job as "
+                        "failed (Ctrl-C again to quit at once)")
     helper.join()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
