@@ -56,6 +56,10 @@ class BenchConfig:
                         seed=self.seed)
 
     @property
+    def prefix_kv_cache_bytes(self) -> int | None:
+        return self.prefix_kv_cache_mib * 2**20 if self.prefix_kv_cache_mib else None
+
+    @property
     def prefix_workload(self) -> Workload:
         return Workload(requests=self.prefix_requests, prompt_words=(8, 32),
                         output_tokens=(16, 64), system_prompts=self.prefix_system_prompts,
@@ -159,7 +163,7 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
             sides = run_prefix(engines, model=model, workload=config.prefix_workload,
                                max_model_len=max_model_len, settings=settings, workdir=workdir,
                                repeats=config.repeats, variants=iter(prefix_variants),
-                               kv_cache_bytes=(config.prefix_kv_cache_mib or 0) * 2**20 or None,
+                               kv_cache_bytes=config.prefix_kv_cache_bytes,
                                say=say)
             prefix = {"workload": asdict(config.prefix_workload),
                       "kv_cache_mib": config.prefix_kv_cache_mib,

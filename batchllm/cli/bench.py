@@ -59,8 +59,8 @@ class _Numbers(click.ParamType):
               help="Words per prompt, drawn per request.")
 @click.option("--output-tokens", type=_Range(), default="16-128", show_default=True,
               help="Tokens generated per request (ignore_eos), drawn per request, or fixed.")
-@click.option("--output-shape", type=click.Choice(OUTPUT_SHAPES), default="uniform",
-              show_default=True,
+@click.option("--output-shape", type=click.Choice(OUTPUT_SHAPES),
+              default=BenchConfig.output_shape, show_default=True,
               help="How output lengths spread over the range: log-uniform is long-tailed, like "
                    "real chat answers.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
