@@ -27,3 +27,11 @@ class ShardBusy(BatchLLMError):
 
 class ShardLost(BatchLLMError):
     """This worker's lease on the shard ran out and another worker took it over."""
+
+
+class EngineDied(BatchLLMError):
+    """The engine process died or stopped mid-run: the rows in flight must run again."""
+
+
+class JobInterrupted(BatchLLMError):
+    """A local run was stopped by Ctrl-C: the job ended failed, its committed rows kept."""

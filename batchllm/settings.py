@@ -33,6 +33,12 @@ class Settings(BaseSettings):
         default="redis://localhost:6379/0", description="Celery broker for `submit` and `worker`."
     )
     shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
+    max_line_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1,
+        description="Longest input line in bytes (without its newline). A longer line becomes "
+        "an error row without being parsed: decoding and validating one huge line takes many "
+        "times its size in memory and minutes of CPU.",
+    )
     commit_rows: int = Field(
         default=2_000, ge=1, description="Finished rows per Parquet part file and checkpoint."
     )
@@ -52,6 +58,11 @@ class Settings(BaseSettings):
         default=120.0, gt=0,
         description="A running shard whose worker has not sent a heartbeat for this long is "
         "taken over by the worker its task is redelivered to.")
+    reconcile_seconds: float = Field(
+        default=30.0, gt=0,
+        description="How often each worker's reconciler moves stuck states on: re-sends the "
+        "task of a queued shard that the broker lost, re-queues shards whose lease ran out, "
+        "ends cancelled jobs whose workers died, finalizes jobs left finalizing.")
 
     @model_validator(mode="after")
     def _expand_home(self) -> "Settings":

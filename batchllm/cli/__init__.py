@@ -13,18 +13,43 @@ import sys
 import click
 
 from batchllm import __version__
-from batchllm.errors import BatchLLMError
+from batchllm.errors import BatchLLMError, JobInterrupted
 
 
 class _Group(click.Group):
-    """Turns deliberate batchllm errors into one clear line and exit code 1, not a traceback."""
+    """Turns deliberate batchllm errors and database failures into one clear line and exit
+    code 1, not a traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except BatchLLMError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(130 if isinstance(exc, JobInterrupted) else 1)  # 130: the shell's Ctrl-C
+        except Exception as exc:
+            message = _database_problem(exc)
+            if message is None:
+                raise
+            click.secho(f"error: {message}", fg="red", err=True)
             sys.exit(1)
+
+
+def _database_problem(exc: Exception) -> str | None:
+    """One line for an error of the database driver (the server down, a wrong URL), else None."""
+    # Commands import sqlalchemy lazily; when it is not loaded, the error cannot be one of its.
+    sql_errors = sys.modules.get("sqlalchemy.exc")
+    if sql_errors is None or not isinstance(exc, sql_errors.DBAPIError):
+        return None
+    from sqlalchemy.engine import make_url
+
+    from batchllm.settings import get_settings
+
+    url = make_url(get_settings().resolved_database_url).render_as_string(hide_password=True)
+    lines = str(exc.orig).strip().splitlines()
+    first = lines[0] if lines else type(exc.orig).__name__
+    if isinstance(exc, sql_errors.OperationalError):
+        return f"cannot reach the database at {url}: {first}"
+    return f"database error at {url}: {first}"
 
 
 @click.group(cls=_Group)

@@ -12,11 +12,13 @@ import inspect
 import logging
 import os
 import platform
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.errors import BatchLLMError, EngineUnavailable
+from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
+from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.jobs.schemas import EngineOptions
 
@@ -114,6 +116,7 @@ class VllmEngine:
             if value is not None:
                 kwargs[name] = value
         log.info("building vLLM %s engine: %s", self.version, kwargs)
+        os.environ[ENGINE_MARK] = str(os.getpid())  # its processes die with this one
         try:
             with _explicit_cpu_kv_cache(self.is_cpu and options.kv_cache_memory_bytes is not None):
                 self.llm = vllm.LLM(**kwargs)
@@ -126,6 +129,31 @@ class VllmEngine:
         self.hardware += f", {self.dtype}"  # recorded per job: throughput depends on it
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
         self._warned_seed = False
+        self._closed = threading.Event()
+        self._start_death_watch()
+
+    def _start_death_watch(self) -> None:
+        """Turn the EngineCore's death into an error in `step`, not a hang.
+
+        vLLM 0.32's monitor thread notices a dead EngineCore and marks the client dead, but
+        its synchronous client then waits on the output queue forever (only the async client
+        queues an EngineDeadError). Queue one ourselves so the blocked `get` raises.
+        """
+        core = getattr(self.engine, "engine_core", None)
+        resources = getattr(core, "resources", None)
+        outputs = getattr(core, "outputs_queue", None)
+        if resources is None or outputs is None:  # in-process engine core: nothing can hang
+            return
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        def watch() -> None:
+            while not self._closed.wait(0.5):
+                if resources.engine_dead:
+                    log.error("the vLLM engine process died")
+                    outputs.put_nowait(EngineDeadError())
+                    return
+
+        threading.Thread(target=watch, name="batchllm-engine-watch", daemon=True).start()
 
     # -- preparation (before a request reaches the engine) -------------------------------
 
@@ -151,15 +179,25 @@ class VllmEngine:
     def add(self, request_id: str, token_ids: list[int], params) -> None:
         """Queue one request; RequestRejected when vLLM refuses this request alone."""
         from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+        except EngineDeadError as exc:
+            raise EngineDied(f"the vLLM engine died: {exc}") from exc
         except (VLLMValidationError, ValueError) as exc:
             raise RequestRejected(str(exc)) from exc
 
     def step(self) -> list[Finished]:
+        """Run one engine step; EngineDied when the engine process is gone."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            outputs = self.engine.step()
+        except EngineDeadError as exc:
+            raise EngineDied(f"the vLLM engine died: {exc}") from exc
         done = []
-        for out in self.engine.step():
+        for out in outputs:
             if not out.finished:
                 continue
             completion = out.outputs[0]
@@ -183,6 +221,7 @@ class VllmEngine:
         exit by itself; every finished row is committed by the time the engine is shut down, so
         nothing is worth that wait: stop at once, as `vllm run-batch` does.
         """
+        self._closed.set()
         core = getattr(self.engine, "engine_core", None)
         if core is None or not hasattr(core, "shutdown"):
             return

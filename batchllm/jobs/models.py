@@ -118,6 +118,9 @@ class Shard(Base):
     # Refreshed every second by the worker running the shard: a redelivered shard is taken over
     # only when its heartbeat is older than the lease, so a live worker is never doubled.
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When a task for this shard was last sent to the broker: the reconciler looks for a
+    # queued shard's task in the broker only once it had time to get there.
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     error: Mapped[str | None] = mapped_column(Text)

@@ -78,11 +78,15 @@ def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bo
 
 def get_job(session: Session, job_ref: str) -> Job:
     """The job with this id, or with this unique id prefix (with or without `job_`)."""
+    if not job_ref.strip():
+        raise JobNotFound("the job id is empty")
     job = session.get(Job, job_ref)
     if job is not None:
         return job
     prefix = job_ref if job_ref.startswith("job_") else "job_" + job_ref
-    matches = session.scalars(select(Job).where(Job.id.startswith(prefix)).limit(2)).all()
+    # autoescape: a prefix is literal text; `%` and `_` must not act as LIKE wildcards.
+    matches = session.scalars(
+        select(Job).where(Job.id.startswith(prefix, autoescape=True)).limit(2)).all()
     if len(matches) == 1:
         return matches[0]
     raise JobNotFound(f"no job {job_ref!r}" if not matches else f"job id {job_ref!r} is ambiguous")
@@ -100,7 +104,9 @@ def claim_shard(session: Session, shard_id: int, worker: str,
     """Mark a shard running for this worker; None when it must not run (done, or cancelled).
 
     A shard already `running` is claimable again when its heartbeat is older than the lease:
-    that is a redelivery after its worker died. With a fresh heartbeat it raises ShardBusy.
+    that is a redelivery after its worker died. With a fresh heartbeat it raises ShardBusy,
+    unless the claim comes from the worker that ran it: a worker runs one shard at a time, so
+    its earlier run is over (it ended on an error, e.g. the database went away mid-shard).
     """
     shard = session.get(Shard, shard_id)
     if shard is None or shard.status not in (ShardStatus.QUEUED, ShardStatus.RUNNING):
@@ -115,7 +121,8 @@ def claim_shard(session: Session, shard_id: int, worker: str,
         update(Shard).where(Shard.id == shard_id, or_(
             Shard.status == ShardStatus.QUEUED,
             and_(Shard.status == ShardStatus.RUNNING,
-                 or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale))))
+                 or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale,
+                     Shard.worker == worker))))
         .values(status=ShardStatus.RUNNING, worker=worker, attempts=Shard.attempts + 1,
                 heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))
         # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
@@ -146,10 +153,13 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
     return lost
 
 
-def mark_generation_started(session: Session, job_id: str) -> None:
-    """Throughput is timed from the first engine step, not from the engine's start-up."""
+def mark_generation_started(session: Session, job_id: str, *, hardware: str | None = None,
+                            vllm_version: str | None = None) -> None:
+    """Throughput is timed from the first engine step, not from the engine's start-up. The
+    engine's hardware and version are kept too, for whoever finalizes the job (the reconciler
+    may, when the worker that ended the last shard died)."""
     session.execute(update(Job).where(Job.id == job_id, Job.started_at.is_(None))
-                    .values(started_at=utcnow()))
+                    .values(started_at=utcnow(), hardware=hardware, vllm_version=vllm_version))
 
 
 def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int, path: str,
@@ -237,10 +247,10 @@ def end_shard(session: Session, shard_id: int, status: ShardStatus,
     shard = session.get(Shard, shard_id)
     if shard is None or not _end_shard(session, shard, status, error, attempt):
         return None
-    return _after_last_shard(session, shard.job_id)
+    return after_last_shard(session, shard.job_id)
 
 
-def _after_last_shard(session: Session, job_id: str) -> JobStatus | None:
+def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     done, total = session.execute(select(Job.shards_done, Job.shards_total)
                                   .where(Job.id == job_id)).one()
     if done < total:
@@ -263,8 +273,8 @@ def _after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     return JobStatus.FINALIZING if moved else None
 
 
-def complete_job(session: Session, job_id: str, *, hardware: str,
-                 vllm_version: str) -> Job | None:
+def complete_job(session: Session, job_id: str, *, hardware: str | None,
+                 vllm_version: str | None) -> Job | None:
     """Compute the job's throughput and mark it completed; None if it is not finalizing
     (another worker finished it first). The row lock makes the check-and-set one step."""
     job = session.get(Job, job_id, with_for_update=True)
@@ -282,8 +292,8 @@ def complete_job(session: Session, job_id: str, *, hardware: str,
     job.requests_per_s = requests / wall
     job.output_tokens_per_s = job.completion_tokens / wall
     job.total_tokens_per_s = (job.prompt_tokens + job.completion_tokens) / wall
-    job.hardware = hardware
-    job.vllm_version = vllm_version
+    job.hardware = hardware or job.hardware
+    job.vllm_version = vllm_version or job.vllm_version
     return job
 
 
@@ -299,9 +309,13 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
     return session.scalar(select(Job.max_model_len).where(Job.id == job_id))
 
 
-def cancel_job(session: Session, job_ref: str) -> Job:
+def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = None) -> Job:
     """Cancel a job: queued shards end now; running shards see `cancelling` within a step,
-    abort their in-flight requests, keep their committed rows, and end the job `cancelled`."""
+    abort their in-flight requests, keep their committed rows, and end the job `cancelled`.
+    A running shard whose worker is gone (no heartbeat within the lease) ends now too; one
+    whose lease has not run out yet is ended by the reconciler when it does."""
+    from batchllm.jobs.recovery import end_stale_shards_of_cancelled_jobs
+
     job = get_job(session, job_ref)
     if job.status.is_final:
         raise JobStateError(f"job {job.id} is already {job.status.value}")
@@ -310,11 +324,13 @@ def cancel_job(session: Session, job_ref: str) -> Job:
     for shard in session.scalars(select(Shard).where(Shard.job_id == job.id,
                                                      Shard.status == ShardStatus.QUEUED)):
         _end_shard(session, shard, ShardStatus.CANCELLED)
-    _after_last_shard(session, job.id)
+    end_stale_shards_of_cancelled_jobs(
+        session, lease_seconds or get_settings().lease_seconds, job_id=job.id)
+    after_last_shard(session, job.id)
     session.flush()
     session.refresh(job)
     return job
 
 
-def job_status(session: Session, job_id: str) -> JobStatus:
+def job_status(session: Session, job_id: str) -> JobStatus | None:
     return session.scalar(select(Job.status).where(Job.id == job_id))

@@ -37,6 +37,9 @@ def create_app(settings: Settings | None = None) -> Celery:
         accept_content=["json"],
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
+        # A broker restart must never end a worker: reconnect for as long as it takes (Celery
+        # logs each attempt). The default gives up after 100 attempts and the worker exits.
+        broker_connection_max_retries=None,
         worker_hijack_root_logger=False,
         task_default_queue="batchllm.default",
     )

@@ -49,6 +49,6 @@ class EngineCache:
         return self.engine
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine, self._key = None, None
+        engine, self.engine, self._key = self.engine, None, None
+        if engine is not None:
+            engine.shutdown()

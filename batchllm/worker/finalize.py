@@ -18,18 +18,21 @@ from batchllm.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware: str,
-                 vllm_version: str) -> None:
+def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware: str | None,
+                 vllm_version: str | None) -> bool:
+    """Complete a `finalizing` job; False when it was not (another worker finished it).
+    hardware/vllm_version None: keep what the job recorded at its first engine step."""
     with session_scope(settings) as session:
         job = service.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
         if job is None:
-            return
+            return False
         _remove_unrecorded_parts(session, storage, job_id)
         # The manifest is written before the commit: a crash in between leaves the job
         # `finalizing` and the redelivered shard task finalizes it again.
         write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
     log.info("job %s completed: %d ok, %d failed, %.1f output tokens/s", job_id,
              job.request_completed, job.request_failed, job.output_tokens_per_s or 0)
+    return True
 
 
 def manifest_of(job: Job) -> dict:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from batchllm.errors import BatchLLMError
+from batchllm.errors import BatchLLMError, JobInterrupted
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job
@@ -39,22 +41,32 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         if own_engines:
             engines.close()
         raise
+    interrupted = threading.Event()
     try:
         if engine_error is not None:
             raise engine_error
         max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
         engine = engines.get(spec, max_model_len)
         runner = ShardRunner(engine, worker=f"local@{socket.gethostname()}", settings=settings,
-                             on_progress=on_progress)
+                             on_progress=on_progress, should_stop=interrupted.is_set)
         with session_scope(settings) as session:
             shard_ids = [s.id for s in session.get(Job, job_id).shards]
-        runner.run(shard_ids)
+        with _stop_on_first_interrupt(interrupted):
+            runner.run(shard_ids)
+        if interrupted.is_set():
+            raise KeyboardInterrupt
     except BaseException as exc:
-        _fail(job_id, exc, settings)
+        was_interrupted = interrupted.is_set() or isinstance(exc, KeyboardInterrupt)
+        reason = "interrupted" if was_interrupted else f"{type(exc).__name__}: {exc}"
+        with session_scope(settings) as session:
+            service.fail_job(session, job_id, reason)
+        if was_interrupted:
+            raise JobInterrupted(f"job {job_id} interrupted: it ended failed; the rows "
+                                 "finished before are kept in its output") from None
         if isinstance(exc, BatchLLMError) or not isinstance(exc, Exception):
             raise
         log.debug("job %s failed", job_id, exc_info=True)
-        raise BatchLLMError(f"job {job_id} failed ({_reason(exc)}); rows finished before the "
+        raise BatchLLMError(f"job {job_id} failed ({reason}); rows finished before the "
                             f"failure are kept in its output") from exc
     finally:
         if own_engines:
@@ -110,10 +122,25 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
     return str(outcome["job_id"]), engine_error
 
 
-def _reason(exc: BaseException) -> str:
-    return "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+@contextlib.contextmanager
+def _stop_on_first_interrupt(interrupted: threading.Event):
+    """The first Ctrl-C (SIGINT) stops the run in order: in-flight requests are aborted,
+    finished rows committed, and the job ends `failed` ("interrupted") with them; it never
+    ends `completed`. A second Ctrl-C raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def first(_signum, _frame) -> None:
+        interrupted.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        log.warning("interrupted: committing finished rows and stopping (Ctrl-C again to quit "
+                    "at once)")
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
-def _fail(job_id: str, exc: BaseException, settings: Settings) -> None:
-    with session_scope(settings) as session:
-        service.fail_job(session, job_id, _reason(exc))

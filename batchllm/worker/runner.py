@@ -10,12 +10,13 @@ when requests are fed, commits happen only at the thresholds.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from batchllm.errors import BatchLLMError, ShardBusy, ShardLost
+from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 _PREPARE_BATCH = 256
 _CONTROL_INTERVAL = 1.0  # seconds between checks for cancel / stop requests
 _SAMPLING_CACHE = 4096  # distinct (job, per-line overrides) pairs kept built
+# Only these end a request with its full answer. vLLM reports "abort" for a request it dropped
+# (the engine stopping, e.g. on a Ctrl-C that reached it): such a request must run again.
+_RESULT_REASONS = ("stop", "length")
+# Request ids are unique per process, not per runner: requests of a runner that ended on an
+# error may still be in the engine when the next runner starts on it.
+_request_ids = itertools.count()
 
 
 class Outcome(str, enum.Enum):
@@ -37,6 +44,7 @@ class Outcome(str, enum.Enum):
     CANCELLED = "cancelled"
     FAILED = "failed"
     INTERRUPTED = "interrupted"  # stopped by the worker's shutdown; rows committed, rest to redo
+    ENGINE_DIED = "engine_died"  # the engine died; rows committed, the shard handed back
     SKIPPED = "skipped"  # nothing to do (already finished or cancelled before it started)
     BUSY = "busy"  # running on another live worker; try again later
     LOST = "lost"  # this worker's lease ran out and another worker took the shard over
@@ -67,7 +75,6 @@ class ShardRunner:
         self.on_progress = on_progress or (lambda rows, tokens: None)
         self.should_stop = should_stop or (lambda: False)
         self._pending: dict[str, _Pending] = {}
-        self._next_id = 0
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
@@ -154,11 +161,12 @@ class ShardRunner:
         if state.job_id not in self._started_jobs:
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
-                service.mark_generation_started(session, state.job_id)
+                service.mark_generation_started(session, state.job_id,
+                                                hardware=self.engine.hardware,
+                                                vllm_version=self.engine.version)
         # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
         # benchmark drives generate and this runner on one engine.
-        request_id = f"r{self._next_id}"
-        self._next_id += 1
+        request_id = f"r{next(_request_ids)}"
         try:
             self.engine.add(request_id, ids, self._sampling(state, row))
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
@@ -194,11 +202,20 @@ class ShardRunner:
             pending = self._pending.pop(out.request_id, None)
             if pending is None:  # aborted earlier
                 continue
+            if out.finish_reason == "abort":
+                # Not ours (we forget a request before aborting it): the engine is stopping.
+                raise EngineDied(f"vLLM aborted request {out.request_id} itself: the engine "
+                                 "is stopping")
             pending.state.inflight -= 1
-            pending.state.buffer.append(OutputRow(
-                custom_id=pending.custom_id, line=pending.line, status="ok", text=out.text,
-                finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens))
+            if out.finish_reason in _RESULT_REASONS:
+                pending.state.buffer.append(OutputRow(
+                    custom_id=pending.custom_id, line=pending.line, status="ok", text=out.text,
+                    finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                    completion_tokens=out.completion_tokens))
+            else:
+                pending.state.buffer.append(OutputRow.failed(
+                    pending.custom_id, pending.line, f"vLLM ended the request with finish "
+                    f"reason {out.finish_reason!r}", prompt_tokens=out.prompt_tokens))
             tokens += out.completion_tokens
         if finished:
             self.on_progress(len(finished), tokens)
@@ -258,10 +275,7 @@ class ShardRunner:
             for state in list(self._active):
                 self._abort(state)
                 if self._commit(state):
-                    with session_scope(self.settings) as session:
-                        service.release_shard(session, state.shard_id, state.attempt)
-                    self._active.remove(state)
-                    self._outcomes[state.shard_id] = Outcome.INTERRUPTED
+                    self._hand_back(state, Outcome.INTERRUPTED)
             return
         job_ids = {s.job_id for s in self._active}
         if not job_ids:
@@ -278,17 +292,37 @@ class ShardRunner:
                 if self._commit(state):
                     self._end(state, ShardStatus.CANCELLED, Outcome.CANCELLED)
 
+    def _hand_back(self, state: ShardState, outcome: Outcome) -> None:
+        with session_scope(self.settings) as session:
+            service.release_shard(session, state.shard_id, state.attempt)
+        self._active.remove(state)
+        self._outcomes[state.shard_id] = outcome
+
     def _fail_active(self, exc: BaseException) -> None:
-        """A fatal error (engine died, interrupt): keep what finished, fail or release shards."""
-        interrupted = isinstance(exc, KeyboardInterrupt)
+        """A fatal error: keep what finished, then hand the shards back (interrupt, engine
+        death: their other rows run again) or fail them (any other error)."""
+        try:  # none of the rows in flight is a result now; never leave them in the engine
+            self.engine.abort(list(self._pending))
+        except Exception:
+            log.debug("could not abort the requests in flight", exc_info=True)
+        self._pending.clear()
+        if isinstance(exc, EngineDied):
+            outcome = Outcome.ENGINE_DIED
+        elif isinstance(exc, KeyboardInterrupt):
+            outcome = Outcome.INTERRUPTED
+        else:
+            outcome = None
         for state in list(self._active):
+            state.inflight = 0
             try:
                 if not self._commit(state):
                     continue
+                if outcome is not None:
+                    self._hand_back(state, outcome)
+                else:
+                    self._end(state, ShardStatus.FAILED, Outcome.FAILED,
+                              error=f"{type(exc).__name__}: {exc}")
             except Exception:
-                log.exception("shard %d: could not commit finished rows", state.index)
-            if interrupted:
-                self._active.remove(state)
-                self._outcomes[state.shard_id] = Outcome.INTERRUPTED
-            else:
-                self._end(state, ShardStatus.FAILED, Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
+                # The database is unreachable, most likely: the shard stays `running` and is
+                # re-driven once its lease runs out (the reconciler).
+                log.exception("shard %d: could not record its end", state.index)

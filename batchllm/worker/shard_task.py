@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from batchllm.errors import EngineDied
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard
@@ -40,11 +41,17 @@ def process_shard(shard_id: int, *, worker: str, engines: EngineCache,
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.
-        finalize_job(job_id, storage=storage, settings=settings,
-                     hardware=engines.engine.hardware if engines.engine else "unknown",
-                     vllm_version=engines.engine.version if engines.engine else "unknown")
+        finalize_job(job_id, storage=storage, settings=settings, hardware=None,
+                     vllm_version=None)
         return Outcome.SKIPPED
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
     engine = engines.get(spec, max_model_len)
     runner = ShardRunner(engine, worker=worker, settings=settings, should_stop=should_stop)
-    return runner.run([shard_id]).get(shard_id, Outcome.SKIPPED)
+    try:
+        return runner.run([shard_id]).get(shard_id, Outcome.SKIPPED)
+    except EngineDied as exc:
+        # The runner committed the finished rows and handed the shard back; the next task
+        # this worker takes builds a new engine.
+        log.error("%s: dropping the engine; shard %s goes back to the queue", exc, shard_id)
+        engines.close()
+        return Outcome.ENGINE_DIED

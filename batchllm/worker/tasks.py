@@ -7,12 +7,10 @@ import threading
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from sqlalchemy.exc import InterfaceError, OperationalError
 
-from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
-from batchllm.settings import get_settings
-from batchllm.worker.celery_app import queue_for_model
 from batchllm.worker.engines import EngineCache
+from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
 from batchllm.worker.shard_task import process_shard
 
@@ -22,6 +20,8 @@ log = logging.getLogger(__name__)
 _engines = EngineCache()
 _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
+_DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
+_MAX_RETRY_SECONDS = 60
 
 
 @worker_shutting_down.connect
@@ -31,24 +31,15 @@ def _on_shutdown(**_kwargs) -> None:
 
 
 @worker_ready.connect
-def _start_sweeper(sender=None, **_kwargs) -> None:
-    """Put back the shards of dead workers within a lease, not after Redis's visibility timeout
-    (hours, so that long shards are never redelivered while they run)."""
-    threading.Thread(target=_sweep_forever, name="batchllm-sweeper", daemon=True).start()
+def _start_reconciler(sender=None, **_kwargs) -> None:
+    """Move stuck states on within about a lease, not after Redis's visibility timeout (hours,
+    so that long shards are never redelivered while they run)."""
+    threading.Thread(target=reconcile_forever, args=(_send_shard, _stop),
+                     name="batchllm-reconciler", daemon=True).start()
 
 
-def _sweep_forever() -> None:
-    settings = get_settings()
-    interval = max(settings.lease_seconds / 2, 1.0)
-    while not _stop.wait(interval):
-        try:
-            with session_scope(settings) as session:
-                stale = service.requeue_stale_shards(session, settings.lease_seconds)
-            for shard_id, model in stale:
-                log.warning("shard %s lost its worker: queued again", shard_id)
-                run_shard.apply_async((shard_id,), queue=queue_for_model(model))
-        except Exception:  # the sweeper must outlive a database or broker hiccup
-            log.exception("sweeping stale shards failed; retrying in %.0f s", interval)
+def _send_shard(shard_id: int, queue: str) -> None:
+    run_shard.apply_async((shard_id,), queue=queue)
 
 
 @worker_shutdown.connect
@@ -61,13 +52,21 @@ def _close_engine(**_kwargs) -> None:
 @shared_task(name="batchllm.run_shard", bind=True, acks_late=True, reject_on_worker_lost=True,
              max_retries=None)
 def run_shard(self, shard_id: int) -> str:
-    outcome = process_shard(shard_id, worker=self.request.hostname or "worker",
-                            engines=_engines, should_stop=_stop.is_set)
     queue = (self.request.delivery_info or {}).get("routing_key")
-    if outcome is Outcome.INTERRUPTED:
+    try:
+        outcome = process_shard(shard_id, worker=self.request.hostname or "worker",
+                                engines=_engines, should_stop=_stop.is_set)
+    except _DATABASE_ERRORS as exc:
+        # Acknowledging this delivery would lose the shard's task; send it again with backoff.
+        # (If the broker is down too, the reconciler re-sends it once both are back.)
+        delay = min(5 * 2 ** self.request.retries, _MAX_RETRY_SECONDS)
+        log.warning("shard %s: database unreachable (%s); trying again in %d s", shard_id,
+                    str(exc).splitlines()[0], delay)
+        raise self.retry(exc=exc, countdown=delay, queue=queue) from None
+    if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
         self.app.send_task(self.name, args=(shard_id,), queue=queue)
-        log.warning("shard %s handed back to %s", shard_id, queue)
+        log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
     elif outcome is Outcome.BUSY:
         # A duplicate delivery while another worker holds the shard: look again later, so the
         # shard still has a task if that worker dies.

@@ -1,0 +1,83 @@
+"""The queries that move stuck states on, for the reconciler (batchllm/worker/reconciler.py).
+
+Each move is one conditional UPDATE, so several workers reconciling at once never both win it:
+the one whose UPDATE changed the row acts (re-sends the task, ends the job), the others skip.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+
+from batchllm.jobs import service
+from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+
+log = logging.getLogger(__name__)
+
+RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
+
+
+def end_stale_shards_of_cancelled_jobs(session: Session, lease_seconds: float,
+                                       job_id: str | None = None) -> list[str]:
+    """End as cancelled the running shards of cancelling jobs whose worker stopped
+    heartbeating (no live worker will see the cancel), and any queued shard of such a job.
+    Returns the ids of the jobs this ended (now `cancelled`)."""
+    stale = utcnow() - timedelta(seconds=lease_seconds)
+    query = select(Shard).join(Job).where(
+        Job.status == JobStatus.CANCELLING,
+        or_(Shard.status == ShardStatus.QUEUED,
+            (Shard.status == ShardStatus.RUNNING)
+            & (Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < stale))))
+    if job_id is not None:
+        query = query.where(Job.id == job_id)
+    ended = []
+    for shard in session.scalars(query).all():
+        if service.end_shard(session, shard.id, ShardStatus.CANCELLED,
+                             attempt=shard.attempts) is JobStatus.CANCELLED:
+            ended.append(shard.job_id)
+    return ended
+
+
+def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
+    """A cancelling job whose shards have all ended (e.g. the last one ended between the
+    cancel and its commit) becomes `cancelled`."""
+    ended = []
+    for job_id in session.scalars(select(Job.id).where(
+            Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total)).all():
+        if service.after_last_shard(session, job_id) is JobStatus.CANCELLED:
+            ended.append(job_id)
+    return ended
+
+
+def finalizing_jobs(session: Session) -> list[str]:
+    """Jobs whose last shard ended but that are not completed yet: the worker that ended it
+    died before writing the manifest, or is writing it now (finalizing is then a no-op)."""
+    return list(session.scalars(select(Job.id).where(Job.status == JobStatus.FINALIZING)))
+
+
+def queued_shards_to_check(session: Session, grace_seconds: float) -> list[tuple[int, str]]:
+    """(shard id, model) of queued shards of runnable jobs whose task was sent long enough
+    ago to be in the broker (or to have been picked up)."""
+    sent_before = utcnow() - timedelta(seconds=grace_seconds)
+    return list(session.execute(select(Shard.id, Job.model).join(Job).where(
+        Shard.status == ShardStatus.QUEUED, Job.status.in_(RUNNABLE_JOBS),
+        Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))).all())
+
+
+def mark_dispatched(session: Session, shard_ids: list[int]) -> None:
+    if shard_ids:
+        session.execute(update(Shard).where(Shard.id.in_(shard_ids))
+                        .values(dispatched_at=utcnow()))
+
+
+def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> bool:
+    """Take the right to re-send this queued shard's task; False if another reconciler took
+    it (or a worker claimed the shard) since it was read."""
+    sent_before = utcnow() - timedelta(seconds=grace_seconds)
+    return bool(session.execute(update(Shard).where(
+        Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
+        Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))
+        .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)).rowcount)

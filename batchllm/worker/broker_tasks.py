@@ -1,0 +1,68 @@
+"""Which shard tasks the broker holds: waiting in a queue, or delivered and not acknowledged.
+
+The database says which shards are queued; only the broker knows whether their tasks still
+exist (a Redis restart without persistence, or a task acknowledged after an error, loses them).
+This reads kombu's Redis layout: each queue is a list of messages, and messages delivered but
+not yet acknowledged (running tasks, countdown retries held by a worker) sit in the `unacked`
+hash until they are.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+_UNACKED_KEY = "unacked"  # kombu's Redis transport default (unacked_key)
+
+
+class BrokerNotInspectable(Exception):
+    """This broker's content cannot be read (not Redis)."""
+
+
+def shard_ids_in_broker(broker_url: str, queues: set[str], task_name: str) -> set[int]:
+    """Shard ids of every `task_name` message in these queues or delivered and unacknowledged."""
+    if not broker_url.startswith(("redis://", "rediss://", "unix://")):
+        raise BrokerNotInspectable(f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})")
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=10, socket_connect_timeout=5)
+    try:
+        found: set[int] = set()
+        for queue in queues:
+            for raw in client.lrange(queue, 0, -1):
+                found.update(_shard_ids(_decode(raw), task_name))
+        for raw in client.hvals(_UNACKED_KEY):
+            entry = _decode(raw)
+            if isinstance(entry, list) and entry:  # [message, exchange, routing key]
+                found.update(_shard_ids(entry[0], task_name))
+        return found
+    finally:
+        client.close()
+
+
+def _decode(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _shard_ids(message: object, task_name: str) -> list[int]:
+    """The shard id a task message carries (Celery protocol 2: args in the base64 body)."""
+    if not isinstance(message, dict):
+        return []
+    headers = message.get("headers") or {}
+    if headers.get("task") != task_name:
+        return []
+    try:
+        body = message["body"]
+        if (message.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return [int(args[0])]
+    except (KeyError, IndexError, TypeError, ValueError):
+        log.debug("unreadable task message in the broker: %.200r", message)
+        return []

@@ -1,0 +1,124 @@
+"""The reconciler: makes every non-final state move, whatever happened to broker or database.
+
+Every worker runs it in a thread (and `batchllm reconcile` runs it by hand). One pass:
+- a running shard whose worker stopped heartbeating (killed, node lost, engine hung) for a
+  lease goes back to `queued` and its task is sent again;
+- a queued shard whose task the broker no longer holds (Redis restarted without persistence,
+  a task acknowledged after a database error) gets its task sent again;
+- a cancelling job whose remaining shards have no live worker ends `cancelled`;
+- a job left `finalizing` (its last worker died while writing the manifest) is finalized.
+Each move is a conditional UPDATE, so reconcilers on many workers never do it twice; a task sent
+twice is harmless (the second delivery finds the shard running or done and steps aside).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from batchllm.jobs import recovery, service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings, get_settings
+from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
+from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
+from batchllm.worker.finalize import finalize_job
+
+log = logging.getLogger(__name__)
+
+SendShard = Callable[[int, str], None]  # (shard id, queue)
+
+
+@dataclass
+class Pass:
+    """What one reconciler pass did."""
+
+    requeued_stale: list[int] = field(default_factory=list)
+    resent_lost: list[int] = field(default_factory=list)
+    cancelled_jobs: list[str] = field(default_factory=list)
+    finalized_jobs: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.requeued_stale or self.resent_lost or self.cancelled_jobs
+                    or self.finalized_jobs)
+
+
+def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
+    settings = settings or get_settings()
+    done = Pass()
+    with session_scope(settings) as session:
+        stale = service.requeue_stale_shards(session, settings.lease_seconds)
+        recovery.mark_dispatched(session, [shard_id for shard_id, _ in stale])
+    for shard_id, model in stale:
+        log.warning("shard %s lost its worker (no heartbeat for %.0f s): queued again",
+                    shard_id, settings.lease_seconds)
+        send(shard_id, queue_for_model(model))
+        done.requeued_stale.append(shard_id)
+
+    done.resent_lost = _resend_lost_tasks(send, settings)
+
+    with session_scope(settings) as session:
+        done.cancelled_jobs = (
+            recovery.end_stale_shards_of_cancelled_jobs(session, settings.lease_seconds)
+            + recovery.end_cancelling_jobs_without_shards(session))
+    for job_id in done.cancelled_jobs:
+        log.warning("job %s cancelled: its remaining shards had no live worker", job_id)
+
+    with session_scope(settings) as session:
+        finalizing = recovery.finalizing_jobs(session)
+    storage = Storage(settings.resolved_storage)
+    for job_id in finalizing:
+        # hardware/version: the job row has them from its first engine step.
+        if finalize_job(job_id, storage=storage, settings=settings, hardware=None,
+                        vllm_version=None):
+            log.warning("job %s was left finalizing: finalized it", job_id)
+            done.finalized_jobs.append(job_id)
+    return done
+
+
+def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
+    # A task is given a lease's time to reach the broker and be picked up before it counts
+    # as lost; re-sending one that is merely slow would only add a duplicate delivery.
+    grace = settings.lease_seconds
+    with session_scope(settings) as session:
+        candidates = recovery.queued_shards_to_check(session, grace)
+    if not candidates:
+        return []
+    queues = {queue_for_model(model) for _, model in candidates}
+    try:
+        present = shard_ids_in_broker(settings.broker_url, queues, TASK_RUN_SHARD)
+    except BrokerNotInspectable as exc:
+        log.debug("%s: lost queued tasks are not re-sent", exc)
+        return []
+    resent = []
+    for shard_id, model in candidates:
+        if shard_id in present:
+            continue
+        with session_scope(settings) as session:
+            claimed = recovery.claim_redispatch(session, shard_id, grace)
+        if claimed:
+            log.warning("shard %s is queued but the broker has no task for it: sent again",
+                        shard_id)
+            send(shard_id, queue_for_model(model))
+            resent.append(shard_id)
+    return resent
+
+
+def reconcile_forever(send: SendShard, stop: threading.Event,
+                      settings: Settings | None = None) -> None:
+    """Reconcile every `reconcile_seconds` until `stop` is set; survives any outage."""
+    settings = settings or get_settings()
+    failing = False
+    while not stop.wait(settings.reconcile_seconds):
+        try:
+            reconcile_once(send, settings)
+            if failing:
+                log.warning("reconciler: database and broker reachable again")
+            failing = False
+        except Exception as exc:  # a database or broker outage: say so, keep trying
+            log.warning("reconciler: pass failed (%s: %s); retrying in %.0f s",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                        settings.reconcile_seconds)
+            failing = True

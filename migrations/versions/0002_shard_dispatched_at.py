@@ -1,0 +1,25 @@
+"""shards.dispatched_at: when the shard's task was last sent to the broker
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-30 03:10:00
+"""
+
+from alembic import op
+import sqlalchemy as sa
+
+
+revision = '0002'
+down_revision = '0001'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('shards') as batch:
+        batch.add_column(sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('shards') as batch:
+        batch.drop_column('dispatched_at')
