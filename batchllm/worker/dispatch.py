@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs import service
+from batchllm.jobs import recovery, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, Shard
 from batchllm.jobs.schemas import JobSpec
@@ -45,4 +45,5 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
         raise BatchLLMError(message) from exc
     log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
     with session_scope(settings) as session:
+        recovery.mark_dispatched(session, shard_ids)
         return session.get(Job, job_id)
