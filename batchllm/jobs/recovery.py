@@ -18,6 +18,7 @@ from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
+LOCAL_WORKER = "local@"  # the worker name prefix of `batchllm run`, which no fleet re-drives
 
 
 def end_stale_shards_of_cancelled_jobs(session: Session, lease_seconds: float,
@@ -81,3 +82,17 @@ def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> b
         Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
         Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))
         .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)).rowcount)
+
+
+def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[str]:
+    """Jobs of a `batchllm run` that was killed (no heartbeat for a lease) end `failed`: no
+    fleet will ever pick their shards up, and `in_progress` forever would be a lie."""
+    stale = utcnow() - timedelta(seconds=lease_seconds)
+    job_ids = session.scalars(select(Job.id).join(Shard).where(
+        Job.status.in_(RUNNABLE_JOBS), Shard.status == ShardStatus.RUNNING,
+        Shard.worker.startswith(LOCAL_WORKER, autoescape=True),
+        Shard.heartbeat_at < stale).distinct()).all()
+    for job_id in job_ids:
+        service.fail_job(session, job_id, "the `batchllm run` process running it stopped "
+                                          "without ending it (killed?)")
+    return list(job_ids)

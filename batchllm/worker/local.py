@@ -10,8 +10,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from batchllm.errors import BatchLLMError, JobInterrupted
-from batchllm.jobs import service
+from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
+from batchllm.jobs import recovery, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job
 from batchllm.jobs.schemas import JobSpec
@@ -32,6 +32,10 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
     """
     settings = settings or get_settings()
     storage = Storage(settings.resolved_storage)
+    with session_scope(settings) as session:
+        for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
+            log.warning("job %s: the `batchllm run` that ran it was killed; marked failed "
+                        "(its committed rows are kept)", abandoned)
     own_engines = engines is None
     engines = engines or EngineCache()
     try:
@@ -47,8 +51,9 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
             raise engine_error
         max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
         engine = engines.get(spec, max_model_len)
-        runner = ShardRunner(engine, worker=f"local@{socket.gethostname()}", settings=settings,
-                             on_progress=on_progress, should_stop=interrupted.is_set)
+        runner = ShardRunner(engine, worker=f"{recovery.LOCAL_WORKER}{socket.gethostname()}",
+                             settings=settings, on_progress=on_progress,
+                             should_stop=interrupted.is_set)
         with session_scope(settings) as session:
             shard_ids = [s.id for s in session.get(Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
@@ -63,7 +68,8 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         if was_interrupted:
             raise JobInterrupted(f"job {job_id} interrupted: it ended failed; the rows "
                                  "finished before are kept in its output") from None
-        if isinstance(exc, BatchLLMError) or not isinstance(exc, Exception):
+        deliberate = isinstance(exc, BatchLLMError) and not isinstance(exc, EngineDied)
+        if deliberate or not isinstance(exc, Exception):
             raise
         log.debug("job %s failed", job_id, exc_info=True)
         raise BatchLLMError(f"job {job_id} failed ({reason}); rows finished before the "
