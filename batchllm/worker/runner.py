@@ -169,6 +169,8 @@ class ShardRunner:
         request_id = f"r{next(_request_ids)}"
         try:
             self.engine.add(request_id, ids, self._sampling(state, row))
+        except EngineDied:
+            raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
             state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], f"rejected by "
                                                  f"vLLM: {exc}", prompt_tokens=len(ids)))
