@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,11 +11,11 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.options import job_options, spec_from_flags
+from batchllm.cli.options import input_file, job_options, require_requests, spec_from_flags
 
 
 @cli.command()
-@click.argument("file", type=click.Path(path_type=Path))
+@input_file
 @job_options
 @click.option("--shard-size", type=click.IntRange(min=1), default=None,
               help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].")
@@ -31,7 +29,9 @@ def submit(file: Path, strict: bool, shard_size: int | None, wait_: bool, **flag
     """
     from batchllm.worker.dispatch import submit_job
 
-    job = submit_job(file, spec_from_flags(flags), shard_size=shard_size, strict=strict)
+    spec = spec_from_flags(flags)
+    require_requests(file)
+    job = submit_job(file, spec, shard_size=shard_size, strict=strict)
     click.echo(job.id)
     click.echo(f"{job.request_total:,} requests in {job.shards_total} shard(s), queued", err=True)
     if wait_:
@@ -122,9 +122,11 @@ def worker(models: tuple[str, ...], queues: str | None, concurrency: int, name: 
 
 
 def _supervise(count: int, models, queues, name, loglevel) -> None:
-    """Run `count` single-process workers, GPU i visible to process i, and forward signals."""
-    children = []
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    """Run `count` single-process workers, GPU i visible to process i, restarting any that
+    dies, and forward SIGTERM/SIGINT to them."""
+    from batchllm.worker.supervisor import child_env, supervise
+
+    commands = []
     for i in range(count):
         argv = [sys.executable, "-m", "batchllm", "worker", "--loglevel", loglevel]
         for model in models:
@@ -132,17 +134,32 @@ def _supervise(count: int, models, queues, name, loglevel) -> None:
         if queues:
             argv += ["--queues", queues]
         argv += ["--name", f"{name or 'batchllm'}-{i}@{socket.gethostname()}"]
-        env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = visible[i % len(visible)] if visible else str(i)
-        children.append(subprocess.Popen(argv, env=env))
+        commands.append((argv, child_env(i)))
+    code = supervise(commands)
+    if code:
+        raise SystemExit(code)
 
-    def forward(signum, _frame):
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [child.wait() for child in children]
-    if any(codes):
-        raise SystemExit(max(codes))
+@cli.command()
+@click.option("--loop", is_flag=True, help="Keep reconciling every BATCHLLM_RECONCILE_SECONDS.")
+def reconcile(loop: bool) -> None:
+    """Move stuck jobs on: re-send lost shard tasks, re-queue shards of dead workers, end
+    cancelled jobs, finalize jobs left finalizing. Every worker already does this in the
+    background; run it by hand when no worker is up, or to see what it would find."""
+    import threading
+
+    from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
+    from batchllm.worker.reconciler import reconcile_forever, reconcile_once
+
+    app = create_app()
+
+    def send(shard_id: int, queue: str) -> None:
+        app.send_task(TASK_RUN_SHARD, args=(shard_id,), queue=queue)
+
+    if loop:
+        reconcile_forever(send, threading.Event())
+        return
+    done = reconcile_once(send)
+    click.echo(f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
+               f"{len(done.resent_lost)} lost task(s), cancelled {len(done.cancelled_jobs)} "
+               f"job(s), finalized {len(done.finalized_jobs)} job(s)")
