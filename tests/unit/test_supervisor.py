@@ -1,0 +1,36 @@
+"""`worker --concurrency N`'s supervisor restarts a worker process that dies on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from batchllm.worker.supervisor import supervise
+
+
+def test_a_child_that_dies_is_started_again_and_a_stop_signal_ends_all(tmp_path):
+    starts = tmp_path / "starts"
+    # Each start appends a line; the first run dies at once (as if OOM-killed), later ones
+    # stay up until the supervisor forwards SIGTERM.
+    script = (
+        "import pathlib, sys, time\n"
+        f"p = pathlib.Path({str(starts)!r})\n"
+        "n = len(p.read_text().splitlines()) if p.exists() else 0\n"
+        "p.write_text(p.read_text() + 'start\\n' if p.exists() else 'start\\n')\n"
+        "sys.exit(3) if n == 0 else time.sleep(120)\n"
+    )
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        threading.Event().wait(0.05)
+        if starts.exists() and len(starts.read_text().splitlines()) >= 2 and len(sleeps) > 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # what `kill <supervisor>` does
+
+    previous = signal.getsignal(signal.SIGTERM)
+    code = supervise([([sys.executable, "-c", script], dict(os.environ))], sleep=sleep)
+    assert starts.read_text().splitlines() == ["start", "start"]
+    assert code == -signal.SIGTERM  # the restarted child ended by the forwarded signal
+    assert signal.getsignal(signal.SIGTERM) is previous
