@@ -58,6 +58,11 @@ class Settings(BaseSettings):
         default=120.0, gt=0,
         description="A running shard whose worker has not sent a heartbeat for this long is "
         "taken over by the worker its task is redelivered to.")
+    max_shard_attempts: int = Field(
+        default=8, ge=1,
+        description="A shard whose engine died this many times (counting every run of it) "
+        "fails instead of going back to the queue: a request that kills the engine must not "
+        "loop forever.")
     reconcile_seconds: float = Field(
         default=30.0, gt=0,
         description="How often each worker's reconciler moves stuck states on: re-sends the "

@@ -319,7 +319,12 @@ class ShardRunner:
             try:
                 if not self._commit(state):
                     continue
-                if outcome is not None:
+                if outcome is Outcome.ENGINE_DIED and (
+                        state.attempt >= self.settings.max_shard_attempts):
+                    self._end(state, ShardStatus.FAILED, Outcome.FAILED,
+                              error=f"the engine died on run {state.attempt} of this shard "
+                                    f"(BATCHLLM_MAX_SHARD_ATTEMPTS): {exc}")
+                elif outcome is not None:
                     self._hand_back(state, outcome)
                 else:
                     self._end(state, ShardStatus.FAILED, Outcome.FAILED,
