@@ -116,12 +116,16 @@ class VllmEngine:
             if value is not None:
                 kwargs[name] = value
         log.info("building vLLM %s engine: %s", self.version, kwargs)
-        os.environ[ENGINE_MARK] = str(os.getpid())  # its processes die with this one
+        # The engine's processes (all started before LLM() returns) die with this one; the mark
+        # goes afterwards so that other programs this process starts do not carry it.
+        os.environ[ENGINE_MARK] = str(os.getpid())
         try:
             with _explicit_cpu_kv_cache(self.is_cpu and options.kv_cache_memory_bytes is not None):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as exc:
             raise EngineUnavailable(f"vLLM could not start for model {model!r}: {exc}") from exc
+        finally:
+            os.environ.pop(ENGINE_MARK, None)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
