@@ -1,10 +1,21 @@
-"""Flags shared by `run` and `submit`: job-level sampling defaults and engine settings."""
+"""Flags shared by `run` and `submit`: the input file, job-level sampling defaults and engine
+settings, and the checks that refuse a hopeless job before any work."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import click
 
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.schemas import MAX_TOKENS_LIMIT, EngineOptions, JobSpec, SamplingDefaults
+
+# Hugging Face's own rule for `name` or `org/name` (huggingface_hub's validate_repo_id).
+_REPO_ID = re.compile(r"(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?")
+_PATH_STARTS = ("/", "./", "../", "~")
+
+input_file = click.argument(
+    "file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 
@@ -12,7 +23,8 @@ _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 def job_options(command):
     decorators = [
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
-        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+        click.option("--max-tokens", type=click.IntRange(1, MAX_TOKENS_LIMIT), default=256,
+                     show_default=True,
                      help="Default most tokens to generate per request (lines may override)."),
         click.option("--temperature", type=click.FloatRange(min=0), default=1.0,
                      show_default=True, help="Default sampling temperature; 0 is greedy."),
@@ -68,3 +80,23 @@ def spec_from_flags(flags: dict) -> JobSpec:
         enforce_eager=flags.pop("enforce_eager"),
         group_prefixes=not flags.pop("no_group_prefixes"))
     return JobSpec(model=flags.pop("model"), sampling=sampling, engine=engine, metadata=metadata)
+
+
+def require_requests(file: Path) -> None:
+    """Refuse a file without a request before a job is created for it."""
+    from batchllm.jobs.lines import has_requests
+    from batchllm.settings import get_settings
+
+    if not has_requests(file, get_settings().max_line_bytes):
+        raise click.ClickException(f"{file} has no requests (it is empty or has only blank "
+                                   "lines)")
+
+
+def require_local_model(model: str) -> None:
+    """Refuse a model path that does not exist here, which vLLM would otherwise take for a
+    Hugging Face repo id and refuse with a message about repo ids."""
+    if Path(model).expanduser().exists():
+        return
+    if model.startswith(_PATH_STARTS) or not _REPO_ID.fullmatch(model):
+        raise click.ClickException(f"--model {model}: no such directory, and not a Hugging "
+                                   "Face repo id (org/name)")

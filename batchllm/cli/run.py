@@ -7,14 +7,15 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.options import job_options, spec_from_flags
+from batchllm.cli.options import (input_file, job_options, require_local_model,
+                                  require_requests, spec_from_flags)
 
 
 @cli.command()
-@click.argument("file", type=click.Path(path_type=Path))
+@input_file
 @job_options
 @click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-              help="Also copy the finished Parquet dataset into this directory.")
+              help="Also copy the finished Parquet dataset into this new or empty directory.")
 def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     """Run the prompts in FILE (JSONL) to the end in this process and print where the results
     are. Exit code 0 when the job completed, also when some lines became error rows.
@@ -29,6 +30,10 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     from batchllm.worker.local import run_job
 
     spec = spec_from_flags(flags)
+    require_local_model(spec.model)
+    if output is not None:
+        _require_usable_output(output)
+    require_requests(file)
     progress: list[Progress] = []
 
     def created(job) -> None:
@@ -48,3 +53,16 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     echo_job(job)
     if job.status is not JobStatus.COMPLETED:
         raise SystemExit(1)
+
+
+def _require_usable_output(output: Path) -> None:
+    """Refuse, before the job runs, a destination the copy would fail on at the end or whose
+    files would mix with the job's dataset (it is read as one table)."""
+    if output.exists() and not output.is_dir():
+        raise click.ClickException(f"--output {output}: exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()):
+        raise click.ClickException(f"--output {output}: the directory is not empty (the job's "
+                                   "dataset would mix with its files); give a new or empty one")
+    parent = next(p for p in output.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise click.ClickException(f"--output {output}: {parent} is not a directory")

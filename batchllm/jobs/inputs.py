@@ -121,6 +121,8 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
     no request at all.
     """
     source = Path(source)
+    if source.is_dir():
+        raise InputError(f"{source}: is a directory, not a JSONL file")
     if not source.is_file():
         raise InputError(f"{source}: no such file")
     result = StoredInput()

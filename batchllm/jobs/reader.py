@@ -1,22 +1,21 @@
 """Streaming validation of JSONL input: one `Request` or one `LineError` per non-blank line.
 
-Memory stays flat in the file size: lines are read one at a time and the duplicate check keeps
-its seen ids in an on-disk SQLite table rather than a Python set.
+Memory stays flat in the file size: lines are read one at a time, bounded in size (lines.py),
+and custom_ids are kept in an on-disk SQLite table rather than a Python set (custom_ids.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import sqlite3
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from batchllm.jobs.custom_ids import CustomIds, default_custom_id, given_id
+from batchllm.jobs.lines import Line, iter_lines
 from batchllm.jobs.schemas import (
     ChatLine,
     LineError,
@@ -27,6 +26,7 @@ from batchllm.jobs.schemas import (
     Request,
     SamplingOverrides,
 )
+from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class _LineProblem(Exception):
         super().__init__(message)
         self.field = field
         self.message = message
+
+
+# (line number, the custom_id the line gives, its Request or the problem that stops it)
+_Checked = tuple[int, str | None, Request | _LineProblem]
 
 
 def _from_validation(exc: ValidationError, prefix: str = "") -> _LineProblem:
@@ -98,45 +102,7 @@ def parse_line(obj: Any, line: int) -> Request:
     raise _LineProblem(None, _UNKNOWN_FORM)
 
 
-def default_custom_id(line: int) -> str:
-    return f"line-{line}"
-
-
-def _claimed_id(obj: Any, line: int) -> str:
-    if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) and obj["custom_id"]:
-        return obj["custom_id"]
-    return default_custom_id(line)
-
-
-class _SeenIds:
-    """custom_ids seen so far, kept on disk so a 100M-line file does not need 100M ids in RAM."""
-
-    def __init__(self) -> None:
-        fd, self._path = tempfile.mkstemp(prefix="batchllm-ids-", suffix=".sqlite")
-        os.close(fd)
-        self._db = sqlite3.connect(self._path)
-        self._db.execute("PRAGMA journal_mode=OFF")
-        self._db.execute("PRAGMA synchronous=OFF")
-        self._db.execute("CREATE TABLE seen (custom_id TEXT PRIMARY KEY, line INTEGER) WITHOUT ROWID")
-
-    def first_lines(self, ids: list[str]) -> dict[str, int]:
-        found: dict[str, int] = {}
-        for start in range(0, len(ids), 500):
-            part = ids[start : start + 500]
-            marks = ",".join("?" * len(part))
-            found.update(self._db.execute(
-                f"SELECT custom_id, line FROM seen WHERE custom_id IN ({marks})", part))
-        return found
-
-    def add(self, pairs: list[tuple[str, int]]) -> None:
-        self._db.executemany("INSERT INTO seen VALUES (?, ?)", pairs)
-
-    def close(self) -> None:
-        self._db.close()
-        Path(self._path).unlink(missing_ok=True)
-
-
-def _decode(raw: bytes, line: int) -> tuple[Any, _LineProblem | None]:
+def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -145,55 +111,73 @@ def _decode(raw: bytes, line: int) -> tuple[Any, _LineProblem | None]:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
         return None, _LineProblem(None, f"malformed JSON: {exc.msg} (column {exc.colno})")
+    except RecursionError:
+        return None, _LineProblem(None, "malformed JSON: nested too deeply")
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        return None, _LineProblem(None, f"malformed JSON: {exc}")
 
 
-def read_requests(path: str | Path) -> Iterator[Request | LineError]:
+def _check(line: Line, max_line_bytes: int) -> _Checked:
+    if line.raw is None:
+        return line.number, None, _LineProblem(
+            None, f"line is {line.size:,} bytes, over the limit of {max_line_bytes:,} "
+            "(BATCHLLM_MAX_LINE_BYTES)")
+    obj, problem = _decode(line.raw)
+    if problem is None:
+        try:
+            return line.number, given_id(obj), parse_line(obj, line.number)
+        except _LineProblem as exc:
+            problem = exc
+    return line.number, given_id(obj), problem
+
+
+def read_requests(path: str | Path, *, max_line_bytes: int | None = None,
+                  ) -> Iterator[Request | LineError]:
     """Yield one Request or LineError per non-blank line of `path`, in line order.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
+    A line over `max_line_bytes` (default: the setting) is an error without being parsed.
     """
     path = Path(path)
     name = str(path)
-    seen = _SeenIds()
+    limit = max_line_bytes or get_settings().max_line_bytes
+    ids = CustomIds()
     try:
         with path.open("rb") as handle:
-            chunk: list[tuple[int, Any, Request | _LineProblem]] = []
-            for number, raw in enumerate(handle, start=1):
-                if not raw.strip():
-                    continue
-                obj, problem = _decode(raw.rstrip(b"\r\n"), number)
-                if problem is None:
-                    try:
-                        chunk.append((number, obj, parse_line(obj, number)))
-                        obj = None
-                    except _LineProblem as exc:
-                        problem = exc
-                if problem is not None:
-                    chunk.append((number, obj, problem))
+            ids.collect_given(iter_lines(handle, limit))
+            handle.seek(0)
+            chunk: list[_Checked] = []
+            for line in iter_lines(handle, limit):
+                chunk.append(_check(line, limit))
                 if len(chunk) >= _CHUNK:
-                    yield from _resolve_chunk(chunk, seen, name)
+                    yield from _resolve_chunk(chunk, ids, name)
                     chunk = []
-            yield from _resolve_chunk(chunk, seen, name)
+            yield from _resolve_chunk(chunk, ids, name)
     finally:
-        seen.close()
+        ids.close()
 
 
-def _resolve_chunk(chunk: list[tuple[int, Any, Request | _LineProblem]], seen: _SeenIds,
-                   name: str) -> Iterator[Request | LineError]:
-    ids = [item.custom_id for _, _, item in chunk if isinstance(item, Request)]
-    earlier = seen.first_lines(list(set(ids)))
+def _resolve_chunk(chunk: list[_Checked], ids: CustomIds, name: str,
+                   ) -> Iterator[Request | LineError]:
+    defaults = ids.defaults([number for number, given, _ in chunk if given is None])
+    final = {number: given if given is not None else defaults[number]
+             for number, given, _ in chunk}
+    earlier = ids.first_lines(list({final[number] for number, _, item in chunk
+                                    if isinstance(item, Request)}))
     new: list[tuple[str, int]] = []
-    for number, obj, item in chunk:
+    for number, _, item in chunk:
+        custom_id = final[number]
         if isinstance(item, _LineProblem):
-            yield LineError(file=name, line=number, custom_id=_claimed_id(obj, number),
-                            field=item.field, message=item.message)
+            yield LineError(file=name, line=number, custom_id=custom_id, field=item.field,
+                            message=item.message)
             continue
-        first = earlier.get(item.custom_id)
+        item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on (custom_ids.py)
+        first = earlier.get(custom_id)
         if first is not None:
-            yield LineError(file=name, line=number, custom_id=item.custom_id, field="custom_id",
-                            message=f"duplicate custom_id {item.custom_id!r} (first on line {first})")
+            yield LineError(file=name, line=number, custom_id=custom_id, field="custom_id",
+                            message=f"duplicate custom_id {custom_id!r} (first on line {first})")
             continue
-        earlier[item.custom_id] = number
-        new.append((item.custom_id, number))
+        earlier[custom_id] = number
+        new.append((custom_id, number))
         yield item
-    seen.add(new)
+    ids.add_seen(new)

@@ -11,9 +11,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints,
+                      field_validator)
+from pydantic_core import PydanticCustomError
 
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+# No model generates this many tokens in one request (the longest contexts are about 1M
+# tokens); a larger max_tokens is a typo or a unit mistake, and it would silently size the
+# job's context to the model's maximum, which costs KV cache and concurrency for every row.
+MAX_TOKENS_LIMIT = 1_048_576
+
+
+def _not_a_boolean(value: Any) -> Any:
+    # Lax pydantic reads true as 1 and false as 0: `"max_tokens": true` would run with 1 token.
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_not_bool", "Input should be a number, not true/false")
+    return value
+
+
+# int and float that refuse booleans; every number field of a line or of the job's defaults.
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 
 class SamplingOverrides(BaseModel):
@@ -21,16 +40,17 @@ class SamplingOverrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
-    temperature: float | None = Field(default=None, ge=0, description="0 means greedy.")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(default=None, description="Sample from the k likeliest; -1 or 0: all.")
-    min_p: float | None = Field(default=None, ge=0, le=1, description="Minimum relative probability.")
+    max_tokens: Int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT,
+                                   description="Most tokens to generate.")
+    temperature: Float | None = Field(default=None, ge=0, description="0 means greedy.")
+    top_p: Float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: Int | None = Field(default=None, description="Sample from the k likeliest; -1 or 0: all.")
+    min_p: Float | None = Field(default=None, ge=0, le=1, description="Minimum relative probability.")
     stop: str | list[str] | None = Field(default=None, description="Stop strings.")
-    seed: int | None = Field(default=None, description="Per-request sampling seed.")
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
-    repetition_penalty: float | None = Field(default=None, gt=0, description="vLLM-style.")
+    seed: Int | None = Field(default=None, description="Per-request sampling seed.")
+    presence_penalty: Float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
+    frequency_penalty: Float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
+    repetition_penalty: Float | None = Field(default=None, gt=0, description="vLLM-style.")
     ignore_eos: bool | None = Field(default=None, description="Keep generating past EOS.")
 
 
@@ -39,9 +59,10 @@ class SamplingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate per request.")
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature; 0 = greedy.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_tokens: Int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT,
+                            description="Most tokens to generate per request.")
+    temperature: Float = Field(default=1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_p: Float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens tokens.")
 
     def merged(self, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +152,7 @@ class OpenAICompletionBody(SamplingOverrides):
 class OpenAIChatBody(SamplingOverrides):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
 class OpenAIBatchLine(BaseModel):

@@ -158,13 +158,6 @@ def test_duplicate_custom_id_becomes_an_error_row_naming_the_first_line(tmp_path
     assert "first on line 1" in err.message
 
 
-def test_explicit_id_equal_to_an_earlier_default_id_is_a_duplicate(tmp_path):
-    items = read_all(tmp_path, [{"prompt": "one"}, {"custom_id": "line-1", "prompt": "two"}])
-
-    assert isinstance(items[1], LineError)
-    assert "first on line 1" in items[1].message
-
-
 def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
     err = only_error(tmp_path, chat_line("x-1", logprobs=True))
 

@@ -1,0 +1,124 @@
+"""custom_ids: the duplicate check and the default ids of lines that give none.
+
+A line without a custom_id gets `line-<N>`, N its line number. A file may give that very id to
+another line, earlier or later (`{"custom_id": "line-35", ...}` on line 12), so defaults are
+chosen in two phases: a first pass collects the given ids of the default shape, and a default
+that one of them holds moves on to `line-<N>-2`, `line-<N>-3`, ... So a default never equals a
+given id nor another default (N is the part before the second dash), and defaults depend only on
+the file: a rerun of the same file yields the same ids.
+
+Both id sets live in on-disk SQLite tables rather than in Python sets, so a 100M-line file
+does not need 100M ids in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from batchllm.jobs.lines import Line
+
+_DEFAULT_SHAPE = re.compile(r"line-[0-9]+(-[0-9]+)?")
+_ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")
+_BATCH = 500
+
+
+def default_custom_id(line: int) -> str:
+    return f"line-{line}"
+
+
+def given_id(obj: Any) -> str | None:
+    """The custom_id a decoded line gives, if any: a non-empty string."""
+    if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) and obj["custom_id"]:
+        return obj["custom_id"]
+    return None
+
+
+def _default_shaped_ids(lines: Iterable[Line]) -> Iterator[str]:
+    for line in lines:
+        # Only a line holding `line-`, literally or with some of it as \u escapes of ASCII
+        # characters, can give such an id; the byte test spares decoding every other line a
+        # second time (escaped non-ASCII text, \u0080 and up, does not count).
+        if line.raw is None or (b"line-" not in line.raw
+                                and not _ASCII_ESCAPE.search(line.raw)):
+            continue
+        try:
+            found = given_id(json.loads(line.raw.decode("utf-8")))
+        except (ValueError, RecursionError):
+            continue
+        if found is not None and _DEFAULT_SHAPE.fullmatch(found):
+            yield found
+
+
+class CustomIds:
+    """The id tables of one file's validation: `given` (default-shaped ids the file gives) and
+    `seen` (ids of the requests accepted so far, with their line)."""
+
+    def __init__(self) -> None:
+        fd, self._path = tempfile.mkstemp(prefix="batchllm-ids-", suffix=".sqlite")
+        os.close(fd)
+        self._db = sqlite3.connect(self._path)
+        self._db.execute("PRAGMA journal_mode=OFF")
+        self._db.execute("PRAGMA synchronous=OFF")
+        self._db.execute("CREATE TABLE given (custom_id TEXT PRIMARY KEY) WITHOUT ROWID")
+        self._db.execute(
+            "CREATE TABLE seen (custom_id TEXT PRIMARY KEY, line INTEGER) WITHOUT ROWID")
+        self._any_given = False
+
+    def collect_given(self, lines: Iterable[Line]) -> None:
+        """The first pass: remember every default-shaped id the file gives."""
+        batch: list[tuple[str]] = []
+        for found in _default_shaped_ids(lines):
+            batch.append((found,))
+            if len(batch) >= _BATCH:
+                self._add_given(batch)
+                batch = []
+        self._add_given(batch)
+
+    def _add_given(self, batch: list[tuple[str]]) -> None:
+        if batch:
+            self._db.executemany("INSERT OR IGNORE INTO given VALUES (?)", batch)
+            self._any_given = True
+
+    def defaults(self, lines: list[int]) -> dict[int, str]:
+        """The default id of each of these line numbers."""
+        chosen = {line: default_custom_id(line) for line in lines}
+        if not self._any_given:
+            return chosen
+        taken = {row[0] for row in self._rows(
+            "SELECT custom_id FROM given WHERE custom_id IN ({})", list(chosen.values()))}
+        for line, custom_id in chosen.items():
+            if custom_id in taken:
+                chosen[line] = self._free_default(line)
+        return chosen
+
+    def _free_default(self, line: int) -> str:
+        suffix = 2
+        while self._db.execute("SELECT 1 FROM given WHERE custom_id = ?",
+                               (f"line-{line}-{suffix}",)).fetchone():
+            suffix += 1
+        return f"line-{line}-{suffix}"
+
+    def first_lines(self, ids: list[str]) -> dict[str, int]:
+        """The line each of these ids was first accepted on, for those seen before."""
+        return dict(self._rows("SELECT custom_id, line FROM seen WHERE custom_id IN ({})", ids))
+
+    def add_seen(self, pairs: list[tuple[str, int]]) -> None:
+        self._db.executemany("INSERT INTO seen VALUES (?, ?)", pairs)
+
+    def _rows(self, query: str, values: list[str]) -> Iterator[tuple]:
+        """Rows of `query`, whose `{}` takes the values' placeholders, a batch at a time
+        (SQLite limits the number of parameters)."""
+        for start in range(0, len(values), _BATCH):
+            part = values[start : start + _BATCH]
+            yield from self._db.execute(query.format(",".join("?" * len(part))), part)
+
+    def close(self) -> None:
+        self._db.close()
+        Path(self._path).unlink(missing_ok=True)
