@@ -39,7 +39,7 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
             for shard_id in shard_ids:
                 app.send_task(TASK_RUN_SHARD, args=(shard_id,), queue=queue, connection=conn)
     except Exception as exc:
-        message = f"could not reach the broker at {settings.broker_url}: {exc}"
+        message = f"could not reach the broker at {_without_password(settings.broker_url)}: {exc}"
         with session_scope(settings) as session:
             service.fail_job(session, job_id, message)
         raise BatchLLMError(message) from exc
@@ -47,3 +47,9 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
     with session_scope(settings) as session:
         recovery.mark_dispatched(session, shard_ids)
         return session.get(Job, job_id)
+
+
+def _without_password(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)
