@@ -91,7 +91,8 @@ def cancel(job_id: str) -> None:
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=1, show_default=True,
               help="Worker processes, one engine each (one per GPU: process i sees GPU i).")
-@click.option("--name", "-n", default=None, help="Worker name [default: batchllm-PID@host].")
+@click.option("--name", "-n", default=None,
+              help="Worker name, unique in the fleet [default: batchllm-PID@host].")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 def worker(models: tuple[str, ...], queues: str | None, concurrency: int, name: str | None,
            loglevel: str) -> None:
@@ -133,7 +134,8 @@ def _supervise(count: int, models, queues, name, loglevel) -> None:
             argv += ["--model", model]
         if queues:
             argv += ["--queues", queues]
-        argv += ["--name", f"{name or 'batchllm'}-{i}@{socket.gethostname()}"]
+        # Names must be unique on the host: a worker may reclaim a shard it ran itself.
+        argv += ["--name", f"{name or f'batchllm-{os.getpid()}'}-{i}@{socket.gethostname()}"]
         commands.append((argv, child_env(i)))
     code = supervise(commands)
     if code:

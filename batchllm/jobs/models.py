@@ -11,7 +11,7 @@ import enum
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Enum, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, DateTime, Enum, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -66,6 +66,8 @@ class Job(Base):
     storage_root: Mapped[str] = mapped_column(Text)
     output_dir: Mapped[str] = mapped_column(Text)
     max_model_len: Mapped[int | None] = mapped_column(Integer)
+    # Run by one `batchllm run` process, not the fleet: no reconciler re-drives its shards.
+    local_run: Mapped[bool] = mapped_column(Boolean, default=False)
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)

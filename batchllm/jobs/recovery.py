@@ -18,7 +18,7 @@ from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
-LOCAL_WORKER = "local@"  # the worker name prefix of `batchllm run`, which no fleet re-drives
+LOCAL_WORKER = "local@"  # the worker name prefix of `batchllm run`
 
 
 def end_stale_shards_of_cancelled_jobs(session: Session, lease_seconds: float,
@@ -65,6 +65,7 @@ def queued_shards_to_check(session: Session, grace_seconds: float) -> list[tuple
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
     return list(session.execute(select(Shard.id, Job.model).join(Job).where(
         Shard.status == ShardStatus.QUEUED, Job.status.in_(RUNNABLE_JOBS),
+        Job.local_run.is_(False),
         Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))).all())
 
 
@@ -89,9 +90,8 @@ def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[st
     fleet will ever pick their shards up, and `in_progress` forever would be a lie."""
     stale = utcnow() - timedelta(seconds=lease_seconds)
     job_ids = session.scalars(select(Job.id).join(Shard).where(
-        Job.status.in_(RUNNABLE_JOBS), Shard.status == ShardStatus.RUNNING,
-        Shard.worker.startswith(LOCAL_WORKER, autoescape=True),
-        Shard.heartbeat_at < stale).distinct()).all()
+        Job.status.in_(RUNNABLE_JOBS), Job.local_run.is_(True),
+        Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale).distinct()).all()
     for job_id in job_ids:
         service.fail_job(session, job_id, "the `batchllm run` process running it stopped "
                                           "without ending it (killed?)")

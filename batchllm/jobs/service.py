@@ -37,7 +37,7 @@ class CreatedJob:
 
 
 def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bool = False,
-               settings: Settings | None = None) -> CreatedJob:
+               settings: Settings | None = None, local_run: bool = False) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API.
@@ -53,7 +53,7 @@ def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bo
                         spec=spec.model_dump(mode="json"), job_metadata=dict(spec.metadata),
                         input_file=str(source.resolve()), storage_root=settings.resolved_storage,
                         output_dir=storage.display(storage.output_dir(job_id)),
-                        max_model_len=spec.engine.max_model_len))
+                        max_model_len=spec.engine.max_model_len, local_run=local_run))
     try:
         stored = store_input(source, storage, job_id, shard_size=shard_size, strict=strict)
     except InputError as exc:
@@ -210,7 +210,8 @@ def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[i
     stale = utcnow() - timedelta(seconds=lease_seconds)
     found = session.execute(select(Shard.id, Job.model).join(Job).where(
         Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale,
-        Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]))).all()
+        Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]), Job.local_run.is_(False))
+    ).all()
     moved = []
     for shard_id, model in found:
         if session.execute(update(Shard).where(

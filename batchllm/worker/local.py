@@ -13,7 +13,7 @@ from pathlib import Path
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
 from batchllm.jobs import recovery, service
 from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job
+from batchllm.jobs.models import Job, JobStatus
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
@@ -59,7 +59,10 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         with _stop_on_first_interrupt(interrupted):
             runner.run(shard_ids)
         if interrupted.is_set():
-            raise KeyboardInterrupt
+            with session_scope(settings) as session:
+                finished = service.job_status(session, job_id) is JobStatus.COMPLETED
+            if not finished:  # else the Ctrl-C came during the last step: the job did finish
+                raise KeyboardInterrupt
     except BaseException as exc:
         was_interrupted = interrupted.is_set() or isinstance(exc, KeyboardInterrupt)
         reason = "interrupted" if was_interrupted else f"{type(exc).__name__}: {exc}"
@@ -95,7 +98,7 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
     """
     def create() -> str:
         created = service.create_job(source, spec, shard_size=settings.shard_size,
-                                     strict=strict, settings=settings)
+                                     strict=strict, settings=settings, local_run=True)
         if on_created:
             on_created(created.job)
         return created.job.id

@@ -1,4 +1,4 @@
-"""shards.dispatched_at: when the shard's task was last sent to the broker
+"""shards.dispatched_at (when the shard's task was last sent), jobs.local_run
 
 Revision ID: 0002
 Revises: 0001
@@ -18,8 +18,13 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table('shards') as batch:
         batch.add_column(sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True))
+    with op.batch_alter_table('jobs') as batch:
+        batch.add_column(sa.Column('local_run', sa.Boolean(), nullable=False,
+                                   server_default=sa.false()))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('local_run')
     with op.batch_alter_table('shards') as batch:
         batch.drop_column('dispatched_at')
