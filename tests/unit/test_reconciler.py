@@ -253,3 +253,21 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
     assert manifest["rows"] == {"total": 20, "ok": 20, "error": 0}
     assert sorted(r["line"] for r in output_rows(settings, job_id)) == list(range(1, 21))
     assert broker.sent == []
+
+
+def test_the_shards_of_a_local_run_are_never_sent_to_the_fleet_and_a_killed_run_ends_failed(
+        settings, broker, tmp_path):
+    created = service.create_job(write_items(tmp_path / "in.jsonl", 8), make_spec(),
+                                 shard_size=4, settings=settings, local_run=True)
+    with session_scope(settings) as session:
+        running, queued = [s.id for s in session.get(Job, created.job.id).shards]
+    claim(settings, running, "local@host")
+    set_shard(settings, running, heartbeat_age=LEASE + 5)  # the `batchllm run` was killed
+    set_shard(settings, queued, dispatched_age=LEASE + 5)
+
+    reconcile_once(broker.send, settings)
+    assert broker.sent == []
+    with session_scope(settings) as session:
+        assert recovery.fail_abandoned_local_runs(session, LEASE) == [created.job.id]
+    status, _ = states(settings, created.job.id)
+    assert status is JobStatus.FAILED
