@@ -1,0 +1,148 @@
+"""Fixtures for the fault suite (tests/faults): the private Redis and PostgreSQL, the pool of
+real workers, the recovery-time table printed at the end of the run, and worker and service log
+tails attached to a failing test's report. The machinery itself is in harness.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from batchllm.settings import Settings
+from tests.conftest import require
+from tests.faults import harness
+from tests.faults.harness import (
+    REPO,
+    WORKER_SETTINGS,
+    FaultEnv,
+    Pool,
+    PostgresCluster,
+    RedisServer,
+    postgres_bin,
+    stop_all_workers,
+    tail,
+)
+
+
+@pytest.fixture(scope="session")
+def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultEnv]:
+    require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
+    require(importlib.util.find_spec("psycopg") is not None, "psycopg is not installed")
+    require(shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
+            "redis-server/redis-cli are not installed")
+    bin_dir = postgres_bin()
+    require(bin_dir is not None and (bin_dir / "pg_ctl").exists(),
+            "PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            require(False, "running as root, but there is no `postgres` user to run initdb as")
+
+    work_dir = tmp_path_factory.mktemp("faults")
+    redis_server = RedisServer(work_dir=work_dir)
+    postgres = PostgresCluster(bin_dir=bin_dir)
+    atexit.register(harness.last_resort_cleanup, redis_server, postgres)
+    try:
+        redis_server.start()
+        postgres.init()
+        postgres.start()
+        postgres.create_database()
+        from batchllm.jobs.db import get_engine, upgrade
+
+        upgrade(postgres.url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+        env.update(WORKER_SETTINGS)
+        env.update({
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+            "BATCHLLM_HOME": str(work_dir / "home"),
+            "BATCHLLM_DATABASE_URL": postgres.url,
+            "BATCHLLM_BROKER_URL": redis_server.url,
+            "BATCHLLM_STORAGE": str(work_dir / "storage"),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        settings = Settings(**{k.removeprefix("BATCHLLM_").lower(): v for k, v in env.items()
+                               if k.startswith("BATCHLLM_")})
+        yield FaultEnv(settings=settings, env=env, redis=redis_server, postgres=postgres,
+                       model=tiny_model, work_dir=work_dir)
+        get_engine(settings).dispose()
+    finally:
+        stop_all_workers()
+        redis_server.stop()
+        postgres.destroy()
+
+
+@pytest.fixture(scope="module")
+def pool(fault_env: FaultEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    workers = Pool(fault_env, tmp_path_factory.mktemp("workers"))
+    try:
+        yield workers
+    finally:
+        for worker in list(workers.workers):
+            worker.terminate()
+        for worker in list(workers.workers):
+            worker.stop()
+
+
+# -- recovery times ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recovery(record_property) -> Callable[..., None]:
+    """record(what, seconds, note=""): one measured recovery time for the summary table."""
+
+    def record(what: str, seconds: float | None, note: str = "") -> None:
+        record_property("recovery", {"what": what, "seconds": seconds, "note": note})
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rows = []
+    for key in ("passed", "failed", "error"):
+        for report in terminalreporter.stats.get(key, []):
+            if getattr(report, "when", None) != "call" and key != "error":
+                continue
+            for name, value in getattr(report, "user_properties", []):
+                if name == "recovery":
+                    test = report.nodeid.split("::")[-1]
+                    rows.append((test, key, value))
+    if not rows:
+        return
+    terminalreporter.section("fault recovery times")
+    terminalreporter.write_line(f"{'test':<72} {'outcome':<7} {'measure':<44} {'seconds':>8}")
+    for test, outcome, value in rows:
+        seconds = value.get("seconds")
+        shown = f"{seconds:8.1f}" if isinstance(seconds, (int, float)) else f"{'-':>8}"
+        terminalreporter.write_line(f"{test[:72]:<72} {outcome:<7} {value['what'][:44]:<44} "
+                                    f"{shown}")
+        if value.get("note"):
+            terminalreporter.write_line(f"{'':<81}{value['note']}")
+
+
+# -- failure reports -----------------------------------------------------------------------
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+    if report.failed and f"{os.sep}faults{os.sep}" in str(item.fspath):
+        for worker in list(harness.running_workers):
+            report.sections.append((f"worker {worker.name} log (tail)", worker.tail()))
+        env = item.funcargs.get("fault_env") if hasattr(item, "funcargs") else None
+        if env is not None:
+            report.sections.append(("redis log (tail)", tail(env.redis.log_path, 20)))
+            report.sections.append(("postgres log (tail)", tail(env.postgres.log_path, 30)))

@@ -1,0 +1,600 @@
+"""The fault suite's harness: a private Redis and PostgreSQL that tests stop and start, real
+`batchllm worker` processes that tests kill, and a pool that keeps warm workers across cases.
+
+Nothing here touches the machine's own Redis (6379) or PostgreSQL (5432): both services run on
+free ports from temporary directories. Every process started here (and every engine process
+recorded under a worker) is ended by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from batchllm.jobs.schemas import EngineOptions
+from batchllm.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+MACHINE_PORTS = frozenset({5432, 6379})  # the machine's own services: never ours
+DATABASE = "batchllm_faults"
+
+# A killed worker's shard is taken over within a lease (10 s) plus a reconcile interval (5 s);
+# Redis's own redelivery is an hour away, so a recovery the tests see is batchllm's, not the
+# broker's.
+WORKER_SETTINGS = {
+    "BATCHLLM_LEASE_SECONDS": "10",
+    "BATCHLLM_COMMIT_ROWS": "100",
+    "BATCHLLM_COMMIT_SECONDS": "2",
+    "BATCHLLM_RECONCILE_SECONDS": "5",
+    "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
+}
+# Every job of the suite uses these engine options, so a worker's warm engine serves them all.
+ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
+
+_started_pids: list[tuple[int, float]] = []  # (pid, create_time) of everything we must end
+
+
+# -- small helpers -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in MACHINE_PORTS:
+            return port
+
+
+def wait_for(check: Callable[[], object], *, timeout: float, what: str,
+             interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _remember(pid: int) -> None:
+    try:
+        _started_pids.append((pid, psutil.Process(pid).create_time()))
+    except psutil.Error:
+        pass
+
+
+def same_process(pid: int, created: float) -> psutil.Process | None:
+    """The process with this pid if it is still the one we saw (pids are reused)."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - created) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE:
+            return proc
+    except psutil.Error:
+        pass
+    return None
+
+
+def kill_recorded(recorded: dict[int, float]) -> list[int]:
+    """SIGKILL the recorded processes that are still alive; returns their pids."""
+    killed = []
+    for pid, created in recorded.items():
+        proc = same_process(pid, created)
+        if proc is not None:
+            try:
+                proc.kill()
+                killed.append(pid)
+            except psutil.Error:
+                pass
+    return killed
+
+
+def alive_of(recorded: dict[int, float]) -> dict[int, str]:
+    """The recorded processes still alive: pid -> command line."""
+    alive = {}
+    for pid, created in recorded.items():
+        proc = same_process(pid, created)
+        if proc is not None:
+            try:
+                alive[pid] = " ".join(proc.cmdline())[:80] or proc.name()
+            except psutil.Error:
+                pass
+    return alive
+
+
+def engine_processes(root_pid: int) -> list[psutil.Process]:
+    """vLLM's processes under a process: `VLLM::EngineCore`, `VLLM::Worker...` (their titles)."""
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        try:
+            title = " ".join(child.cmdline()) or child.name()
+        except psutil.Error:
+            continue
+        if "VLLM" in title or "EngineCore" in title:
+            found.append(child)
+    return found
+
+
+def descendants(root_pid: int) -> dict[int, float]:
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return {}
+    recorded = {}
+    for child in children:
+        try:
+            recorded[child.pid] = child.create_time()
+        except psutil.Error:
+            pass
+    return recorded
+
+
+# -- the private Redis ---------------------------------------------------------------------
+
+
+class RedisServer:
+    """`redis-server` on a free port, without persistence: a restart loses every queued and
+    unacknowledged task, which is the fault the tests want."""
+
+    def __init__(self, *, work_dir: Path) -> None:
+        self.port = free_port()
+        self.work_dir = work_dir
+        self.log_path = work_dir / "redis.log"
+        self.url = f"redis://{HOST}:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis(host=HOST, port=self.port, socket_connect_timeout=2,
+                           socket_timeout=5)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 30) -> None:
+        assert not self.running(), "redis-server is already running"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
+                 "--appendonly", "no", "--daemonize", "no", "--dir", str(self.work_dir)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _remember(self.proc.pid)
+
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited with {self.proc.returncode}:\n"
+                                     + tail(self.log_path))
+            try:
+                return bool(self.client().ping())
+            except Exception:
+                return False
+
+        wait_for(answers, timeout=timeout, what=f"redis-server on port {self.port}", interval=0.1)
+
+    def stop(self) -> None:
+        """`SHUTDOWN NOSAVE`, then SIGTERM and SIGKILL to our PID if it does not go."""
+        if not self.running():
+            return
+        subprocess.run(["redis-cli", "-h", HOST, "-p", str(self.port), "shutdown", "nosave"],
+                       capture_output=True, timeout=15)
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def restart(self) -> float:
+        """Stop (losing everything in it) and start again on the same port; returns the time
+        the stop began (time.monotonic)."""
+        began = time.monotonic()
+        self.stop()
+        self.start()
+        return began
+
+
+# -- the private PostgreSQL ----------------------------------------------------------------
+
+
+def postgres_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+class PostgresCluster:
+    """A throw-away cluster (initdb) on a free port of 127.0.0.1, trust auth, run as the
+    `postgres` user when we are root (PostgreSQL refuses to run as root)."""
+
+    def __init__(self, *, bin_dir: Path) -> None:
+        self.bin_dir = bin_dir
+        self.port = free_port()
+        # Not under pytest's tmp_path: that is private to root, and the server runs as postgres.
+        self.root = Path(tempfile.mkdtemp(prefix="batchllm-faults-pg-"))
+        self.data = self.root / "data"
+        self.log_path = self.root / "postgres.log"
+        self.as_root = os.geteuid() == 0
+        if self.as_root:
+            shutil.chown(self.root, "postgres", "postgres")
+        self.url = f"postgresql+psycopg://postgres@{HOST}:{self.port}/{DATABASE}"
+
+    def _run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        command = [str(self.bin_dir / argv[0]), *argv[1:]]
+        if self.as_root:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        result = subprocess.run(command, cwd=self.root, capture_output=True, text=True,
+                                timeout=timeout)
+        if result.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n"
+                                 f"{result.stdout}\n{result.stderr}\n" + tail(self.log_path))
+        return result
+
+    def init(self) -> None:
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8",
+                  "--locale=C", "--no-sync")
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                "\n# batchllm fault suite\n"
+                f"listen_addresses = '{HOST}'\n"
+                f"port = {self.port}\n"
+                f"unix_socket_directories = '{self.root}'\n"
+                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
+                "max_connections = 200\n"
+                # A backend whose client was killed -9 notices within a second even while it
+                # waits, and drops its locks, as it would on a real network.
+                "client_connection_check_interval = '1s'\n")
+
+    @property
+    def pid(self) -> int | None:
+        try:
+            return int((self.data / "postmaster.pid").read_text().split()[0])
+        except (FileNotFoundError, IndexError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        pid = self.pid
+        try:
+            return pid is not None and psutil.Process(pid).name() == "postgres"
+        except psutil.Error:
+            return False
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60",
+                  "start")
+        if self.pid:
+            _remember(self.pid)
+
+    def stop(self) -> None:
+        """`pg_ctl stop -m fast`: the server ends every session and stops."""
+        if self.running():
+            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+
+    def create_database(self) -> None:
+        import psycopg
+
+        with psycopg.connect(host=HOST, port=self.port, user="postgres", dbname="postgres",
+                             autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'CREATE DATABASE "{DATABASE}"')
+
+    def connect(self):
+        """A plain psycopg connection (autocommit) for the test's own SQL."""
+        import psycopg
+
+        return psycopg.connect(host=HOST, port=self.port, user="postgres", dbname=DATABASE,
+                               autocommit=True, connect_timeout=5)
+
+    def destroy(self) -> None:
+        try:
+            self.stop()
+        except Exception:
+            pid = self.pid
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGQUIT)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- the environment the fleet shares ------------------------------------------------------
+
+
+@dataclass
+class FaultEnv:
+    settings: Settings
+    env: dict[str, str]
+    redis: RedisServer
+    postgres: PostgresCluster
+    model: Path
+    work_dir: Path
+
+    def worker_env(self, **extra: str) -> dict[str, str]:
+        return {**self.env, **extra}
+
+    def submit(self, source: Path, *, shard_size: int, max_tokens: int,
+               ignore_eos: bool = True, model: Path | str | None = None):
+        """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
+        from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+        from batchllm.worker.dispatch import submit_job
+
+        spec = JobSpec(model=str(model or self.model), engine=ENGINE,
+                       sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
+
+    def queue_length(self) -> int:
+        from batchllm.worker.celery_app import queue_for_model
+
+        return int(self.redis.client().llen(queue_for_model(str(self.model))))
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`batchllm ARGS` as a user on this fleet runs it."""
+        return subprocess.run([sys.executable, "-m", "batchllm", *args], env=self.env, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+
+
+def last_resort_cleanup(redis_server: RedisServer, postgres: PostgresCluster) -> None:
+    """If the session dies before its fixtures' teardown (e.g. a second Ctrl-C)."""
+    stop_all_workers()
+    try:
+        redis_server.stop()
+    except Exception:
+        pass
+    postgres.destroy()
+
+
+# -- workers -------------------------------------------------------------------------------
+
+running_workers: list[Worker] = []
+
+
+class Worker:
+    """One `batchllm worker` process in its own process group; its engine children are
+    recorded (pid and start time) so that the suite can check them after a kill and end any
+    that outlive their worker."""
+
+    def __init__(self, name: str, *, env: FaultEnv, core: int, log_path: Path) -> None:
+        self.name = name
+        self.core = core
+        self.log_path = log_path
+        self.recorded: dict[int, float] = {}
+        self._log = log_path.open("ab")
+        self._terminated = False
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "worker", "--model", str(env.model),
+             "--name", name, "--loglevel", "INFO"],
+            env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)), cwd=REPO,
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        _remember(self.proc.pid)
+        running_workers.append(self)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return tail(self.log_path, lines)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while f"{self.name} ready." not in self.log():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}:\n"
+                                     + self.tail())
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name} not ready after {timeout}s:\n"
+                                     + self.tail())
+            time.sleep(0.2)
+
+    def record_descendants(self) -> dict[int, float]:
+        """Remember every process under the worker now (its engine and helpers)."""
+        found = descendants(self.pid)
+        self.recorded.update(found)
+        return found
+
+    def engine_core(self) -> psutil.Process | None:
+        for proc in engine_processes(self.pid):
+            try:
+                if "EngineCore" in " ".join(proc.cmdline()) or "EngineCor" in proc.name():
+                    return proc
+            except psutil.Error:
+                continue
+        return None
+
+    def kill_main(self) -> float:
+        """SIGKILL the worker's main process only, as an OOM killer would; its children are
+        left to fend for themselves. Returns the time of the kill (time.monotonic)."""
+        self.record_descendants()
+        os.kill(self.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        self.proc.wait(timeout=30)
+        return killed_at
+
+    def terminate(self) -> None:
+        """Ask for a warm shutdown (once: a second SIGTERM would make it a cold one)."""
+        if self.alive() and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, grace: float = 30) -> None:
+        """Warm shutdown first, then SIGKILL the group and whatever recorded child is left."""
+        if self.alive():
+            self.record_descendants()
+        self.terminate()
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_recorded(self.recorded)
+        self._log.close()
+        if self in running_workers:
+            running_workers.remove(self)
+
+
+def stop_all_workers() -> None:
+    workers = list(running_workers)
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.stop(grace=20)
+    for pid, created in list(_started_pids):
+        proc = same_process(pid, created)
+        # Only workers and their children are left here; the services stop themselves.
+        if proc is not None and proc.name() not in ("redis-server", "postgres"):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+class Pool:
+    """The suite's warm workers. Tests ask for the number they need; dead workers are
+    replaced, extra ones stopped, and new (or suspect) ones are proven to take shards with a
+    warm engine before the test starts timing anything."""
+
+    def __init__(self, env: FaultEnv, log_dir: Path) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.workers: list[Worker] = []
+        self.serial = 0
+        self.suspect = False
+        self.notes: list[str] = []
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.workers if w.alive()]
+
+    def _start(self, count: int) -> list[Worker]:
+        cpus = os.cpu_count() or 1
+        started = []
+        for _ in range(count):
+            used = [w.core for w in self.alive()]
+            core = min(range(cpus), key=used.count)
+            self.serial += 1
+            name = f"w{self.serial}@faults"
+            worker = Worker(name, env=self.env, core=core, log_path=self.log_dir / f"{name}.log")
+            self.workers.append(worker)
+            started.append(worker)
+        for worker in started:
+            worker.wait_ready()
+        return started
+
+    def drop_dead(self) -> None:
+        for worker in [w for w in self.workers if not w.alive()]:
+            worker.stop()
+            self.workers.remove(worker)
+
+    def ensure(self, count: int) -> list[Worker]:
+        self.drop_dead()
+        alive = self.alive()
+        for extra in alive[count:]:
+            extra.terminate()
+        for extra in alive[count:]:
+            extra.stop()
+            self.workers.remove(extra)
+        started = self._start(count - len(self.alive()))
+        if started or self.suspect:
+            self.probe()
+        return self.alive()
+
+    def replace(self, worker: Worker) -> Worker:
+        """Start a new worker in place of one that exited (what a supervisor does)."""
+        worker.stop()
+        if worker in self.workers:
+            self.workers.remove(worker)
+        (new,) = self._start(1)
+        return new
+
+    def probe(self, timeout: float = 300) -> None:
+        """A tiny job whose shards must land on every worker: each builds (or proves) its
+        engine. If a worker takes none, the whole pool is started afresh once."""
+        for attempt in (1, 2):
+            workers = self.alive()
+            used = run_probe_job(self.env, len(workers), timeout=timeout, workers=workers)
+            if {w.name for w in workers} <= used:
+                self.suspect = False
+                return
+            if attempt == 2:
+                raise AssertionError(f"probe shards ran on {used}, not on every worker of "
+                                     f"{[w.name for w in workers]}" + tails(workers))
+            self.notes.append(f"workers {sorted({w.name for w in workers} - used)} took no "
+                              "probe shard: pool restarted")
+            for worker in workers:
+                worker.stop(grace=5)
+                self.workers.remove(worker)
+            self._start(len(workers))
+
+
+def run_probe_job(env: FaultEnv, count: int, *, timeout: float,
+                  workers: list[Worker]) -> set[str]:
+    """Run a small job of 2*count two-row shards; returns the workers that ran its shards."""
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.models import Job, JobStatus
+    from batchllm.jobs.workload import write_workload
+
+    source = write_workload(env.work_dir / f"probe-{time.monotonic_ns()}.jsonl",
+                            requests=4 * count, prompt_words=(4, 8))
+    job_id = env.submit(source, shard_size=2, max_tokens=4).id
+
+    def ended():
+        with session_scope(env.settings) as session:
+            job = session.get(Job, job_id)
+            return (job.status, job.error, {s.worker for s in job.shards}) \
+                if job.status.is_final else None
+
+    try:
+        status, error, used = wait_for(ended, timeout=timeout, what="the probe job to end",
+                                       interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}" + tails(workers)) from None
+    assert status is JobStatus.COMPLETED, f"probe job {status.value}: {error}" + tails(workers)
+    return {u for u in used if u}
+
+
+def tails(workers: list[Worker]) -> str:
+    return "".join(f"\n--- {w.name} log (tail) ---\n{w.tail()}" for w in workers)
+
+
