@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from sqlalchemy import select
+
 from batchllm.errors import BatchLLMError
 from batchllm.jobs import recovery, service
 from batchllm.jobs.db import session_scope
@@ -29,8 +31,7 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
     job_id = created.job.id
     with session_scope(settings) as session:
         shard_ids = list(session.scalars(
-            Shard.__table__.select().with_only_columns(Shard.id).where(Shard.job_id == job_id)
-            .order_by(Shard.index)))
+            select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index)))
     app = create_app(settings)
     queue = queue_for_model(spec.model)
     try:

@@ -9,6 +9,7 @@ from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
@@ -49,7 +50,7 @@ def _close_engine(**_kwargs) -> None:
     _engines.close()
 
 
-@shared_task(name="batchllm.run_shard", bind=True, acks_late=True, reject_on_worker_lost=True,
+@shared_task(name=TASK_RUN_SHARD, bind=True, acks_late=True, reject_on_worker_lost=True,
              max_retries=None)
 def run_shard(self, shard_id: int) -> str:
     queue = (self.request.delivery_info or {}).get("routing_key")
