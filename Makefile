@@ -9,7 +9,7 @@ EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/nu
 DEMO := .demo
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install demo test test-unit bench clean
+.PHONY: install demo test test-unit lint bench clean
 
 install: $(VENV)/.installed
 
@@ -29,8 +29,12 @@ demo: install
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/prompts.jsonl \
 		--model $(DEMO)/model --max-tokens 128
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest
+
+# Lint (ruff) and types (mypy); settings in pyproject.toml. `make test` runs it first.
+lint: install
+	$(BIN)/ruff check batchllm tests migrations
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit

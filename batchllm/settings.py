@@ -70,7 +70,7 @@ class Settings(BaseSettings):
         "ends cancelled jobs whose workers died, finalizes jobs left finalizing.")
 
     @model_validator(mode="after")
-    def _expand_home(self) -> "Settings":
+    def _expand_home(self) -> Settings:
         self.home = self.home.expanduser()
         return self
 

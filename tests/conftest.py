@@ -51,8 +51,8 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model, built once per session (no download)."""
     try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
+        import torch
+        import transformers
     except ImportError as exc:
         require(False, f"torch/transformers not installed: {exc}")
     from batchllm.engine.demo_model import build_demo_model

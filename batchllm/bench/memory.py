@@ -49,7 +49,7 @@ class PeakRss:
             if self._stop.wait(_INTERVAL):
                 return
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._thread.start()
         return self
 

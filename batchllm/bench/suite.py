@@ -116,8 +116,14 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
 def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workdir: Path,
                          say: Say) -> tuple[dict[str, Contender], dict | None, dict]:
     """The in-process contenders and the prefix part, on one engine started here."""
-    from batchllm.bench.contenders import (Prompts, bench_settings, job_spec, kv_cache_tokens,
-                                           run_generate, run_job_phase)
+    from batchllm.bench.contenders import (
+        Prompts,
+        bench_settings,
+        job_spec,
+        kv_cache_tokens,
+        run_generate,
+        run_job_phase,
+    )
     from batchllm.bench.workload import write_openai_chat
     from batchllm.worker.engines import EngineCache
 

@@ -48,6 +48,8 @@ def _target(value: float, target: float, *, strict: bool = False,
             lower_is_better: bool = False) -> dict[str, Any]:
     if lower_is_better:
         met = value < target
+    elif strict:
+        met = value > target
     else:
-        met = value > target if strict else value >= target
+        met = value >= target
     return {"value": value, "target": target, "met": met}

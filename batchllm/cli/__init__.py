@@ -70,4 +70,4 @@ def main() -> None:
 
 from batchllm.cli import admin, bench, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
 
-__all__ = ["cli", "main", "admin", "bench", "fleet", "inspect", "run"]
+__all__ = ["admin", "bench", "cli", "fleet", "inspect", "main", "run"]

@@ -7,8 +7,13 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.options import (input_file, job_options, require_local_model,
-                                  require_requests, spec_from_flags)
+from batchllm.cli.options import (
+    input_file,
+    job_options,
+    require_local_model,
+    require_requests,
+    spec_from_flags,
+)
 
 
 @cli.command()

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.prompts import prepare_prompts
+from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.jobs.schemas import EngineOptions
 
 log = logging.getLogger(__name__)

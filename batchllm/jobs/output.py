@@ -54,7 +54,7 @@ class OutputRow:
 
     @classmethod
     def failed(cls, custom_id: str, line: int, error: str,
-               prompt_tokens: int | None = None) -> "OutputRow":
+               prompt_tokens: int | None = None) -> OutputRow:
         return cls(custom_id=custom_id, line=line, status="error", error=error,
                    prompt_tokens=prompt_tokens)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from sqlalchemy import and_, func, or_, select, update

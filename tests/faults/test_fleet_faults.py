@@ -541,7 +541,7 @@ class TestWorkerLoss:
         (solo,) = pool.ensure(1)
         source = workload(tmp_path, seed=19)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, [solo])
+        wait_mid_shard(fault_env, job.id, [solo])
         core = solo.engine_core()
         assert core is not None, f"no EngineCore process under {solo.name}"
         solo.record_descendants()

@@ -21,7 +21,7 @@ from batchllm.jobs.storage import Storage
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
 from batchllm.worker.shard_task import process_shard
-from tests.unit.test_runner_fake_engine import (  # noqa: F401  (small_commits is a fixture)
+from tests.unit.test_runner_fake_engine import (
     FakeEngine,
     FakeEngines,
     item_of,

@@ -72,7 +72,7 @@ def test_a_fresh_heartbeat_keeps_a_redelivered_shard_with_its_worker(settings, t
 
 
 def test_stale_running_shards_are_queued_again_once(settings, tmp_path):
-    job_id, shard_id = make_job(settings, tmp_path)
+    _, shard_id = make_job(settings, tmp_path)
     with session_scope(settings) as session:
         service.claim_shard(session, shard_id, "w1", lease_seconds=60)
     with session_scope(settings) as session:

@@ -340,9 +340,8 @@ def test_get_job_refuses_an_ambiguous_prefix(settings, tmp_path):
     service.create_job(source, spec(), shard_size=4, settings=settings)
     service.create_job(source, spec(), shard_size=4, settings=settings)
 
-    with session_scope(settings) as session:
-        with pytest.raises(JobNotFound, match="ambiguous"):
-            service.get_job(session, "job_")
+    with session_scope(settings) as session, pytest.raises(JobNotFound, match="ambiguous"):
+        service.get_job(session, "job_")
 
 
 def test_list_jobs_filters_by_status_newest_first(settings, tmp_path):

@@ -20,7 +20,7 @@ from batchllm.jobs.storage import Storage
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
 from batchllm.worker.reconciler import reconcile_once
 from batchllm.worker.runner import ShardRunner
-from tests.unit.test_runner_fake_engine import (  # noqa: F401  (small_commits is a fixture)
+from tests.unit.test_runner_fake_engine import (
     FakeEngine,
     make_spec,
     output_rows,
@@ -112,7 +112,7 @@ def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_f
 def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_at_once(
         settings, tmp_path):
     settings.lease_seconds = LEASE
-    job_id, (running, queued) = create(settings, tmp_path, 8, shard_size=4)
+    job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "dead")
     set_shard(settings, running, heartbeat_age=LEASE + 60)
 
@@ -130,7 +130,7 @@ def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_
 def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_runs_out(
         settings, tmp_path):
     settings.lease_seconds = LEASE
-    job_id, (running, queued) = create(settings, tmp_path, 8, shard_size=4)
+    job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "alive")
 
     with session_scope(settings) as session:
@@ -192,7 +192,7 @@ def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(
 
 def test_a_queued_shard_whose_task_the_broker_still_holds_is_not_sent_again(
         settings, tmp_path, broker):
-    job_id, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
+    _, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
     set_shard(settings, shard_id, dispatched_age=LEASE + 1)
     broker.holds = {shard_id}
 
