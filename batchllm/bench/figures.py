@@ -58,9 +58,9 @@ class Contender:
             "peak_rss_bytes": max(r.peak_rss for r in runs),
             "runs": [asdict(r) for r in runs],
         }
-        generation = [r for r in runs if r.generation_seconds]
+        generation = [(r, seconds) for r in runs if (seconds := r.generation_seconds)]
         if generation:
-            out["generation_seconds"] = spread([r.generation_seconds for r in generation])
+            out["generation_seconds"] = spread([seconds for _, seconds in generation])
             out["generation_output_tokens_per_s"] = spread(
-                [r.output_tokens / r.generation_seconds for r in generation])
+                [r.output_tokens / seconds for r, seconds in generation])
         return out

@@ -17,10 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 from batchllm.bench.figures import BenchFailed
-from batchllm.engine.vllm_engine import Finished, VllmEngine
+from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.protocol import Finished
+from batchllm.engine.vllm_engine import sampling_values
+from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.workload import sentence
 
 _FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
@@ -32,37 +35,36 @@ _SENTENCES = 4096
 class _Params:
     """Stands in for vllm.SamplingParams: keeps the settings, checks nothing."""
 
-    def __init__(self, **values) -> None:
+    def __init__(self, **values: Any) -> None:
         self.__dict__.update(values)
 
 
-class InstantEngine(VllmEngine):
-    """Finishes every request at its max_tokens in the step after it was added."""
+class InstantEngine:
+    """An Engine (batchllm.engine.protocol) whose generation answers at once: every request
+    finishes at its max_tokens in the step after it was added. Preparation is the real one
+    (the model's tokenizer and chat template, vllm_engine's sampling settings)."""
 
     version = "instant"
     hardware = "none (instant engine)"
 
-    def __init__(self, *, tokenizer, max_model_len: int, max_num_seqs: int = 256) -> None:
-        # VllmEngine.__init__ starts vLLM: only the state its preparation code reads is set.
-        self._vllm = SimpleNamespace(SamplingParams=_Params)
-        self._final_only = None
-        self.is_cpu = False
+    def __init__(self, *, tokenizer: Any, max_model_len: int, max_num_seqs: int = 256) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self._params_cache = {}
-        self._warned_seed = False
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
         self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
 
     def prepare(self, rows: list[dict]) -> list[list[int] | str]:
         started = time.perf_counter()
         try:
-            return super().prepare(rows)
+            return prepare_prompts(self.tokenizer, rows, self.max_model_len)
         finally:
             self.prepare_seconds += time.perf_counter() - started
 
-    def add(self, request_id: str, token_ids: list[int], params) -> None:
+    def sampling_params(self, merged: dict[str, Any]) -> _Params:
+        return _Params(**sampling_values(merged))
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         self._queue.append((request_id, len(token_ids), params.max_tokens))
 
     def step(self) -> list[Finished]:
@@ -86,14 +88,14 @@ class InstantEngine(VllmEngine):
 
 
 class _InstantEngines:
-    """An EngineCache that hands out instant engines and notes when the job asked for one."""
+    """An EngineSource that hands out instant engines and notes when the job asked for one."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.asked_at: float | None = None
         self.engine: InstantEngine | None = None
 
-    def get(self, spec, max_model_len: int) -> InstantEngine:
+    def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
         self.asked_at = time.perf_counter()
         self.engine = InstantEngine(tokenizer=self.tokenizer, max_model_len=max_model_len)
         return self.engine
@@ -152,15 +154,18 @@ def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
     job = run_job(source, spec, settings=bench_settings(home), engines=engines,
                   on_created=lambda _job: stored_at.append(time.perf_counter()))
     ended = time.perf_counter()
+    engine, asked_at = engines.engine, engines.asked_at
+    if engine is None or asked_at is None:
+        raise BenchFailed("the overhead job never asked for an engine")
     if job.status is not JobStatus.COMPLETED or job.request_failed:
         raise BenchFailed(f"overhead job ended {job.status.value}, {job.request_failed} failed: "
                            f"{job.error}")
     rows = job.request_completed
     seconds = ended - started
     phases = {"validate_and_store": stored_at[0] - started,
-              "size_context": engines.asked_at - stored_at[0],
-              "tokenize": engines.engine.prepare_seconds,
-              "feed_write_commit": ended - engines.asked_at - engines.engine.prepare_seconds}
+              "size_context": asked_at - stored_at[0],
+              "tokenize": engine.prepare_seconds,
+              "feed_write_commit": ended - asked_at - engine.prepare_seconds}
     # batchllm's own work: what neither vLLM (it tokenizes text prompts itself) nor a user who
     # passes --max-model-len (no sizing pass) would pay anyway.
     own = phases["validate_and_store"] + phases["feed_write_commit"]

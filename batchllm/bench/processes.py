@@ -61,6 +61,7 @@ def _timed(command: list[str], *, log_path: Path, markers: tuple[str, ...] = (),
                                 text=True, env=env)
 
         def pump() -> None:
+            assert proc.stdout is not None  # stdout=PIPE
             for line in proc.stdout:
                 for marker in markers:
                     if marker not in marks and marker in line:

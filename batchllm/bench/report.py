@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ def contender_table(contenders: dict[str, Any]) -> str:
     return _format(rows)
 
 
-def _format(rows: list[tuple[str, ...]]) -> str:
+def _format(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
@@ -61,12 +62,13 @@ def _format(rows: list[tuple[str, ...]]) -> str:
 def _overhead_table(overhead: dict[str, Any]) -> str:
     """Rows/s and peak RSS per file size; shares of engine time when the engine part ran."""
     shares = "engine_seconds_per_row" in overhead
-    header = ("overhead without generation", "rows/s own", "rows/s all", "peak RSS")
+    header: tuple[str, ...] = ("overhead without generation", "rows/s own", "rows/s all",
+                               "peak RSS")
     header += ("own / engine time", "all / engine time") if shares else ()
-    rows = [header + ("validate", "size ctx", "tokenize", "feed+write")]
+    rows: list[tuple[str, ...]] = [header + ("validate", "size ctx", "tokenize", "feed+write")]
     for size in overhead["sizes"]:
         phases = size["phases"]
-        row = (f"{size['lines']:,} lines", f"{size['own_rows_per_s']:,.0f}",
+        row: tuple[str, ...] = (f"{size['lines']:,} lines", f"{size['own_rows_per_s']:,.0f}",
                f"{size['rows_per_s']:,.0f}", f"{size['peak_rss_bytes'] / _MIB:,.0f} MiB")
         if shares:
             row += (f"{size['own_share_of_engine_time']:.2%}",

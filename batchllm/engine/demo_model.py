@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import pathlib
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _corpus(sentences: int = 800) -> list[str]:
     return lines
 
 
-def _build_tokenizer():
+def _build_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -138,7 +139,8 @@ def build_demo_model(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib
     # fork_rng keeps the caller's global torch RNG untouched while seeding the weight init.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        # transformers' stubs type .to() for devices only; a dtype is what torch takes too.
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     # Only token ids: sampling defaults here would silently change vLLM's default SamplingParams.
     model.generation_config = GenerationConfig(**ids)
     model.save_pretrained(directory)

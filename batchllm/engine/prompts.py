@@ -11,14 +11,16 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from batchllm.jobs.inputs import StoredRow
+
 Encode = Callable[[list[str], bool], list[list[int]]]
 
 
-def render(tokenizer: Any, row: dict) -> str:
+def render(tokenizer: Any, row: StoredRow) -> str:
     if row["kind"] == "chat":
-        return tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False,
-                                             add_generation_prompt=True)
-    return row["prompt"]
+        return str(tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False,
+                                                 add_generation_prompt=True))
+    return str(row["prompt"])
 
 
 def batch_encoder(tokenizer: Any) -> Encode:
@@ -40,7 +42,7 @@ def batch_encoder(tokenizer: Any) -> Encode:
     return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
-def prepare_prompts(tokenizer: Any, rows: list[dict],
+def prepare_prompts(tokenizer: Any, rows: list[StoredRow],
                     max_model_len: int | None) -> list[list[int] | str]:
     """For each row: its prompt token ids, or an error message (row stays in place)."""
     results: list[list[int] | str] = [""] * len(rows)
@@ -59,10 +61,10 @@ def prepare_prompts(tokenizer: Any, rows: list[dict],
         for (i, _), ids in zip(items, encoded):
             results[i] = ids
     if max_model_len is not None:
-        for i, ids in enumerate(results):
-            if isinstance(ids, list) and len(ids) >= max_model_len:
-                results[i] = (f"prompt is {len(ids)} tokens; the engine's max_model_len is "
+        for i, prepared in enumerate(results):
+            if isinstance(prepared, list) and len(prepared) >= max_model_len:
+                results[i] = (f"prompt is {len(prepared)} tokens; the engine's max_model_len is "
                               f"{max_model_len} (prompt plus at least one output token must fit)")
-            elif isinstance(ids, list) and not ids:
+            elif isinstance(prepared, list) and not prepared:
                 results[i] = "prompt is empty after tokenization"
     return results

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from batchllm.engine.prompts import prepare_prompts
+from batchllm.jobs.inputs import StoredRow
 from batchllm.jobs.schemas import SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -27,17 +29,17 @@ def model_limit(model: str) -> int:
     return int(getattr(text, "max_position_embeddings", 2048))
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
 
 
-def size_max_model_len(model: str, rows: Iterable[dict], defaults: SamplingDefaults) -> int:
+def size_max_model_len(model: str, rows: Iterable[StoredRow], defaults: SamplingDefaults) -> int:
     limit = model_limit(model)
     tokenizer = load_tokenizer(model)
     longest = 1
-    batch: list[dict] = []
+    batch: list[StoredRow] = []
 
     def flush() -> int:
         best = 0

@@ -14,12 +14,13 @@ import os
 import platform
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
+from batchllm.jobs.inputs import StoredRow
 from batchllm.jobs.schemas import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop"
                   "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
 
 
-def import_vllm():
+def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
@@ -72,23 +73,18 @@ def resolve_dtype(requested: str, *, is_cpu: bool) -> str:
     return "float32"
 
 
+def sampling_values(merged: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams keyword arguments for merged job and line settings."""
+    return {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
+
+
 class RequestRejected(BatchLLMError):
     """vLLM refused one request (its row becomes an error row; the job goes on)."""
 
 
-@dataclass(slots=True)
-class Finished:
-    """One finished request as the runner needs it."""
-
-    request_id: str
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
 class VllmEngine:
-    """One vLLM engine, built once and reused for every shard with the same engine key."""
+    """One vLLM engine, built once and reused for every shard with the same engine key.
+    Satisfies batchllm.engine.protocol.Engine."""
 
     def __init__(self, *, model: str, options: EngineOptions, max_model_len: int | None) -> None:
         vllm = import_vllm()
@@ -161,11 +157,11 @@ class VllmEngine:
 
     # -- preparation (before a request reaches the engine) -------------------------------
 
-    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+    def prepare(self, rows: list[StoredRow]) -> list[list[int] | str]:
         """Token ids per stored input row, or the reason the row cannot run."""
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 
-    def sampling_params(self, merged: dict[str, Any]):
+    def sampling_params(self, merged: dict[str, Any]) -> Any:
         """SamplingParams for merged settings. The runner caches them per job and override set
         (the engine clones them per request, so sharing is safe)."""
         if merged.get("seed") is not None and self.is_cpu:
@@ -175,12 +171,11 @@ class VllmEngine:
                 log.warning("per-request seed is not supported by the CPU engine; ignoring it")
                 self._warned_seed = True
             merged = {**merged, "seed": None}
-        values = {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
-        return self._vllm.SamplingParams(**values, output_kind=self._final_only)
+        return self._vllm.SamplingParams(**sampling_values(merged), output_kind=self._final_only)
 
     # -- the feed --------------------------------------------------------------------------
 
-    def add(self, request_id: str, token_ids: list[int], params) -> None:
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
         """Queue one request; RequestRejected when vLLM refuses this request alone."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -212,7 +207,7 @@ class VllmEngine:
         return done
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        return bool(self.engine.has_unfinished_requests())
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -36,7 +36,7 @@ def default_custom_id(line: int) -> str:
 def given_id(obj: Any) -> str | None:
     """The custom_id a decoded line gives, if any: a non-empty string."""
     if isinstance(obj, dict) and isinstance(obj.get("custom_id"), str) and obj["custom_id"]:
-        return obj["custom_id"]
+        return str(obj["custom_id"])
     return None
 
 
@@ -112,7 +112,7 @@ class CustomIds:
     def add_seen(self, pairs: list[tuple[str, int]]) -> None:
         self._db.executemany("INSERT INTO seen VALUES (?, ?)", pairs)
 
-    def _rows(self, query: str, values: list[str]) -> Iterator[tuple]:
+    def _rows(self, query: str, values: list[str]) -> Iterator[tuple[Any, ...]]:
         """Rows of `query`, whose `{}` takes the values' placeholders, a batch at a time
         (SQLite limits the number of parameters)."""
         for start in range(0, len(values), _BATCH):

@@ -7,14 +7,20 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Executable, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from batchllm.errors import BatchLLMError
+from batchllm.errors import BatchLLMError, JobNotFound
 from batchllm.settings import Settings, get_settings
 
+if TYPE_CHECKING:  # alembic is imported when the schema is checked or upgraded
+    from alembic.config import Config
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -22,7 +28,7 @@ _lock = threading.Lock()
 _engines: dict[str, Engine] = {}
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # WAL lets `status` read while a run writes; busy_timeout waits instead of failing on a lock.
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
@@ -31,7 +37,7 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
-def alembic_config(url: str):
+def alembic_config(url: str) -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -93,3 +99,16 @@ def session_scope(settings: Settings | None = None) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def get_one(session: Session, model: type[T], key: object) -> T:
+    """The row with this primary key; JobNotFound when it is gone (deleted meanwhile)."""
+    row = session.get(model, key)
+    if row is None:
+        raise JobNotFound(f"no {model.__name__.lower()} {key!r}")
+    return row
+
+
+def changed(session: Session, statement: Executable) -> int:
+    """How many rows an UPDATE or DELETE changed (the conditional transitions' verdict)."""
+    return cast("CursorResult[Any]", session.execute(statement)).rowcount

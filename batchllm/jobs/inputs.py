@@ -14,6 +14,7 @@ import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,6 +25,10 @@ from batchllm.jobs.schemas import LineError, Request
 from batchllm.jobs.storage import Storage
 
 log = logging.getLogger(__name__)
+
+# One stored input row as the engine side reads it (line, custom_id, kind, prompt, messages,
+# sampling, error); messages and sampling are JSON text.
+StoredRow = dict[str, Any]
 
 INPUT_SCHEMA = pa.schema(
     [
@@ -57,7 +62,7 @@ class StoredInput:
     problems: list[LineError] = field(default_factory=list)  # the first few, for messages
 
 
-def _as_row(item: Request | LineError) -> dict:
+def _as_row(item: Request | LineError) -> StoredRow:
     if isinstance(item, LineError):
         reason = (f"field '{item.field}': " if item.field else "") + item.message
         return {"line": item.line, "custom_id": item.custom_id, "kind": "invalid", "prompt": None,
@@ -73,12 +78,12 @@ class _ShardWriter:
         self.dir = storage.input_dir(job_id)
         storage.makedirs(self.dir)
         self.shards: list[ShardInput] = []
-        self._rows: list[dict] = []
+        self._rows: list[StoredRow] = []
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
 
-    def add(self, row: dict) -> None:
+    def add(self, row: StoredRow) -> None:
         if self._current is None:
             index = len(self.shards)
             path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
@@ -102,6 +107,7 @@ class _ShardWriter:
         if self._current is None:
             return
         self._flush_rows()
+        assert self._writer is not None and self._sink is not None  # set with _current
         self._writer.close()
         self.storage.write_bytes(self._current.path, self._sink.getvalue())
         self.shards.append(self._current)
@@ -153,7 +159,7 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
     return result
 
 
-def iter_shard_rows(storage: Storage, path: str, batch_rows: int = 4096) -> Iterator[dict]:
+def iter_shard_rows(storage: Storage, path: str, batch_rows: int = 4096) -> Iterator[StoredRow]:
     """Stream one stored shard's rows as dicts, a row group at a time."""
     with storage.fs.open_input_file(path) as src:
         for batch in pq.ParquetFile(src).iter_batches(batch_size=batch_rows):

@@ -15,6 +15,7 @@ import json
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -84,10 +85,10 @@ def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow])
 def read_lines(storage: Storage, path: str) -> list[int]:
     """The input line numbers a committed part file holds (for resume)."""
     with storage.fs.open_input_file(path) as src:
-        return pq.read_table(src, columns=["line"]).column("line").to_pylist()
+        return [int(n) for n in pq.read_table(src, columns=["line"]).column("line").to_pylist()]
 
 
-def write_manifest(storage: Storage, out_dir: str, manifest: dict) -> None:
+def write_manifest(storage: Storage, out_dir: str, manifest: dict[str, Any]) -> None:
     body = {"schema_version": SCHEMA_VERSION, **manifest}
     storage.write_bytes(posixpath.join(out_dir, MANIFEST_NAME),
                         json.dumps(body, indent=2, sort_keys=True, default=str).encode())

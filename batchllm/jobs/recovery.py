@@ -13,6 +13,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.jobs import service
+from batchllm.jobs.db import changed
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,10 @@ def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> b
     """Take the right to re-send this queued shard's task; False if another reconciler took
     it (or a worker claimed the shard) since it was read."""
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
-    return bool(session.execute(update(Shard).where(
+    return bool(changed(session, update(Shard).where(
         Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
         Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))
-        .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)).rowcount)
+        .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)))
 
 
 def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[str]:

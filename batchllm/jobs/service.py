@@ -13,7 +13,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import InputError, JobNotFound, JobStateError, ShardBusy, ShardLost
-from batchllm.jobs.db import session_scope
+from batchllm.jobs.db import changed, get_one, session_scope
 from batchllm.jobs.inputs import StoredInput, store_input
 from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.schemas import JobSpec
@@ -63,7 +63,7 @@ def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bo
         raise
     storage.makedirs(storage.output_dir(job_id))
     with session_scope(settings) as session:
-        job = session.get(Job, job_id)
+        job = get_one(session, Job, job_id)
         for shard in stored.shards:
             session.add(Shard(job_id=job_id, index=shard.index, status=ShardStatus.QUEUED,
                               input_path=shard.path, rows=shard.rows, first_line=shard.first_line,
@@ -117,7 +117,7 @@ def claim_shard(session: Session, shard_id: int, worker: str,
         return None
     now = utcnow()
     stale = now - timedelta(seconds=lease_seconds)
-    claimed = session.execute(
+    claimed = changed(session,
         update(Shard).where(Shard.id == shard_id, or_(
             Shard.status == ShardStatus.QUEUED,
             and_(Shard.status == ShardStatus.RUNNING,
@@ -127,7 +127,7 @@ def claim_shard(session: Session, shard_id: int, worker: str,
                 heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))
         # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
         # Python, and the shard is refreshed below anyway.
-        .execution_options(synchronize_session=False)).rowcount
+        .execution_options(synchronize_session=False))
     if not claimed:
         session.refresh(shard)
         if shard.status == ShardStatus.RUNNING:
@@ -145,10 +145,10 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
     lost = set()
     now = utcnow()
     for shard_id, attempt in owned.items():
-        if not session.execute(update(Shard).where(
+        if not changed(session, update(Shard).where(
                 Shard.id == shard_id, Shard.attempts == attempt,
                 Shard.status == ShardStatus.RUNNING).values(heartbeat_at=now)
-                .execution_options(synchronize_session=False)).rowcount:
+                .execution_options(synchronize_session=False)):
             lost.add(shard_id)
     return lost
 
@@ -175,12 +175,12 @@ def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int,
     fence = [Shard.id == shard_id]
     if attempt is not None:
         fence += [Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING]
-    owned = session.execute(update(Shard).where(*fence).values(
+    owned = changed(session, update(Shard).where(*fence).values(
         rows_ok=Shard.rows_ok + rows_ok, rows_failed=Shard.rows_failed + rows_failed,
         prompt_tokens=Shard.prompt_tokens + prompt_tokens,
         completion_tokens=Shard.completion_tokens + completion_tokens,
         engine_seconds=Shard.engine_seconds + engine_seconds, next_seq=seq + 1)
-        .execution_options(synchronize_session=False)).rowcount
+        .execution_options(synchronize_session=False))
     if not owned:
         raise ShardLost(f"shard {shard_id} is no longer run by attempt {attempt}")
     session.add(Checkpoint(shard_id=shard_id, seq=seq, path=path, rows=rows_ok + rows_failed,
@@ -196,9 +196,9 @@ def record_checkpoint(session: Session, *, shard_id: int, job_id: str, seq: int,
 
 def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
     """Hand a running shard back (warm shutdown) so its next delivery can claim it at once."""
-    return bool(session.execute(update(Shard).where(
+    return bool(changed(session, update(Shard).where(
         Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING)
-        .values(status=ShardStatus.QUEUED)).rowcount)
+        .values(status=ShardStatus.QUEUED)))
 
 
 def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
@@ -214,10 +214,10 @@ def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[i
     ).all()
     moved = []
     for shard_id, model in found:
-        if session.execute(update(Shard).where(
+        if changed(session, update(Shard).where(
                 Shard.id == shard_id, Shard.status == ShardStatus.RUNNING,
                 Shard.heartbeat_at < stale).values(status=ShardStatus.QUEUED)
-                .execution_options(synchronize_session=False)).rowcount:
+                .execution_options(synchronize_session=False)):
             moved.append((shard_id, model))
     return moved
 
@@ -232,9 +232,9 @@ def _end_shard(session: Session, shard: Shard, status: ShardStatus, error: str |
     fence = [Shard.id == shard.id, Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING])]
     if attempt is not None:
         fence.append(Shard.attempts == attempt)
-    ended = session.execute(
+    ended = changed(session,
         update(Shard).where(*fence).values(status=status, finished_at=utcnow(), error=error)
-    ).rowcount
+    )
     if ended:
         session.execute(update(Job).where(Job.id == shard.job_id)
                         .values(shards_done=Job.shards_done + 1))
@@ -258,8 +258,8 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
         return None
     failed = session.scalar(select(func.count()).select_from(Shard).where(
         Shard.job_id == job_id, Shard.status == ShardStatus.FAILED))
-    if session.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
-                       .values(status=JobStatus.CANCELLED, finished_at=utcnow())).rowcount:
+    if changed(session, update(Job).where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
+                       .values(status=JobStatus.CANCELLED, finished_at=utcnow())):
         return JobStatus.CANCELLED
     if failed:
         errors = session.scalars(select(Shard.error).where(
@@ -268,9 +268,9 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
             status=JobStatus.FAILED, finished_at=utcnow(),
             error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors)))
         return JobStatus.FAILED
-    moved = session.execute(update(Job).where(
+    moved = changed(session, update(Job).where(
         Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.IN_PROGRESS]))
-        .values(status=JobStatus.FINALIZING)).rowcount
+        .values(status=JobStatus.FINALIZING))
     return JobStatus.FINALIZING if moved else None
 
 
@@ -307,7 +307,7 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
     """Fix the job's context length once; the first worker to size it wins, others reuse it."""
     session.execute(update(Job).where(Job.id == job_id, Job.max_model_len.is_(None))
                     .values(max_model_len=value))
-    return session.scalar(select(Job.max_model_len).where(Job.id == job_id))
+    return int(session.scalar(select(Job.max_model_len).where(Job.id == job_id)) or value)
 
 
 def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = None) -> Job:

@@ -42,7 +42,7 @@ class Storage:
         self.fs.create_dir(path, recursive=True)
 
     def exists(self, path: str) -> bool:
-        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+        return bool(self.fs.get_file_info(path).type != pafs.FileType.NotFound)
 
     def listdir(self, path: str) -> list[str]:
         if not self.exists(path):
@@ -59,7 +59,7 @@ class Storage:
 
     def read_bytes(self, path: str) -> bytes:
         with self.fs.open_input_stream(path) as src:
-            return src.read()
+            return bytes(src.read())
 
     def delete(self, path: str) -> None:
         if self.exists(path):

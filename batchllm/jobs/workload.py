@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 _WORDS = ("alpha bravo river stone cloud maple orbit signal lantern copper meadow harbor "
           "violet thunder quartz falcon ember glacier saffron willow cobalt tundra beacon "
@@ -36,7 +37,7 @@ def write_workload(path: str | Path, *, requests: int, prompt_words: tuple[int, 
                                       '{"messages": []}']) + "\n")
                 continue
             text = f"Request {i}: " + sentence(rng, rng.randint(*prompt_words))
-            line: dict = {}
+            line: dict[str, Any] = {}
             form = forms[i % len(forms)]
             overrides = {"max_tokens": rng.randint(*max_tokens)} if max_tokens else {}
             messages = [{"role": "user", "content": text}]

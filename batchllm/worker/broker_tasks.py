@@ -43,7 +43,7 @@ def shard_ids_in_broker(broker_url: str, queues: set[str], task_name: str) -> se
         client.close()
 
 
-def _decode(raw: bytes) -> object:
+def _decode(raw: bytes | str) -> object:
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):

@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from batchllm.errors import BatchLLMError
 from batchllm.jobs import recovery, service
-from batchllm.jobs.db import session_scope
+from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.models import Job, Shard
 from batchllm.jobs.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
@@ -47,7 +47,7 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
     log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
     with session_scope(settings) as session:
         recovery.mark_dispatched(session, shard_ids)
-        return session.get(Job, job_id)
+        return get_one(session, Job, job_id)
 
 
 def _without_password(url: str) -> str:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import TYPE_CHECKING
 
 from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
+from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Job
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
+
+if TYPE_CHECKING:  # vllm is imported only when an engine is built
+    from batchllm.engine.vllm_engine import VllmEngine
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +23,7 @@ log = logging.getLogger(__name__)
 def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) -> int:
     """The job's max_model_len: as given, or sized once from its rows and stored on the job."""
     with session_scope(settings) as session:
-        job = session.get(Job, job_id)
+        job = get_one(session, Job, job_id)
         if job.max_model_len:
             return job.max_model_len
         spec = JobSpec.model_validate(job.spec)
@@ -33,20 +37,22 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
 
 
 class EngineCache:
+    """The warm engine of this process (an EngineSource)."""
+
     def __init__(self) -> None:
         self._key: str | None = None
-        self.engine = None
+        self.engine: VllmEngine | None = None
 
-    def get(self, spec: JobSpec, max_model_len: int):
+    def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
         key = spec.engine.engine_key(spec.model) + f"|{max_model_len}"
         if self.engine is not None and key == self._key:
             return self.engine
         self.close()
         from batchllm.engine.vllm_engine import VllmEngine
 
-        self.engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
-        self._key = key
-        return self.engine
+        engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
+        self.engine, self._key = engine, key
+        return engine
 
     def close(self) -> None:
         engine, self.engine, self._key = self.engine, None, None

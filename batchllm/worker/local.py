@@ -10,9 +10,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
 from batchllm.jobs import recovery, service
-from batchllm.jobs.db import session_scope
+from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.models import Job, JobStatus
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
             settings: Settings | None = None, on_created: Callable[[Job], None] | None = None,
-            on_progress: ProgressFn | None = None, engines: EngineCache | None = None) -> Job:
+            on_progress: ProgressFn | None = None, engines: EngineSource | None = None) -> Job:
     """Validate, store and run a job to its end here; returns the final Job row.
 
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
@@ -55,7 +56,7 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
                              settings=settings, on_progress=on_progress,
                              should_stop=interrupted.is_set)
         with session_scope(settings) as session:
-            shard_ids = [s.id for s in session.get(Job, job_id).shards]
+            shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
             runner.run(shard_ids)
         if interrupted.is_set():
@@ -81,11 +82,11 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         if own_engines:
             engines.close()
     with session_scope(settings) as session:
-        return session.get(Job, job_id)
+        return get_one(session, Job, job_id)
 
 
 def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settings,
-            engines: EngineCache, on_created: Callable[[Job], None] | None,
+            engines: EngineSource, on_created: Callable[[Job], None] | None,
             ) -> tuple[str, BaseException | None]:
     """Create the job; when the context length is given, start the engine meanwhile.
     Returns the job id and the engine start's error, if it failed after the job was created.

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from batchllm.engine.protocol import Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
@@ -61,10 +62,9 @@ ProgressFn = Callable[[int, int], None]
 
 
 class ShardRunner:
-    """Runs shards on one engine. The engine object is the VllmEngine interface (add, step,
-    abort, has_unfinished, prepare, sampling_params, max_num_seqs, version, hardware)."""
+    """Runs shards on one engine."""
 
-    def __init__(self, engine, *, worker: str, settings: Settings | None = None,
+    def __init__(self, engine: Engine, *, worker: str, settings: Settings | None = None,
                  window: int | None = None, on_progress: ProgressFn | None = None,
                  should_stop: Callable[[], bool] | None = None) -> None:
         self.engine = engine

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from batchllm.errors import ShardLost
 from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
+from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import iter_shard_rows
+from batchllm.jobs.models import Shard
 from batchllm.jobs.output import OutputRow, part_name, read_lines, write_part
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
@@ -85,7 +86,7 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
     between the file and the database commit: they are deleted, and their rows run again.
     """
     with session_scope(settings) as session:
-        shard = session.get(service.Shard, shard_id)
+        shard = get_one(session, Shard, shard_id)
         job = shard.job
         checkpoints = service.checkpoints_of(session, shard_id)
         spec = JobSpec.model_validate(job.spec)

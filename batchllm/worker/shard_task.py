@@ -5,21 +5,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard
+from batchllm.jobs.models import JobStatus, Shard
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
-from batchllm.worker.engines import EngineCache, resolve_max_model_len
+from batchllm.worker.engines import resolve_max_model_len
 from batchllm.worker.finalize import finalize_job
 from batchllm.worker.runner import Outcome, ShardRunner
 
 log = logging.getLogger(__name__)
 
 
-def process_shard(shard_id: int, *, worker: str, engines: EngineCache,
+def process_shard(shard_id: int, *, worker: str, engines: EngineSource,
                   should_stop: Callable[[], bool] = lambda: False,
                   settings: Settings | None = None) -> Outcome:
     settings = settings or get_settings()
@@ -28,7 +29,7 @@ def process_shard(shard_id: int, *, worker: str, engines: EngineCache,
         if shard is None:
             log.warning("shard %s does not exist (job deleted?): dropping the task", shard_id)
             return Outcome.SKIPPED
-        job = session.get(Job, shard.job_id)
+        job = shard.job
         status, job_id = job.status, job.id
         spec = JobSpec.model_validate(job.spec)
     storage = Storage(settings.resolved_storage)

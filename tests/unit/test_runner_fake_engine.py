@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.engine.vllm_engine import Finished
+from batchllm.engine.protocol import Finished
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.jobs import service
 from batchllm.jobs.db import session_scope

@@ -1,0 +1,61 @@
+"""What the shard runner needs of an engine, as types: the vLLM engine, the bench's instant
+engine and the tests' fake engines all satisfy these Protocols (checked by mypy). No vLLM here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from batchllm.jobs.inputs import StoredRow
+from batchllm.jobs.schemas import JobSpec
+
+
+@dataclass(slots=True)
+class Finished:
+    """One finished request as the runner needs it."""
+
+    request_id: str
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Engine(Protocol):
+    """A continuous-batching engine driven request by request."""
+
+    version: str  # recorded per job, e.g. vLLM's version
+    hardware: str  # recorded per job: throughput depends on it
+    max_num_seqs: int  # requests per step; the runner keeps a few times this many in flight
+
+    def prepare(self, rows: list[StoredRow]) -> list[list[int] | str]:
+        """Token ids per stored input row, or the reason the row cannot run."""
+
+    def sampling_params(self, merged: dict[str, Any]) -> Any:
+        """The engine's sampling parameters for merged job and line settings."""
+
+    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+        """Queue one request; a BatchLLMError when the engine refuses this request alone,
+        EngineDied when the engine is gone."""
+
+    def step(self) -> list[Finished]:
+        """Run one step; the requests that finished in it. EngineDied when the engine is gone."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class EngineSource(Protocol):
+    """Hands out the engine for a job's settings (the warm-engine cache, or a test's fake)."""
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine handed out last, if it is still up."""
+
+    def get(self, spec: JobSpec, max_model_len: int) -> Engine: ...
+
+    def close(self) -> None: ...
