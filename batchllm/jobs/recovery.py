@@ -12,7 +12,7 @@ from datetime import timedelta
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.jobs import service
+from batchllm.jobs import lifecycle
 from batchllm.jobs.db import changed
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
@@ -37,7 +37,7 @@ def end_stale_shards_of_cancelled_jobs(session: Session, lease_seconds: float,
         query = query.where(Job.id == job_id)
     ended = []
     for shard in session.scalars(query).all():
-        if service.end_shard(session, shard.id, ShardStatus.CANCELLED,
+        if lifecycle.end_shard(session, shard.id, ShardStatus.CANCELLED,
                              attempt=shard.attempts) is JobStatus.CANCELLED:
             ended.append(shard.job_id)
     return ended
@@ -49,7 +49,7 @@ def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
     ended = []
     for job_id in session.scalars(select(Job.id).where(
             Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total)).all():
-        if service.after_last_shard(session, job_id) is JobStatus.CANCELLED:
+        if lifecycle.after_last_shard(session, job_id) is JobStatus.CANCELLED:
             ended.append(job_id)
     return ended
 
@@ -94,6 +94,6 @@ def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[st
         Job.status.in_(RUNNABLE_JOBS), Job.local_run.is_(True),
         Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale).distinct()).all()
     for job_id in job_ids:
-        service.fail_job(session, job_id, "the `batchllm run` process running it stopped "
+        lifecycle.fail_job(session, job_id, "the `batchllm run` process running it stopped "
                                           "without ending it (killed?)")
     return list(job_ids)

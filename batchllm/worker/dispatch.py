@@ -8,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs import recovery, service
+from batchllm.jobs import lifecycle, recovery, service
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.models import Job, Shard
 from batchllm.jobs.schemas import JobSpec
@@ -42,7 +42,7 @@ def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = No
     except Exception as exc:
         message = f"could not reach the broker at {_without_password(settings.broker_url)}: {exc}"
         with session_scope(settings) as session:
-            service.fail_job(session, job_id, message)
+            lifecycle.fail_job(session, job_id, message)
         raise BatchLLMError(message) from exc
     log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
     with session_scope(settings) as session:

@@ -8,7 +8,7 @@ import posixpath
 
 from sqlalchemy import select
 
-from batchllm.jobs import service
+from batchllm.jobs import lifecycle
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Checkpoint, Job, Shard
 from batchllm.jobs.output import OUTPUT_SCHEMA, write_manifest
@@ -23,7 +23,7 @@ def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware:
     """Complete a `finalizing` job; False when it was not (another worker finished it).
     hardware/vllm_version None: keep what the job recorded at its first engine step."""
     with session_scope(settings) as session:
-        job = service.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
+        job = lifecycle.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
         if job is None:
             return False
         _remove_unrecorded_parts(session, storage, job_id)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
-from batchllm.jobs import recovery, service
+from batchllm.jobs import lifecycle, recovery, service
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.models import Job, JobStatus
 from batchllm.jobs.schemas import JobSpec
@@ -68,7 +68,7 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         was_interrupted = interrupted.is_set() or isinstance(exc, KeyboardInterrupt)
         reason = "interrupted" if was_interrupted else f"{type(exc).__name__}: {exc}"
         with session_scope(settings) as session:
-            service.fail_job(session, job_id, reason)
+            lifecycle.fail_job(session, job_id, reason)
         if was_interrupted:
             raise JobInterrupted(f"job {job_id} interrupted: it ended failed; the rows "
                                  "finished before are kept in its output") from None

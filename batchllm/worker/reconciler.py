@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchllm.jobs import recovery, service
+from batchllm.jobs import leases, recovery
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
@@ -49,7 +49,7 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
     settings = settings or get_settings()
     done = Pass()
     with session_scope(settings) as session:
-        stale = service.requeue_stale_shards(session, settings.lease_seconds)
+        stale = leases.requeue_stale_shards(session, settings.lease_seconds)
         recovery.mark_dispatched(session, [shard_id for shard_id, _ in stale])
     for shard_id, model in stale:
         log.warning("shard %s lost its worker (no heartbeat for %.0f s): queued again",

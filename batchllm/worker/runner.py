@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from batchllm.engine.protocol import Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
-from batchllm.jobs import service
+from batchllm.jobs import leases, lifecycle, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
 from batchllm.jobs.output import OutputRow
@@ -116,7 +116,7 @@ class ShardRunner:
                 return
             try:
                 with session_scope(self.settings) as session:
-                    claimed = service.claim_shard(session, shard_id, self.worker,
+                    claimed = leases.claim_shard(session, shard_id, self.worker,
                                                   self.settings.lease_seconds)
             except ShardBusy as exc:
                 log.info("%s", exc)
@@ -256,7 +256,7 @@ class ShardRunner:
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
         with session_scope(self.settings) as session:
-            next_step = service.end_shard(session, state.shard_id, status, error,
+            next_step = lifecycle.end_shard(session, state.shard_id, status, error,
                                           attempt=state.attempt)
         if next_step is JobStatus.FINALIZING:
             finalize_job(state.job_id, storage=self.storage, settings=self.settings,
@@ -283,7 +283,7 @@ class ShardRunner:
         if not job_ids:
             return
         with session_scope(self.settings) as session:
-            lost = service.heartbeat(session, {s.shard_id: s.attempt for s in self._active})
+            lost = leases.heartbeat(session, {s.shard_id: s.attempt for s in self._active})
             states = {j: service.job_status(session, j) for j in job_ids}
         for state in [s for s in self._active if s.shard_id in lost]:
             self._drop(state, ShardLost("its lease ran out and another worker took it over"))
@@ -296,7 +296,7 @@ class ShardRunner:
 
     def _hand_back(self, state: ShardState, outcome: Outcome) -> None:
         with session_scope(self.settings) as session:
-            service.release_shard(session, state.shard_id, state.attempt)
+            leases.release_shard(session, state.shard_id, state.attempt)
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from batchllm.errors import ShardLost
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Shard
@@ -64,7 +64,7 @@ class ShardState:
         ok = sum(1 for r in rows if r.status == "ok")
         try:
             with session_scope(settings) as session:
-                service.record_checkpoint(
+                checkpoints.record_checkpoint(
                     session, shard_id=self.shard_id, job_id=self.job_id, seq=self.next_seq,
                     path=path, rows_ok=ok, rows_failed=len(rows) - ok,
                     prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
@@ -88,19 +88,19 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
     with session_scope(settings) as session:
         shard = get_one(session, Shard, shard_id)
         job = shard.job
-        checkpoints = service.checkpoints_of(session, shard_id)
+        committed = checkpoints.checkpoints_of(session, shard_id)
         spec = JobSpec.model_validate(job.spec)
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
         attempt = shard.attempts
     out_dir = storage.output_dir(job_id)
-    recorded = {posixpath.basename(c.path) for c in checkpoints}
+    recorded = {posixpath.basename(c.path) for c in committed}
     prefix = f"part-s{index:05d}-"
     for name in storage.listdir(out_dir):
         if name.startswith(prefix) and name not in recorded:
             log.warning("shard %d: removing uncommitted part file %s", index, name)
             storage.delete(posixpath.join(out_dir, name))
     done: set[int] = set()
-    for checkpoint in checkpoints:
+    for checkpoint in committed:
         done.update(read_lines(storage, checkpoint.path))
     if done:
         log.info("shard %d: resuming, %d rows already committed", index, len(done))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied
-from batchllm.jobs import service
+from batchllm.jobs import leases
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, Shard
 from batchllm.jobs.schemas import JobSpec
@@ -38,7 +38,7 @@ def process_shard(shard_id: int, *, worker: str, engines: EngineSource,
     if status is JobStatus.CANCELLING:
         # No engine needed: the claim itself ends a shard of a cancelling job as cancelled.
         with session_scope(settings) as session:
-            service.claim_shard(session, shard_id, worker, settings.lease_seconds)
+            leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.

@@ -19,7 +19,7 @@ import pyarrow.dataset as ds
 import pytest
 from conftest import require
 
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, ShardStatus
 from batchllm.jobs.output import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
@@ -299,7 +299,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(mixed_run
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
         checkpoints = [posixpath.basename(c.path) for s in shards
-                       for c in service.checkpoints_of(session, s.id)]
+                       for c in checkpoints.checkpoints_of(session, s.id)]
         assert sorted(checkpoints) == parts
         assert len(parts) > len(shards)
         assert [(s.rows, s.rows_ok, s.status) for s in shards] == [

@@ -25,7 +25,7 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 
-from batchllm.jobs import service
+from batchllm.jobs import lifecycle, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
@@ -190,7 +190,7 @@ def end_active_jobs(env: FaultEnv) -> None:
     abort within a second), then end by hand whatever is left."""
     try:
         with session_scope(env.settings) as session:
-            active = list(session.scalars(select(Job.id).where(Job.status.in_(service.ACTIVE))))
+            active = list(session.scalars(select(Job.id).where(Job.status.in_(lifecycle.ACTIVE))))
         for job_id in active:
             try:
                 with session_scope(env.settings) as session:
@@ -201,12 +201,12 @@ def end_active_jobs(env: FaultEnv) -> None:
         while active and time.monotonic() < deadline:
             with session_scope(env.settings) as session:
                 active = list(session.scalars(select(Job.id).where(
-                    Job.status.in_(service.ACTIVE))))
+                    Job.status.in_(lifecycle.ACTIVE))))
             time.sleep(0.5)
         with session_scope(env.settings) as session:
             session.execute(update(Shard).where(Shard.status.in_(
                 [ShardStatus.QUEUED, ShardStatus.RUNNING])).values(status=ShardStatus.CANCELLED))
-            session.execute(update(Job).where(Job.status.in_(service.ACTIVE)).values(
+            session.execute(update(Job).where(Job.status.in_(lifecycle.ACTIVE)).values(
                 status=JobStatus.CANCELLED, error="ended by the fault suite's clean-up"))
     except DBAPIError:
         pass

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchllm.cli import cli
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints, leases, lifecycle, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, ShardStatus
 from batchllm.jobs.output import OutputRow, part_name, write_part
@@ -75,13 +75,13 @@ def finished_job(settings, tmp_path) -> str:
             OutputRow("c", 3, "ok", "second answer", "stop", 5, 3)]
     with session_scope(settings) as session:
         (shard,) = session.get(Job, job_id).shards
-        service.claim_shard(session, shard.id, "test-worker")
+        leases.claim_shard(session, shard.id, "test-worker")
         service.mark_generation_started(session, job_id)
         path = write_part(storage, storage.output_dir(job_id), part_name(0, 0), rows)
-        service.record_checkpoint(session, shard_id=shard.id, job_id=job_id, seq=0, path=path,
+        checkpoints.record_checkpoint(session, shard_id=shard.id, job_id=job_id, seq=0, path=path,
                                   rows_ok=2, rows_failed=1, prompt_tokens=7,
                                   completion_tokens=10, engine_seconds=0.5)
-        assert service.end_shard(session, shard.id, ShardStatus.COMPLETED) is \
+        assert lifecycle.end_shard(session, shard.id, ShardStatus.COMPLETED) is \
             JobStatus.FINALIZING
     finalize_job(job_id, storage=storage, settings=settings, hardware="fake CPU",
                  vllm_version="0.0-test")

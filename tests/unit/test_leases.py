@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy, ShardLost
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints, leases, lifecycle, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.output import OutputRow, part_name, write_part
@@ -34,7 +34,7 @@ def age_heartbeat(settings, shard_id: int, seconds: float) -> None:
 
 
 def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> None:
-    service.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=seq, path=f"p{seq}",
+    checkpoints.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=seq, path=f"p{seq}",
                               rows_ok=1, rows_failed=0, prompt_tokens=2, completion_tokens=3,
                               engine_seconds=0.1, attempt=attempt)
 
@@ -42,48 +42,48 @@ def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> N
 def test_a_worker_whose_shard_was_taken_over_cannot_record_checkpoints(settings, tmp_path):
     job_id, shard_id = make_job(settings, tmp_path)
     with session_scope(settings) as session:
-        first = service.claim_shard(session, shard_id, "w1", lease_seconds=60).attempts
+        first = leases.claim_shard(session, shard_id, "w1", lease_seconds=60).attempts
     age_heartbeat(settings, shard_id, 120)
     with session_scope(settings) as session:
-        second = service.claim_shard(session, shard_id, "w2", lease_seconds=60).attempts
+        second = leases.claim_shard(session, shard_id, "w2", lease_seconds=60).attempts
     assert (first, second) == (1, 2)
 
     with pytest.raises(ShardLost), session_scope(settings) as session:
         checkpoint(session, job_id, shard_id, 0, attempt=first)
     with session_scope(settings) as session:
         checkpoint(session, job_id, shard_id, 0, attempt=second)
-        assert service.heartbeat(session, {shard_id: first}) == {shard_id}
-        assert service.heartbeat(session, {shard_id: second}) == set()
+        assert leases.heartbeat(session, {shard_id: first}) == {shard_id}
+        assert leases.heartbeat(session, {shard_id: second}) == set()
         # The stale attempt cannot end the shard either; the owner can.
-        assert service.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=first) is None
+        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=first) is None
         assert session.get(Shard, shard_id).status is ShardStatus.RUNNING
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         assert (job.request_completed, job.completion_tokens) == (1, 3)
-        assert len(service.checkpoints_of(session, shard_id)) == 1
+        assert len(checkpoints.checkpoints_of(session, shard_id)) == 1
 
 
 def test_a_fresh_heartbeat_keeps_a_redelivered_shard_with_its_worker(settings, tmp_path):
     _, shard_id = make_job(settings, tmp_path)
     with session_scope(settings) as session:
-        service.claim_shard(session, shard_id, "w1", lease_seconds=60)
+        leases.claim_shard(session, shard_id, "w1", lease_seconds=60)
     with pytest.raises(ShardBusy), session_scope(settings) as session:
-        service.claim_shard(session, shard_id, "w2", lease_seconds=60)
+        leases.claim_shard(session, shard_id, "w2", lease_seconds=60)
 
 
 def test_stale_running_shards_are_queued_again_once(settings, tmp_path):
     _, shard_id = make_job(settings, tmp_path)
     with session_scope(settings) as session:
-        service.claim_shard(session, shard_id, "w1", lease_seconds=60)
+        leases.claim_shard(session, shard_id, "w1", lease_seconds=60)
     with session_scope(settings) as session:
-        assert service.requeue_stale_shards(session, lease_seconds=60) == []
+        assert leases.requeue_stale_shards(session, lease_seconds=60) == []
     age_heartbeat(settings, shard_id, 120)
     with session_scope(settings) as session:
-        assert service.requeue_stale_shards(session, lease_seconds=60) == [(shard_id, "m")]
+        assert leases.requeue_stale_shards(session, lease_seconds=60) == [(shard_id, "m")]
     with session_scope(settings) as session:
-        assert service.requeue_stale_shards(session, lease_seconds=60) == []
+        assert leases.requeue_stale_shards(session, lease_seconds=60) == []
         assert session.get(Shard, shard_id).status is ShardStatus.QUEUED
-        assert service.claim_shard(session, shard_id, "w2", lease_seconds=60).attempts == 2
+        assert leases.claim_shard(session, shard_id, "w2", lease_seconds=60).attempts == 2
 
 
 def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path):
@@ -93,14 +93,14 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
     rows = [OutputRow(custom_id=f"line-{n}", line=n, status="ok", text="x", prompt_tokens=2,
                       completion_tokens=3) for n in (1, 2)]
     with session_scope(settings) as session:
-        attempt = service.claim_shard(session, shard_id, "w1").attempts
+        attempt = leases.claim_shard(session, shard_id, "w1").attempts
         kept = write_part(storage, out_dir, part_name(0, 0, attempt), rows)
-        service.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=0, path=kept,
+        checkpoints.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=0, path=kept,
                                   rows_ok=2, rows_failed=0, prompt_tokens=4,
                                   completion_tokens=6, engine_seconds=0.1, attempt=attempt)
         # A zombie's file with the same rows, never checkpointed.
         write_part(storage, out_dir, part_name(0, 0, attempt + 5), rows)
-        assert service.end_shard(session, shard_id, ShardStatus.COMPLETED,
+        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED,
                                  attempt=attempt) is JobStatus.FINALIZING
 
     finalize_job(job_id, storage=storage, settings=settings, hardware="test", vllm_version="0")

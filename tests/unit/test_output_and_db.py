@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import create_engine, inspect, select
 
 from batchllm.errors import JobNotFound, JobStateError
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints, leases, lifecycle, service
 from batchllm.jobs.db import session_scope, upgrade
 from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.jobs.output import (
@@ -230,31 +230,31 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
 
     with session_scope(settings) as session:
-        claimed = service.claim_shard(session, shard_ids[0], "w1")
+        claimed = leases.claim_shard(session, shard_ids[0], "w1")
         assert claimed is not None and claimed.status is ShardStatus.RUNNING
         assert (claimed.attempts, claimed.worker) == (1, "w1")
         assert service.job_status(session, job_id) is JobStatus.IN_PROGRESS
         service.mark_generation_started(session, job_id)
     with session_scope(settings) as session:
-        service.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=0,
+        checkpoints.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=0,
                                   path="p0", rows_ok=2, rows_failed=0, prompt_tokens=10,
                                   completion_tokens=20, engine_seconds=0.5)
-        service.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=1,
+        checkpoints.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=1,
                                   path="p1", rows_ok=0, rows_failed=1, prompt_tokens=0,
                                   completion_tokens=0, engine_seconds=0.25)
     with session_scope(settings) as session:
-        assert service.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
-        assert service.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
-        assert service.claim_shard(session, shard_ids[0], "w2") is None
-        assert service.claim_shard(session, shard_ids[1], "w2") is not None
-        service.record_checkpoint(session, shard_id=shard_ids[1], job_id=job_id, seq=0,
+        assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
+        assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
+        assert leases.claim_shard(session, shard_ids[0], "w2") is None
+        assert leases.claim_shard(session, shard_ids[1], "w2") is not None
+        checkpoints.record_checkpoint(session, shard_id=shard_ids[1], job_id=job_id, seq=0,
                                   path="p2", rows_ok=3, rows_failed=0, prompt_tokens=15,
                                   completion_tokens=30, engine_seconds=1.0)
     with session_scope(settings) as session:
-        assert service.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is \
+        assert lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is \
             JobStatus.FINALIZING
     with session_scope(settings) as session:
-        assert service.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is None
+        assert lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is None
 
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
@@ -264,10 +264,10 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         assert job.engine_seconds == pytest.approx(1.75)
         first = session.get(Shard, shard_ids[0])
         assert (first.rows_ok, first.rows_failed, first.next_seq) == (2, 1, 2)
-        assert [c.rows for c in service.checkpoints_of(session, shard_ids[0])] == [2, 1]
+        assert [c.rows for c in checkpoints.checkpoints_of(session, shard_ids[0])] == [2, 1]
         assert session.scalar(select(Checkpoint.path).where(
             Checkpoint.shard_id == shard_ids[1])) == "p2"
-        done = service.complete_job(session, job_id, hardware="CPU (test)", vllm_version="0.0")
+        done = lifecycle.complete_job(session, job_id, hardware="CPU (test)", vllm_version="0.0")
         assert done.status is JobStatus.COMPLETED
         assert done.wall_seconds > 0
         assert done.requests_per_s == pytest.approx(6 / done.wall_seconds)
@@ -280,8 +280,8 @@ def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
                                  settings=settings)
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
-        service.claim_shard(session, shard.id, "w1")
-        result = service.end_shard(session, shard.id, ShardStatus.FAILED, error="engine died")
+        leases.claim_shard(session, shard.id, "w1")
+        result = lifecycle.end_shard(session, shard.id, ShardStatus.FAILED, error="engine died")
 
     assert result is JobStatus.FAILED
     with session_scope(settings) as session:
@@ -302,7 +302,7 @@ def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claim
         assert [s.status for s in job.shards] == [ShardStatus.CANCELLED] * 3
         shard_ids = [s.id for s in job.shards]
     with session_scope(settings) as session:
-        assert all(service.claim_shard(session, i, "w1") is None for i in shard_ids)
+        assert all(leases.claim_shard(session, i, "w1") is None for i in shard_ids)
         with pytest.raises(JobStateError, match="already cancelled"):
             service.cancel_job(session, created.job.id)
 
@@ -313,12 +313,12 @@ def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_end
                                  settings=settings)
     with session_scope(settings) as session:
         first, second = session.get(Job, created.job.id).shards
-        service.claim_shard(session, first.id, "w1")
+        leases.claim_shard(session, first.id, "w1")
         job = service.cancel_job(session, created.job.id)
         assert job.status is JobStatus.CANCELLING
         assert session.get(Shard, second.id).status is ShardStatus.CANCELLED
     with session_scope(settings) as session:
-        assert service.end_shard(session, first.id, ShardStatus.CANCELLED) is JobStatus.CANCELLED
+        assert lifecycle.end_shard(session, first.id, ShardStatus.CANCELLED) is JobStatus.CANCELLED
         assert service.job_status(session, created.job.id) is JobStatus.CANCELLED
 
 

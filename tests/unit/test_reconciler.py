@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy
-from batchllm.jobs import recovery, service
+from batchllm.jobs import leases, lifecycle, recovery, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
@@ -66,7 +66,7 @@ def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list
 
 def claim(settings, shard_id: int, worker: str) -> int:
     with session_scope(settings) as session:
-        return service.claim_shard(session, shard_id, worker, LEASE).attempts
+        return leases.claim_shard(session, shard_id, worker, LEASE).attempts
 
 
 def set_shard(settings, shard_id: int, *, heartbeat_age: float | None = None,
@@ -97,13 +97,13 @@ def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_f
     assert claim(settings, shard_id, "w1") == 2
 
     with pytest.raises(ShardBusy, match="running on w1"), session_scope(settings) as session:
-        service.claim_shard(session, shard_id, "w2", LEASE)
+        leases.claim_shard(session, shard_id, "w2", LEASE)
     with session_scope(settings) as session:
         shard = session.get(Shard, shard_id)
         assert (shard.status, shard.worker, shard.attempts) == (ShardStatus.RUNNING, "w1", 2)
         # The earlier run's attempt is fenced off: it can no longer heartbeat or end the shard.
-        assert service.heartbeat(session, {shard_id: 1}) == {shard_id}
-        assert service.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=1) is None
+        assert leases.heartbeat(session, {shard_id: 1}) == {shard_id}
+        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=1) is None
 
 
 # -- cancel -------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_ag
     # Just re-sent: the lost-task check leaves it alone until a lease has passed.
     assert broker.inspected == []
     with session_scope(settings) as session:
-        assert service.claim_shard(session, shard_id, "w2", LEASE).attempts == 2
+        assert leases.claim_shard(session, shard_id, "w2", LEASE).attempts == 2
 
 
 def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(

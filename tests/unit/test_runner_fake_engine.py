@@ -18,7 +18,7 @@ from sqlalchemy import update
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.errors import EngineUnavailable, InputError
-from batchllm.jobs import service
+from batchllm.jobs import checkpoints, leases, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME, read_output
@@ -340,7 +340,7 @@ def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_p
 
 def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
     """Kill the 'process' between writing a part file and recording its checkpoint."""
-    real = service.record_checkpoint
+    real = checkpoints.record_checkpoint
     calls = {"n": 0}
 
     def record(session, **kwargs):
@@ -349,7 +349,7 @@ def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
             raise KeyboardInterrupt("simulated worker death")
         real(session, **kwargs)
 
-    monkeypatch.setattr(service, "record_checkpoint", record)
+    monkeypatch.setattr(checkpoints, "record_checkpoint", record)
 
 
 def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_once(
@@ -374,7 +374,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         committed_paths = [c.path for shard in job.shards
-                           for c in service.checkpoints_of(session, shard.id)]
+                           for c in checkpoints.checkpoints_of(session, shard.id)]
         assert job.status is JobStatus.IN_PROGRESS
     assert len(committed_paths) == 2
     committed = {r["custom_id"] for p in committed_paths for r in read_output_file(storage, p)}
@@ -416,7 +416,7 @@ def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_p
                                  shard_size=10, settings=settings)
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
-        service.claim_shard(session, shard.id, "first", settings.lease_seconds)
+        leases.claim_shard(session, shard.id, "first", settings.lease_seconds)
         shard_id = shard.id
 
     engine = FakeEngine()

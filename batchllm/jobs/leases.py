@@ -1,0 +1,100 @@
+"""Shard leases: a worker claims a shard, heartbeats it while it runs, hands it back, and a
+shard whose worker stopped heartbeating for a lease can be taken over. Each claim is a numbered
+attempt that fences the writes of the run that holds it."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from batchllm.errors import ShardBusy
+from batchllm.jobs.db import changed
+from batchllm.jobs.lifecycle import end_open_shard
+from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+
+log = logging.getLogger(__name__)
+
+
+def claim_shard(session: Session, shard_id: int, worker: str,
+                lease_seconds: float = 120.0) -> Shard | None:
+    """Mark a shard running for this worker; None when it must not run (done, or cancelled).
+
+    A shard already `running` is claimable again when its heartbeat is older than the lease:
+    that is a redelivery after its worker died. With a fresh heartbeat it raises ShardBusy,
+    unless the claim comes from the worker that ran it: a worker runs one shard at a time, so
+    its earlier run is over (it ended on an error, e.g. the database went away mid-shard).
+    """
+    shard = session.get(Shard, shard_id)
+    if shard is None or shard.status not in (ShardStatus.QUEUED, ShardStatus.RUNNING):
+        return None
+    job_status = session.scalar(select(Job.status).where(Job.id == shard.job_id))
+    if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+        end_open_shard(session, shard, ShardStatus.CANCELLED)
+        return None
+    now = utcnow()
+    stale = now - timedelta(seconds=lease_seconds)
+    claimed = changed(session,
+        update(Shard).where(Shard.id == shard_id, or_(
+            Shard.status == ShardStatus.QUEUED,
+            and_(Shard.status == ShardStatus.RUNNING,
+                 or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale,
+                     Shard.worker == worker))))
+        .values(status=ShardStatus.RUNNING, worker=worker, attempts=Shard.attempts + 1,
+                heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))
+        # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
+        # Python, and the shard is refreshed below anyway.
+        .execution_options(synchronize_session=False))
+    if not claimed:
+        session.refresh(shard)
+        if shard.status == ShardStatus.RUNNING:
+            raise ShardBusy(f"shard {shard.index} of {shard.job_id} is running on {shard.worker}")
+        return None
+    session.execute(update(Job).where(Job.id == shard.job_id, Job.status == JobStatus.QUEUED)
+                    .values(status=JobStatus.IN_PROGRESS))
+    session.refresh(shard)
+    return shard
+
+
+def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
+    """Refresh the heartbeat of the shards this worker runs ({shard id: attempt}); returns the
+    ids it no longer owns (taken over after its lease ran out), which it must stop running."""
+    lost = set()
+    now = utcnow()
+    for shard_id, attempt in owned.items():
+        if not changed(session, update(Shard).where(
+                Shard.id == shard_id, Shard.attempts == attempt,
+                Shard.status == ShardStatus.RUNNING).values(heartbeat_at=now)
+                .execution_options(synchronize_session=False)):
+            lost.add(shard_id)
+    return lost
+
+
+def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
+    """Hand a running shard back (warm shutdown) so its next delivery can claim it at once."""
+    return bool(changed(session, update(Shard).where(
+        Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING)
+        .values(status=ShardStatus.QUEUED)))
+
+
+def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
+    """Put back running shards whose worker stopped heartbeating (killed, node lost).
+
+    Returns (shard id, model) for each shard put back, for the caller to enqueue. Each shard is
+    moved by one conditional UPDATE, so of several sweeping workers only one re-enqueues it.
+    """
+    stale = utcnow() - timedelta(seconds=lease_seconds)
+    found = session.execute(select(Shard.id, Job.model).join(Job).where(
+        Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale,
+        Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]), Job.local_run.is_(False))
+    ).all()
+    moved = []
+    for shard_id, model in found:
+        if changed(session, update(Shard).where(
+                Shard.id == shard_id, Shard.status == ShardStatus.RUNNING,
+                Shard.heartbeat_at < stale).values(status=ShardStatus.QUEUED)
+                .execution_options(synchronize_session=False)):
+            moved.append((shard_id, model))
+    return moved

@@ -1,0 +1,97 @@
+"""The job and shard state machine: a shard ends once, the last one moves its job on
+(finalizing, failed, cancelled), and the job completes once. Every transition is one
+conditional SQL UPDATE, so concurrent workers on PostgreSQL cannot both win it."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from batchllm.jobs.db import changed
+from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+
+log = logging.getLogger(__name__)
+
+
+ACTIVE = (JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.FINALIZING,
+          JobStatus.CANCELLING)
+
+
+def end_open_shard(session: Session, shard: Shard, status: ShardStatus, error: str | None = None,
+               attempt: int | None = None) -> bool:
+    """End a shard that is still queued or running (under `attempt`, if given) and count it
+    done on its job; False when it had already ended (or another attempt holds it)."""
+    fence = [Shard.id == shard.id, Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING])]
+    if attempt is not None:
+        fence.append(Shard.attempts == attempt)
+    ended = changed(session,
+        update(Shard).where(*fence).values(status=status, finished_at=utcnow(), error=error)
+    )
+    if ended:
+        session.execute(update(Job).where(Job.id == shard.job_id)
+                        .values(shards_done=Job.shards_done + 1))
+    return bool(ended)
+
+
+def end_shard(session: Session, shard_id: int, status: ShardStatus,
+              error: str | None = None, attempt: int | None = None) -> JobStatus | None:
+    """End a shard once. When it was the job's last, move the job on and return the state the
+    caller must finish it in (FINALIZING: write the manifest; CANCELLED/FAILED: already set)."""
+    shard = session.get(Shard, shard_id)
+    if shard is None or not end_open_shard(session, shard, status, error, attempt):
+        return None
+    return after_last_shard(session, shard.job_id)
+
+
+def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
+    done, total = session.execute(select(Job.shards_done, Job.shards_total)
+                                  .where(Job.id == job_id)).one()
+    if done < total:
+        return None
+    failed = session.scalar(select(func.count()).select_from(Shard).where(
+        Shard.job_id == job_id, Shard.status == ShardStatus.FAILED))
+    if changed(session, update(Job).where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
+                       .values(status=JobStatus.CANCELLED, finished_at=utcnow())):
+        return JobStatus.CANCELLED
+    if failed:
+        errors = session.scalars(select(Shard.error).where(
+            Shard.job_id == job_id, Shard.status == ShardStatus.FAILED).limit(3)).all()
+        session.execute(update(Job).where(Job.id == job_id, Job.status.in_(ACTIVE)).values(
+            status=JobStatus.FAILED, finished_at=utcnow(),
+            error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors)))
+        return JobStatus.FAILED
+    moved = changed(session, update(Job).where(
+        Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.IN_PROGRESS]))
+        .values(status=JobStatus.FINALIZING))
+    return JobStatus.FINALIZING if moved else None
+
+
+def complete_job(session: Session, job_id: str, *, hardware: str | None,
+                 vllm_version: str | None) -> Job | None:
+    """Compute the job's throughput and mark it completed; None if it is not finalizing
+    (another worker finished it first). The row lock makes the check-and-set one step."""
+    job = session.get(Job, job_id, with_for_update=True)
+    if job is None or job.status is not JobStatus.FINALIZING:
+        return None
+    finished = utcnow()
+    started = job.started_at or job.created_at
+    if started.tzinfo is None:  # SQLite returns naive datetimes
+        started = started.replace(tzinfo=finished.tzinfo)
+    wall = max((finished - started).total_seconds(), 1e-9)
+    requests = job.request_completed + job.request_failed
+    job.status = JobStatus.COMPLETED
+    job.finished_at = finished
+    job.wall_seconds = wall
+    job.requests_per_s = requests / wall
+    job.output_tokens_per_s = job.completion_tokens / wall
+    job.total_tokens_per_s = (job.prompt_tokens + job.completion_tokens) / wall
+    job.hardware = hardware or job.hardware
+    job.vllm_version = vllm_version or job.vllm_version
+    return job
+
+
+def fail_job(session: Session, job_id: str, error: str) -> None:
+    session.execute(update(Job).where(Job.id == job_id, Job.status.in_(ACTIVE)).values(
+        status=JobStatus.FAILED, error=error, finished_at=utcnow()))
