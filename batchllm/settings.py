@@ -45,9 +45,6 @@ class Settings(BaseSettings):
     commit_seconds: float = Field(
         default=10.0, gt=0, description="Longest time finished rows wait before a checkpoint."
     )
-    gpu_memory_utilization: float = Field(
-        default=0.92, gt=0, le=1, description="Default share of GPU memory for vLLM."
-    )
     visibility_timeout: int = Field(
         default=6 * 3600,
         description="Seconds before Redis redelivers an unacknowledged shard; must exceed the "

@@ -1,4 +1,4 @@
-"""Ratios to raw vLLM, and the issue's targets checked against one run's figures."""
+"""Ratios to raw vLLM, and the project's performance targets checked against one run's figures."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 
 def add_ratios_and_targets(result: dict[str, Any]) -> None:
-    """Ratios to raw vLLM, and the issue's targets checked against this run's figures."""
+    """Ratios to raw vLLM, and the performance targets checked against this run's figures."""
     contenders = result["contenders"]
     raw = contenders.get("vllm_generate")
     targets: dict[str, Any] = {}

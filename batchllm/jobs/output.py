@@ -82,6 +82,19 @@ def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow])
     return path
 
 
+def remove_unrecorded_parts(storage: Storage, out_dir: str, recorded: Iterable[str], *,
+                            prefix: str = "part-") -> list[str]:
+    """Delete the part files under `prefix` that no checkpoint records (`recorded`: their paths
+    or names): written by a worker that died between the file and its commit, or that lost its
+    shard; their rows run again (or ran) elsewhere. Returns the names deleted."""
+    keep = {posixpath.basename(path) for path in recorded}
+    removed = [name for name in storage.listdir(out_dir)
+               if name.startswith(prefix) and name not in keep]
+    for name in removed:
+        storage.delete(posixpath.join(out_dir, name))
+    return removed
+
+
 def read_lines(storage: Storage, path: str) -> list[int]:
     """The input line numbers a committed part file holds (for resume)."""
     with storage.fs.open_input_file(path) as src:

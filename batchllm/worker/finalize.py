@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import logging
-import posixpath
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from batchllm.jobs import lifecycle
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Checkpoint, Job, Shard
-from batchllm.jobs.output import OUTPUT_SCHEMA, write_manifest
+from batchllm.jobs.output import OUTPUT_SCHEMA, remove_unrecorded_parts, write_manifest
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
 
@@ -59,13 +59,9 @@ def manifest_of(job: Job) -> dict:
     }
 
 
-def _remove_unrecorded_parts(session, storage: Storage, job_id: str) -> None:
+def _remove_unrecorded_parts(session: Session, storage: Storage, job_id: str) -> None:
     """Delete part files no checkpoint records: left by a worker that died between writing a
     file and its commit, or that lost its shard. Their rows were produced again elsewhere."""
-    out_dir = storage.output_dir(job_id)
-    recorded = {posixpath.basename(p) for p in session.scalars(
-        select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))}
-    for name in storage.listdir(out_dir):
-        if name.startswith("part-") and name not in recorded:
-            log.warning("job %s: removing unrecorded part file %s", job_id, name)
-            storage.delete(posixpath.join(out_dir, name))
+    recorded = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
+    for name in remove_unrecorded_parts(storage, storage.output_dir(job_id), recorded):
+        log.warning("job %s: removed unrecorded part file %s", job_id, name)

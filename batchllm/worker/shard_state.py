@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +13,13 @@ from batchllm.jobs import checkpoints
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Shard
-from batchllm.jobs.output import OutputRow, part_name, read_lines, write_part
+from batchllm.jobs.output import (
+    OutputRow,
+    part_name,
+    read_lines,
+    remove_unrecorded_parts,
+    write_part,
+)
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
@@ -93,12 +98,9 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
         attempt = shard.attempts
     out_dir = storage.output_dir(job_id)
-    recorded = {posixpath.basename(c.path) for c in committed}
-    prefix = f"part-s{index:05d}-"
-    for name in storage.listdir(out_dir):
-        if name.startswith(prefix) and name not in recorded:
-            log.warning("shard %d: removing uncommitted part file %s", index, name)
-            storage.delete(posixpath.join(out_dir, name))
+    for name in remove_unrecorded_parts(storage, out_dir, (c.path for c in committed),
+                                        prefix=f"part-s{index:05d}-"):
+        log.warning("shard %d: removed uncommitted part file %s", index, name)
     done: set[int] = set()
     for checkpoint in committed:
         done.update(read_lines(storage, checkpoint.path))
