@@ -7,9 +7,9 @@ import json
 import click
 
 from batchllm.cli import cli
+from batchllm.jobs.states import JobStatus
 
-_STATUSES = ["validating", "queued", "in_progress", "finalizing", "completed", "failed",
-             "cancelling", "cancelled"]
+_STATUSES = [status.value for status in JobStatus]
 
 
 @cli.command()
@@ -43,7 +43,6 @@ def jobs(status_filter: str | None, limit: int) -> None:
     from batchllm.cli.render import fmt, table
     from batchllm.jobs import service
     from batchllm.jobs.db import session_scope
-    from batchllm.jobs.models import JobStatus
 
     with session_scope() as session:
         found = service.list_jobs(session, status=JobStatus(status_filter) if status_filter

@@ -20,22 +20,34 @@ input_file = click.argument(
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 
 
+def _sampling(name: str):
+    """A flag's default from the job schema, so the CLI and the Python API cannot drift."""
+    return SamplingDefaults.model_fields[name].default
+
+
+def _engine(name: str):
+    return EngineOptions.model_fields[name].default
+
+
 def job_options(command):
     decorators = [
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
-        click.option("--max-tokens", type=click.IntRange(1, MAX_TOKENS_LIMIT), default=256,
+        click.option("--max-tokens", type=click.IntRange(1, MAX_TOKENS_LIMIT),
+                     default=_sampling("max_tokens"),
                      show_default=True,
                      help="Default most tokens to generate per request (lines may override)."),
-        click.option("--temperature", type=click.FloatRange(min=0), default=1.0,
+        click.option("--temperature", type=click.FloatRange(min=0),
+                     default=_sampling("temperature"),
                      show_default=True, help="Default sampling temperature; 0 is greedy."),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-                     show_default=True, help="Default nucleus sampling mass."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+                     default=_sampling("top_p"), show_default=True, help="Default nucleus sampling mass."),
         click.option("--ignore-eos", is_flag=True, help="Always generate max_tokens tokens."),
         click.option("--strict", is_flag=True,
                      help="Refuse the whole file if any line is invalid (default: invalid lines "
                           "become error rows and the rest runs)."),
         click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
-                     default=0.92, show_default=True, help="Share of GPU memory for vLLM."),
+                     default=_engine("gpu_memory_utilization"), show_default=True,
+                     help="Share of GPU memory for vLLM."),
         click.option("--max-model-len", type=click.IntRange(min=16), default=None,
                      help="Context length [default: longest prompt + max_tokens, capped by "
                           "the model]."),
@@ -43,10 +55,12 @@ def job_options(command):
                      help="Sequences per engine step [default: vLLM's]."),
         click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
                      help="Tokens per engine step [default: vLLM's]."),
-        click.option("--dtype", type=click.Choice(_DTYPES), default="auto", show_default=True),
+        click.option("--dtype", type=click.Choice(_DTYPES), default=_engine("dtype"),
+                     show_default=True),
         click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
-        click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
-                     show_default=True, help="GPUs per engine."),
+        click.option("--tensor-parallel-size", type=click.IntRange(min=1),
+                     default=_engine("tensor_parallel_size"), show_default=True,
+                     help="GPUs per engine."),
         click.option("--prefix-caching/--no-prefix-caching", default=None,
                      help="vLLM automatic prefix caching [default: vLLM's, on]."),
         click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),

@@ -25,6 +25,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from batchllm.jobs.states import JobStatus, ShardStatus
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -32,31 +34,6 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     pass
-
-
-class JobStatus(str, enum.Enum):
-    """The OpenAI Batch API lifecycle."""
-
-    VALIDATING = "validating"
-    QUEUED = "queued"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-
-    @property
-    def is_final(self) -> bool:
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
-
-
-class ShardStatus(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 def _enum(kind: type[enum.Enum], name: str) -> Enum:
