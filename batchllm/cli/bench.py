@@ -47,6 +47,14 @@ class _Numbers(click.ParamType):
         return numbers
 
 
+
+def _span(span: tuple[int, int]) -> str:
+    return f"{span[0]}-{span[1]}"
+
+
+def _numbers(numbers: tuple[int, ...]) -> str:
+    return ",".join(str(n) for n in numbers)
+
 @cli.command()
 @click.option("--output", "-o", type=click.Path(path_type=Path), default=Path("batchllm-bench"),
               show_default=True, help="Directory for bench.json, bench.png and the run's logs.")
@@ -55,19 +63,20 @@ class _Numbers(click.ParamType):
 @click.option("--requests", "-n", type=click.IntRange(min=1), default=BenchConfig.requests,
               show_default=True,
               help="Requests in the workload every contender runs.")
-@click.option("--prompt-words", type=_Range(), default="8-64", show_default=True,
+@click.option("--prompt-words", type=_Range(), default=_span(BenchConfig.prompt_words), show_default=True,
               help="Words per prompt, drawn per request.")
-@click.option("--output-tokens", type=_Range(), default="16-128", show_default=True,
+@click.option("--output-tokens", type=_Range(), default=_span(BenchConfig.output_tokens), show_default=True,
               help="Tokens generated per request (ignore_eos), drawn per request, or fixed.")
 @click.option("--output-shape", type=click.Choice(OUTPUT_SHAPES),
               default=BenchConfig.output_shape, show_default=True,
               help="How output lengths spread over the range: log-uniform is long-tailed, like "
                    "real chat answers.")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--repeats", type=click.IntRange(min=1), default=BenchConfig.repeats, show_default=True,
               help="Timed repeats of each in-process contender (median and spread).")
-@click.option("--process-repeats", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--process-repeats", type=click.IntRange(min=1),
+              default=BenchConfig.process_repeats, show_default=True,
               help="Repeats of the end-to-end contenders (each starts its own engine).")
-@click.option("--batch-sizes", type=_Numbers(), default="32,64", show_default=True,
+@click.option("--batch-sizes", type=_Numbers(), default=_numbers(BenchConfig.batch_sizes), show_default=True,
               help="Fixed batch sizes of the `generate`-per-batch contenders.")
 @click.option("--parts", type=click.Choice(PARTS), multiple=True,
               help="Run only these parts (repeatable) [default: all].")
@@ -83,9 +92,10 @@ class _Numbers(click.ParamType):
               help="Run the prefix part on its own engine with this KV cache, small enough that "
                    "not every prefix stays cached (as on a busy GPU) [default: the shared "
                    "engine's].")
-@click.option("--overhead-lines", type=_Numbers(), default="10000,100000", show_default=True,
+@click.option("--overhead-lines", type=_Numbers(),
+              default=_numbers(BenchConfig.overhead_lines), show_default=True,
               help="File sizes for the overhead part, e.g. 100000,1000000.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
 def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[int, int],
           output_tokens: tuple[int, int], output_shape: str, repeats: int, process_repeats: int,
           batch_sizes: tuple[int, ...], parts: tuple[str, ...], skip: tuple[str, ...],
