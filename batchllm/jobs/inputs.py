@@ -118,6 +118,17 @@ class _ShardWriter:
             self.storage.delete(shard.path)
 
 
+def readable_input(source: str | Path) -> Path:
+    """The input file as a Path; InputError, naming it, when it is missing or a directory.
+    Checked before anything is created for a job (no job row, no engine start)."""
+    source = Path(source)
+    if source.is_dir():
+        raise InputError(f"{source}: is a directory, not a JSONL file")
+    if not source.is_file():
+        raise InputError(f"{source}: no such file")
+    return source
+
+
 def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size: int,
                 strict: bool = False) -> StoredInput:
     """Validate `source` line by line and store it as Parquet shards of `shard_size` rows.
@@ -126,11 +137,7 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
     InputError lists the problems. Raises InputError when the file cannot be read or holds
     no request at all.
     """
-    source = Path(source)
-    if source.is_dir():
-        raise InputError(f"{source}: is a directory, not a JSONL file")
-    if not source.is_file():
-        raise InputError(f"{source}: no such file")
+    source = readable_input(source)
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size)
     try:

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from batchllm.errors import InputError, JobNotFound, JobStateError
 from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import StoredInput, store_input
+from batchllm.jobs.inputs import StoredInput, readable_input, store_input
 from batchllm.jobs.lifecycle import ACTIVE, after_last_shard, end_open_shard
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.schemas import JobSpec
@@ -40,9 +40,7 @@ def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bo
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API.
     """
     settings = settings or get_settings()
-    source = Path(source)
-    if not source.is_file():
-        raise InputError(f"{source}: no such file")
+    source = readable_input(source)
     storage = Storage(settings.resolved_storage)
     job_id = new_job_id()
     with session_scope(settings) as session:

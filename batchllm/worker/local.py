@@ -14,6 +14,7 @@ from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
 from batchllm.jobs import lifecycle, recovery, service
 from batchllm.jobs.db import get_one, session_scope
+from batchllm.jobs.inputs import readable_input
 from batchllm.jobs.models import Job, JobStatus
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
@@ -104,8 +105,9 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
             on_created(created.job)
         return created.job.id
 
+    readable_input(source)  # a missing file is reported before any engine starts
     early = spec.engine.max_model_len
-    if not early or strict or not Path(source).is_file():
+    if not early or strict:
         return create(), None
     outcome: dict[str, object] = {}
 
