@@ -10,10 +10,10 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from batchllm.worker.celery_app import TASK_RUN_SHARD
+from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
-from batchllm.worker.shard_task import process_shard
 
 log = logging.getLogger(__name__)
 

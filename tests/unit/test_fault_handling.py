@@ -18,9 +18,9 @@ from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.jobs.storage import Storage
+from batchllm.worker.delivery import process_shard
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
-from batchllm.worker.shard_task import process_shard
 from tests.unit.test_runner_fake_engine import (
     FakeEngine,
     FakeEngines,

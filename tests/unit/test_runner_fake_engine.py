@@ -469,7 +469,7 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
         small_commits, tmp_path, monkeypatch):
     """The worker path (process_shard): a stop request mid-shard aborts in-flight requests,
     keeps the committed rows and leaves the shard to the next delivery, which runs the rest."""
-    from batchllm.worker.shard_task import process_shard
+    from batchllm.worker.delivery import process_shard
 
     settings = small_commits
     settings.shard_size = 40

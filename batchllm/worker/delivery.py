@@ -1,4 +1,5 @@
-"""What a worker does with one shard task, free of Celery so it can be tested directly."""
+"""What a worker does with one delivered shard task (claim, run, hand back), free of Celery so
+it can be tested directly; worker/tasks.py is the Celery side."""
 
 from __future__ import annotations
 
