@@ -23,6 +23,7 @@ from batchllm.bench.figures import BenchFailed
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.engine.vllm_engine import sampling_values
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.workload import sentence
 
@@ -54,7 +55,7 @@ class InstantEngine:
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
         self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
 
-    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
         started = time.perf_counter()
         try:
             return prepare_prompts(self.tokenizer, rows, self.max_model_len)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.workload import sentence
 
 TEMPERATURE = 1.0
@@ -51,12 +52,12 @@ class Request:
     messages: list[dict[str, str]]
     max_tokens: int
 
-    def row(self, line: int) -> dict:
+    def row(self, line: int) -> InputRow:
         """The stored input row batchllm's engine path sees for this request."""
-        return {"line": line, "custom_id": self.custom_id, "kind": "chat", "prompt": None,
-                "messages": json.dumps(self.messages), "error": None,
-                "sampling": json.dumps({"max_tokens": self.max_tokens, "ignore_eos": True,
-                                        "temperature": TEMPERATURE})}
+        return InputRow(line=line, custom_id=self.custom_id, kind="chat",
+                        messages=json.dumps(self.messages),
+                        sampling=json.dumps({"max_tokens": self.max_tokens, "ignore_eos": True,
+                                             "temperature": TEMPERATURE}))
 
 
 def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
@@ -86,5 +87,5 @@ def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: st
     return path
 
 
-def stored_rows(workload: Workload, variant: int) -> list[dict]:
+def stored_rows(workload: Workload, variant: int) -> list[InputRow]:
     return [r.row(line) for line, r in enumerate(iter_requests(workload, variant), start=1)]

@@ -7,20 +7,19 @@ The same code sizes a job's context length, so sizing and running agree on every
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
-from batchllm.jobs.inputs import StoredRow
+from batchllm.jobs.rows import InputRow
 
 Encode = Callable[[list[str], bool], list[list[int]]]
 
 
-def render(tokenizer: Any, row: StoredRow) -> str:
-    if row["kind"] == "chat":
-        return str(tokenizer.apply_chat_template(json.loads(row["messages"]), tokenize=False,
+def render(tokenizer: Any, row: InputRow) -> str:
+    if row.kind == "chat":
+        return str(tokenizer.apply_chat_template(row.chat_messages(), tokenize=False,
                                                  add_generation_prompt=True))
-    return str(row["prompt"])
+    return str(row.prompt)
 
 
 def batch_encoder(tokenizer: Any) -> Encode:
@@ -42,7 +41,7 @@ def batch_encoder(tokenizer: Any) -> Encode:
     return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
-def prepare_prompts(tokenizer: Any, rows: list[StoredRow],
+def prepare_prompts(tokenizer: Any, rows: list[InputRow],
                     max_model_len: int | None) -> list[list[int] | str]:
     """For each row: its prompt token ids, or an error message (row stays in place)."""
     results: list[list[int] | str] = [""] * len(rows)
@@ -50,7 +49,7 @@ def prepare_prompts(tokenizer: Any, rows: list[StoredRow],
     for i, row in enumerate(rows):
         try:
             # A chat template already holds the special tokens; a plain prompt gets them added.
-            groups[row["kind"] != "chat"].append((i, render(tokenizer, row)))
+            groups[row.kind != "chat"].append((i, render(tokenizer, row)))
         except Exception as exc:  # a template can raise on unusual message orders
             results[i] = f"chat template failed: {exc}"
     encode = batch_encoder(tokenizer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchllm.jobs.inputs import StoredRow
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 
 
@@ -29,7 +29,7 @@ class Engine(Protocol):
     hardware: str  # recorded per job: throughput depends on it
     max_num_seqs: int  # requests per step; the runner keeps a few times this many in flight
 
-    def prepare(self, rows: list[StoredRow]) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
         """Token ids per stored input row, or the reason the row cannot run."""
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:

@@ -6,13 +6,12 @@ errors. The longest request decides, capped by what the model supports.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.jobs.inputs import StoredRow
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import SamplingDefaults
 
 log = logging.getLogger(__name__)
@@ -35,19 +34,18 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def size_max_model_len(model: str, rows: Iterable[StoredRow], defaults: SamplingDefaults) -> int:
+def size_max_model_len(model: str, rows: Iterable[InputRow], defaults: SamplingDefaults) -> int:
     limit = model_limit(model)
     tokenizer = load_tokenizer(model)
     longest = 1
-    batch: list[StoredRow] = []
+    batch: list[InputRow] = []
 
     def flush() -> int:
         best = 0
-        runnable = [r for r in batch if r["kind"] != "invalid"]
+        runnable = [r for r in batch if r.kind != "invalid"]
         for row, ids in zip(runnable, prepare_prompts(tokenizer, runnable, None)):
             if isinstance(ids, list):
-                overrides = json.loads(row["sampling"]) if row["sampling"] else {}
-                best = max(best, len(ids) + defaults.merged(overrides)["max_tokens"])
+                best = max(best, len(ids) + defaults.merged(row.overrides())["max_tokens"])
         return best
 
     for row in rows:

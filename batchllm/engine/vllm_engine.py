@@ -20,7 +20,7 @@ from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
-from batchllm.jobs.inputs import StoredRow
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class VllmEngine:
 
     # -- preparation (before a request reaches the engine) -------------------------------
 
-    def prepare(self, rows: list[StoredRow]) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
         """Token ids per stored input row, or the reason the row cannot run."""
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 

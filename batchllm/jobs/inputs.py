@@ -8,7 +8,6 @@ accounts for every line whatever happened to it.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import posixpath
 from collections.abc import Iterator
@@ -21,26 +20,12 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError
 from batchllm.jobs.reader import read_requests
-from batchllm.jobs.schemas import LineError, Request
+from batchllm.jobs.rows import INPUT_SCHEMA, InputRow
+from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage
 
 log = logging.getLogger(__name__)
 
-# One stored input row as the engine side reads it (line, custom_id, kind, prompt, messages,
-# sampling, error); messages and sampling are JSON text.
-StoredRow = dict[str, Any]
-
-INPUT_SCHEMA = pa.schema(
-    [
-        pa.field("line", pa.int64(), nullable=False),
-        pa.field("custom_id", pa.string(), nullable=False),
-        pa.field("kind", pa.string(), nullable=False),  # prompt | chat | invalid
-        pa.field("prompt", pa.string()),
-        pa.field("messages", pa.string()),  # JSON list of {role, content}
-        pa.field("sampling", pa.string()),  # JSON object of per-line overrides
-        pa.field("error", pa.string()),
-    ]
-)
 _ROW_GROUP = 8192
 _PREVIEW = 20
 
@@ -62,37 +47,27 @@ class StoredInput:
     problems: list[LineError] = field(default_factory=list)  # the first few, for messages
 
 
-def _as_row(item: Request | LineError) -> StoredRow:
-    if isinstance(item, LineError):
-        reason = (f"field '{item.field}': " if item.field else "") + item.message
-        return {"line": item.line, "custom_id": item.custom_id, "kind": "invalid", "prompt": None,
-                "messages": None, "sampling": None, "error": reason}
-    return {"line": item.line, "custom_id": item.custom_id, "kind": item.kind, "prompt": item.prompt,
-            "messages": json.dumps(item.messages) if item.messages is not None else None,
-            "sampling": json.dumps(item.sampling) if item.sampling else None, "error": None}
-
-
 class _ShardWriter:
     def __init__(self, storage: Storage, job_id: str, shard_size: int) -> None:
         self.storage, self.shard_size = storage, shard_size
         self.dir = storage.input_dir(job_id)
         storage.makedirs(self.dir)
         self.shards: list[ShardInput] = []
-        self._rows: list[StoredRow] = []
+        self._rows: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
 
-    def add(self, row: StoredRow) -> None:
+    def add(self, row: InputRow) -> None:
         if self._current is None:
             index = len(self.shards)
             path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
-            self._current = ShardInput(index, path, 0, row["line"], row["line"])
+            self._current = ShardInput(index, path, 0, row.line, row.line)
             self._sink = io.BytesIO()
             self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
-        self._rows.append(row)
+        self._rows.append(row.to_record())
         self._current.rows += 1
-        self._current.last_line = row["line"]
+        self._current.last_line = row.line
         if len(self._rows) >= _ROW_GROUP:
             self._flush_rows()
         if self._current.rows >= self.shard_size:
@@ -147,7 +122,7 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
                 result.invalid += 1
                 if len(result.problems) < _PREVIEW:
                     result.problems.append(item)
-            writer.add(_as_row(item))
+            writer.add(InputRow.from_item(item))
         writer.close_shard()
     except OSError as exc:
         writer.discard()
@@ -166,8 +141,9 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
     return result
 
 
-def iter_shard_rows(storage: Storage, path: str, batch_rows: int = 4096) -> Iterator[StoredRow]:
-    """Stream one stored shard's rows as dicts, a row group at a time."""
+def iter_shard_rows(storage: Storage, path: str, batch_rows: int = 4096) -> Iterator[InputRow]:
+    """Stream one stored shard's rows, a row group at a time."""
     with storage.fs.open_input_file(path) as src:
         for batch in pq.ParquetFile(src).iter_batches(batch_size=batch_rows):
-            yield from batch.to_pylist()
+            for record in batch.to_pylist():
+                yield InputRow.from_record(record)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from batchllm.engine.protocol import Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
@@ -22,6 +23,7 @@ from batchllm.jobs import leases, lifecycle, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
 from batchllm.jobs.output import OutputRow
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
 from batchllm.worker.finalize import finalize_job
@@ -110,7 +112,7 @@ class ShardRunner:
 
     # -- feeding --------------------------------------------------------------------------
 
-    def _rows(self, shard_ids: list[int]) -> Iterator[tuple[ShardState, dict]]:
+    def _rows(self, shard_ids: list[int]) -> Iterator[tuple[ShardState, InputRow]]:
         for shard_id in shard_ids:
             if self._stopping:
                 return
@@ -133,23 +135,23 @@ class ShardRunner:
                 yield state, row
             state.fed_all = True
 
-    def _feed(self, source: Iterator[tuple[ShardState, dict]]) -> bool:
+    def _feed(self, source: Iterator[tuple[ShardState, InputRow]]) -> bool:
         """Feed up to one batch of rows; True when the source is exhausted."""
-        batch: list[tuple[ShardState, dict]] = []
+        batch: list[tuple[ShardState, InputRow]] = []
         for item in source:
             batch.append(item)
             if len(batch) >= _PREPARE_BATCH:
                 break
-        runnable = [(s, r) for s, r in batch if r["kind"] != "invalid"]
+        runnable = [(s, r) for s, r in batch if r.kind != "invalid"]
         errors = 0
         for state, row in batch:
-            if row["kind"] == "invalid":
-                state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], row["error"]))
+            if row.kind == "invalid":
+                state.buffer.append(OutputRow.failed(row.custom_id, row.line, row.error or "invalid line"))
                 errors += 1
         prepared = self.engine.prepare([r for _, r in runnable])
         for (state, row), ids in zip(runnable, prepared):
             if isinstance(ids, str):
-                state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], ids))
+                state.buffer.append(OutputRow.failed(row.custom_id, row.line, ids))
                 errors += 1
             elif not self._add(state, row, ids):
                 errors += 1
@@ -157,7 +159,7 @@ class ShardRunner:
             self.on_progress(errors, 0)
         return len(batch) < _PREPARE_BATCH
 
-    def _add(self, state: ShardState, row: dict, ids: list[int]) -> bool:
+    def _add(self, state: ShardState, row: InputRow, ids: list[int]) -> bool:
         if state.job_id not in self._started_jobs:
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
@@ -172,18 +174,18 @@ class ShardRunner:
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
-            state.buffer.append(OutputRow.failed(row["custom_id"], row["line"], f"rejected by "
+            state.buffer.append(OutputRow.failed(row.custom_id, row.line, f"rejected by "
                                                  f"vLLM: {exc}", prompt_tokens=len(ids)))
             return False
-        self._pending[request_id] = _Pending(state, row["line"], row["custom_id"])
+        self._pending[request_id] = _Pending(state, row.line, row.custom_id)
         state.inflight += 1
         return True
 
-    def _sampling(self, state: ShardState, row: dict):
+    def _sampling(self, state: ShardState, row: InputRow) -> Any:
         """The row's engine sampling parameters, built once per job and distinct per-line
         override text: a job's lines share few of them, and decoding, merging and keying them
         again for every row was a third of the feed's own per-row work."""
-        key = (state.job_id, row["sampling"])
+        key = (state.job_id, row.sampling)
         params = self._sampling_cache.get(key)
         if params is None:
             if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchllm.errors import ShardLost
 from batchllm.jobs import checkpoints
@@ -20,6 +20,7 @@ from batchllm.jobs.output import (
     remove_unrecorded_parts,
     write_part,
 )
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
@@ -48,16 +49,16 @@ class ShardState:
     def finished(self) -> bool:
         return self.fed_all and self.inflight == 0
 
-    def rows(self, storage: Storage) -> Iterator[dict]:
+    def rows(self, storage: Storage) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""
         rows = (r for r in iter_shard_rows(storage, self.input_path)
-                if r["line"] not in self.done_lines)
+                if r.line not in self.done_lines)
         if not self.spec.engine.group_prefixes:
             return rows
         # Sorting by the prompt text puts requests sharing a prefix (a system prompt, a few-shot
         # header) next to each other, so vLLM's prefix cache still holds it for the next one.
         # The shard is bounded by --shard-size, so holding it in memory is bounded too.
-        return iter(sorted(rows, key=lambda r: (r["kind"], r["messages"] or r["prompt"] or "")))
+        return iter(sorted(rows, key=lambda r: (r.kind, r.messages or r.prompt or "")))
 
     def commit(self, storage: Storage, settings: Settings) -> int:
         """Write buffered rows as one part file, then record the checkpoint. Returns rows."""
@@ -111,5 +112,5 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
                       done_lines=done)
 
 
-def sampling_for(spec: JobSpec, row: dict) -> dict:
-    return spec.sampling.merged(json.loads(row["sampling"]) if row["sampling"] else {})
+def sampling_for(spec: JobSpec, row: InputRow) -> dict[str, Any]:
+    return spec.sampling.merged(row.overrides())

@@ -121,11 +121,13 @@ def test_direct_tokenization_gives_the_ids_of_the_tokenizer_call(tiny_model):
     from transformers import AutoTokenizer
 
     from batchllm.engine.prompts import prepare_prompts
+    from batchllm.jobs.rows import InputRow
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     rows = [r.row(line) for line, r in enumerate(iter_requests(
         Workload(requests=50, prompt_words=(1, 80), output_tokens=(1, 1)), 3), start=1)]
-    rows.append({"kind": "prompt", "prompt": "plain </s> <s> ünïcødé 😀 text", "messages": None})
+    rows.append(InputRow(line=len(rows) + 1, custom_id="plain", kind="prompt",
+                         prompt="plain </s> <s> ünïcødé 😀 text"))
 
     class CallOnly:
         """Only the tokenizer call and the chat template: the wrapper's own path."""

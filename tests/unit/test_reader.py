@@ -11,6 +11,7 @@ import pytest
 from batchllm.errors import InputError
 from batchllm.jobs.inputs import iter_shard_rows, store_input
 from batchllm.jobs.reader import read_requests
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import LineError, Request
 from batchllm.jobs.storage import Storage
 
@@ -200,7 +201,7 @@ def test_windows_line_endings_are_accepted(tmp_path):
 # -- storing the input as shards -----------------------------------------------------------------
 
 
-def stored_rows(storage: Storage, path: str) -> list[dict]:
+def stored_rows(storage: Storage, path: str) -> list[InputRow]:
     return list(iter_shard_rows(storage, path))
 
 
@@ -216,11 +217,11 @@ def test_store_input_keeps_every_line_including_invalid_ones(tmp_path):
 
     assert (stored.total, stored.invalid, len(stored.shards)) == (3, 1, 1)
     rows = stored_rows(storage, stored.shards[0].path)
-    assert [(r["line"], r["custom_id"], r["kind"]) for r in rows] == [
+    assert [(r.line, r.custom_id, r.kind) for r in rows] == [
         (1, "a", "prompt"), (2, "line-2", "invalid"), (3, "line-3", "chat")]
-    assert json.loads(rows[0]["sampling"]) == {"max_tokens": 3}
-    assert "malformed JSON" in rows[1]["error"]
-    assert json.loads(rows[2]["messages"]) == [{"role": "user", "content": "hi"}]
+    assert json.loads(rows[0].sampling) == {"max_tokens": 3}
+    assert "malformed JSON" in rows[1].error
+    assert json.loads(rows[2].messages) == [{"role": "user", "content": "hi"}]
 
 
 def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
@@ -241,7 +242,7 @@ def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
     for shard in stored.shards:
         rows = stored_rows(storage, shard.path)
         assert len(rows) == shard.rows
-        assert (rows[0]["line"], rows[-1]["line"]) == (shard.first_line, shard.last_line)
+        assert (rows[0].line, rows[-1].line) == (shard.first_line, shard.last_line)
     assert pq.read_metadata(stored.shards[1].path).num_rows == 3
 
 

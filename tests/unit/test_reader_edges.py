@@ -113,7 +113,7 @@ def test_moved_defaults_reach_the_stored_input_rows(tmp_path):
     stored = store_input(source, storage, "job_x", shard_size=10)
 
     rows = list(iter_shard_rows(storage, stored.shards[0].path))
-    assert [(r["line"], r["custom_id"], r["kind"]) for r in rows] == [
+    assert [(r.line, r.custom_id, r.kind) for r in rows] == [
         (1, "line-1-2", "prompt"), (2, "line-1", "prompt")]
 
 
