@@ -25,6 +25,7 @@ import psutil
 
 from batchllm.jobs.schemas import EngineOptions
 from batchllm.settings import Settings
+from tests.integration.test_fleet import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -57,18 +58,6 @@ def free_port() -> int:
             port = sock.getsockname()[1]
         if port not in MACHINE_PORTS:
             return port
-
-
-def wait_for(check: Callable[[], object], *, timeout: float, what: str,
-             interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def tail(path: Path, lines: int = 60) -> str:
