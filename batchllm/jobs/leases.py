@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardBusy
 from batchllm.jobs.db import changed
-from batchllm.jobs.lifecycle import end_open_shard
+from batchllm.jobs.lifecycle import end_shard
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -31,11 +31,17 @@ def claim_shard(session: Session, shard_id: int, worker: str,
     if shard is None or shard.status not in (ShardStatus.QUEUED, ShardStatus.RUNNING):
         return None
     job_status = session.scalar(select(Job.status).where(Job.id == shard.job_id))
-    if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
-        end_open_shard(session, shard, ShardStatus.CANCELLED)
-        return None
     now = utcnow()
     stale = now - timedelta(seconds=lease_seconds)
+    if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
+        heartbeat_at = shard.heartbeat_at
+        if heartbeat_at is not None and heartbeat_at.tzinfo is None:  # SQLite: naive UTC
+            heartbeat_at = heartbeat_at.replace(tzinfo=now.tzinfo)
+        alive = (shard.status is ShardStatus.RUNNING and shard.worker != worker
+                 and heartbeat_at is not None and heartbeat_at >= stale)
+        if not alive:  # a live worker ends its own run (keeping its finished rows) instead
+            end_shard(session, shard.id, ShardStatus.CANCELLED)
+        return None
     claimed = changed(session,
         update(Shard).where(Shard.id == shard_id, or_(
             Shard.status == ShardStatus.QUEUED,

@@ -1,0 +1,202 @@
+"""process_shard's branches that need no engine: a job left finalizing, a cancelling job, a
+shard or job that has already gone; on SQLite, with an engine source that must not be used."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, update
+
+from batchllm.jobs import leases, service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.jobs.storage import Storage
+from batchllm.worker.delivery import process_shard
+from batchllm.worker.runner import Outcome, ShardRunner
+from tests.unit.test_runner_fake_engine import (
+    FakeEngine,
+    make_spec,
+    output_rows,
+    small_commits,
+    write_items,
+)
+
+
+class NoEngines:
+    """An EngineSource with no engine up, which fails the test if one is asked for."""
+
+    engine = None
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def get(self, spec, max_model_len):
+        pytest.fail("process_shard asked for an engine where none is needed")
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
+    created = service.create_job(write_items(tmp_path / "in.jsonl", rows), make_spec(),
+                                 shard_size=shard_size, settings=settings)
+    with session_scope(settings) as session:
+        return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
+
+
+def job_and_shards(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        return job.status, [s.status for s in job.shards]
+
+
+def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
+        small_commits, tmp_path, monkeypatch):
+    settings = small_commits
+    job_id, shard_ids = create(settings, tmp_path, 20, shard_size=12)
+    with session_scope(settings) as session:
+        service.mark_generation_started(session, job_id, hardware="4x L40S 48GB",
+                                        vllm_version="0.42.1")
+    # The worker that ended the last shard died before it finalized the job.
+    with monkeypatch.context() as patch:
+        patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
+        ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
+    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING,
+                                                [ShardStatus.COMPLETED] * 2)
+    storage = Storage(settings.resolved_storage)
+    out_dir = storage.output_dir(job_id)
+    # A part file no checkpoint records (its worker died before the commit) is not output.
+    orphan = posixpath.join(out_dir, "part-s00001-a9-00077.parquet")
+    storage.write_bytes(orphan, b"never committed")
+    engines = NoEngines()
+
+    outcome = process_shard(shard_ids[1], worker="w2", engines=engines, settings=settings)
+
+    assert outcome is Outcome.SKIPPED
+    assert engines.closed == 0
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        assert job.status is JobStatus.COMPLETED
+        assert (job.hardware, job.vllm_version) == ("4x L40S 48GB", "0.42.1")
+        assert (job.request_completed, job.request_failed) == (20, 0)
+        assert job.finished_at is not None
+        assert job.requests_per_s > 0
+    assert storage.exists(posixpath.join(out_dir, SUCCESS_NAME))
+    assert not storage.exists(orphan)
+    manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
+    assert (manifest["job_id"], manifest["status"]) == (job_id, "completed")
+    assert (manifest["hardware"], manifest["vllm_version"]) == ("4x L40S 48GB", "0.42.1")
+    assert manifest["rows"] == {"total": 20, "ok": 20, "error": 0}
+    assert sorted(r["line"] for r in output_rows(settings, job_id)) == list(range(1, 21))
+
+
+def test_a_job_finalized_by_the_first_delivery_is_skipped_by_the_next(small_commits, tmp_path):
+    settings = small_commits
+    job_id, (shard_id,) = create(settings, tmp_path, 5, shard_size=10)
+    with session_scope(settings) as session:
+        session.execute(update(Shard).where(Shard.id == shard_id)
+                        .values(status=ShardStatus.COMPLETED))
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(status=JobStatus.FINALIZING, shards_done=1))
+    storage = Storage(settings.resolved_storage)
+    manifest_path = posixpath.join(storage.output_dir(job_id), MANIFEST_NAME)
+
+    assert process_shard(shard_id, worker="w1", engines=NoEngines(),
+                         settings=settings) is Outcome.SKIPPED
+    first_manifest = storage.read_bytes(manifest_path)
+    assert process_shard(shard_id, worker="w2", engines=NoEngines(),
+                         settings=settings) is Outcome.SKIPPED
+
+    assert storage.read_bytes(manifest_path) == first_manifest
+    assert json.loads(first_manifest)["hardware"] is None  # no engine step was ever recorded
+    assert job_and_shards(settings, job_id) == (JobStatus.COMPLETED, [ShardStatus.COMPLETED])
+
+
+def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
+        settings, tmp_path):
+    job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
+    with session_scope(settings) as session:
+        leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
+    with session_scope(settings) as session:
+        # w1's heartbeat is fresh: the cancel leaves its shard to it, and w1 then dies.
+        service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
+    assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
+    with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
+        session.execute(update(Shard).where(Shard.id == shard_id).values(
+            heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5)))
+    engines = NoEngines()
+
+    outcome = process_shard(shard_id, worker="w2", engines=engines, settings=settings)
+
+    assert outcome is Outcome.CANCELLED
+    with session_scope(settings) as session:
+        shard = session.get(Shard, shard_id)
+        assert shard.status is ShardStatus.CANCELLED
+        assert shard.finished_at is not None
+        assert session.get(Job, job_id).shards_done == 1
+        assert session.scalar(select(func.count()).select_from(Checkpoint)) == 0
+    assert output_rows(settings, job_id) == []
+
+
+def test_a_queued_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
+        settings, tmp_path):
+    job_id, shard_ids = create(settings, tmp_path, 6, shard_size=3)
+    with session_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(status=JobStatus.CANCELLING))
+
+    outcome = process_shard(shard_ids[0], worker="w1", engines=NoEngines(), settings=settings)
+
+    assert outcome is Outcome.CANCELLED
+    assert job_and_shards(settings, job_id)[1] == [ShardStatus.CANCELLED, ShardStatus.QUEUED]
+
+
+def test_a_shard_that_no_longer_exists_is_skipped(settings, tmp_path):
+    job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
+    engines = NoEngines()
+
+    assert process_shard(shard_id + 1000, worker="w1", engines=engines,
+                         settings=settings) is Outcome.SKIPPED
+    assert engines.closed == 0
+    assert job_and_shards(settings, job_id) == (JobStatus.QUEUED, [ShardStatus.QUEUED])
+
+
+@pytest.mark.parametrize("final", [JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.FAILED])
+def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
+        final, settings, tmp_path):
+    job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
+    with session_scope(settings) as session:
+        session.execute(update(Job).where(Job.id == job_id).values(status=final))
+
+    outcome = process_shard(shard_id, worker="w1", engines=NoEngines(), settings=settings)
+
+    assert outcome is Outcome.SKIPPED
+    with session_scope(settings) as session:
+        shard = session.get(Shard, shard_id)
+        assert (shard.status, shard.attempts, shard.worker) == (ShardStatus.QUEUED, 0, None)
+        assert session.get(Job, job_id).status is final
+    storage = Storage(settings.resolved_storage)
+    assert not storage.exists(posixpath.join(storage.output_dir(job_id), MANIFEST_NAME))
+
+
+def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job_cancelled(
+        settings, tmp_path):
+    job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
+    with session_scope(settings) as session:
+        leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
+    with session_scope(settings) as session:
+        service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
+    # w1 is alive: a delivery elsewhere leaves the shard to it (it keeps its finished rows).
+    process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
+    assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
+
+    with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
+        session.execute(update(Shard).where(Shard.id == shard_id).values(
+            heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5)))
+    process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
+
+    assert job_and_shards(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])
