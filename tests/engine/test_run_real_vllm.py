@@ -298,9 +298,9 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(mixed_run
     parts = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
-        checkpoints = [posixpath.basename(c.path) for s in shards
+        recorded = [posixpath.basename(c.path) for s in shards
                        for c in checkpoints.checkpoints_of(session, s.id)]
-        assert sorted(checkpoints) == parts
+        assert sorted(recorded) == parts
         assert len(parts) > len(shards)
         assert [(s.rows, s.rows_ok, s.status) for s in shards] == [
             (15, 15, ShardStatus.COMPLETED), (15, 15, ShardStatus.COMPLETED),
