@@ -35,6 +35,7 @@ test: install lint
 # Lint (ruff) and types (mypy); settings in pyproject.toml. `make test` runs it first.
 lint: install
 	$(BIN)/ruff check batchllm tests migrations
+	$(BIN)/ruff format --check batchllm tests migrations
 	$(BIN)/mypy
 
 test-unit: install

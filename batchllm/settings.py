@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     )
     shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
     max_line_bytes: int = Field(
-        default=8 * 1024 * 1024, ge=1,
+        default=8 * 1024 * 1024,
+        ge=1,
         description="Longest input line in bytes (without its newline). A longer line becomes "
         "an error row without being parsed: decoding and validating one huge line takes many "
         "times its size in memory and minutes of CPU.",
@@ -52,19 +53,25 @@ class Settings(BaseSettings):
     )
 
     lease_seconds: float = Field(
-        default=120.0, gt=0,
+        default=120.0,
+        gt=0,
         description="A running shard whose worker has not sent a heartbeat for this long is "
-        "taken over by the worker its task is redelivered to.")
+        "taken over by the worker its task is redelivered to.",
+    )
     max_shard_attempts: int = Field(
-        default=8, ge=1,
+        default=8,
+        ge=1,
         description="A shard whose engine died this many times (counting every run of it) "
         "fails instead of going back to the queue: a request that kills the engine must not "
-        "loop forever.")
+        "loop forever.",
+    )
     reconcile_seconds: float = Field(
-        default=30.0, gt=0,
+        default=30.0,
+        gt=0,
         description="How often each worker's reconciler moves stuck states on: re-sends the "
         "task of a queued shard that the broker lost, re-queues shards whose lease ran out, "
-        "ends cancelled jobs whose workers died, finalizes jobs left finalizing.")
+        "ends cancelled jobs whose workers died, finalizes jobs left finalizing.",
+    )
 
     @model_validator(mode="after")
     def _expand_home(self) -> Settings:

@@ -11,8 +11,12 @@ url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_databa
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=url, target_metadata=Base.metadata, literal_binds=True,
-                      render_as_batch=url.startswith("sqlite"))
+    context.configure(
+        url=url,
+        target_metadata=Base.metadata,
+        literal_binds=True,
+        render_as_batch=url.startswith("sqlite"),
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -20,8 +24,11 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=Base.metadata,
-                          render_as_batch=url.startswith("sqlite"))
+        context.configure(
+            connection=connection,
+            target_metadata=Base.metadata,
+            render_as_batch=url.startswith("sqlite"),
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -18,15 +18,26 @@ from batchllm.settings import Settings
 from batchllm.worker.engines import EngineCache
 
 
-def job_spec(model: str, workload: Workload, max_model_len: int, *,
-             group_prefixes: bool = True, kv_cache_bytes: int | None = None) -> JobSpec:
+def job_spec(
+    model: str,
+    workload: Workload,
+    max_model_len: int,
+    *,
+    group_prefixes: bool = True,
+    kv_cache_bytes: int | None = None,
+) -> JobSpec:
     """Job defaults equal to what every request line asks for, so the lines decide nothing."""
-    return JobSpec(model=model,
-                   sampling=SamplingDefaults(max_tokens=workload.max_output,
-                                             temperature=TEMPERATURE, ignore_eos=True),
-                   engine=EngineOptions(max_model_len=max_model_len,
-                                        group_prefixes=group_prefixes,
-                                        kv_cache_memory_bytes=kv_cache_bytes))
+    return JobSpec(
+        model=model,
+        sampling=SamplingDefaults(
+            max_tokens=workload.max_output, temperature=TEMPERATURE, ignore_eos=True
+        ),
+        engine=EngineOptions(
+            max_model_len=max_model_len,
+            group_prefixes=group_prefixes,
+            kv_cache_memory_bytes=kv_cache_bytes,
+        ),
+    )
 
 
 def kv_cache_tokens(engine) -> int:
@@ -37,8 +48,9 @@ def kv_cache_tokens(engine) -> int:
 
 def bench_settings(home: Path) -> Settings:
     """A private BATCHLLM_HOME: the bench never touches the user's jobs or database."""
-    return Settings(home=home, database_url=f"sqlite:///{home / 'batchllm.db'}",
-                    storage=str(home / "jobs"))
+    return Settings(
+        home=home, database_url=f"sqlite:///{home / 'batchllm.db'}", storage=str(home / "jobs")
+    )
 
 
 class Prompts:
@@ -53,9 +65,10 @@ class Prompts:
         if bad:
             raise BenchFailed(f"a bench prompt cannot run: {bad[0]}")
         self.prompts = [{"prompt_token_ids": i} for i in ids]
-        self.params = [SamplingParams(max_tokens=r.max_tokens, temperature=TEMPERATURE,
-                                      ignore_eos=True)
-                       for r in requests]
+        self.params = [
+            SamplingParams(max_tokens=r.max_tokens, temperature=TEMPERATURE, ignore_eos=True)
+            for r in requests
+        ]
 
 
 def run_generate(engine, prompts: Prompts, batch: int | None) -> Run:
@@ -65,13 +78,19 @@ def run_generate(engine, prompts: Prompts, batch: int | None) -> Run:
     with PeakRss() as memory:
         started = time.perf_counter()
         for start in range(0, len(prompts.prompts), size):
-            outputs += engine.llm.generate(prompts.prompts[start:start + size],
-                                           prompts.params[start:start + size], use_tqdm=False)
+            outputs += engine.llm.generate(
+                prompts.prompts[start : start + size],
+                prompts.params[start : start + size],
+                use_tqdm=False,
+            )
         seconds = time.perf_counter() - started
-    return Run(seconds=seconds, requests=len(outputs),
-               prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-               output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-               peak_rss=memory.peak)
+    return Run(
+        seconds=seconds,
+        requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        peak_rss=memory.peak,
+    )
 
 
 def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: Settings) -> Run:
@@ -82,13 +101,26 @@ def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: S
     stored_at: list[float] = []
     with PeakRss() as memory:
         started = time.perf_counter()
-        job = run_job(source, spec, settings=settings, engines=engines,
-                      on_created=lambda _job: stored_at.append(time.perf_counter()))
+        job = run_job(
+            source,
+            spec,
+            settings=settings,
+            engines=engines,
+            on_created=lambda _job: stored_at.append(time.perf_counter()),
+        )
         ended = time.perf_counter()
     if job.status is not JobStatus.COMPLETED:
         raise BenchFailed(f"bench job {job.id} ended {job.status.value}: {job.error}")
-    return Run(seconds=ended - stored_at[0], requests=job.request_completed + job.request_failed,
-               prompt_tokens=job.prompt_tokens, output_tokens=job.completion_tokens,
-               failed=job.request_failed, peak_rss=memory.peak,
-               extra={"job_id": job.id, "validation_seconds": stored_at[0] - started,
-                      "sql_output_tokens_per_s": job.output_tokens_per_s})
+    return Run(
+        seconds=ended - stored_at[0],
+        requests=job.request_completed + job.request_failed,
+        prompt_tokens=job.prompt_tokens,
+        output_tokens=job.completion_tokens,
+        failed=job.request_failed,
+        peak_rss=memory.peak,
+        extra={
+            "job_id": job.id,
+            "validation_seconds": stored_at[0] - started,
+            "sql_output_tokens_per_s": job.output_tokens_per_s,
+        },
+    )

@@ -53,8 +53,9 @@ class Contender:
             "wall_seconds": spread([r.seconds for r in runs]),
             "requests_per_s": spread([r.requests / r.seconds for r in runs]),
             "output_tokens_per_s": spread([r.output_tokens / r.seconds for r in runs]),
-            "total_tokens_per_s": spread([(r.prompt_tokens + r.output_tokens) / r.seconds
-                                          for r in runs]),
+            "total_tokens_per_s": spread(
+                [(r.prompt_tokens + r.output_tokens) / r.seconds for r in runs]
+            ),
             "peak_rss_bytes": max(r.peak_rss for r in runs),
             "runs": [asdict(r) for r in runs],
         }
@@ -62,5 +63,6 @@ class Contender:
         if generation:
             out["generation_seconds"] = spread([seconds for _, seconds in generation])
             out["generation_output_tokens_per_s"] = spread(
-                [r.output_tokens / seconds for r, seconds in generation])
+                [r.output_tokens / seconds for r, seconds in generation]
+            )
         return out

@@ -27,8 +27,10 @@ from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.workload import sentence
 
-_FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
-           "incididunt ut labore et dolore magna aliqua ") * 64
+_FILLER = (
+    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua "
+) * 64
 _CHARS_PER_TOKEN = 4
 _SENTENCES = 4096
 
@@ -72,9 +74,15 @@ class InstantEngine:
         done = []
         for _ in range(min(self.max_num_seqs, len(self._queue))):
             request_id, prompt_tokens, max_tokens = self._queue.popleft()
-            done.append(Finished(request_id=request_id, finish_reason="length",
-                                 text=_FILLER[:max_tokens * _CHARS_PER_TOKEN],
-                                 prompt_tokens=prompt_tokens, completion_tokens=max_tokens))
+            done.append(
+                Finished(
+                    request_id=request_id,
+                    finish_reason="length",
+                    text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=max_tokens,
+                )
+            )
         return done
 
     def has_unfinished(self) -> bool:
@@ -105,17 +113,25 @@ class _InstantEngines:
         pass
 
 
-def write_lines(path: Path, lines: int, *, model: str, prompt_words: tuple[int, int],
-                output_tokens: tuple[int, int], seed: int = 0) -> Path:
+def write_lines(
+    path: Path,
+    lines: int,
+    *,
+    model: str,
+    prompt_words: tuple[int, int],
+    output_tokens: tuple[int, int],
+    seed: int = 0,
+) -> Path:
     """OpenAI chat lines like the engine workload's. Texts come from a pool and lines from a
     template, so a million lines are written in seconds (the overhead does not depend on the
     words); every custom_id is distinct."""
     rng = random.Random(seed)
-    pool = [json.dumps(sentence(rng, rng.randint(*prompt_words)))[1:-1]
-            for _ in range(_SENTENCES)]
-    template = ('{"custom_id": "req-%d", "method": "POST", "url": "/v1/chat/completions", '
-                '"body": {"model": ' + json.dumps(model).replace("%", "%%") + ', "max_tokens": '
-                '%d, "ignore_eos": true, "messages": [{"role": "user", "content": "%d: %s"}]}}\n')
+    pool = [json.dumps(sentence(rng, rng.randint(*prompt_words)))[1:-1] for _ in range(_SENTENCES)]
+    template = (
+        '{"custom_id": "req-%d", "method": "POST", "url": "/v1/chat/completions", '
+        '"body": {"model": ' + json.dumps(model).replace("%", "%%") + ', "max_tokens": '
+        '%d, "ignore_eos": true, "messages": [{"role": "user", "content": "%d: %s"}]}}\n'
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for i in range(lines):
@@ -152,43 +168,78 @@ def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
     spec = JobSpec(model=model, sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=True))
     stored_at: list[float] = []
     started = time.perf_counter()
-    job = run_job(source, spec, settings=bench_settings(home), engines=engines,
-                  on_created=lambda _job: stored_at.append(time.perf_counter()))
+    job = run_job(
+        source,
+        spec,
+        settings=bench_settings(home),
+        engines=engines,
+        on_created=lambda _job: stored_at.append(time.perf_counter()),
+    )
     ended = time.perf_counter()
     engine, asked_at = engines.engine, engines.asked_at
     if engine is None or asked_at is None:
         raise BenchFailed("the overhead job never asked for an engine")
     if job.status is not JobStatus.COMPLETED or job.request_failed:
-        raise BenchFailed(f"overhead job ended {job.status.value}, {job.request_failed} failed: "
-                           f"{job.error}")
+        raise BenchFailed(
+            f"overhead job ended {job.status.value}, {job.request_failed} failed: {job.error}"
+        )
     rows = job.request_completed
     seconds = ended - started
-    phases = {"validate_and_store": stored_at[0] - started,
-              "size_context": asked_at - stored_at[0],
-              "tokenize": engine.prepare_seconds,
-              "feed_write_commit": ended - asked_at - engine.prepare_seconds}
+    phases = {
+        "validate_and_store": stored_at[0] - started,
+        "size_context": asked_at - stored_at[0],
+        "tokenize": engine.prepare_seconds,
+        "feed_write_commit": ended - asked_at - engine.prepare_seconds,
+    }
     # batchllm's own work: what neither vLLM (it tokenizes text prompts itself) nor a user who
     # passes --max-model-len (no sizing pass) would pay anyway.
     own = phases["validate_and_store"] + phases["feed_write_commit"]
-    return {"lines": rows, "seconds": seconds, "rows_per_s": rows / seconds,
-            "seconds_per_row": seconds / rows, "own_seconds_per_row": own / rows,
-            "own_rows_per_s": rows / own, "phases": phases,
-            "peak_rss_bytes": peak_rss()}
+    return {
+        "lines": rows,
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "seconds_per_row": seconds / rows,
+        "own_seconds_per_row": own / rows,
+        "own_rows_per_s": rows / own,
+        "phases": phases,
+        "peak_rss_bytes": peak_rss(),
+    }
 
 
-def run_size(lines: int, workdir: Path, *, model: str, prompt_words: tuple[int, int],
-             output_tokens: tuple[int, int]) -> dict:
+def run_size(
+    lines: int,
+    workdir: Path,
+    *,
+    model: str,
+    prompt_words: tuple[int, int],
+    output_tokens: tuple[int, int],
+) -> dict:
     """Write a file of `lines` lines and measure it in a fresh process; the files are removed
     afterwards (a million lines are ~1 GB between input, stored input and output)."""
     import shutil
 
     sizedir = workdir / f"overhead-{lines}"
-    source = write_lines(sizedir / "input.jsonl", lines, model=model, prompt_words=prompt_words,
-                         output_tokens=output_tokens)
+    source = write_lines(
+        sizedir / "input.jsonl",
+        lines,
+        model=model,
+        prompt_words=prompt_words,
+        output_tokens=output_tokens,
+    )
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "batchllm.bench.overhead", str(source), str(sizedir / "home"),
-             model, str(output_tokens[1])], capture_output=True, text=True)
+            [
+                sys.executable,
+                "-m",
+                "batchllm.bench.overhead",
+                str(source),
+                str(sizedir / "home"),
+                model,
+                str(output_tokens[1]),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise BenchFailed(f"overhead run of {lines} lines failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -200,5 +251,10 @@ def run_size(lines: int, workdir: Path, *, model: str, prompt_words: tuple[int, 
 
 if __name__ == "__main__":
     source_arg, home_arg, model_arg, max_tokens_arg = sys.argv[1:5]
-    print(json.dumps(measure(Path(source_arg), Path(home_arg), model=model_arg,
-                             max_tokens=int(max_tokens_arg))))
+    print(
+        json.dumps(
+            measure(
+                Path(source_arg), Path(home_arg), model=model_arg, max_tokens=int(max_tokens_arg)
+            )
+        )
+    )

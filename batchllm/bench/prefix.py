@@ -18,9 +18,19 @@ from batchllm.bench.workload import Workload, write_openai_chat
 from batchllm.settings import Settings
 
 
-def run_prefix(engines, *, model: str, workload: Workload, max_model_len: int,
-               settings: Settings, workdir: Path, repeats: int, variants: Iterator[int],
-               kv_cache_bytes: int | None, say) -> dict[str, Contender]:
+def run_prefix(
+    engines,
+    *,
+    model: str,
+    workload: Workload,
+    max_model_len: int,
+    settings: Settings,
+    workdir: Path,
+    repeats: int,
+    variants: Iterator[int],
+    kv_cache_bytes: int | None,
+    say,
+) -> dict[str, Contender]:
     """Both sides on one engine: the shared one, or with `kv_cache_bytes` an engine of its own
     whose small KV cache puts the prefix cache under the pressure a GPU's has."""
     sides = {
@@ -30,13 +40,21 @@ def run_prefix(engines, *, model: str, workload: Workload, max_model_len: int,
     for repeat in range(repeats):
         for contender, grouped in sides.values():
             variant = next(variants)
-            source = write_openai_chat(workdir / f"prefix-{variant}.jsonl", workload, variant,
-                                       model=model)
-            spec = job_spec(model, workload, max_model_len, group_prefixes=grouped,
-                            kv_cache_bytes=kv_cache_bytes)
+            source = write_openai_chat(
+                workdir / f"prefix-{variant}.jsonl", workload, variant, model=model
+            )
+            spec = job_spec(
+                model,
+                workload,
+                max_model_len,
+                group_prefixes=grouped,
+                kv_cache_bytes=kv_cache_bytes,
+            )
             run = run_job_phase(engines, spec, source, settings)
             source.unlink()
             contender.runs.append(run)
-            say(f"[prefix] {contender.label}, repeat {repeat + 1}/{repeats}: "
-                f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)")
+            say(
+                f"[prefix] {contender.label}, repeat {repeat + 1}/{repeats}: "
+                f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)"
+            )
     return {key: contender for key, (contender, _) in sides.items()}

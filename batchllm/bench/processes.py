@@ -39,9 +39,16 @@ class EngineLimits:
     dtype: str
 
     def flags(self) -> list[str]:
-        return ["--max-model-len", str(self.max_model_len), "--max-num-seqs",
-                str(self.max_num_seqs), "--max-num-batched-tokens",
-                str(self.max_num_batched_tokens), "--dtype", self.dtype]
+        return [
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--dtype",
+            self.dtype,
+        ]
 
 
 @dataclass
@@ -51,14 +58,20 @@ class _Finished:
     peak_rss: int
 
 
-def _timed(command: list[str], *, log_path: Path, markers: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> _Finished:
+def _timed(
+    command: list[str],
+    *,
+    log_path: Path,
+    markers: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> _Finished:
     """Run `command` to its end, logging its output and timing the first line of each marker."""
     marks: dict[str, float] = {}
     with log_path.open("w") as log:
         started = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
 
         def pump() -> None:
             assert proc.stdout is not None  # stdout=PIPE
@@ -81,10 +94,25 @@ def _timed(command: list[str], *, log_path: Path, markers: tuple[str, ...] = (),
 
 def run_vllm_batch(source: Path, workdir: Path, *, model: str, limits: EngineLimits) -> Run:
     output = workdir / "run-batch-output.jsonl"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source),
-               "-o", str(output), "--model", model, "--disable-log-stats", *limits.flags()]
-    done = _timed(command, log_path=workdir / "run-batch.log",
-                  markers=(_RUN_BATCH_STARTS, _RUN_BATCH_ENDS), env={**os.environ, **_LOG_ENV})
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.run_batch",
+        "-i",
+        str(source),
+        "-o",
+        str(output),
+        "--model",
+        model,
+        "--disable-log-stats",
+        *limits.flags(),
+    ]
+    done = _timed(
+        command,
+        log_path=workdir / "run-batch.log",
+        markers=(_RUN_BATCH_STARTS, _RUN_BATCH_ENDS),
+        env={**os.environ, **_LOG_ENV},
+    )
     requests = failed = prompt = completion = 0
     with output.open() as lines:
         for line in lines:
@@ -100,27 +128,54 @@ def run_vllm_batch(source: Path, workdir: Path, *, model: str, limits: EngineLim
     generation = None
     if _RUN_BATCH_STARTS in done.marks and _RUN_BATCH_ENDS in done.marks:
         generation = done.marks[_RUN_BATCH_ENDS] - done.marks[_RUN_BATCH_STARTS]
-    return Run(seconds=done.seconds, requests=requests, prompt_tokens=prompt,
-               output_tokens=completion, failed=failed, peak_rss=done.peak_rss,
-               generation_seconds=generation)
+    return Run(
+        seconds=done.seconds,
+        requests=requests,
+        prompt_tokens=prompt,
+        output_tokens=completion,
+        failed=failed,
+        peak_rss=done.peak_rss,
+        generation_seconds=generation,
+    )
 
 
-def run_batchllm(source: Path, workdir: Path, *, model: str, limits: EngineLimits,
-                 max_tokens: int) -> Run:
+def run_batchllm(
+    source: Path, workdir: Path, *, model: str, limits: EngineLimits, max_tokens: int
+) -> Run:
     from batchllm.bench.contenders import bench_settings
     from batchllm.jobs import service
     from batchllm.jobs.db import session_scope
 
     home = workdir / "batchllm-home"
-    command = [sys.executable, "-m", "batchllm", "run", str(source), "--model", model,
-               "--max-tokens", str(max_tokens), "--ignore-eos", *limits.flags()]
+    command = [
+        sys.executable,
+        "-m",
+        "batchllm",
+        "run",
+        str(source),
+        "--model",
+        model,
+        "--max-tokens",
+        str(max_tokens),
+        "--ignore-eos",
+        *limits.flags(),
+    ]
     # Only the home: a user's BATCHLLM_DATABASE_URL or BATCHLLM_STORAGE must not be used.
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
-    done = _timed(command, log_path=workdir / "batchllm-run.log",
-                  env={**env, **_LOG_ENV, "BATCHLLM_HOME": str(home)})
+    done = _timed(
+        command,
+        log_path=workdir / "batchllm-run.log",
+        env={**env, **_LOG_ENV, "BATCHLLM_HOME": str(home)},
+    )
     with session_scope(bench_settings(home)) as session:
         (job,) = service.list_jobs(session, limit=1)
-    return Run(seconds=done.seconds, requests=job.request_completed + job.request_failed,
-               prompt_tokens=job.prompt_tokens, output_tokens=job.completion_tokens,
-               failed=job.request_failed, peak_rss=done.peak_rss,
-               generation_seconds=job.wall_seconds, extra={"job_id": job.id})
+    return Run(
+        seconds=done.seconds,
+        requests=job.request_completed + job.request_failed,
+        prompt_tokens=job.prompt_tokens,
+        output_tokens=job.completion_tokens,
+        failed=job.request_failed,
+        peak_rss=done.peak_rss,
+        generation_seconds=job.wall_seconds,
+        extra={"job_id": job.id},
+    )

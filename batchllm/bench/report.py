@@ -18,32 +18,47 @@ def _spread(figure: dict[str, float]) -> str:
 
 def ordered(contenders: dict[str, Any]) -> list[dict[str, Any]]:
     """Raw vLLM first, then the fixed batches, batchllm's engine phase, the end-to-end pair."""
+
     def rank(key: str) -> tuple[int, int, str]:
         if key.startswith("vllm_batches_"):
             return 1, int(key.rsplit("_", 1)[1]), key
         return {"vllm_generate": 0, "batchllm_engine": 2, "vllm_run_batch": 3}.get(key, 4), 0, key
+
     return [contenders[key] for key in sorted(contenders, key=rank)]
 
 
 def contender_table(contenders: dict[str, Any]) -> str:
-    header = ("contender", "req/s", "out tok/s", "spread", "total tok/s", "wall s",
-              "peak RSS", "vs raw", "generating: out tok/s", "vs raw")
+    header = (
+        "contender",
+        "req/s",
+        "out tok/s",
+        "spread",
+        "total tok/s",
+        "wall s",
+        "peak RSS",
+        "vs raw",
+        "generating: out tok/s",
+        "vs raw",
+    )
     rows = [header]
     for figures in ordered(contenders):
         generation = figures.get("generation_output_tokens_per_s")
-        rows.append((
-            figures["label"],
-            f"{figures['requests_per_s']['median']:,.1f}",
-            f"{figures['output_tokens_per_s']['median']:,.0f}",
-            _spread(figures["output_tokens_per_s"]),
-            f"{figures['total_tokens_per_s']['median']:,.0f}",
-            f"{figures['wall_seconds']['median']:,.1f}",
-            f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
-            f"{figures['ratio_to_raw']:.2f}x" if "ratio_to_raw" in figures else "",
-            f"{generation['median']:,.0f}" if generation else "",
-            f"{figures['generation_ratio_to_raw']:.2f}x"
-            if "generation_ratio_to_raw" in figures else "",
-        ))
+        rows.append(
+            (
+                figures["label"],
+                f"{figures['requests_per_s']['median']:,.1f}",
+                f"{figures['output_tokens_per_s']['median']:,.0f}",
+                _spread(figures["output_tokens_per_s"]),
+                f"{figures['total_tokens_per_s']['median']:,.0f}",
+                f"{figures['wall_seconds']['median']:,.1f}",
+                f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{figures['ratio_to_raw']:.2f}x" if "ratio_to_raw" in figures else "",
+                f"{generation['median']:,.0f}" if generation else "",
+                f"{figures['generation_ratio_to_raw']:.2f}x"
+                if "generation_ratio_to_raw" in figures
+                else "",
+            )
+        )
     return _format(rows)
 
 
@@ -51,8 +66,10 @@ def _format(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        cells = [cell.ljust(w) if i == 0 else cell.rjust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths))]
+        cells = [
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
@@ -62,67 +79,97 @@ def _format(rows: Sequence[Sequence[str]]) -> str:
 def _overhead_table(overhead: dict[str, Any]) -> str:
     """Rows/s and peak RSS per file size; shares of engine time when the engine part ran."""
     shares = "engine_seconds_per_row" in overhead
-    header: tuple[str, ...] = ("overhead without generation", "rows/s own", "rows/s all",
-                               "peak RSS")
+    header: tuple[str, ...] = (
+        "overhead without generation",
+        "rows/s own",
+        "rows/s all",
+        "peak RSS",
+    )
     header += ("own / engine time", "all / engine time") if shares else ()
     rows: list[tuple[str, ...]] = [header + ("validate", "size ctx", "tokenize", "feed+write")]
     for size in overhead["sizes"]:
         phases = size["phases"]
-        row: tuple[str, ...] = (f"{size['lines']:,} lines", f"{size['own_rows_per_s']:,.0f}",
-               f"{size['rows_per_s']:,.0f}", f"{size['peak_rss_bytes'] / _MIB:,.0f} MiB")
+        row: tuple[str, ...] = (
+            f"{size['lines']:,} lines",
+            f"{size['own_rows_per_s']:,.0f}",
+            f"{size['rows_per_s']:,.0f}",
+            f"{size['peak_rss_bytes'] / _MIB:,.0f} MiB",
+        )
         if shares:
-            row += (f"{size['own_share_of_engine_time']:.2%}",
-                    f"{size['share_of_engine_time']:.2%}")
-        rows.append(row + tuple(f"{phases[k]:.1f} s" for k in (
-            "validate_and_store", "size_context", "tokenize", "feed_write_commit")))
+            row += (
+                f"{size['own_share_of_engine_time']:.2%}",
+                f"{size['share_of_engine_time']:.2%}",
+            )
+        rows.append(
+            row
+            + tuple(
+                f"{phases[k]:.1f} s"
+                for k in ("validate_and_store", "size_context", "tokenize", "feed_write_commit")
+            )
+        )
     return _format(rows)
 
 
 def summary_text(result: dict[str, Any]) -> str:
     """The whole report: contender table, prefix grouping, overhead, and the targets."""
     config = result["config"]
-    parts = [f"batchllm bench: {config['requests']:,} requests, prompts "
-             f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
-             f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
-             f"({config.get('output_shape', 'uniform')}, ignore_eos), "
-             f"model {config['model']}"]
+    parts = [
+        f"batchllm bench: {config['requests']:,} requests, prompts "
+        f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
+        f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
+        f"({config.get('output_shape', 'uniform')}, ignore_eos), "
+        f"model {config['model']}"
+    ]
     engine = result.get("engine")
     if engine:
         limits = engine["limits"]
-        parts.append(f"vLLM {engine['version']} on {engine['hardware']}; every contender runs "
-                     f"max_model_len {limits['max_model_len']}, max_num_seqs "
-                     f"{limits['max_num_seqs']}, max_num_batched_tokens "
-                     f"{limits['max_num_batched_tokens']}")
+        parts.append(
+            f"vLLM {engine['version']} on {engine['hardware']}; every contender runs "
+            f"max_model_len {limits['max_model_len']}, max_num_seqs "
+            f"{limits['max_num_seqs']}, max_num_batched_tokens "
+            f"{limits['max_num_batched_tokens']}"
+        )
     if result["contenders"]:
         parts.append("")
         parts.append(contender_table(result["contenders"]))
-        parts.append("medians of the repeats; spread: half the min-max range of output tok/s; "
-                     "end-to-end rows include engine start-up in wall time, 'generating' is "
-                     "their throughput once the engine is up")
+        parts.append(
+            "medians of the repeats; spread: half the min-max range of output tok/s; "
+            "end-to-end rows include engine start-up in wall time, 'generating' is "
+            "their throughput once the engine is up"
+        )
     for key, reason in result.get("skipped", {}).items():
         parts.append(f"skipped {key}: {reason}")
     prefix = result.get("prefix")
     if prefix:
         workload = prefix["workload"]
         parts.append("")
-        parts.append(f"prefix grouping: {workload['requests']:,} requests sharing "
-                     f"{workload['system_prompts']} system prompts of {workload['system_words']} "
-                     "words, in random order, "
-                     + (f"on an engine with a {prefix['kv_cache_mib']} MiB KV cache"
-                        if prefix.get("kv_cache_mib") else "on the shared engine"))
+        parts.append(
+            f"prefix grouping: {workload['requests']:,} requests sharing "
+            f"{workload['system_prompts']} system prompts of {workload['system_words']} "
+            "words, in random order, "
+            + (
+                f"on an engine with a {prefix['kv_cache_mib']} MiB KV cache"
+                if prefix.get("kv_cache_mib")
+                else "on the shared engine"
+            )
+        )
         for key in ("file_order", "grouped"):
             figures = prefix[key]
-            parts.append(f"  {figures['label']:<36} "
-                         f"{figures['output_tokens_per_s']['median']:>8,.0f} out tok/s "
-                         f"{_spread(figures['output_tokens_per_s'])}")
+            parts.append(
+                f"  {figures['label']:<36} "
+                f"{figures['output_tokens_per_s']['median']:>8,.0f} out tok/s "
+                f"{_spread(figures['output_tokens_per_s'])}"
+            )
         parts.append(f"  gain: {prefix['gain']:.2f}x")
     overhead = result.get("overhead")
     if overhead:
         parts.append("")
         parts.append(_overhead_table(overhead))
-        parts.append("own: validation, input Parquet, feed bookkeeping, output Parquet, database "
-                     "checkpoints; all: also tokenization (vLLM tokenizes text prompts itself) "
-                     "and the context-sizing pass (skipped with --max-model-len)")
+        parts.append(
+            "own: validation, input Parquet, feed bookkeeping, output Parquet, database "
+            "checkpoints; all: also tokenization (vLLM tokenizes text prompts itself) "
+            "and the context-sizing pass (skipped with --max-model-len)"
+        )
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")
@@ -138,20 +185,31 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in ("contenders", "prefix", "overhead")
-              if result.get(p) and (p != "contenders" or result[p])]
+    panels = [
+        p
+        for p in ("contenders", "prefix", "overhead")
+        if result.get(p) and (p != "contenders" or result[p])
+    ]
     widths = [3 if p == "contenders" else 1.4 for p in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 3 * len(panels), 4.6),
-                             gridspec_kw={"width_ratios": widths}, squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(4 + 3 * len(panels), 4.6),
+        gridspec_kw={"width_ratios": widths},
+        squeeze=False,
+    )
     for ax, panel in zip(axes[0], panels):
-        {"contenders": _throughput_panel, "prefix": _prefix_panel,
-         "overhead": _overhead_panel}[panel](ax, result)
+        {"contenders": _throughput_panel, "prefix": _prefix_panel, "overhead": _overhead_panel}[
+            panel
+        ](ax, result)
     config = result["config"]
     engine = result.get("engine") or {}
-    fig.suptitle(f"batchllm bench: {config['requests']:,} requests, outputs "
-                 f"{config['output_tokens'][0]}-{config['output_tokens'][1]} tokens, "
-                 f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}",
-                 fontsize=10)
+    fig.suptitle(
+        f"batchllm bench: {config['requests']:,} requests, outputs "
+        f"{config['output_tokens'][0]}-{config['output_tokens'][1]} tokens, "
+        f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -166,14 +224,26 @@ def _throughput_panel(ax, result: dict[str, Any]) -> None:
     colors = ["tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders]
     y = list(range(len(contenders)))
     ax.barh(y, medians, color=colors)
-    ax.errorbar(medians, y, xerr=[[m - lo for m, lo in zip(medians, lows)],
-                                  [hi - m for m, hi in zip(medians, highs)]],
-                fmt="none", ecolor="black", capsize=3, linewidth=0.8)
-    generating = [c.get("generation_output_tokens_per_s", {}).get("median", 0)
-                  for c in contenders]
+    ax.errorbar(
+        medians,
+        y,
+        xerr=[[m - lo for m, lo in zip(medians, lows)], [hi - m for m, hi in zip(medians, highs)]],
+        fmt="none",
+        ecolor="black",
+        capsize=3,
+        linewidth=0.8,
+    )
+    generating = [c.get("generation_output_tokens_per_s", {}).get("median", 0) for c in contenders]
     if any(generating):
-        ax.barh(y, generating, color="none", edgecolor="black", hatch="//", linewidth=0.6,
-                label="end to end: throughput once its own engine is up")
+        ax.barh(
+            y,
+            generating,
+            color="none",
+            edgecolor="black",
+            hatch="//",
+            linewidth=0.6,
+            label="end to end: throughput once its own engine is up",
+        )
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7)
     for i, c in enumerate(contenders):
         if "ratio_to_raw" in c:
@@ -190,10 +260,16 @@ def _prefix_panel(ax, result: dict[str, Any]) -> None:
     prefix = result["prefix"]
     sides = [prefix["file_order"], prefix["grouped"]]
     medians = [s["output_tokens_per_s"]["median"] for s in sides]
-    ax.bar(["file order", "grouped"], medians, color=["tab:gray", "tab:green"],
-           yerr=[[m - s["output_tokens_per_s"]["min"] for m, s in zip(medians, sides)],
-                 [s["output_tokens_per_s"]["max"] - m for m, s in zip(medians, sides)]],
-           capsize=3)
+    ax.bar(
+        ["file order", "grouped"],
+        medians,
+        color=["tab:gray", "tab:green"],
+        yerr=[
+            [m - s["output_tokens_per_s"]["min"] for m, s in zip(medians, sides)],
+            [s["output_tokens_per_s"]["max"] - m for m, s in zip(medians, sides)],
+        ],
+        capsize=3,
+    )
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"prefix grouping: {prefix['gain']:.2f}x", fontsize=9)
 
@@ -201,10 +277,20 @@ def _prefix_panel(ax, result: dict[str, Any]) -> None:
 def _overhead_panel(ax, result: dict[str, Any]) -> None:
     sizes = result["overhead"]["sizes"]
     x = range(len(sizes))
-    ax.bar([i - 0.2 for i in x], [s["own_rows_per_s"] for s in sizes], width=0.4,
-           color="tab:green", label="own work")
-    ax.bar([i + 0.2 for i in x], [s["rows_per_s"] for s in sizes], width=0.4,
-           color="tab:gray", label="+ tokenizing, sizing")
+    ax.bar(
+        [i - 0.2 for i in x],
+        [s["own_rows_per_s"] for s in sizes],
+        width=0.4,
+        color="tab:green",
+        label="own work",
+    )
+    ax.bar(
+        [i + 0.2 for i in x],
+        [s["rows_per_s"] for s in sizes],
+        width=0.4,
+        color="tab:gray",
+        label="+ tokenizing, sizing",
+    )
     ax.set_xticks(list(x), [f"{s['lines']:,}" for s in sizes], fontsize=8)
     ax.set_ylabel("rows/s without generation")
     ax.set_xlabel("input lines")

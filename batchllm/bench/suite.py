@@ -51,9 +51,13 @@ class BenchConfig:
 
     @property
     def workload(self) -> Workload:
-        return Workload(requests=self.requests, prompt_words=self.prompt_words,
-                        output_tokens=self.output_tokens, output_shape=self.output_shape,
-                        seed=self.seed)
+        return Workload(
+            requests=self.requests,
+            prompt_words=self.prompt_words,
+            output_tokens=self.output_tokens,
+            output_shape=self.output_shape,
+            seed=self.seed,
+        )
 
     @property
     def prefix_kv_cache_bytes(self) -> int | None:
@@ -61,9 +65,14 @@ class BenchConfig:
 
     @property
     def prefix_workload(self) -> Workload:
-        return Workload(requests=self.prefix_requests, prompt_words=(8, 32),
-                        output_tokens=(16, 64), system_prompts=self.prefix_system_prompts,
-                        system_words=self.prefix_system_words, seed=self.seed + 1)
+        return Workload(
+            requests=self.prefix_requests,
+            prompt_words=(8, 32),
+            output_tokens=(16, 64),
+            system_prompts=self.prefix_system_prompts,
+            system_words=self.prefix_system_words,
+            seed=self.seed + 1,
+        )
 
 
 def resolve_model(config: BenchConfig, say: Say) -> str:
@@ -100,11 +109,20 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     if parts & {"engine", "prefix", "run-batch", "run"}:
         # Built even for the end-to-end parts alone: its scheduler limits are theirs too.
         contenders, result["prefix"], result["engine"] = _shared_engine_parts(
-            config, model, parts, workdir, say)
+            config, model, parts, workdir, say
+        )
     if parts & {"run-batch", "run"}:
-        contenders.update(_end_to_end(config, model, parts, workdir,
-                                      EngineLimits(**result["engine"]["limits"]),
-                                      result.setdefault("skipped", {}), say))
+        contenders.update(
+            _end_to_end(
+                config,
+                model,
+                parts,
+                workdir,
+                EngineLimits(**result["engine"]["limits"]),
+                result.setdefault("skipped", {}),
+                say,
+            )
+        )
     result["contenders"] = {key: c.summary() for key, c in contenders.items()}
     if "overhead" in parts:
         result["overhead"] = _overhead(config, model, workdir, say)
@@ -113,8 +131,9 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     return result
 
 
-def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workdir: Path,
-                         say: Say) -> tuple[dict[str, Contender], dict | None, dict]:
+def _shared_engine_parts(
+    config: BenchConfig, model: str, parts: set[str], workdir: Path, say: Say
+) -> tuple[dict[str, Contender], dict | None, dict]:
     """The in-process contenders and the prefix part, on one engine started here."""
     from batchllm.bench.contenders import (
         Prompts,
@@ -129,8 +148,9 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
 
     workload = config.workload
     # Every timed run gets its own variant (distinct prompts); these are all that will run.
-    engine_variants = range(_FIRST_VARIANT,
-                            _FIRST_VARIANT + (len(config.batch_sizes) + 2) * config.repeats)
+    engine_variants = range(
+        _FIRST_VARIANT, _FIRST_VARIANT + (len(config.batch_sizes) + 2) * config.repeats
+    )
     prefix_variants = range(2 * config.repeats)
     planned = [(_WARMUP, 0), (_WARMUP, 1), (workload, _END_TO_END_VARIANT)]
     if "engine" in parts:
@@ -145,13 +165,20 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)
     scheduler = engine.engine.vllm_config.scheduler_config
-    info = {"version": engine.version, "hardware": engine.hardware,
-            "start_seconds": time.perf_counter() - started,
-            "kv_cache_tokens": kv_cache_tokens(engine),
-            "limits": asdict(EngineLimits(max_model_len=max_model_len,
-                                          max_num_seqs=scheduler.max_num_seqs,
-                                          max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                                          dtype=engine.dtype))}
+    info = {
+        "version": engine.version,
+        "hardware": engine.hardware,
+        "start_seconds": time.perf_counter() - started,
+        "kv_cache_tokens": kv_cache_tokens(engine),
+        "limits": asdict(
+            EngineLimits(
+                max_model_len=max_model_len,
+                max_num_seqs=scheduler.max_num_seqs,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                dtype=engine.dtype,
+            )
+        ),
+    }
     settings = bench_settings(workdir / "home")
     contenders: dict[str, Contender] = {}
     prefix = None
@@ -161,27 +188,44 @@ def _shared_engine_parts(config: BenchConfig, model: str, parts: set[str], workd
         warm = write_openai_chat(workdir / "warmup.jsonl", _WARMUP, 1, model=model)
         run_job_phase(engines, job_spec(model, _WARMUP, max_model_len), warm, settings)
         if "engine" in parts:
-            contenders = _in_process(config, engines, spec, settings, workdir, model,
-                                     iter(engine_variants), say)
+            contenders = _in_process(
+                config, engines, spec, settings, workdir, model, iter(engine_variants), say
+            )
         if "prefix" in parts:
             from batchllm.bench.prefix import run_prefix
 
-            sides = run_prefix(engines, model=model, workload=config.prefix_workload,
-                               max_model_len=max_model_len, settings=settings, workdir=workdir,
-                               repeats=config.repeats, variants=iter(prefix_variants),
-                               kv_cache_bytes=config.prefix_kv_cache_bytes,
-                               say=say)
-            prefix = {"workload": asdict(config.prefix_workload),
-                      "kv_cache_mib": config.prefix_kv_cache_mib,
-                      "kv_cache_tokens": kv_cache_tokens(engines.engine),
-                      **{key: c.summary() for key, c in sides.items()}}
+            sides = run_prefix(
+                engines,
+                model=model,
+                workload=config.prefix_workload,
+                max_model_len=max_model_len,
+                settings=settings,
+                workdir=workdir,
+                repeats=config.repeats,
+                variants=iter(prefix_variants),
+                kv_cache_bytes=config.prefix_kv_cache_bytes,
+                say=say,
+            )
+            prefix = {
+                "workload": asdict(config.prefix_workload),
+                "kv_cache_mib": config.prefix_kv_cache_mib,
+                "kv_cache_tokens": kv_cache_tokens(engines.engine),
+                **{key: c.summary() for key, c in sides.items()},
+            }
     finally:
         engines.close()
     return contenders, prefix, info
 
 
-def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
-                limits: EngineLimits, skipped: dict[str, str], say: Say) -> dict[str, Contender]:
+def _end_to_end(
+    config: BenchConfig,
+    model: str,
+    parts: set[str],
+    workdir: Path,
+    limits: EngineLimits,
+    skipped: dict[str, str],
+    say: Say,
+) -> dict[str, Contender]:
     """`vllm run-batch` and `batchllm run` as processes. run-batch is a peer that may not run
     here (a vLLM without it, a model it refuses): then it is reported as skipped."""
     from batchllm.bench.processes import run_batchllm, run_vllm_batch
@@ -189,16 +233,26 @@ def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
 
     workload = config.workload
     # One file for both: each process starts its own engine, with an empty prefix cache.
-    source = write_openai_chat(workdir / "end-to-end.jsonl", workload, _END_TO_END_VARIANT,
-                               model=model)
+    source = write_openai_chat(
+        workdir / "end-to-end.jsonl", workload, _END_TO_END_VARIANT, model=model
+    )
     steps = []
     if "run-batch" in parts:
-        steps.append((Contender("vllm_run_batch", "vllm run-batch (end to end)", end_to_end=True),
-                      lambda: run_vllm_batch(source, workdir, model=model, limits=limits)))
+        steps.append(
+            (
+                Contender("vllm_run_batch", "vllm run-batch (end to end)", end_to_end=True),
+                lambda: run_vllm_batch(source, workdir, model=model, limits=limits),
+            )
+        )
     if "run" in parts:
-        steps.append((Contender("batchllm_run", "batchllm run (end to end)", end_to_end=True),
-                      lambda: run_batchllm(source, workdir, model=model, limits=limits,
-                                           max_tokens=workload.max_output)))
+        steps.append(
+            (
+                Contender("batchllm_run", "batchllm run (end to end)", end_to_end=True),
+                lambda: run_batchllm(
+                    source, workdir, model=model, limits=limits, max_tokens=workload.max_output
+                ),
+            )
+        )
     for repeat in range(config.process_repeats):
         for contender, go in steps:
             if contender.key in skipped:
@@ -212,15 +266,25 @@ def _end_to_end(config: BenchConfig, model: str, parts: set[str], workdir: Path,
                 say(f"[end to end] {contender.label} did not run: {exc}")
                 continue
             contender.runs.append(run)
-            say(f"[end to end] {contender.label}, repeat {repeat + 1}/{config.process_repeats}: "
+            say(
+                f"[end to end] {contender.label}, repeat {repeat + 1}/{config.process_repeats}: "
                 f"{run.seconds:.1f} s wall, "
                 f"{run.output_tokens / (run.generation_seconds or run.seconds):,.0f} "
-                "output tokens/s generating")
+                "output tokens/s generating"
+            )
     return {contender.key: contender for contender, _ in steps if contender.runs}
 
 
-def _in_process(config: BenchConfig, engines, spec, settings, workdir: Path, model: str,
-                variants: Iterator[int], say: Say) -> dict[str, Contender]:
+def _in_process(
+    config: BenchConfig,
+    engines,
+    spec,
+    settings,
+    workdir: Path,
+    model: str,
+    variants: Iterator[int],
+    say: Say,
+) -> dict[str, Contender]:
     """Raw vLLM, fixed batches and batchllm's engine phase, taking turns repeat by repeat."""
     from batchllm.bench.contenders import Prompts, run_generate, run_job_phase
     from batchllm.bench.workload import write_openai_chat
@@ -228,31 +292,34 @@ def _in_process(config: BenchConfig, engines, spec, settings, workdir: Path, mod
     engine = engines.engine
     workload = config.workload
     raw = Contender("vllm_generate", "raw vLLM: one generate call")
-    batches = {size: Contender(f"vllm_batches_{size}", f"vLLM: fixed batches of {size}")
-               for size in config.batch_sizes}
+    batches = {
+        size: Contender(f"vllm_batches_{size}", f"vLLM: fixed batches of {size}")
+        for size in config.batch_sizes
+    }
     job = Contender("batchllm_engine", "batchllm: job engine phase")
 
     def generate(batch: int | None):
         def go(variant: int):
             return run_generate(engine, Prompts(engine, workload, variant), batch)
+
         return go
 
     def run_job(variant: int):
-        source = write_openai_chat(workdir / f"job-{variant}.jsonl", workload, variant,
-                                   model=model)
+        source = write_openai_chat(workdir / f"job-{variant}.jsonl", workload, variant, model=model)
         try:
             return run_job_phase(engines, spec, source, settings)
         finally:
             source.unlink()
 
-    order = [(raw, generate(None)), *((c, generate(s)) for s, c in batches.items()),
-             (job, run_job)]
+    order = [(raw, generate(None)), *((c, generate(s)) for s, c in batches.items()), (job, run_job)]
     for repeat in range(config.repeats):
         for contender, go in order:
             run = go(next(variants))
             contender.runs.append(run)
-            say(f"[engine] {contender.label}, repeat {repeat + 1}/{config.repeats}: "
-                f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)")
+            say(
+                f"[engine] {contender.label}, repeat {repeat + 1}/{config.repeats}: "
+                f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)"
+            )
     return {contender.key: contender for contender, _ in order}
 
 
@@ -262,11 +329,18 @@ def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[
     sizes = []
     for lines in config.overhead_lines:
         say(f"[overhead] {lines:,} lines on the instant engine")
-        figures = run_size(lines, workdir, model=model, prompt_words=config.prompt_words,
-                           output_tokens=config.output_tokens)
-        say(f"[overhead] {lines:,} lines: {figures['own_rows_per_s']:,.0f} rows/s own work, "
+        figures = run_size(
+            lines,
+            workdir,
+            model=model,
+            prompt_words=config.prompt_words,
+            output_tokens=config.output_tokens,
+        )
+        say(
+            f"[overhead] {lines:,} lines: {figures['own_rows_per_s']:,.0f} rows/s own work, "
             f"{figures['rows_per_s']:,.0f} with tokenization and sizing, peak RSS "
-            f"{figures['peak_rss_bytes'] / 2**20:,.0f} MiB")
+            f"{figures['peak_rss_bytes'] / 2**20:,.0f} MiB"
+        )
         sizes.append(figures)
     return {"sizes": sizes}
 
@@ -275,10 +349,15 @@ def _config_dict(config: BenchConfig, model: str) -> dict[str, Any]:
     from batchllm import __version__
 
     data = asdict(config)
-    data.update(output=str(config.output), model=model, batchllm_version=__version__,
-                python=platform.python_version(), machine=platform.machine(),
-                cpu_count=os.cpu_count(),
-                kv_cache_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+    data.update(
+        output=str(config.output),
+        model=model,
+        batchllm_version=__version__,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        cpu_count=os.cpu_count(),
+        kv_cache_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+    )
     return data
 
 

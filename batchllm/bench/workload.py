@@ -54,10 +54,15 @@ class Request:
 
     def row(self, line: int) -> InputRow:
         """The stored input row batchllm's engine path sees for this request."""
-        return InputRow(line=line, custom_id=self.custom_id, kind="chat",
-                        messages=json.dumps(self.messages),
-                        sampling=json.dumps({"max_tokens": self.max_tokens, "ignore_eos": True,
-                                             "temperature": TEMPERATURE}))
+        return InputRow(
+            line=line,
+            custom_id=self.custom_id,
+            kind="chat",
+            messages=json.dumps(self.messages),
+            sampling=json.dumps(
+                {"max_tokens": self.max_tokens, "ignore_eos": True, "temperature": TEMPERATURE}
+            ),
+        )
 
 
 def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
@@ -79,11 +84,24 @@ def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: st
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for request in iter_requests(workload, variant):
-            body = {"model": model, "messages": request.messages,
-                    "max_tokens": request.max_tokens, "temperature": TEMPERATURE,
-                    "ignore_eos": True}
-            out.write(json.dumps({"custom_id": request.custom_id, "method": "POST",
-                                  "url": "/v1/chat/completions", "body": body}) + "\n")
+            body = {
+                "model": model,
+                "messages": request.messages,
+                "max_tokens": request.max_tokens,
+                "temperature": TEMPERATURE,
+                "ignore_eos": True,
+            }
+            out.write(
+                json.dumps(
+                    {
+                        "custom_id": request.custom_id,
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": body,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

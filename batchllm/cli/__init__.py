@@ -60,8 +60,11 @@ def cli(verbose: int) -> None:
     level = logging.WARNING - 10 * verbose
     # vLLM logs every engine detail at INFO to stdout; keep it quiet unless asked (-v).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(max(level, logging.DEBUG)))
-    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.DEBUG),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def main() -> None:

@@ -47,7 +47,6 @@ class _Numbers(click.ParamType):
         return numbers
 
 
-
 def _span(span: tuple[int, int]) -> str:
     return f"{span[0]}-{span[1]}"
 
@@ -55,52 +54,130 @@ def _span(span: tuple[int, int]) -> str:
 def _numbers(numbers: tuple[int, ...]) -> str:
     return ",".join(str(n) for n in numbers)
 
+
 @cli.command()
-@click.option("--output", "-o", type=click.Path(path_type=Path), default=Path("batchllm-bench"),
-              show_default=True, help="Directory for bench.json, bench.png and the run's logs.")
-@click.option("--model", "-m", default=None,
-              help="Model path or name [default: the tiny demo model, built in OUTPUT/model].")
-@click.option("--requests", "-n", type=click.IntRange(min=1), default=BenchConfig.requests,
-              show_default=True,
-              help="Requests in the workload every contender runs.")
-@click.option("--prompt-words", type=_Range(), default=_span(BenchConfig.prompt_words), show_default=True,
-              help="Words per prompt, drawn per request.")
-@click.option("--output-tokens", type=_Range(), default=_span(BenchConfig.output_tokens), show_default=True,
-              help="Tokens generated per request (ignore_eos), drawn per request, or fixed.")
-@click.option("--output-shape", type=click.Choice(OUTPUT_SHAPES),
-              default=BenchConfig.output_shape, show_default=True,
-              help="How output lengths spread over the range: log-uniform is long-tailed, like "
-                   "real chat answers.")
-@click.option("--repeats", type=click.IntRange(min=1), default=BenchConfig.repeats, show_default=True,
-              help="Timed repeats of each in-process contender (median and spread).")
-@click.option("--process-repeats", type=click.IntRange(min=1),
-              default=BenchConfig.process_repeats, show_default=True,
-              help="Repeats of the end-to-end contenders (each starts its own engine).")
-@click.option("--batch-sizes", type=_Numbers(), default=_numbers(BenchConfig.batch_sizes), show_default=True,
-              help="Fixed batch sizes of the `generate`-per-batch contenders.")
-@click.option("--parts", type=click.Choice(PARTS), multiple=True,
-              help="Run only these parts (repeatable) [default: all].")
-@click.option("--skip", type=click.Choice(PARTS), multiple=True,
-              help="Leave these parts out (repeatable).")
-@click.option("--prefix-requests", type=click.IntRange(min=1),
-              default=BenchConfig.prefix_requests, show_default=True,
-              help="Requests in the prefix-grouping workload.")
-@click.option("--prefix-system-prompts", type=click.IntRange(min=1),
-              default=BenchConfig.prefix_system_prompts, show_default=True,
-              help="Distinct shared system prompts (of 250 words) in the prefix workload.")
-@click.option("--prefix-kv-cache-mib", type=click.IntRange(min=1), default=None,
-              help="Run the prefix part on its own engine with this KV cache, small enough that "
-                   "not every prefix stays cached (as on a busy GPU) [default: the shared "
-                   "engine's].")
-@click.option("--overhead-lines", type=_Numbers(),
-              default=_numbers(BenchConfig.overhead_lines), show_default=True,
-              help="File sizes for the overhead part, e.g. 100000,1000000.")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=Path("batchllm-bench"),
+    show_default=True,
+    help="Directory for bench.json, bench.png and the run's logs.",
+)
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Model path or name [default: the tiny demo model, built in OUTPUT/model].",
+)
+@click.option(
+    "--requests",
+    "-n",
+    type=click.IntRange(min=1),
+    default=BenchConfig.requests,
+    show_default=True,
+    help="Requests in the workload every contender runs.",
+)
+@click.option(
+    "--prompt-words",
+    type=_Range(),
+    default=_span(BenchConfig.prompt_words),
+    show_default=True,
+    help="Words per prompt, drawn per request.",
+)
+@click.option(
+    "--output-tokens",
+    type=_Range(),
+    default=_span(BenchConfig.output_tokens),
+    show_default=True,
+    help="Tokens generated per request (ignore_eos), drawn per request, or fixed.",
+)
+@click.option(
+    "--output-shape",
+    type=click.Choice(OUTPUT_SHAPES),
+    default=BenchConfig.output_shape,
+    show_default=True,
+    help="How output lengths spread over the range: log-uniform is long-tailed, like "
+    "real chat answers.",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=BenchConfig.repeats,
+    show_default=True,
+    help="Timed repeats of each in-process contender (median and spread).",
+)
+@click.option(
+    "--process-repeats",
+    type=click.IntRange(min=1),
+    default=BenchConfig.process_repeats,
+    show_default=True,
+    help="Repeats of the end-to-end contenders (each starts its own engine).",
+)
+@click.option(
+    "--batch-sizes",
+    type=_Numbers(),
+    default=_numbers(BenchConfig.batch_sizes),
+    show_default=True,
+    help="Fixed batch sizes of the `generate`-per-batch contenders.",
+)
+@click.option(
+    "--parts",
+    type=click.Choice(PARTS),
+    multiple=True,
+    help="Run only these parts (repeatable) [default: all].",
+)
+@click.option(
+    "--skip", type=click.Choice(PARTS), multiple=True, help="Leave these parts out (repeatable)."
+)
+@click.option(
+    "--prefix-requests",
+    type=click.IntRange(min=1),
+    default=BenchConfig.prefix_requests,
+    show_default=True,
+    help="Requests in the prefix-grouping workload.",
+)
+@click.option(
+    "--prefix-system-prompts",
+    type=click.IntRange(min=1),
+    default=BenchConfig.prefix_system_prompts,
+    show_default=True,
+    help="Distinct shared system prompts (of 250 words) in the prefix workload.",
+)
+@click.option(
+    "--prefix-kv-cache-mib",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run the prefix part on its own engine with this KV cache, small enough that "
+    "not every prefix stays cached (as on a busy GPU) [default: the shared "
+    "engine's].",
+)
+@click.option(
+    "--overhead-lines",
+    type=_Numbers(),
+    default=_numbers(BenchConfig.overhead_lines),
+    show_default=True,
+    help="File sizes for the overhead part, e.g. 100000,1000000.",
+)
 @click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
-def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[int, int],
-          output_tokens: tuple[int, int], output_shape: str, repeats: int, process_repeats: int,
-          batch_sizes: tuple[int, ...], parts: tuple[str, ...], skip: tuple[str, ...],
-          prefix_requests: int, prefix_system_prompts: int, prefix_kv_cache_mib: int | None,
-          overhead_lines: tuple[int, ...], seed: int) -> None:
+def bench(
+    output: Path,
+    model: str | None,
+    requests: int,
+    prompt_words: tuple[int, int],
+    output_tokens: tuple[int, int],
+    output_shape: str,
+    repeats: int,
+    process_repeats: int,
+    batch_sizes: tuple[int, ...],
+    parts: tuple[str, ...],
+    skip: tuple[str, ...],
+    prefix_requests: int,
+    prefix_system_prompts: int,
+    prefix_kv_cache_mib: int | None,
+    overhead_lines: tuple[int, ...],
+    seed: int,
+) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
     generated workload, in one run; print the table, write OUTPUT/bench.json and bench.png.
 
@@ -118,14 +195,23 @@ def bench(output: Path, model: str | None, requests: int, prompt_words: tuple[in
     chosen = tuple(p for p in (parts or PARTS) if p not in skip)
     if not chosen:
         raise click.BadParameter("every part is skipped", param_hint="--skip")
-    config = BenchConfig(output=output, model=model, requests=requests,
-                         prompt_words=prompt_words, output_tokens=output_tokens,
-                         output_shape=output_shape,
-                         repeats=repeats, process_repeats=process_repeats,
-                         batch_sizes=batch_sizes, parts=chosen, prefix_requests=prefix_requests,
-                         prefix_system_prompts=prefix_system_prompts,
-                         prefix_kv_cache_mib=prefix_kv_cache_mib,
-                         overhead_lines=overhead_lines, seed=seed)
+    config = BenchConfig(
+        output=output,
+        model=model,
+        requests=requests,
+        prompt_words=prompt_words,
+        output_tokens=output_tokens,
+        output_shape=output_shape,
+        repeats=repeats,
+        process_repeats=process_repeats,
+        batch_sizes=batch_sizes,
+        parts=chosen,
+        prefix_requests=prefix_requests,
+        prefix_system_prompts=prefix_system_prompts,
+        prefix_kv_cache_mib=prefix_kv_cache_mib,
+        overhead_lines=overhead_lines,
+        seed=seed,
+    )
     result = run_bench(config, say=lambda line: click.echo(line, err=True))
     data, chart = write_results(result, output)
     click.echo(summary_text(result))

@@ -17,8 +17,12 @@ from batchllm.cli.options import input_file, job_options, require_requests, spec
 @cli.command()
 @input_file
 @job_options
-@click.option("--shard-size", type=click.IntRange(min=1), default=None,
-              help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].")
+@click.option(
+    "--shard-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
+)
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
 def submit(file: Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
     """Validate FILE, queue it for the worker fleet and print the job id.
@@ -86,16 +90,32 @@ def cancel(job_id: str) -> None:
 
 
 @cli.command()
-@click.option("--model", "-m", "models", multiple=True,
-              help="Serve this model (repeatable): consume its queue.")
+@click.option(
+    "--model",
+    "-m",
+    "models",
+    multiple=True,
+    help="Serve this model (repeatable): consume its queue.",
+)
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
-@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes, one engine each (one per GPU: process i sees GPU i).")
-@click.option("--name", "-n", default=None,
-              help="Worker name, unique in the fleet [default: batchllm-PID@host].")
+@click.option(
+    "--concurrency",
+    "-c",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes, one engine each (one per GPU: process i sees GPU i).",
+)
+@click.option(
+    "--name",
+    "-n",
+    default=None,
+    help="Worker name, unique in the fleet [default: batchllm-PID@host].",
+)
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
-def worker(models: tuple[str, ...], queues: str | None, concurrency: int, name: str | None,
-           loglevel: str) -> None:
+def worker(
+    models: tuple[str, ...], queues: str | None, concurrency: int, name: str | None, loglevel: str
+) -> None:
     """Start a Celery worker that runs shards through vLLM (broker: BATCHLLM_BROKER_URL).
 
     Each process uses Celery's solo pool: vLLM starts its engine in a child process, which
@@ -117,9 +137,20 @@ def worker(models: tuple[str, ...], queues: str | None, concurrency: int, name: 
 
     app = create_app()
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
-    app.worker_main(["worker", "--pool=solo", "--concurrency=1", "-Q", ",".join(names),
-                     "-n", node, f"--loglevel={loglevel}", "--without-gossip",
-                     "--without-mingle"])
+    app.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            "-Q",
+            ",".join(names),
+            "-n",
+            node,
+            f"--loglevel={loglevel}",
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
 
 
 def _supervise(count: int, models, queues, name, loglevel) -> None:
@@ -162,6 +193,8 @@ def reconcile(loop: bool) -> None:
         reconcile_forever(send, threading.Event())
         return
     done = reconcile_once(send)
-    click.echo(f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
-               f"{len(done.resent_lost)} lost task(s), cancelled {len(done.cancelled_jobs)} "
-               f"job(s), finalized {len(done.finalized_jobs)} job(s)")
+    click.echo(
+        f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
+        f"{len(done.resent_lost)} lost task(s), cancelled {len(done.cancelled_jobs)} "
+        f"job(s), finalized {len(done.finalized_jobs)} job(s)"
+    )

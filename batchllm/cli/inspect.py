@@ -29,14 +29,27 @@ def status(job_id: str, as_json: bool) -> None:
             return
         echo_job(job)
     if len(data["shards"]) > 1 or any(s["attempts"] > 1 for s in data["shards"]):
-        rows = [[str(s["index"]), s["status"], f"{s['ok'] + s['failed']:,}/{s['rows']:,}",
-                 str(s["attempts"]), s["worker"] or "-"] for s in data["shards"]]
+        rows = [
+            [
+                str(s["index"]),
+                s["status"],
+                f"{s['ok'] + s['failed']:,}/{s['rows']:,}",
+                str(s["attempts"]),
+                s["worker"] or "-",
+            ]
+            for s in data["shards"]
+        ]
         click.echo(table(["shard", "status", "done", "attempts", "worker"], rows))
 
 
 @cli.command()
-@click.option("--status", "status_filter", type=click.Choice(_STATUSES), default=None,
-              help="Only jobs in this state.")
+@click.option(
+    "--status",
+    "status_filter",
+    type=click.Choice(_STATUSES),
+    default=None,
+    help="Only jobs in this state.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
 def jobs(status_filter: str | None, limit: int) -> None:
     """List recent jobs with their throughput."""
@@ -45,23 +58,38 @@ def jobs(status_filter: str | None, limit: int) -> None:
     from batchllm.jobs.db import session_scope
 
     with session_scope() as session:
-        found = service.list_jobs(session, status=JobStatus(status_filter) if status_filter
-                                  else None, limit=limit)
-        rows = [[j.id, j.status.value, j.created_at.strftime("%Y-%m-%d %H:%M"),
-                 f"{j.request_completed + j.request_failed:,}/{j.request_total:,}",
-                 f"{j.request_failed:,}", fmt(j.output_tokens_per_s), fmt(j.wall_seconds),
-                 j.model[-30:]] for j in found]
+        found = service.list_jobs(
+            session, status=JobStatus(status_filter) if status_filter else None, limit=limit
+        )
+        rows = [
+            [
+                j.id,
+                j.status.value,
+                j.created_at.strftime("%Y-%m-%d %H:%M"),
+                f"{j.request_completed + j.request_failed:,}/{j.request_total:,}",
+                f"{j.request_failed:,}",
+                fmt(j.output_tokens_per_s),
+                fmt(j.wall_seconds),
+                j.model[-30:],
+            ]
+            for j in found
+        ]
     if not rows:
         click.echo("no jobs")
         return
-    click.echo(table(["job", "status", "created", "done", "errors", "out tok/s", "wall s",
-                      "model"], rows))
+    click.echo(
+        table(["job", "status", "created", "done", "errors", "out tok/s", "wall s", "model"], rows)
+    )
 
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--head", type=click.IntRange(min=1), default=None,
-              help="Print the first N rows (in line order) instead of the location.")
+@click.option(
+    "--head",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Print the first N rows (in line order) instead of the location.",
+)
 def results(job_id: str, head: int | None) -> None:
     """Print where a job's Parquet results are, or show its first rows. Rows committed so
     far are readable while the job still runs."""
@@ -83,6 +111,13 @@ def results(job_id: str, head: int | None) -> None:
     for row in table.to_pylist():
         shown = row["text"] if row["status"] == "ok" else row["error"]
         shown = (shown or "").replace("\n", " ")
-        rows.append([str(row["line"]), row["custom_id"][:24], row["status"],
-                     str(row["completion_tokens"] or 0), shown[:60]])
+        rows.append(
+            [
+                str(row["line"]),
+                row["custom_id"][:24],
+                row["status"],
+                str(row["completion_tokens"] or 0),
+                shown[:60],
+            ]
+        )
     click.echo(render_table(["line", "custom_id", "status", "tokens", "text / error"], rows))

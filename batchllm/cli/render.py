@@ -9,9 +9,17 @@ import click
 
 from batchllm.jobs.models import Job
 
-THROUGHPUT_FIELDS = ("prompt_tokens", "completion_tokens", "engine_seconds", "wall_seconds",
-                     "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "hardware",
-                     "vllm_version")
+THROUGHPUT_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "engine_seconds",
+    "wall_seconds",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "hardware",
+    "vllm_version",
+)
 
 
 def _iso(value) -> str | None:
@@ -25,10 +33,14 @@ def job_dict(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "model": job.model,
         "input_file": job.input_file,
         "output_dir": job.output_dir,
-        "request_counts": {"total": job.request_total, "completed": job.request_completed,
-                           "failed": job.request_failed},
+        "request_counts": {
+            "total": job.request_total,
+            "completed": job.request_completed,
+            "failed": job.request_failed,
+        },
         "progress": (job.request_completed + job.request_failed) / job.request_total
-        if job.request_total else 0.0,
+        if job.request_total
+        else 0.0,
         "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
         "throughput_so_far": live_throughput(job),
         "max_model_len": job.max_model_len,
@@ -40,11 +52,20 @@ def job_dict(job: Job, *, shards: bool = False) -> dict[str, Any]:
     }
     if shards:
         data["shards"] = [
-            {"index": s.index, "status": s.status.value, "rows": s.rows, "ok": s.rows_ok,
-             "failed": s.rows_failed, "completion_tokens": s.completion_tokens,
-             "engine_seconds": s.engine_seconds, "attempts": s.attempts, "worker": s.worker,
-             "error": s.error}
-            for s in job.shards]
+            {
+                "index": s.index,
+                "status": s.status.value,
+                "rows": s.rows,
+                "ok": s.rows_ok,
+                "failed": s.rows_failed,
+                "completion_tokens": s.completion_tokens,
+                "engine_seconds": s.engine_seconds,
+                "attempts": s.attempts,
+                "worker": s.worker,
+                "error": s.error,
+            }
+            for s in job.shards
+        ]
     return data
 
 
@@ -53,11 +74,16 @@ def live_throughput(job: Job) -> dict[str, float] | None:
     if job.status.is_final or job.started_at is None:
         return None
     now = datetime.now(timezone.utc)
-    started = job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+    started = (
+        job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
+    )
     elapsed = max((now - started).total_seconds(), 1e-9)
     done = job.request_completed + job.request_failed
-    return {"elapsed_seconds": elapsed, "requests_per_s": done / elapsed,
-            "output_tokens_per_s": job.completion_tokens / elapsed}
+    return {
+        "elapsed_seconds": elapsed,
+        "requests_per_s": done / elapsed,
+        "output_tokens_per_s": job.completion_tokens / elapsed,
+    }
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -69,19 +95,27 @@ def echo_job(job: Job) -> None:
     click.echo(f"job        {job.id}")
     click.echo(f"status     {job.status.value}")
     click.echo(f"model      {job.model}")
-    click.echo(f"requests   {done:,}/{job.request_total:,} done: {job.request_completed:,} ok, "
-               f"{job.request_failed:,} error")
+    click.echo(
+        f"requests   {done:,}/{job.request_total:,} done: {job.request_completed:,} ok, "
+        f"{job.request_failed:,} error"
+    )
     click.echo(f"output     {job.output_dir}")
     live = live_throughput(job)
     if live:
-        click.echo(f"so far     {live['requests_per_s']:,.2f} req/s, "
-                   f"{live['output_tokens_per_s']:,.1f} output tok/s over "
-                   f"{live['elapsed_seconds']:,.0f} s")
-    click.echo(f"throughput {fmt(job.requests_per_s, 2)} req/s, "
-               f"{fmt(job.output_tokens_per_s)} output tok/s, "
-               f"{fmt(job.total_tokens_per_s)} total tok/s")
-    click.echo(f"tokens     {job.prompt_tokens:,} prompt, {job.completion_tokens:,} completion; "
-               f"engine {fmt(job.engine_seconds)} s, wall {fmt(job.wall_seconds)} s")
+        click.echo(
+            f"so far     {live['requests_per_s']:,.2f} req/s, "
+            f"{live['output_tokens_per_s']:,.1f} output tok/s over "
+            f"{live['elapsed_seconds']:,.0f} s"
+        )
+    click.echo(
+        f"throughput {fmt(job.requests_per_s, 2)} req/s, "
+        f"{fmt(job.output_tokens_per_s)} output tok/s, "
+        f"{fmt(job.total_tokens_per_s)} total tok/s"
+    )
+    click.echo(
+        f"tokens     {job.prompt_tokens:,} prompt, {job.completion_tokens:,} completion; "
+        f"engine {fmt(job.engine_seconds)} s, wall {fmt(job.wall_seconds)} s"
+    )
     if job.hardware:
         click.echo(f"hardware   {job.hardware}, vLLM {job.vllm_version}")
     if job.error:
@@ -89,8 +123,9 @@ def echo_job(job: Job) -> None:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)

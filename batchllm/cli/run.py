@@ -19,8 +19,13 @@ from batchllm.cli.options import (
 @cli.command()
 @input_file
 @job_options
-@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-              help="Also copy the finished Parquet dataset into this new or empty directory.")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also copy the finished Parquet dataset into this new or empty directory.",
+)
 def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     """Run the prompts in FILE (JSONL) to the end in this process and print where the results
     are. Exit code 0 when the job completed, also when some lines became error rows.
@@ -42,12 +47,18 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     progress: list[Progress] = []
 
     def created(job) -> None:
-        click.echo(f"job {job.id}: {job.request_total:,} requests, loading {spec.model} ...",
-                   err=True)
+        click.echo(
+            f"job {job.id}: {job.request_total:,} requests, loading {spec.model} ...", err=True
+        )
         progress.append(Progress(job.request_total))
 
-    job = run_job(file, spec, strict=strict, on_created=created,
-                  on_progress=lambda rows, tokens: progress[0].advance(rows, tokens))
+    job = run_job(
+        file,
+        spec,
+        strict=strict,
+        on_created=created,
+        on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
+    )
     if progress:
         progress[0].close()
     if output is not None and job.status is JobStatus.COMPLETED:
@@ -66,8 +77,10 @@ def _require_usable_output(output: Path) -> None:
     if output.exists() and not output.is_dir():
         raise click.ClickException(f"--output {output}: exists and is not a directory")
     if output.is_dir() and any(output.iterdir()):
-        raise click.ClickException(f"--output {output}: the directory is not empty (the job's "
-                                   "dataset would mix with its files); give a new or empty one")
+        raise click.ClickException(
+            f"--output {output}: the directory is not empty (the job's "
+            "dataset would mix with its files); give a new or empty one"
+        )
     parent = next(p for p in output.absolute().parents if p.exists())
     if not parent.is_dir():
         raise click.ClickException(f"--output {output}: {parent} is not a directory")

@@ -40,8 +40,9 @@ def register() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
-    threading.Thread(target=_watch, args=(parent,), name="batchllm-parent-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch, args=(parent,), name="batchllm-parent-watch", daemon=True
+    ).start()
 
 
 def _watch(parent: int) -> None:

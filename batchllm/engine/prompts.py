@@ -17,8 +17,11 @@ Encode = Callable[[list[str], bool], list[list[int]]]
 
 def render(tokenizer: Any, row: InputRow) -> str:
     if row.kind == "chat":
-        return str(tokenizer.apply_chat_template(row.chat_messages(), tokenize=False,
-                                                 add_generation_prompt=True))
+        return str(
+            tokenizer.apply_chat_template(
+                row.chat_messages(), tokenize=False, add_generation_prompt=True
+            )
+        )
     return str(row.prompt)
 
 
@@ -32,17 +35,23 @@ def batch_encoder(tokenizer: Any) -> Encode:
     state, so both paths give equal ids.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if (backend is not None and hasattr(backend, "encode_batch_fast")
-            and backend.truncation is None and backend.padding is None
-            and getattr(backend, "encode_special_tokens", False)
-            == bool(getattr(tokenizer, "split_special_tokens", False))):
+    if (
+        backend is not None
+        and hasattr(backend, "encode_batch_fast")
+        and backend.truncation is None
+        and backend.padding is None
+        and getattr(backend, "encode_special_tokens", False)
+        == bool(getattr(tokenizer, "split_special_tokens", False))
+    ):
         return lambda texts, special: [
-            e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
+            e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)
+        ]
     return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
-def prepare_prompts(tokenizer: Any, rows: list[InputRow],
-                    max_model_len: int | None) -> list[list[int] | str]:
+def prepare_prompts(
+    tokenizer: Any, rows: list[InputRow], max_model_len: int | None
+) -> list[list[int] | str]:
     """For each row: its prompt token ids, or an error message (row stays in place)."""
     results: list[list[int] | str] = [""] * len(rows)
     groups: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
@@ -62,8 +71,10 @@ def prepare_prompts(tokenizer: Any, rows: list[InputRow],
     if max_model_len is not None:
         for i, prepared in enumerate(results):
             if isinstance(prepared, list) and len(prepared) >= max_model_len:
-                results[i] = (f"prompt is {len(prepared)} tokens; the engine's max_model_len is "
-                              f"{max_model_len} (prompt plus at least one output token must fit)")
+                results[i] = (
+                    f"prompt is {len(prepared)} tokens; the engine's max_model_len is "
+                    f"{max_model_len} (prompt plus at least one output token must fit)"
+                )
             elif isinstance(prepared, list) and not prepared:
                 results[i] = "prompt is empty after tokenization"
     return results

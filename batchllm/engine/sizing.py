@@ -55,6 +55,10 @@ def size_max_model_len(model: str, rows: Iterable[InputRow], defaults: SamplingD
             batch = []
     longest = max(longest, flush())
     sized = min(limit, -(-longest // _ROUND) * _ROUND)
-    log.info("max_model_len sized to %d (longest request %d tokens, model limit %d)",
-             sized, longest, limit)
+    log.info(
+        "max_model_len sized to %d (longest request %d tokens, model limit %d)",
+        sized,
+        longest,
+        limit,
+    )
     return sized

@@ -26,8 +26,19 @@ from batchllm.jobs.schemas import EngineOptions
 log = logging.getLogger(__name__)
 
 # LLMEngine.add_request takes these SamplingParams fields by the same names as our overrides.
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+)
 
 
 def import_vllm() -> Any:
@@ -36,7 +47,8 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise EngineUnavailable(
             "vLLM is not installed: `pip install 'batchllm[gpu]'` on a CUDA machine or "
-            f"`pip install 'batchllm[cpu]'` elsewhere ({exc})") from exc
+            f"`pip install 'batchllm[cpu]'` elsewhere ({exc})"
+        ) from exc
     return vllm
 
 
@@ -68,8 +80,10 @@ def resolve_dtype(requested: str, *, is_cpu: bool) -> str:
 
     if torch.cpu._is_avx512_bf16_supported():
         return requested
-    log.info("this CPU has no native bfloat16 (AVX512-BF16/AMX): running the model in float32 "
-             "(pass --dtype to choose)")
+    log.info(
+        "this CPU has no native bfloat16 (AVX512-BF16/AMX): running the model in float32 "
+        "(pass --dtype to choose)"
+    )
     return "float32"
 
 
@@ -95,8 +109,11 @@ class VllmEngine:
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.is_cpu = current_platform.is_cpu()
         self.version = vllm.__version__
-        self.hardware = (f"CPU ({platform.machine()}, {os.cpu_count()} cores)" if self.is_cpu
-                         else current_platform.get_device_name())
+        self.hardware = (
+            f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+            if self.is_cpu
+            else current_platform.get_device_name()
+        )
         kwargs: dict[str, Any] = {
             "model": model,
             "dtype": resolve_dtype(options.dtype, is_cpu=self.is_cpu),
@@ -106,8 +123,13 @@ class VllmEngine:
         }
         if not self.is_cpu:  # the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
-        for name in ("max_num_seqs", "max_num_batched_tokens", "quantization",
-                     "enable_prefix_caching", "kv_cache_memory_bytes"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "quantization",
+            "enable_prefix_caching",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(options, name)
             if value is not None:
                 kwargs[name] = value
@@ -200,10 +222,15 @@ class VllmEngine:
             if not out.finished:
                 continue
             completion = out.outputs[0]
-            done.append(Finished(request_id=out.request_id, text=completion.text,
-                                 finish_reason=completion.finish_reason,
-                                 prompt_tokens=len(out.prompt_token_ids or ()),
-                                 completion_tokens=len(completion.token_ids)))
+            done.append(
+                Finished(
+                    request_id=out.request_id,
+                    text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    prompt_tokens=len(out.prompt_token_ids or ()),
+                    completion_tokens=len(completion.token_ids),
+                )
+            )
         return done
 
     def has_unfinished(self) -> bool:

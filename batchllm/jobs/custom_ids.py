@@ -45,8 +45,7 @@ def _default_shaped_ids(lines: Iterable[Line]) -> Iterator[str]:
         # Only a line holding `line-`, literally or with some of it as \u escapes of ASCII
         # characters, can give such an id; the byte test spares decoding every other line a
         # second time (escaped non-ASCII text, \u0080 and up, does not count).
-        if line.raw is None or (b"line-" not in line.raw
-                                and not _ASCII_ESCAPE.search(line.raw)):
+        if line.raw is None or (b"line-" not in line.raw and not _ASCII_ESCAPE.search(line.raw)):
             continue
         try:
             found = given_id(json.loads(line.raw.decode("utf-8")))
@@ -68,7 +67,8 @@ class CustomIds:
         self._db.execute("PRAGMA synchronous=OFF")
         self._db.execute("CREATE TABLE given (custom_id TEXT PRIMARY KEY) WITHOUT ROWID")
         self._db.execute(
-            "CREATE TABLE seen (custom_id TEXT PRIMARY KEY, line INTEGER) WITHOUT ROWID")
+            "CREATE TABLE seen (custom_id TEXT PRIMARY KEY, line INTEGER) WITHOUT ROWID"
+        )
         self._any_given = False
 
     def collect_given(self, lines: Iterable[Line]) -> None:
@@ -91,8 +91,12 @@ class CustomIds:
         chosen = {line: default_custom_id(line) for line in lines}
         if not self._any_given:
             return chosen
-        taken = {row[0] for row in self._rows(
-            "SELECT custom_id FROM given WHERE custom_id IN ({})", list(chosen.values()))}
+        taken = {
+            row[0]
+            for row in self._rows(
+                "SELECT custom_id FROM given WHERE custom_id IN ({})", list(chosen.values())
+            )
+        }
         for line, custom_id in chosen.items():
             if custom_id in taken:
                 chosen[line] = self._free_default(line)
@@ -100,8 +104,9 @@ class CustomIds:
 
     def _free_default(self, line: int) -> str:
         suffix = 2
-        while self._db.execute("SELECT 1 FROM given WHERE custom_id = ?",
-                               (f"line-{line}-{suffix}",)).fetchone():
+        while self._db.execute(
+            "SELECT 1 FROM given WHERE custom_id = ?", (f"line-{line}-{suffix}",)
+        ).fetchone():
             suffix += 1
         return f"line-{line}-{suffix}"
 

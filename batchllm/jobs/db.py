@@ -83,7 +83,8 @@ def get_engine(settings: Settings | None = None) -> Engine:
             if not _is_current(engine):
                 raise BatchLLMError(
                     f"the database at {engine.url.render_as_string(hide_password=True)} is not "
-                    "at the newest schema: run `batchllm db upgrade`")
+                    "at the newest schema: run `batchllm db upgrade`"
+                )
         _engines[url] = engine
         return engine
 

@@ -104,8 +104,9 @@ def readable_input(source: str | Path) -> Path:
     return source
 
 
-def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size: int,
-                strict: bool = False) -> StoredInput:
+def store_input(
+    source: str | Path, storage: Storage, job_id: str, *, shard_size: int, strict: bool = False
+) -> StoredInput:
     """Validate `source` line by line and store it as Parquet shards of `shard_size` rows.
 
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
@@ -137,7 +138,8 @@ def store_input(source: str | Path, storage: Storage, job_id: str, *, shard_size
         tail = f"\n  ... and {more} more" if more > 0 else ""
         raise InputError(
             f"{source}: {result.invalid} of {result.total} lines are invalid; "
-            f"--strict refuses the file:\n{listing}{tail}")
+            f"--strict refuses the file:\n{listing}{tail}"
+        )
     return result
 
 

@@ -18,8 +18,9 @@ from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 
-def claim_shard(session: Session, shard_id: int, worker: str,
-                lease_seconds: float = 120.0) -> Shard | None:
+def claim_shard(
+    session: Session, shard_id: int, worker: str, lease_seconds: float = 120.0
+) -> Shard | None:
     """Mark a shard running for this worker; None when it must not run (done, or cancelled).
 
     A shard already `running` is claimable again when its heartbeat is older than the lease:
@@ -37,29 +38,53 @@ def claim_shard(session: Session, shard_id: int, worker: str,
         heartbeat_at = shard.heartbeat_at
         if heartbeat_at is not None and heartbeat_at.tzinfo is None:  # SQLite: naive UTC
             heartbeat_at = heartbeat_at.replace(tzinfo=now.tzinfo)
-        alive = (shard.status is ShardStatus.RUNNING and shard.worker != worker
-                 and heartbeat_at is not None and heartbeat_at >= stale)
+        alive = (
+            shard.status is ShardStatus.RUNNING
+            and shard.worker != worker
+            and heartbeat_at is not None
+            and heartbeat_at >= stale
+        )
         if not alive:  # a live worker ends its own run (keeping its finished rows) instead
             end_shard(session, shard.id, ShardStatus.CANCELLED)
         return None
-    claimed = changed(session,
-        update(Shard).where(Shard.id == shard_id, or_(
-            Shard.status == ShardStatus.QUEUED,
-            and_(Shard.status == ShardStatus.RUNNING,
-                 or_(Shard.heartbeat_at.is_(None), Shard.heartbeat_at < stale,
-                     Shard.worker == worker))))
-        .values(status=ShardStatus.RUNNING, worker=worker, attempts=Shard.attempts + 1,
-                heartbeat_at=now, started_at=func.coalesce(Shard.started_at, now))
+    claimed = changed(
+        session,
+        update(Shard)
+        .where(
+            Shard.id == shard_id,
+            or_(
+                Shard.status == ShardStatus.QUEUED,
+                and_(
+                    Shard.status == ShardStatus.RUNNING,
+                    or_(
+                        Shard.heartbeat_at.is_(None),
+                        Shard.heartbeat_at < stale,
+                        Shard.worker == worker,
+                    ),
+                ),
+            ),
+        )
+        .values(
+            status=ShardStatus.RUNNING,
+            worker=worker,
+            attempts=Shard.attempts + 1,
+            heartbeat_at=now,
+            started_at=func.coalesce(Shard.started_at, now),
+        )
         # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
         # Python, and the shard is refreshed below anyway.
-        .execution_options(synchronize_session=False))
+        .execution_options(synchronize_session=False),
+    )
     if not claimed:
         session.refresh(shard)
         if shard.status == ShardStatus.RUNNING:
             raise ShardBusy(f"shard {shard.index} of {shard.job_id} is running on {shard.worker}")
         return None
-    session.execute(update(Job).where(Job.id == shard.job_id, Job.status == JobStatus.QUEUED)
-                    .values(status=JobStatus.IN_PROGRESS))
+    session.execute(
+        update(Job)
+        .where(Job.id == shard.job_id, Job.status == JobStatus.QUEUED)
+        .values(status=JobStatus.IN_PROGRESS)
+    )
     session.refresh(shard)
     return shard
 
@@ -70,19 +95,31 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
     lost = set()
     now = utcnow()
     for shard_id, attempt in owned.items():
-        if not changed(session, update(Shard).where(
-                Shard.id == shard_id, Shard.attempts == attempt,
-                Shard.status == ShardStatus.RUNNING).values(heartbeat_at=now)
-                .execution_options(synchronize_session=False)):
+        if not changed(
+            session,
+            update(Shard)
+            .where(
+                Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
+            )
+            .values(heartbeat_at=now)
+            .execution_options(synchronize_session=False),
+        ):
             lost.add(shard_id)
     return lost
 
 
 def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
     """Hand a running shard back (warm shutdown) so its next delivery can claim it at once."""
-    return bool(changed(session, update(Shard).where(
-        Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING)
-        .values(status=ShardStatus.QUEUED)))
+    return bool(
+        changed(
+            session,
+            update(Shard)
+            .where(
+                Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
+            )
+            .values(status=ShardStatus.QUEUED),
+        )
+    )
 
 
 def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
@@ -92,15 +129,28 @@ def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[i
     moved by one conditional UPDATE, so of several sweeping workers only one re-enqueues it.
     """
     stale = utcnow() - timedelta(seconds=lease_seconds)
-    found = session.execute(select(Shard.id, Job.model).join(Job).where(
-        Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale,
-        Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]), Job.local_run.is_(False))
+    found = session.execute(
+        select(Shard.id, Job.model)
+        .join(Job)
+        .where(
+            Shard.status == ShardStatus.RUNNING,
+            Shard.heartbeat_at < stale,
+            Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]),
+            Job.local_run.is_(False),
+        )
     ).all()
     moved = []
     for shard_id, model in found:
-        if changed(session, update(Shard).where(
-                Shard.id == shard_id, Shard.status == ShardStatus.RUNNING,
-                Shard.heartbeat_at < stale).values(status=ShardStatus.QUEUED)
-                .execution_options(synchronize_session=False)):
+        if changed(
+            session,
+            update(Shard)
+            .where(
+                Shard.id == shard_id,
+                Shard.status == ShardStatus.RUNNING,
+                Shard.heartbeat_at < stale,
+            )
+            .values(status=ShardStatus.QUEUED)
+            .execution_options(synchronize_session=False),
+        ):
             moved.append((shard_id, model))
     return moved

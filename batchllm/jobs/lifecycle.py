@@ -15,28 +15,45 @@ from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 
-ACTIVE = (JobStatus.VALIDATING, JobStatus.QUEUED, JobStatus.IN_PROGRESS, JobStatus.FINALIZING,
-          JobStatus.CANCELLING)
+ACTIVE = (
+    JobStatus.VALIDATING,
+    JobStatus.QUEUED,
+    JobStatus.IN_PROGRESS,
+    JobStatus.FINALIZING,
+    JobStatus.CANCELLING,
+)
 
 
-def end_open_shard(session: Session, shard: Shard, status: ShardStatus, error: str | None = None,
-               attempt: int | None = None) -> bool:
+def end_open_shard(
+    session: Session,
+    shard: Shard,
+    status: ShardStatus,
+    error: str | None = None,
+    attempt: int | None = None,
+) -> bool:
     """End a shard that is still queued or running (under `attempt`, if given) and count it
     done on its job; False when it had already ended (or another attempt holds it)."""
     fence = [Shard.id == shard.id, Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING])]
     if attempt is not None:
         fence.append(Shard.attempts == attempt)
-    ended = changed(session,
-        update(Shard).where(*fence).values(status=status, finished_at=utcnow(), error=error)
+    ended = changed(
+        session,
+        update(Shard).where(*fence).values(status=status, finished_at=utcnow(), error=error),
     )
     if ended:
-        session.execute(update(Job).where(Job.id == shard.job_id)
-                        .values(shards_done=Job.shards_done + 1))
+        session.execute(
+            update(Job).where(Job.id == shard.job_id).values(shards_done=Job.shards_done + 1)
+        )
     return bool(ended)
 
 
-def end_shard(session: Session, shard_id: int, status: ShardStatus,
-              error: str | None = None, attempt: int | None = None) -> JobStatus | None:
+def end_shard(
+    session: Session,
+    shard_id: int,
+    status: ShardStatus,
+    error: str | None = None,
+    attempt: int | None = None,
+) -> JobStatus | None:
     """End a shard once. When it was the job's last, move the job on and return the state the
     caller must finish it in (FINALIZING: write the manifest; CANCELLED/FAILED: already set)."""
     shard = session.get(Shard, shard_id)
@@ -46,30 +63,51 @@ def end_shard(session: Session, shard_id: int, status: ShardStatus,
 
 
 def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
-    done, total = session.execute(select(Job.shards_done, Job.shards_total)
-                                  .where(Job.id == job_id)).one()
+    done, total = session.execute(
+        select(Job.shards_done, Job.shards_total).where(Job.id == job_id)
+    ).one()
     if done < total:
         return None
-    failed = session.scalar(select(func.count()).select_from(Shard).where(
-        Shard.job_id == job_id, Shard.status == ShardStatus.FAILED))
-    if changed(session, update(Job).where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
-                       .values(status=JobStatus.CANCELLED, finished_at=utcnow())):
+    failed = session.scalar(
+        select(func.count())
+        .select_from(Shard)
+        .where(Shard.job_id == job_id, Shard.status == ShardStatus.FAILED)
+    )
+    if changed(
+        session,
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
+        .values(status=JobStatus.CANCELLED, finished_at=utcnow()),
+    ):
         return JobStatus.CANCELLED
     if failed:
-        errors = session.scalars(select(Shard.error).where(
-            Shard.job_id == job_id, Shard.status == ShardStatus.FAILED).limit(3)).all()
-        session.execute(update(Job).where(Job.id == job_id, Job.status.in_(ACTIVE)).values(
-            status=JobStatus.FAILED, finished_at=utcnow(),
-            error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors)))
+        errors = session.scalars(
+            select(Shard.error)
+            .where(Shard.job_id == job_id, Shard.status == ShardStatus.FAILED)
+            .limit(3)
+        ).all()
+        session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(ACTIVE))
+            .values(
+                status=JobStatus.FAILED,
+                finished_at=utcnow(),
+                error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors),
+            )
+        )
         return JobStatus.FAILED
-    moved = changed(session, update(Job).where(
-        Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.IN_PROGRESS]))
-        .values(status=JobStatus.FINALIZING))
+    moved = changed(
+        session,
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.IN_PROGRESS]))
+        .values(status=JobStatus.FINALIZING),
+    )
     return JobStatus.FINALIZING if moved else None
 
 
-def complete_job(session: Session, job_id: str, *, hardware: str | None,
-                 vllm_version: str | None) -> Job | None:
+def complete_job(
+    session: Session, job_id: str, *, hardware: str | None, vllm_version: str | None
+) -> Job | None:
     """Compute the job's throughput and mark it completed; None if it is not finalizing
     (another worker finished it first). The row lock makes the check-and-set one step."""
     job = session.get(Job, job_id, with_for_update=True)
@@ -93,5 +131,8 @@ def complete_job(session: Session, job_id: str, *, hardware: str | None,
 
 
 def fail_job(session: Session, job_id: str, error: str) -> None:
-    session.execute(update(Job).where(Job.id == job_id, Job.status.in_(ACTIVE)).values(
-        status=JobStatus.FAILED, error=error, finished_at=utcnow()))
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(ACTIVE))
+        .values(status=JobStatus.FAILED, error=error, finished_at=utcnow())
+    )

@@ -38,8 +38,13 @@ class Base(DeclarativeBase):
 
 def _enum(kind: type[enum.Enum], name: str) -> Enum:
     # Stored by value ("in_progress"), not by member name, so SQL readers see the API's words.
-    return Enum(kind, name=name, values_callable=lambda e: [m.value for m in e],
-                native_enum=False, length=16)
+    return Enum(
+        kind,
+        name=name,
+        values_callable=lambda e: [m.value for m in e],
+        native_enum=False,
+        length=16,
+    )
 
 
 class Job(Base):
@@ -79,8 +84,9 @@ class Job(Base):
     hardware: Mapped[str | None] = mapped_column(String(256))
     vllm_version: Mapped[str | None] = mapped_column(String(64))
 
-    shards: Mapped[list[Shard]] = relationship(back_populates="job", order_by="Shard.index",
-                                               cascade="all, delete-orphan")
+    shards: Mapped[list[Shard]] = relationship(
+        back_populates="job", order_by="Shard.index", cascade="all, delete-orphan"
+    )
 
 
 class Shard(Base):

@@ -54,10 +54,12 @@ class OutputRow:
     error: str | None = None
 
     @classmethod
-    def failed(cls, custom_id: str, line: int, error: str,
-               prompt_tokens: int | None = None) -> OutputRow:
-        return cls(custom_id=custom_id, line=line, status="error", error=error,
-                   prompt_tokens=prompt_tokens)
+    def failed(
+        cls, custom_id: str, line: int, error: str, prompt_tokens: int | None = None
+    ) -> OutputRow:
+        return cls(
+            custom_id=custom_id, line=line, status="error", error=error, prompt_tokens=prompt_tokens
+        )
 
 
 def part_name(shard: int, seq: int, attempt: int | None = None) -> str:
@@ -82,14 +84,16 @@ def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow])
     return path
 
 
-def remove_unrecorded_parts(storage: Storage, out_dir: str, recorded: Iterable[str], *,
-                            prefix: str = "part-") -> list[str]:
+def remove_unrecorded_parts(
+    storage: Storage, out_dir: str, recorded: Iterable[str], *, prefix: str = "part-"
+) -> list[str]:
     """Delete the part files under `prefix` that no checkpoint records (`recorded`: their paths
     or names): written by a worker that died between the file and its commit, or that lost its
     shard; their rows run again (or ran) elsewhere. Returns the names deleted."""
     keep = {posixpath.basename(path) for path in recorded}
-    removed = [name for name in storage.listdir(out_dir)
-               if name.startswith(prefix) and name not in keep]
+    removed = [
+        name for name in storage.listdir(out_dir) if name.startswith(prefix) and name not in keep
+    ]
     for name in removed:
         storage.delete(posixpath.join(out_dir, name))
     return removed
@@ -103,8 +107,10 @@ def read_lines(storage: Storage, path: str) -> list[int]:
 
 def write_manifest(storage: Storage, out_dir: str, manifest: dict[str, Any]) -> None:
     body = {"schema_version": SCHEMA_VERSION, **manifest}
-    storage.write_bytes(posixpath.join(out_dir, MANIFEST_NAME),
-                        json.dumps(body, indent=2, sort_keys=True, default=str).encode())
+    storage.write_bytes(
+        posixpath.join(out_dir, MANIFEST_NAME),
+        json.dumps(body, indent=2, sort_keys=True, default=str).encode(),
+    )
     storage.write_bytes(posixpath.join(out_dir, SUCCESS_NAME), b"")
 
 
@@ -112,8 +118,12 @@ def read_output(storage: Storage, out_dir: str) -> pa.Table:
     """All committed rows of a job's output as one table."""
     import pyarrow.dataset as ds
 
-    names = [n for n in storage.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet")]
+    names = [
+        n for n in storage.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet")
+    ]
     if not names:
         return OUTPUT_SCHEMA.empty_table()
     paths = [posixpath.join(out_dir, n) for n in names]
-    return ds.dataset(paths, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet").to_table()
+    return ds.dataset(
+        paths, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet"
+    ).to_table()

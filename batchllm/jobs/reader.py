@@ -52,7 +52,9 @@ _Checked = tuple[int, str | None, Request | _LineProblem]
 def _from_validation(exc: ValidationError, prefix: str = "") -> _LineProblem:
     errors = exc.errors(include_url=False)
     first = errors[0]
-    field = prefix + ".".join(str(part) for part in first["loc"]) if first["loc"] else prefix or None
+    field = (
+        prefix + ".".join(str(part) for part in first["loc"]) if first["loc"] else prefix or None
+    )
     message = "; ".join(
         (prefix + ".".join(str(p) for p in e["loc"]) + ": " if e["loc"] else "") + e["msg"]
         for e in errors
@@ -83,22 +85,42 @@ def parse_line(obj: Any, line: int) -> Request:
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return Request(line=line, custom_id=envelope.custom_id, kind="chat",
-                           messages=messages, sampling=sampling)
+            return Request(
+                line=line,
+                custom_id=envelope.custom_id,
+                kind="chat",
+                messages=messages,
+                sampling=sampling,
+            )
         body = _validate(OpenAICompletionBody, envelope.body, prefix="body.")
-        return Request(line=line, custom_id=envelope.custom_id, kind="prompt",
-                       prompt=body.prompt, sampling=_sampling_of(body))
+        return Request(
+            line=line,
+            custom_id=envelope.custom_id,
+            kind="prompt",
+            prompt=body.prompt,
+            sampling=_sampling_of(body),
+        )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)
         messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
-        return Request(line=line, custom_id=chat.custom_id or default_custom_id(line),
-                       kind="chat", messages=messages, sampling=_sampling_of(chat))
+        return Request(
+            line=line,
+            custom_id=chat.custom_id or default_custom_id(line),
+            kind="chat",
+            messages=messages,
+            sampling=_sampling_of(chat),
+        )
     if "prompt" in obj:
         plain = _validate(PromptLine, obj)
         if not plain.prompt.strip():
             raise _LineProblem("prompt", "prompt is blank")
-        return Request(line=line, custom_id=plain.custom_id or default_custom_id(line),
-                       kind="prompt", prompt=plain.prompt, sampling=_sampling_of(plain))
+        return Request(
+            line=line,
+            custom_id=plain.custom_id or default_custom_id(line),
+            kind="prompt",
+            prompt=plain.prompt,
+            sampling=_sampling_of(plain),
+        )
     raise _LineProblem(None, _UNKNOWN_FORM)
 
 
@@ -119,9 +141,15 @@ def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
 
 def _check(line: Line, max_line_bytes: int) -> _Checked:
     if line.raw is None:
-        return line.number, None, _LineProblem(
-            None, f"line is {line.size:,} bytes, over the limit of {max_line_bytes:,} "
-            "(BATCHLLM_MAX_LINE_BYTES)")
+        return (
+            line.number,
+            None,
+            _LineProblem(
+                None,
+                f"line is {line.size:,} bytes, over the limit of {max_line_bytes:,} "
+                "(BATCHLLM_MAX_LINE_BYTES)",
+            ),
+        )
     obj, problem = _decode(line.raw)
     if problem is None:
         try:
@@ -131,8 +159,11 @@ def _check(line: Line, max_line_bytes: int) -> _Checked:
     return line.number, given_id(obj), problem
 
 
-def read_requests(path: str | Path, *, max_line_bytes: int | None = None,
-                  ) -> Iterator[Request | LineError]:
+def read_requests(
+    path: str | Path,
+    *,
+    max_line_bytes: int | None = None,
+) -> Iterator[Request | LineError]:
     """Yield one Request or LineError per non-blank line of `path`, in line order.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
@@ -157,25 +188,34 @@ def read_requests(path: str | Path, *, max_line_bytes: int | None = None,
         ids.close()
 
 
-def _resolve_chunk(chunk: list[_Checked], ids: CustomIds, name: str,
-                   ) -> Iterator[Request | LineError]:
+def _resolve_chunk(
+    chunk: list[_Checked],
+    ids: CustomIds,
+    name: str,
+) -> Iterator[Request | LineError]:
     defaults = ids.defaults([number for number, given, _ in chunk if given is None])
-    final = {number: given if given is not None else defaults[number]
-             for number, given, _ in chunk}
-    earlier = ids.first_lines(list({final[number] for number, _, item in chunk
-                                    if isinstance(item, Request)}))
+    final = {number: given if given is not None else defaults[number] for number, given, _ in chunk}
+    earlier = ids.first_lines(
+        list({final[number] for number, _, item in chunk if isinstance(item, Request)})
+    )
     new: list[tuple[str, int]] = []
     for number, _, item in chunk:
         custom_id = final[number]
         if isinstance(item, _LineProblem):
-            yield LineError(file=name, line=number, custom_id=custom_id, field=item.field,
-                            message=item.message)
+            yield LineError(
+                file=name, line=number, custom_id=custom_id, field=item.field, message=item.message
+            )
             continue
         item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on (custom_ids.py)
         first = earlier.get(custom_id)
         if first is not None:
-            yield LineError(file=name, line=number, custom_id=custom_id, field="custom_id",
-                            message=f"duplicate custom_id {custom_id!r} (first on line {first})")
+            yield LineError(
+                file=name,
+                line=number,
+                custom_id=custom_id,
+                field="custom_id",
+                message=f"duplicate custom_id {custom_id!r} (first on line {first})",
+            )
             continue
         earlier[custom_id] = number
         new.append((custom_id, number))

@@ -22,23 +22,33 @@ RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
 LOCAL_WORKER = "local@"  # the worker name prefix of `batchllm run`
 
 
-def end_stale_shards_of_cancelled_jobs(session: Session, lease_seconds: float,
-                                       job_id: str | None = None) -> list[str]:
+def end_stale_shards_of_cancelled_jobs(
+    session: Session, lease_seconds: float, job_id: str | None = None
+) -> list[str]:
     """End as cancelled the running shards of cancelling jobs whose worker stopped
     heartbeating (no live worker will see the cancel), and any queued shard of such a job.
     Returns the ids of the jobs this ended (now `cancelled`)."""
     stale = utcnow() - timedelta(seconds=lease_seconds)
-    query = select(Shard).join(Job).where(
-        Job.status == JobStatus.CANCELLING,
-        or_(Shard.status == ShardStatus.QUEUED,
-            (Shard.status == ShardStatus.RUNNING)
-            & (Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < stale))))
+    query = (
+        select(Shard)
+        .join(Job)
+        .where(
+            Job.status == JobStatus.CANCELLING,
+            or_(
+                Shard.status == ShardStatus.QUEUED,
+                (Shard.status == ShardStatus.RUNNING)
+                & (Shard.heartbeat_at.is_(None) | (Shard.heartbeat_at < stale)),
+            ),
+        )
+    )
     if job_id is not None:
         query = query.where(Job.id == job_id)
     ended = []
     for shard in session.scalars(query).all():
-        if lifecycle.end_shard(session, shard.id, ShardStatus.CANCELLED,
-                             attempt=shard.attempts) is JobStatus.CANCELLED:
+        if (
+            lifecycle.end_shard(session, shard.id, ShardStatus.CANCELLED, attempt=shard.attempts)
+            is JobStatus.CANCELLED
+        ):
             ended.append(shard.job_id)
     return ended
 
@@ -47,8 +57,11 @@ def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
     """A cancelling job whose shards have all ended (e.g. the last one ended between the
     cancel and its commit) becomes `cancelled`."""
     ended = []
-    for job_id in session.scalars(select(Job.id).where(
-            Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total)).all():
+    for job_id in session.scalars(
+        select(Job.id).where(
+            Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total
+        )
+    ).all():
         if lifecycle.after_last_shard(session, job_id) is JobStatus.CANCELLED:
             ended.append(job_id)
     return ended
@@ -64,36 +77,63 @@ def queued_shards_to_check(session: Session, grace_seconds: float) -> list[tuple
     """(shard id, model) of queued shards of runnable jobs whose task was sent long enough
     ago to be in the broker (or to have been picked up)."""
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
-    return list(session.execute(select(Shard.id, Job.model).join(Job).where(
-        Shard.status == ShardStatus.QUEUED, Job.status.in_(RUNNABLE_JOBS),
-        Job.local_run.is_(False),
-        Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))).all())
+    return list(
+        session.execute(
+            select(Shard.id, Job.model)
+            .join(Job)
+            .where(
+                Shard.status == ShardStatus.QUEUED,
+                Job.status.in_(RUNNABLE_JOBS),
+                Job.local_run.is_(False),
+                Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
+            )
+        ).all()
+    )
 
 
 def mark_dispatched(session: Session, shard_ids: list[int]) -> None:
     if shard_ids:
-        session.execute(update(Shard).where(Shard.id.in_(shard_ids))
-                        .values(dispatched_at=utcnow()))
+        session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(dispatched_at=utcnow()))
 
 
 def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> bool:
     """Take the right to re-send this queued shard's task; False if another reconciler took
     it (or a worker claimed the shard) since it was read."""
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
-    return bool(changed(session, update(Shard).where(
-        Shard.id == shard_id, Shard.status == ShardStatus.QUEUED,
-        Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before))
-        .values(dispatched_at=utcnow()).execution_options(synchronize_session=False)))
+    return bool(
+        changed(
+            session,
+            update(Shard)
+            .where(
+                Shard.id == shard_id,
+                Shard.status == ShardStatus.QUEUED,
+                Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
+            )
+            .values(dispatched_at=utcnow())
+            .execution_options(synchronize_session=False),
+        )
+    )
 
 
 def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[str]:
     """Jobs of a `batchllm run` that was killed (no heartbeat for a lease) end `failed`: no
     fleet will ever pick their shards up, and `in_progress` forever would be a lie."""
     stale = utcnow() - timedelta(seconds=lease_seconds)
-    job_ids = session.scalars(select(Job.id).join(Shard).where(
-        Job.status.in_(RUNNABLE_JOBS), Job.local_run.is_(True),
-        Shard.status == ShardStatus.RUNNING, Shard.heartbeat_at < stale).distinct()).all()
+    job_ids = session.scalars(
+        select(Job.id)
+        .join(Shard)
+        .where(
+            Job.status.in_(RUNNABLE_JOBS),
+            Job.local_run.is_(True),
+            Shard.status == ShardStatus.RUNNING,
+            Shard.heartbeat_at < stale,
+        )
+        .distinct()
+    ).all()
     for job_id in job_ids:
-        lifecycle.fail_job(session, job_id, "the `batchllm run` process running it stopped "
-                                          "without ending it (killed?)")
+        lifecycle.fail_job(
+            session,
+            job_id,
+            "the `batchllm run` process running it stopped without ending it (killed?)",
+        )
     return list(job_ids)

@@ -47,9 +47,14 @@ class InputRow:
         if isinstance(item, LineError):
             reason = (f"field '{item.field}': " if item.field else "") + item.message
             return cls(line=item.line, custom_id=item.custom_id, kind="invalid", error=reason)
-        return cls(line=item.line, custom_id=item.custom_id, kind=item.kind, prompt=item.prompt,
-                   messages=json.dumps(item.messages) if item.messages is not None else None,
-                   sampling=json.dumps(item.sampling) if item.sampling else None)
+        return cls(
+            line=item.line,
+            custom_id=item.custom_id,
+            kind=item.kind,
+            prompt=item.prompt,
+            messages=json.dumps(item.messages) if item.messages is not None else None,
+            sampling=json.dumps(item.sampling) if item.sampling else None,
+        )
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> InputRow:

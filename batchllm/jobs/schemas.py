@@ -46,12 +46,17 @@ class SamplingOverrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: Int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT,
-                                   description="Most tokens to generate.")
+    max_tokens: Int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS_LIMIT, description="Most tokens to generate."
+    )
     temperature: Float | None = Field(default=None, ge=0, description="0 means greedy.")
     top_p: Float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: Int | None = Field(default=None, description="Sample from the k likeliest; -1 or 0: all.")
-    min_p: Float | None = Field(default=None, ge=0, le=1, description="Minimum relative probability.")
+    top_k: Int | None = Field(
+        default=None, description="Sample from the k likeliest; -1 or 0: all."
+    )
+    min_p: Float | None = Field(
+        default=None, ge=0, le=1, description="Minimum relative probability."
+    )
     stop: str | list[str] | None = Field(default=None, description="Stop strings.")
     seed: Int | None = Field(default=None, description="Per-request sampling seed.")
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
@@ -65,8 +70,9 @@ class SamplingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: Int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT,
-                            description="Most tokens to generate per request.")
+    max_tokens: Int = Field(
+        default=256, ge=1, le=MAX_TOKENS_LIMIT, description="Most tokens to generate per request."
+    )
     temperature: Float = Field(default=1.0, ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: Float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens tokens.")
@@ -96,9 +102,11 @@ class EngineOptions(BaseModel):
     enable_prefix_caching: bool | None = Field(default=None, description="vLLM default: on.")
     enforce_eager: bool = Field(default=False, description="Skip CUDA graph capture.")
     kv_cache_memory_bytes: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="KV cache size in bytes. Default: vLLM's (a share of GPU memory; on CPUs "
-        "VLLM_CPU_KVCACHE_SPACE GiB).")
+        "VLLM_CPU_KVCACHE_SPACE GiB).",
+    )
     group_prefixes: bool = Field(
         default=True,
         description="Run requests that share a prompt prefix next to each other so the prefix "

@@ -33,8 +33,15 @@ class CreatedJob:
     stored: StoredInput
 
 
-def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bool = False,
-               settings: Settings | None = None, local_run: bool = False) -> CreatedJob:
+def create_job(
+    source: str | Path,
+    spec: JobSpec,
+    *,
+    shard_size: int,
+    strict: bool = False,
+    settings: Settings | None = None,
+    local_run: bool = False,
+) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API.
@@ -44,30 +51,55 @@ def create_job(source: str | Path, spec: JobSpec, *, shard_size: int, strict: bo
     storage = Storage(settings.resolved_storage)
     job_id = new_job_id()
     with session_scope(settings) as session:
-        session.add(Job(id=job_id, status=JobStatus.VALIDATING, model=spec.model,
-                        spec=spec.model_dump(mode="json"), job_metadata=dict(spec.metadata),
-                        input_file=str(source.resolve()), storage_root=settings.resolved_storage,
-                        output_dir=storage.display(storage.output_dir(job_id)),
-                        max_model_len=spec.engine.max_model_len, local_run=local_run))
+        session.add(
+            Job(
+                id=job_id,
+                status=JobStatus.VALIDATING,
+                model=spec.model,
+                spec=spec.model_dump(mode="json"),
+                job_metadata=dict(spec.metadata),
+                input_file=str(source.resolve()),
+                storage_root=settings.resolved_storage,
+                output_dir=storage.display(storage.output_dir(job_id)),
+                max_model_len=spec.engine.max_model_len,
+                local_run=local_run,
+            )
+        )
     try:
         stored = store_input(source, storage, job_id, shard_size=shard_size, strict=strict)
     except InputError as exc:
         with session_scope(settings) as session:
-            session.execute(update(Job).where(Job.id == job_id).values(
-                status=JobStatus.FAILED, error=str(exc), finished_at=utcnow()))
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id)
+                .values(status=JobStatus.FAILED, error=str(exc), finished_at=utcnow())
+            )
         raise
     storage.makedirs(storage.output_dir(job_id))
     with session_scope(settings) as session:
         job = get_one(session, Job, job_id)
         for shard in stored.shards:
-            session.add(Shard(job_id=job_id, index=shard.index, status=ShardStatus.QUEUED,
-                              input_path=shard.path, rows=shard.rows, first_line=shard.first_line,
-                              last_line=shard.last_line))
+            session.add(
+                Shard(
+                    job_id=job_id,
+                    index=shard.index,
+                    status=ShardStatus.QUEUED,
+                    input_path=shard.path,
+                    rows=shard.rows,
+                    first_line=shard.first_line,
+                    last_line=shard.last_line,
+                )
+            )
         job.request_total = stored.total
         job.shards_total = len(stored.shards)
         job.status = JobStatus.QUEUED
-    log.info("job %s: %d requests (%d invalid) in %d shards", job_id, stored.total,
-             stored.invalid, len(stored.shards))
+    log.info(
+        "job %s: %d requests (%d invalid) in %d shards",
+        job_id,
+        stored.total,
+        stored.invalid,
+        len(stored.shards),
+    )
     return CreatedJob(job=job, stored=stored)
 
 
@@ -81,7 +113,8 @@ def get_job(session: Session, job_ref: str) -> Job:
     prefix = job_ref if job_ref.startswith("job_") else "job_" + job_ref
     # autoescape: a prefix is literal text; `%` and `_` must not act as LIKE wildcards.
     matches = session.scalars(
-        select(Job).where(Job.id.startswith(prefix, autoescape=True)).limit(2)).all()
+        select(Job).where(Job.id.startswith(prefix, autoescape=True)).limit(2)
+    ).all()
     if len(matches) == 1:
         return matches[0]
     raise JobNotFound(f"no job {job_ref!r}" if not matches else f"job id {job_ref!r} is ambiguous")
@@ -94,19 +127,24 @@ def list_jobs(session: Session, *, status: JobStatus | None = None, limit: int =
     return list(session.scalars(query))
 
 
-def mark_generation_started(session: Session, job_id: str, *, hardware: str | None = None,
-                            vllm_version: str | None = None) -> None:
+def mark_generation_started(
+    session: Session, job_id: str, *, hardware: str | None = None, vllm_version: str | None = None
+) -> None:
     """Throughput is timed from the first engine step, not from the engine's start-up. The
     engine's hardware and version are kept too, for whoever finalizes the job (the reconciler
     may, when the worker that ended the last shard died)."""
-    session.execute(update(Job).where(Job.id == job_id, Job.started_at.is_(None))
-                    .values(started_at=utcnow(), hardware=hardware, vllm_version=vllm_version))
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.started_at.is_(None))
+        .values(started_at=utcnow(), hardware=hardware, vllm_version=vllm_version)
+    )
 
 
 def set_max_model_len(session: Session, job_id: str, value: int) -> int:
     """Fix the job's context length once; the first worker to size it wins, others reuse it."""
-    session.execute(update(Job).where(Job.id == job_id, Job.max_model_len.is_(None))
-                    .values(max_model_len=value))
+    session.execute(
+        update(Job).where(Job.id == job_id, Job.max_model_len.is_(None)).values(max_model_len=value)
+    )
     return int(session.scalar(select(Job.max_model_len).where(Job.id == job_id)) or value)
 
 
@@ -120,13 +158,18 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
     job = get_job(session, job_ref)
     if job.status.is_final:
         raise JobStateError(f"job {job.id} is already {job.status.value}")
-    session.execute(update(Job).where(Job.id == job.id, Job.status.in_(ACTIVE))
-                    .values(status=JobStatus.CANCELLING))
-    for shard in session.scalars(select(Shard).where(Shard.job_id == job.id,
-                                                     Shard.status == ShardStatus.QUEUED)):
+    session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status.in_(ACTIVE))
+        .values(status=JobStatus.CANCELLING)
+    )
+    for shard in session.scalars(
+        select(Shard).where(Shard.job_id == job.id, Shard.status == ShardStatus.QUEUED)
+    ):
         end_open_shard(session, shard, ShardStatus.CANCELLED)
     end_stale_shards_of_cancelled_jobs(
-        session, lease_seconds or get_settings().lease_seconds, job_id=job.id)
+        session, lease_seconds or get_settings().lease_seconds, job_id=job.id
+    )
     after_last_shard(session, job.id)
     session.flush()
     session.refresh(job)

@@ -11,19 +11,28 @@ import random
 from pathlib import Path
 from typing import Any
 
-_WORDS = ("alpha bravo river stone cloud maple orbit signal lantern copper meadow harbor "
-          "violet thunder quartz falcon ember glacier saffron willow cobalt tundra beacon "
-          "canyon nectar pixel velvet jasmine summit prairie").split()
+_WORDS = (
+    "alpha bravo river stone cloud maple orbit signal lantern copper meadow harbor "
+    "violet thunder quartz falcon ember glacier saffron willow cobalt tundra beacon "
+    "canyon nectar pixel velvet jasmine summit prairie"
+).split()
 
 
 def sentence(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-def write_workload(path: str | Path, *, requests: int, prompt_words: tuple[int, int] = (8, 64),
-                   forms: tuple[str, ...] = ("prompt",), max_tokens: tuple[int, int] | None = None,
-                   system_prompts: list[str] | None = None, bad_lines: int = 0,
-                   seed: int = 0) -> Path:
+def write_workload(
+    path: str | Path,
+    *,
+    requests: int,
+    prompt_words: tuple[int, int] = (8, 64),
+    forms: tuple[str, ...] = ("prompt",),
+    max_tokens: tuple[int, int] | None = None,
+    system_prompts: list[str] | None = None,
+    bad_lines: int = 0,
+    seed: int = 0,
+) -> Path:
     """Write `requests` JSONL lines cycling through `forms` (prompt, chat, openai_chat,
     openai_completion), plus `bad_lines` invalid lines spread through the file."""
     rng = random.Random(seed)
@@ -33,8 +42,12 @@ def write_workload(path: str | Path, *, requests: int, prompt_words: tuple[int, 
     with path.open("w") as out:
         for i in range(requests):
             if i in bad_at:
-                out.write(rng.choice(['{"prompt": ', '{"prompt": ""}', '{"text": "no form"}',
-                                      '{"messages": []}']) + "\n")
+                out.write(
+                    rng.choice(
+                        ['{"prompt": ', '{"prompt": ""}', '{"text": "no form"}', '{"messages": []}']
+                    )
+                    + "\n"
+                )
                 continue
             text = f"Request {i}: " + sentence(rng, rng.randint(*prompt_words))
             line: dict[str, Any] = {}
@@ -48,11 +61,19 @@ def write_workload(path: str | Path, *, requests: int, prompt_words: tuple[int, 
             elif form == "chat":
                 line = {"custom_id": f"req-{i}", "messages": messages, **overrides}
             elif form == "openai_chat":
-                line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {"model": "any", "messages": messages, **overrides}}
+                line = {
+                    "custom_id": f"req-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "any", "messages": messages, **overrides},
+                }
             elif form == "openai_completion":
-                line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
-                        "body": {"model": "any", "prompt": text, **overrides}}
+                line = {
+                    "custom_id": f"req-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"model": "any", "prompt": text, **overrides},
+                }
             else:
                 raise ValueError(f"unknown form {form!r}")
             out.write(json.dumps(line) + "\n")
@@ -69,9 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bad-lines", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    write_workload(args.out, requests=args.requests, bad_lines=args.bad_lines, seed=args.seed,
-                   forms=("prompt", "chat", "openai_chat", "openai_completion"),
-                   max_tokens=(16, 128))
+    write_workload(
+        args.out,
+        requests=args.requests,
+        bad_lines=args.bad_lines,
+        seed=args.seed,
+        forms=("prompt", "chat", "openai_chat", "openai_completion"),
+        max_tokens=(16, 128),
+    )
     print(f"wrote {args.requests} requests to {args.out}")
 
 

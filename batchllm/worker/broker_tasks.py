@@ -25,7 +25,9 @@ class BrokerNotInspectable(Exception):
 def shard_ids_in_broker(broker_url: str, queues: set[str], task_name: str) -> set[int]:
     """Shard ids of every `task_name` message in these queues or delivered and unacknowledged."""
     if not broker_url.startswith(("redis://", "rediss://", "unix://")):
-        raise BrokerNotInspectable(f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})")
+        raise BrokerNotInspectable(
+            f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})"
+        )
     import redis
 
     client = redis.Redis.from_url(broker_url, socket_timeout=10, socket_connect_timeout=5)

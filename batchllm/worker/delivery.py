@@ -21,9 +21,14 @@ from batchllm.worker.runner import Outcome, ShardRunner
 log = logging.getLogger(__name__)
 
 
-def process_shard(shard_id: int, *, worker: str, engines: EngineSource,
-                  should_stop: Callable[[], bool] = lambda: False,
-                  settings: Settings | None = None) -> Outcome:
+def process_shard(
+    shard_id: int,
+    *,
+    worker: str,
+    engines: EngineSource,
+    should_stop: Callable[[], bool] = lambda: False,
+    settings: Settings | None = None,
+) -> Outcome:
     settings = settings or get_settings()
     with session_scope(settings) as session:
         shard = session.get(Shard, shard_id)
@@ -43,8 +48,7 @@ def process_shard(shard_id: int, *, worker: str, engines: EngineSource,
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.
-        finalize_job(job_id, storage=storage, settings=settings, hardware=None,
-                     vllm_version=None)
+        finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
         return Outcome.SKIPPED
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
     engine = engines.get(spec, max_model_len)

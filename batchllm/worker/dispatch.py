@@ -18,20 +18,28 @@ from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_mod
 log = logging.getLogger(__name__)
 
 
-def submit_job(source: str | Path, spec: JobSpec, *, shard_size: int | None = None,
-               strict: bool = False, settings: Settings | None = None) -> Job:
+def submit_job(
+    source: str | Path,
+    spec: JobSpec,
+    *,
+    shard_size: int | None = None,
+    strict: bool = False,
+    settings: Settings | None = None,
+) -> Job:
     """Create the job and its shards, then enqueue one task per shard on the model's queue.
 
     Tasks go out only after the database commit, so a worker never sees a shard that is not
     there yet. If the broker cannot be reached, the job is marked failed and the error says so.
     """
     settings = settings or get_settings()
-    created = service.create_job(source, spec, shard_size=shard_size or settings.shard_size,
-                                 strict=strict, settings=settings)
+    created = service.create_job(
+        source, spec, shard_size=shard_size or settings.shard_size, strict=strict, settings=settings
+    )
     job_id = created.job.id
     with session_scope(settings) as session:
-        shard_ids = list(session.scalars(
-            select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index)))
+        shard_ids = list(
+            session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))
+        )
     app = create_app(settings)
     queue = queue_for_model(spec.model)
     try:

@@ -18,8 +18,14 @@ from batchllm.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware: str | None,
-                 vllm_version: str | None) -> bool:
+def finalize_job(
+    job_id: str,
+    *,
+    storage: Storage,
+    settings: Settings,
+    hardware: str | None,
+    vllm_version: str | None,
+) -> bool:
     """Complete a `finalizing` job; False when it was not (another worker finished it).
     hardware/vllm_version None: keep what the job recorded at its first engine step."""
     with session_scope(settings) as session:
@@ -30,8 +36,13 @@ def finalize_job(job_id: str, *, storage: Storage, settings: Settings, hardware:
         # The manifest is written before the commit: a crash in between leaves the job
         # `finalizing` and the redelivered shard task finalizes it again.
         write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
-    log.info("job %s completed: %d ok, %d failed, %.1f output tokens/s", job_id,
-             job.request_completed, job.request_failed, job.output_tokens_per_s or 0)
+    log.info(
+        "job %s completed: %d ok, %d failed, %.1f output tokens/s",
+        job_id,
+        job.request_completed,
+        job.request_failed,
+        job.output_tokens_per_s or 0,
+    )
     return True
 
 
@@ -46,13 +57,19 @@ def manifest_of(job: Job) -> dict:
         "vllm_version": job.vllm_version,
         "hardware": job.hardware,
         "input_file": job.input_file,
-        "rows": {"total": job.request_total, "ok": job.request_completed,
-                 "error": job.request_failed},
+        "rows": {
+            "total": job.request_total,
+            "ok": job.request_completed,
+            "error": job.request_failed,
+        },
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens},
-        "throughput": {"wall_seconds": job.wall_seconds, "engine_seconds": job.engine_seconds,
-                       "requests_per_s": job.requests_per_s,
-                       "output_tokens_per_s": job.output_tokens_per_s,
-                       "total_tokens_per_s": job.total_tokens_per_s},
+        "throughput": {
+            "wall_seconds": job.wall_seconds,
+            "engine_seconds": job.engine_seconds,
+            "requests_per_s": job.requests_per_s,
+            "output_tokens_per_s": job.output_tokens_per_s,
+            "total_tokens_per_s": job.total_tokens_per_s,
+        },
         "columns": OUTPUT_SCHEMA.names,
         "created_at": job.created_at,
         "finished_at": job.finished_at,

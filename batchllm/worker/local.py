@@ -25,9 +25,16 @@ from batchllm.worker.runner import ProgressFn, ShardRunner
 log = logging.getLogger(__name__)
 
 
-def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
-            settings: Settings | None = None, on_created: Callable[[Job], None] | None = None,
-            on_progress: ProgressFn | None = None, engines: EngineSource | None = None) -> Job:
+def run_job(
+    source: str | Path,
+    spec: JobSpec,
+    *,
+    strict: bool = False,
+    settings: Settings | None = None,
+    on_created: Callable[[Job], None] | None = None,
+    on_progress: ProgressFn | None = None,
+    engines: EngineSource | None = None,
+) -> Job:
     """Validate, store and run a job to its end here; returns the final Job row.
 
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
@@ -36,13 +43,17 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
     storage = Storage(settings.resolved_storage)
     with session_scope(settings) as session:
         for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
-            log.warning("job %s: the `batchllm run` that ran it was killed; marked failed "
-                        "(its committed rows are kept)", abandoned)
+            log.warning(
+                "job %s: the `batchllm run` that ran it was killed; marked failed "
+                "(its committed rows are kept)",
+                abandoned,
+            )
     own_engines = engines is None
     engines = engines or EngineCache()
     try:
-        job_id, engine_error = _create(source, spec, strict=strict, settings=settings,
-                                       engines=engines, on_created=on_created)
+        job_id, engine_error = _create(
+            source, spec, strict=strict, settings=settings, engines=engines, on_created=on_created
+        )
     except BaseException:
         if own_engines:
             engines.close()
@@ -53,9 +64,13 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
             raise engine_error
         max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
         engine = engines.get(spec, max_model_len)
-        runner = ShardRunner(engine, worker=f"{recovery.LOCAL_WORKER}{socket.gethostname()}",
-                             settings=settings, on_progress=on_progress,
-                             should_stop=interrupted.is_set)
+        runner = ShardRunner(
+            engine,
+            worker=f"{recovery.LOCAL_WORKER}{socket.gethostname()}",
+            settings=settings,
+            on_progress=on_progress,
+            should_stop=interrupted.is_set,
+        )
         with session_scope(settings) as session:
             shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
@@ -71,14 +86,18 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         with session_scope(settings) as session:
             lifecycle.fail_job(session, job_id, reason)
         if was_interrupted:
-            raise JobInterrupted(f"job {job_id} interrupted: it ended failed; the rows "
-                                 "finished before are kept in its output") from None
+            raise JobInterrupted(
+                f"job {job_id} interrupted: it ended failed; the rows "
+                "finished before are kept in its output"
+            ) from None
         deliberate = isinstance(exc, BatchLLMError) and not isinstance(exc, EngineDied)
         if deliberate or not isinstance(exc, Exception):
             raise
         log.debug("job %s failed", job_id, exc_info=True)
-        raise BatchLLMError(f"job {job_id} failed ({reason}); rows finished before the "
-                            f"failure are kept in its output") from exc
+        raise BatchLLMError(
+            f"job {job_id} failed ({reason}); rows finished before the "
+            f"failure are kept in its output"
+        ) from exc
     finally:
         if own_engines:
             engines.close()
@@ -86,9 +105,15 @@ def run_job(source: str | Path, spec: JobSpec, *, strict: bool = False,
         return get_one(session, Job, job_id)
 
 
-def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settings,
-            engines: EngineSource, on_created: Callable[[Job], None] | None,
-            ) -> tuple[str, BaseException | None]:
+def _create(
+    source: str | Path,
+    spec: JobSpec,
+    *,
+    strict: bool,
+    settings: Settings,
+    engines: EngineSource,
+    on_created: Callable[[Job], None] | None,
+) -> tuple[str, BaseException | None]:
     """Create the job; when the context length is given, start the engine meanwhile.
     Returns the job id and the engine start's error, if it failed after the job was created.
 
@@ -98,9 +123,16 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
     a helper thread creates the job. Not under --strict: a refused file should be reported at
     once, not after an engine start it did not need.
     """
+
     def create() -> str:
-        created = service.create_job(source, spec, shard_size=settings.shard_size,
-                                     strict=strict, settings=settings, local_run=True)
+        created = service.create_job(
+            source,
+            spec,
+            shard_size=settings.shard_size,
+            strict=strict,
+            settings=settings,
+            local_run=True,
+        )
         if on_created:
             on_created(created.job)
         return created.job.id
@@ -126,8 +158,10 @@ def _create(source: str | Path, spec: JobSpec, *, strict: bool, settings: Settin
     except BaseException as exc:
         engine_error = exc
         if isinstance(exc, KeyboardInterrupt) and helper.is_alive():
-            log.warning("interrupted: finishing the file's validation to record the job as "
-                        "failed (Ctrl-C again to quit at once)")
+            log.warning(
+                "interrupted: finishing the file's validation to record the job as "
+                "failed (Ctrl-C again to quit at once)"
+            )
     helper.join()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
@@ -146,13 +180,12 @@ def _stop_on_first_interrupt(interrupted: threading.Event):
     def first(_signum, _frame) -> None:
         interrupted.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        log.warning("interrupted: committing finished rows and stopping (Ctrl-C again to quit "
-                    "at once)")
+        log.warning(
+            "interrupted: committing finished rows and stopping (Ctrl-C again to quit at once)"
+        )
 
     previous = signal.signal(signal.SIGINT, first)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-

@@ -41,8 +41,9 @@ class Pass:
     finalized_jobs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.requeued_stale or self.resent_lost or self.cancelled_jobs
-                    or self.finalized_jobs)
+        return bool(
+            self.requeued_stale or self.resent_lost or self.cancelled_jobs or self.finalized_jobs
+        )
 
 
 def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
@@ -52,17 +53,20 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         stale = leases.requeue_stale_shards(session, settings.lease_seconds)
         recovery.mark_dispatched(session, [shard_id for shard_id, _ in stale])
     for shard_id, model in stale:
-        log.warning("shard %s lost its worker (no heartbeat for %.0f s): queued again",
-                    shard_id, settings.lease_seconds)
+        log.warning(
+            "shard %s lost its worker (no heartbeat for %.0f s): queued again",
+            shard_id,
+            settings.lease_seconds,
+        )
         send(shard_id, queue_for_model(model))
         done.requeued_stale.append(shard_id)
 
     done.resent_lost = _resend_lost_tasks(send, settings)
 
     with session_scope(settings) as session:
-        done.cancelled_jobs = (
-            recovery.end_stale_shards_of_cancelled_jobs(session, settings.lease_seconds)
-            + recovery.end_cancelling_jobs_without_shards(session))
+        done.cancelled_jobs = recovery.end_stale_shards_of_cancelled_jobs(
+            session, settings.lease_seconds
+        ) + recovery.end_cancelling_jobs_without_shards(session)
     for job_id in done.cancelled_jobs:
         log.warning("job %s cancelled: its remaining shards had no live worker", job_id)
 
@@ -71,8 +75,9 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
     storage = Storage(settings.resolved_storage)
     for job_id in finalizing:
         # hardware/version: the job row has them from its first engine step.
-        if finalize_job(job_id, storage=storage, settings=settings, hardware=None,
-                        vllm_version=None):
+        if finalize_job(
+            job_id, storage=storage, settings=settings, hardware=None, vllm_version=None
+        ):
             log.warning("job %s was left finalizing: finalized it", job_id)
             done.finalized_jobs.append(job_id)
     return done
@@ -99,15 +104,17 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
         with session_scope(settings) as session:
             claimed = recovery.claim_redispatch(session, shard_id, grace)
         if claimed:
-            log.warning("shard %s is queued but the broker has no task for it: sent again",
-                        shard_id)
+            log.warning(
+                "shard %s is queued but the broker has no task for it: sent again", shard_id
+            )
             send(shard_id, queue_for_model(model))
             resent.append(shard_id)
     return resent
 
 
-def reconcile_forever(send: SendShard, stop: threading.Event,
-                      settings: Settings | None = None) -> None:
+def reconcile_forever(
+    send: SendShard, stop: threading.Event, settings: Settings | None = None
+) -> None:
     """Reconcile every `reconcile_seconds` until `stop` is set; survives any outage."""
     settings = settings or get_settings()
     failing = False
@@ -118,7 +125,10 @@ def reconcile_forever(send: SendShard, stop: threading.Event,
                 log.warning("reconciler: database and broker reachable again")
             failing = False
         except Exception as exc:  # a database or broker outage: say so, keep trying
-            log.warning("reconciler: pass failed (%s: %s); retrying in %.0f s",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                        settings.reconcile_seconds)
+            log.warning(
+                "reconciler: pass failed (%s: %s); retrying in %.0f s",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                settings.reconcile_seconds,
+            )
             failing = True

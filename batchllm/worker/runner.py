@@ -66,9 +66,16 @@ ProgressFn = Callable[[int, int], None]
 class ShardRunner:
     """Runs shards on one engine."""
 
-    def __init__(self, engine: Engine, *, worker: str, settings: Settings | None = None,
-                 window: int | None = None, on_progress: ProgressFn | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        worker: str,
+        settings: Settings | None = None,
+        window: int | None = None,
+        on_progress: ProgressFn | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.engine = engine
         self.settings = settings or get_settings()
         self.storage = Storage(self.settings.resolved_storage)
@@ -118,8 +125,9 @@ class ShardRunner:
                 return
             try:
                 with session_scope(self.settings) as session:
-                    claimed = leases.claim_shard(session, shard_id, self.worker,
-                                                  self.settings.lease_seconds)
+                    claimed = leases.claim_shard(
+                        session, shard_id, self.worker, self.settings.lease_seconds
+                    )
             except ShardBusy as exc:
                 log.info("%s", exc)
                 self._outcomes[shard_id] = Outcome.BUSY
@@ -146,7 +154,9 @@ class ShardRunner:
         errors = 0
         for state, row in batch:
             if row.kind == "invalid":
-                state.buffer.append(OutputRow.failed(row.custom_id, row.line, row.error or "invalid line"))
+                state.buffer.append(
+                    OutputRow.failed(row.custom_id, row.line, row.error or "invalid line")
+                )
                 errors += 1
         prepared = self.engine.prepare([r for _, r in runnable])
         for (state, row), ids in zip(runnable, prepared):
@@ -163,9 +173,12 @@ class ShardRunner:
         if state.job_id not in self._started_jobs:
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
-                service.mark_generation_started(session, state.job_id,
-                                                hardware=self.engine.hardware,
-                                                vllm_version=self.engine.version)
+                service.mark_generation_started(
+                    session,
+                    state.job_id,
+                    hardware=self.engine.hardware,
+                    vllm_version=self.engine.version,
+                )
         # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
         # benchmark drives generate and this runner on one engine.
         request_id = f"r{next(_request_ids)}"
@@ -174,8 +187,11 @@ class ShardRunner:
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
-            state.buffer.append(OutputRow.failed(row.custom_id, row.line, f"rejected by "
-                                                 f"vLLM: {exc}", prompt_tokens=len(ids)))
+            state.buffer.append(
+                OutputRow.failed(
+                    row.custom_id, row.line, f"rejected by vLLM: {exc}", prompt_tokens=len(ids)
+                )
+            )
             return False
         self._pending[request_id] = _Pending(state, row.line, row.custom_id)
         state.inflight += 1
@@ -208,18 +224,31 @@ class ShardRunner:
                 continue
             if out.finish_reason == "abort":
                 # Not ours (we forget a request before aborting it): the engine is stopping.
-                raise EngineDied(f"vLLM aborted request {out.request_id} itself: the engine "
-                                 "is stopping")
+                raise EngineDied(
+                    f"vLLM aborted request {out.request_id} itself: the engine is stopping"
+                )
             pending.state.inflight -= 1
             if out.finish_reason in _RESULT_REASONS:
-                pending.state.buffer.append(OutputRow(
-                    custom_id=pending.custom_id, line=pending.line, status="ok", text=out.text,
-                    finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-                    completion_tokens=out.completion_tokens))
+                pending.state.buffer.append(
+                    OutputRow(
+                        custom_id=pending.custom_id,
+                        line=pending.line,
+                        status="ok",
+                        text=out.text,
+                        finish_reason=out.finish_reason,
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=out.completion_tokens,
+                    )
+                )
             else:
-                pending.state.buffer.append(OutputRow.failed(
-                    pending.custom_id, pending.line, f"vLLM ended the request with finish "
-                    f"reason {out.finish_reason!r}", prompt_tokens=out.prompt_tokens))
+                pending.state.buffer.append(
+                    OutputRow.failed(
+                        pending.custom_id,
+                        pending.line,
+                        f"vLLM ended the request with finish reason {out.finish_reason!r}",
+                        prompt_tokens=out.prompt_tokens,
+                    )
+                )
             tokens += out.completion_tokens
         if finished:
             self.on_progress(len(finished), tokens)
@@ -233,7 +262,8 @@ class ShardRunner:
                 if self._commit(state):
                     self._end(state, ShardStatus.COMPLETED, Outcome.COMPLETED)
             elif len(state.buffer) >= self.settings.commit_rows or (
-                    state.buffer and now - state.last_commit >= self.settings.commit_seconds):
+                state.buffer and now - state.last_commit >= self.settings.commit_seconds
+            ):
                 self._commit(state)
 
     def _commit(self, state: ShardState) -> bool:
@@ -253,16 +283,23 @@ class ShardRunner:
             self._active.remove(state)
         self._outcomes[state.shard_id] = Outcome.LOST
 
-    def _end(self, state: ShardState, status: ShardStatus, outcome: Outcome,
-             error: str | None = None) -> None:
+    def _end(
+        self, state: ShardState, status: ShardStatus, outcome: Outcome, error: str | None = None
+    ) -> None:
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
         with session_scope(self.settings) as session:
-            next_step = lifecycle.end_shard(session, state.shard_id, status, error,
-                                          attempt=state.attempt)
+            next_step = lifecycle.end_shard(
+                session, state.shard_id, status, error, attempt=state.attempt
+            )
         if next_step is JobStatus.FINALIZING:
-            finalize_job(state.job_id, storage=self.storage, settings=self.settings,
-                         hardware=self.engine.hardware, vllm_version=self.engine.version)
+            finalize_job(
+                state.job_id,
+                storage=self.storage,
+                settings=self.settings,
+                hardware=self.engine.hardware,
+                vllm_version=self.engine.version,
+            )
 
     def _abort(self, state: ShardState) -> None:
         ids = [rid for rid, p in self._pending.items() if p.state is state]
@@ -322,15 +359,24 @@ class ShardRunner:
                 if not self._commit(state):
                     continue
                 if outcome is Outcome.ENGINE_DIED and (
-                        state.attempt >= self.settings.max_shard_attempts):
-                    self._end(state, ShardStatus.FAILED, Outcome.FAILED,
-                              error=f"the engine died on run {state.attempt} of this shard "
-                                    f"(BATCHLLM_MAX_SHARD_ATTEMPTS): {exc}")
+                    state.attempt >= self.settings.max_shard_attempts
+                ):
+                    self._end(
+                        state,
+                        ShardStatus.FAILED,
+                        Outcome.FAILED,
+                        error=f"the engine died on run {state.attempt} of this shard "
+                        f"(BATCHLLM_MAX_SHARD_ATTEMPTS): {exc}",
+                    )
                 elif outcome is not None:
                     self._hand_back(state, outcome)
                 else:
-                    self._end(state, ShardStatus.FAILED, Outcome.FAILED,
-                              error=f"{type(exc).__name__}: {exc}")
+                    self._end(
+                        state,
+                        ShardStatus.FAILED,
+                        Outcome.FAILED,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
             except Exception:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).

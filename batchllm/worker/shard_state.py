@@ -51,8 +51,9 @@ class ShardState:
 
     def rows(self, storage: Storage) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""
-        rows = (r for r in iter_shard_rows(storage, self.input_path)
-                if r.line not in self.done_lines)
+        rows = (
+            r for r in iter_shard_rows(storage, self.input_path) if r.line not in self.done_lines
+        )
         if not self.spec.engine.group_prefixes:
             return rows
         # Sorting by the prompt text puts requests sharing a prefix (a system prompt, a few-shot
@@ -71,11 +72,18 @@ class ShardState:
         try:
             with session_scope(settings) as session:
                 checkpoints.record_checkpoint(
-                    session, shard_id=self.shard_id, job_id=self.job_id, seq=self.next_seq,
-                    path=path, rows_ok=ok, rows_failed=len(rows) - ok,
+                    session,
+                    shard_id=self.shard_id,
+                    job_id=self.job_id,
+                    seq=self.next_seq,
+                    path=path,
+                    rows_ok=ok,
+                    rows_failed=len(rows) - ok,
                     prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
                     completion_tokens=sum(r.completion_tokens or 0 for r in rows),
-                    engine_seconds=self.step_seconds, attempt=self.attempt)
+                    engine_seconds=self.step_seconds,
+                    attempt=self.attempt,
+                )
         except ShardLost:
             storage.delete(path)  # its rows belong to the worker that took the shard over
             raise
@@ -99,17 +107,26 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
         attempt = shard.attempts
     out_dir = storage.output_dir(job_id)
-    for name in remove_unrecorded_parts(storage, out_dir, (c.path for c in committed),
-                                        prefix=f"part-s{index:05d}-"):
+    for name in remove_unrecorded_parts(
+        storage, out_dir, (c.path for c in committed), prefix=f"part-s{index:05d}-"
+    ):
         log.warning("shard %d: removed uncommitted part file %s", index, name)
     done: set[int] = set()
     for checkpoint in committed:
         done.update(read_lines(storage, checkpoint.path))
     if done:
         log.info("shard %d: resuming, %d rows already committed", index, len(done))
-    return ShardState(shard_id=shard_id, index=index, job_id=job_id, spec=spec,
-                      input_path=input_path, out_dir=out_dir, attempt=attempt, next_seq=next_seq,
-                      done_lines=done)
+    return ShardState(
+        shard_id=shard_id,
+        index=index,
+        job_id=job_id,
+        spec=spec,
+        input_path=input_path,
+        out_dir=out_dir,
+        attempt=attempt,
+        next_seq=next_seq,
+        done_lines=done,
+    )
 
 
 def sampling_for(spec: JobSpec, row: InputRow) -> dict[str, Any]:

@@ -38,8 +38,9 @@ class _Slot:
         self.started = time.monotonic()
 
 
-def supervise(commands: list[tuple[list[str], dict[str, str]]], *,
-              sleep: Callable[[float], None] = time.sleep) -> int:
+def supervise(
+    commands: list[tuple[list[str], dict[str, str]]], *, sleep: Callable[[float], None] = time.sleep
+) -> int:
     """Run each (argv, env) as a child until SIGTERM/SIGINT, restarting children that exit on
     their own; forwards the signal to the children and returns the highest exit code."""
     slots = [_Slot(i, argv, env) for i, (argv, env) in enumerate(commands)]
@@ -66,10 +67,17 @@ def supervise(commands: list[tuple[list[str], dict[str, str]]], *,
                 code = slot.proc.poll()
                 if code is None or stopping:
                     continue
-                slot.early_deaths = slot.early_deaths + 1 if now - slot.started < _YOUNG_SECONDS else 0
-                delay = min(2.0 ** slot.early_deaths, _MAX_BACKOFF_SECONDS)
-                log.error("worker %d (pid %d) exited with %s; restarting it in %.0f s",
-                          slot.index, slot.proc.pid, code, delay)
+                slot.early_deaths = (
+                    slot.early_deaths + 1 if now - slot.started < _YOUNG_SECONDS else 0
+                )
+                delay = min(2.0**slot.early_deaths, _MAX_BACKOFF_SECONDS)
+                log.error(
+                    "worker %d (pid %d) exited with %s; restarting it in %.0f s",
+                    slot.index,
+                    slot.proc.pid,
+                    code,
+                    delay,
+                )
                 slot.proc, slot.restart_at = None, now + delay
             sleep(_POLL_SECONDS)
         codes = [slot.proc.wait() for slot in slots if slot.proc is not None]

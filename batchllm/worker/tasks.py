@@ -35,8 +35,9 @@ def _on_shutdown(**_kwargs) -> None:
 def _start_reconciler(sender=None, **_kwargs) -> None:
     """Move stuck states on within about a lease, not after Redis's visibility timeout (hours,
     so that long shards are never redelivered while they run)."""
-    threading.Thread(target=reconcile_forever, args=(_send_shard, _stop),
-                     name="batchllm-reconciler", daemon=True).start()
+    threading.Thread(
+        target=reconcile_forever, args=(_send_shard, _stop), name="batchllm-reconciler", daemon=True
+    ).start()
 
 
 def _send_shard(shard_id: int, queue: str) -> None:
@@ -50,19 +51,28 @@ def _close_engine(**_kwargs) -> None:
     _engines.close()
 
 
-@shared_task(name=TASK_RUN_SHARD, bind=True, acks_late=True, reject_on_worker_lost=True,
-             max_retries=None)
+@shared_task(
+    name=TASK_RUN_SHARD, bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None
+)
 def run_shard(self, shard_id: int) -> str:
     queue = (self.request.delivery_info or {}).get("routing_key")
     try:
-        outcome = process_shard(shard_id, worker=self.request.hostname or "worker",
-                                engines=_engines, should_stop=_stop.is_set)
+        outcome = process_shard(
+            shard_id,
+            worker=self.request.hostname or "worker",
+            engines=_engines,
+            should_stop=_stop.is_set,
+        )
     except _DATABASE_ERRORS as exc:
         # Acknowledging this delivery would lose the shard's task; send it again with backoff.
         # (If the broker is down too, the reconciler re-sends it once both are back.)
-        delay = min(5 * 2 ** self.request.retries, _MAX_RETRY_SECONDS)
-        log.warning("shard %s: database unreachable (%s); trying again in %d s", shard_id,
-                    str(exc).splitlines()[0], delay)
+        delay = min(5 * 2**self.request.retries, _MAX_RETRY_SECONDS)
+        log.warning(
+            "shard %s: database unreachable (%s); trying again in %d s",
+            shard_id,
+            str(exc).splitlines()[0],
+            delay,
+        )
         raise self.retry(exc=exc, countdown=delay, queue=queue) from None
     if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
@@ -71,6 +81,5 @@ def run_shard(self, shard_id: int) -> str:
     elif outcome is Outcome.BUSY:
         # A duplicate delivery while another worker holds the shard: look again later, so the
         # shard still has a task if that worker dies.
-        self.app.send_task(self.name, args=(shard_id,), queue=queue,
-                           countdown=_RETRY_BUSY_SECONDS)
+        self.app.send_task(self.name, args=(shard_id,), queue=queue, countdown=_RETRY_BUSY_SECONDS)
     return outcome.value

@@ -37,12 +37,34 @@ def bench(tiny_model, tmp_path_factory) -> tuple[dict, Path, str]:
     for name in ("BATCHLLM_HOME", "BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
         env.pop(name, None)
     done = subprocess.run(
-        [sys.executable, "-m", "batchllm", "bench", "--output", str(out), "--model",
-         str(tiny_model), "--requests", str(REQUESTS), "--output-tokens",
-         f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]}", "--repeats", "1", "--prefix-requests",
-         str(REQUESTS), "--prefix-kv-cache-mib", str(PREFIX_KV_CACHE_MIB),
-         "--overhead-lines", str(OVERHEAD_LINES)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "batchllm",
+            "bench",
+            "--output",
+            str(out),
+            "--model",
+            str(tiny_model),
+            "--requests",
+            str(REQUESTS),
+            "--output-tokens",
+            f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]}",
+            "--repeats",
+            "1",
+            "--prefix-requests",
+            str(REQUESTS),
+            "--prefix-kv-cache-mib",
+            str(PREFIX_KV_CACHE_MIB),
+            "--overhead-lines",
+            str(OVERHEAD_LINES),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads((out / "bench.json").read_text()), out, done.stdout
 
@@ -68,8 +90,7 @@ def test_every_contender_reports_positive_throughput_memory_and_ratio(bench):
     result, _, _ = bench
 
     for key, figures in result["contenders"].items():
-        for name in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-                     "wall_seconds"):
+        for name in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "wall_seconds"):
             assert figures[name]["min"] > 0, (key, name)
             assert figures[name]["min"] <= figures[name]["median"] <= figures[name]["max"]
         assert figures["peak_rss_bytes"] > 100 * 2**20, key
@@ -103,8 +124,12 @@ def test_prefix_and_overhead_parts_report_their_figures(bench):
     assert size["rows_per_s"] > 0 and size["own_rows_per_s"] >= size["rows_per_s"]
     assert size["peak_rss_bytes"] > 0
     assert size["share_of_engine_time"] > 0
-    assert set(result["targets"]) == {"engine_phase_vs_raw", "engine_phase_vs_batches_32",
-                                      "run_speedup_over_run_batch", "overhead_share_of_engine"}
+    assert set(result["targets"]) == {
+        "engine_phase_vs_raw",
+        "engine_phase_vs_batches_32",
+        "run_speedup_over_run_batch",
+        "overhead_share_of_engine",
+    }
 
 
 def test_bench_prints_the_table_and_draws_a_png(bench):
@@ -124,10 +149,21 @@ def test_direct_tokenization_gives_the_ids_of_the_tokenizer_call(tiny_model):
     from batchllm.jobs.rows import InputRow
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [r.row(line) for line, r in enumerate(iter_requests(
-        Workload(requests=50, prompt_words=(1, 80), output_tokens=(1, 1)), 3), start=1)]
-    rows.append(InputRow(line=len(rows) + 1, custom_id="plain", kind="prompt",
-                         prompt="plain </s> <s> ünïcødé 😀 text"))
+    rows = [
+        r.row(line)
+        for line, r in enumerate(
+            iter_requests(Workload(requests=50, prompt_words=(1, 80), output_tokens=(1, 1)), 3),
+            start=1,
+        )
+    ]
+    rows.append(
+        InputRow(
+            line=len(rows) + 1,
+            custom_id="plain",
+            kind="prompt",
+            prompt="plain </s> <s> ünïcødé 😀 text",
+        )
+    )
 
     class CallOnly:
         """Only the tokenizer call and the chat template: the wrapper's own path."""
@@ -138,8 +174,9 @@ def test_direct_tokenization_gives_the_ids_of_the_tokenizer_call(tiny_model):
         def apply_chat_template(self, *args, **kwargs):
             return tokenizer.apply_chat_template(*args, **kwargs)
 
-    with mock.patch.object(type(tokenizer), "__call__",
-                           side_effect=AssertionError("the wrapper was called")):
+    with mock.patch.object(
+        type(tokenizer), "__call__", side_effect=AssertionError("the wrapper was called")
+    ):
         direct = prepare_prompts(tokenizer, rows, 512)
 
     assert direct == prepare_prompts(CallOnly(), rows, 512)

@@ -54,8 +54,9 @@ def tokenizer(tiny_model):
 def make_spec(model: Path, **sampling) -> JobSpec:
     return JobSpec(
         model=str(model),
-        sampling=SamplingDefaults(**{"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0,
-                                     "ignore_eos": True, **sampling}),
+        sampling=SamplingDefaults(
+            **{"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, **sampling}
+        ),
         # Every job in the session has these engine options, so they share one warm engine.
         engine=EngineOptions(max_model_len=MAX_MODEL_LEN, enforce_eager=True),
         metadata={"suite": "engine"},
@@ -66,8 +67,9 @@ def expected_prompt_tokens(tokenizer, line: dict) -> int:
     """What the tokenizer says the prompt is, the way a user would compute it."""
     body = line.get("body", line)
     if "messages" in body:
-        text = tokenizer.apply_chat_template(body["messages"], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            body["messages"], tokenize=False, add_generation_prompt=True
+        )
         return len(tokenizer.encode(text, add_special_tokens=False))
     return len(tokenizer.encode(body["prompt"]))
 
@@ -81,33 +83,56 @@ class MixedFile:
     """~300 lines in all forms, with bad lines, too-long prompts, duplicate ids and a blank."""
 
     def __init__(self, path: Path) -> None:
-        write_workload(path, requests=300, prompt_words=(4, 40), max_tokens=(4, 20),
-                       forms=("prompt", "chat", "openai_chat", "openai_completion"),
-                       bad_lines=BAD_LINES, seed=7)
-        good = [json.loads(raw) for raw in path.read_text().splitlines()
-                if raw.startswith('{"custom_id"')]
+        write_workload(
+            path,
+            requests=300,
+            prompt_words=(4, 40),
+            max_tokens=(4, 20),
+            forms=("prompt", "chat", "openai_chat", "openai_completion"),
+            bad_lines=BAD_LINES,
+            seed=7,
+        )
+        good = [
+            json.loads(raw)
+            for raw in path.read_text().splitlines()
+            if raw.startswith('{"custom_id"')
+        ]
         long_text = " ".join(["alpha bravo river stone"] * 200)
         extra = [
             {"custom_id": "too-long-prompt", "prompt": long_text},
-            {"custom_id": "too-long-chat", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"messages": [{"role": "user", "content": long_text}],
-                      "max_completion_tokens": 5}},
+            {
+                "custom_id": "too-long-chat",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "messages": [{"role": "user", "content": long_text}],
+                    "max_completion_tokens": 5,
+                },
+            },
             {"custom_id": good[3]["custom_id"], "prompt": "a duplicate of an earlier id"},
             {"custom_id": good[-1]["custom_id"], "messages": [{"role": "user", "content": "dup"}]},
             # A per-request seed used to kill the CPU engine; it must still give a row.
-            {"custom_id": "seeded", "prompt": "Tell me about the river", "seed": 7,
-             "temperature": 0.8, "max_tokens": 6},
+            {
+                "custom_id": "seeded",
+                "prompt": "Tell me about the river",
+                "seed": 7,
+                "temperature": 0.8,
+                "max_tokens": 6,
+            },
         ]
         with path.open("a") as out:
             out.write("\n")
             for line in extra:
                 out.write(json.dumps(line) + "\n")
         self.path = path
-        self.lines: dict[int, str] = {n: raw for n, raw in
-                                      enumerate(path.read_text().splitlines(), start=1)
-                                      if raw.strip()}
-        self.duplicates = {n for n, raw in self.lines.items() if n > 301
-                           and json.loads(raw)["custom_id"] in {g["custom_id"] for g in good}}
+        self.lines: dict[int, str] = {
+            n: raw for n, raw in enumerate(path.read_text().splitlines(), start=1) if raw.strip()
+        }
+        self.duplicates = {
+            n
+            for n, raw in self.lines.items()
+            if n > 301 and json.loads(raw)["custom_id"] in {g["custom_id"] for g in good}
+        }
         self.too_long = {n for n, raw in self.lines.items() if '"too-long-' in raw}
         self.bad = {n for n, raw in self.lines.items() if not raw.startswith('{"custom_id"')}
 
@@ -131,9 +156,15 @@ def mixed_run(tiny_model, engines, tmp_path_factory):
         storage = Storage(settings.resolved_storage)
         out_dir = storage.output_dir(job.id)
         table = ds.dataset(out_dir, format="parquet").to_table()
-        yield {"job": job, "mixed": mixed, "settings": settings, "out_dir": out_dir,
-               "storage": storage, "rows": {r["line"]: r for r in table.to_pylist()},
-               "table": table}
+        yield {
+            "job": job,
+            "mixed": mixed,
+            "settings": settings,
+            "out_dir": out_dir,
+            "storage": storage,
+            "rows": {r["line"]: r for r in table.to_pylist()},
+            "table": table,
+        }
     get_settings.cache_clear()
 
 
@@ -179,8 +210,9 @@ def test_error_rows_carry_reasons_and_every_other_row_is_ok(mixed_run):
     assert all(r["error"] is None and isinstance(r["text"], str) for r in ok)
 
 
-def test_prompt_tokens_match_the_tokenizer_with_the_chat_template_for_chat_rows(mixed_run,
-                                                                                tokenizer):
+def test_prompt_tokens_match_the_tokenizer_with_the_chat_template_for_chat_rows(
+    mixed_run, tokenizer
+):
     mixed, rows = mixed_run["mixed"], mixed_run["rows"]
     checked = Counter()
 
@@ -200,7 +232,8 @@ def test_completion_tokens_equal_max_tokens_with_ignore_eos(mixed_run):
     ok = {n: r for n, r in rows.items() if r["status"] == "ok"}
 
     assert {n: r["completion_tokens"] for n, r in ok.items()} == {
-        n: line_max_tokens(mixed.parsed(n)) for n in ok}
+        n: line_max_tokens(mixed.parsed(n)) for n in ok
+    }
     assert {r["finish_reason"] for r in ok.values()} == {"length"}
     assert rows[max(mixed.lines)]["custom_id"] == "seeded"
     assert rows[max(mixed.lines)]["completion_tokens"] == 6
@@ -212,7 +245,10 @@ def test_the_job_row_is_completed_with_throughput_hardware_and_version(mixed_run
 
     assert job.status is JobStatus.COMPLETED
     assert (job.request_total, job.request_completed, job.request_failed) == (
-        305, len(ok), 305 - len(ok))
+        305,
+        len(ok),
+        305 - len(ok),
+    )
     assert job.prompt_tokens == sum(r["prompt_tokens"] for r in ok)
     assert job.completion_tokens == sum(r["completion_tokens"] for r in ok)
     assert job.requests_per_s > 0
@@ -246,8 +282,11 @@ def test_the_output_directory_has_parts_a_manifest_and_success(mixed_run):
     assert SUCCESS_NAME in names
     assert len([n for n in names if n.startswith("part-")]) >= 3  # commit_rows=64, 305 rows
     assert manifest["job_id"] == job.id
-    assert manifest["rows"] == {"total": 305, "ok": job.request_completed,
-                                "error": job.request_failed}
+    assert manifest["rows"] == {
+        "total": 305,
+        "ok": job.request_completed,
+        "error": job.request_failed,
+    }
     assert manifest["vllm_version"] == job.vllm_version
     assert manifest["metadata"] == {"suite": "engine"}
     assert manifest["columns"] == OUTPUT_SCHEMA.names
@@ -257,32 +296,44 @@ def test_the_output_reads_the_same_with_duckdb_and_polars(mixed_run):
     duckdb = pytest.importorskip("duckdb")
     pl = pytest.importorskip("polars")
     out_dir, table = mixed_run["out_dir"], mixed_run["table"]
-    expected = sorted(zip(table.column("line").to_pylist(), table.column("custom_id").to_pylist(),
-                          table.column("status").to_pylist(),
-                          table.column("completion_tokens").to_pylist()))
+    expected = sorted(
+        zip(
+            table.column("line").to_pylist(),
+            table.column("custom_id").to_pylist(),
+            table.column("status").to_pylist(),
+            table.column("completion_tokens").to_pylist(),
+        )
+    )
 
     from_duckdb = duckdb.sql(
         f"SELECT line, custom_id, status, completion_tokens "
-        f"FROM read_parquet('{out_dir}/*.parquet') ORDER BY line").fetchall()
+        f"FROM read_parquet('{out_dir}/*.parquet') ORDER BY line"
+    ).fetchall()
     frame = pl.read_parquet(f"{out_dir}/*.parquet").sort("line")
     from_polars = list(frame.select("line", "custom_id", "status", "completion_tokens").iter_rows())
 
     assert from_duckdb == expected
     assert from_polars == expected
-    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{out_dir}/*.parquet') "
-                      f"WHERE status = 'error'").fetchall() == [
-        (sum(1 for row in expected if row[2] == "error"),)]
+    assert duckdb.sql(
+        f"SELECT count(*) FROM read_parquet('{out_dir}/*.parquet') WHERE status = 'error'"
+    ).fetchall() == [(sum(1 for row in expected if row[2] == "error"),)]
 
 
-def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(mixed_run, tiny_model,
-                                                                       engines, settings,
-                                                                       tmp_path):
+def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
+    mixed_run, tiny_model, engines, settings, tmp_path
+):
     warm = engines.engine
     settings.shard_size = 15
     settings.commit_rows = 8
     # Spread max_tokens so requests finish over many steps and commits happen mid-shard.
-    source = write_workload(tmp_path / "small.jsonl", requests=40, prompt_words=(4, 12),
-                            forms=("prompt", "chat"), max_tokens=(1, 24), seed=3)
+    source = write_workload(
+        tmp_path / "small.jsonl",
+        requests=40,
+        prompt_words=(4, 12),
+        forms=("prompt", "chat"),
+        max_tokens=(1, 24),
+        seed=3,
+    )
     wanted = sum(json.loads(raw)["max_tokens"] for raw in source.read_text().splitlines())
 
     job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
@@ -298,34 +349,64 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(mixed_run
     parts = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
-        recorded = [posixpath.basename(c.path) for s in shards
-                       for c in checkpoints.checkpoints_of(session, s.id)]
+        recorded = [
+            posixpath.basename(c.path)
+            for s in shards
+            for c in checkpoints.checkpoints_of(session, s.id)
+        ]
         assert sorted(recorded) == parts
         assert len(parts) > len(shards)
         assert [(s.rows, s.rows_ok, s.status) for s in shards] == [
-            (15, 15, ShardStatus.COMPLETED), (15, 15, ShardStatus.COMPLETED),
-            (10, 10, ShardStatus.COMPLETED)]
+            (15, 15, ShardStatus.COMPLETED),
+            (15, 15, ShardStatus.COMPLETED),
+            (10, 10, ShardStatus.COMPLETED),
+        ]
 
 
 def batchllm_cli(*args: str, home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHLLM_HOME": str(home)}
     for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "batchllm", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "batchllm", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, engines,
-                                                                   tmp_path):
-    source = write_workload(tmp_path / "cli.jsonl", requests=12, prompt_words=(4, 10),
-                            forms=("prompt", "chat", "openai_chat", "openai_completion"),
-                            bad_lines=1, seed=5)
+def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, engines, tmp_path):
+    source = write_workload(
+        tmp_path / "cli.jsonl",
+        requests=12,
+        prompt_words=(4, 10),
+        forms=("prompt", "chat", "openai_chat", "openai_completion"),
+        bad_lines=1,
+        seed=5,
+    )
     home, copy = tmp_path / "home", tmp_path / "copy"
 
-    ran = batchllm_cli("run", str(source), "--model", str(tiny_model), "--max-tokens", "5",
-                       "--ignore-eos", "--temperature", "0", "--max-model-len", "128",
-                       "--enforce-eager", "--metadata", "via=cli", "--output", str(copy),
-                       home=home)
+    ran = batchllm_cli(
+        "run",
+        str(source),
+        "--model",
+        str(tiny_model),
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--max-model-len",
+        "128",
+        "--enforce-eager",
+        "--metadata",
+        "via=cli",
+        "--output",
+        str(copy),
+        home=home,
+    )
 
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "status     completed" in ran.stdout

@@ -34,11 +34,15 @@ from tests.faults.harness import (
 def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultEnv]:
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     require(importlib.util.find_spec("psycopg") is not None, "psycopg is not installed")
-    require(shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
-            "redis-server/redis-cli are not installed")
+    require(
+        shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
+        "redis-server/redis-cli are not installed",
+    )
     bin_dir = postgres_bin()
-    require(bin_dir is not None and (bin_dir / "pg_ctl").exists(),
-            "PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    require(
+        bin_dir is not None and (bin_dir / "pg_ctl").exists(),
+        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+    )
     if os.geteuid() == 0:
         try:
             import pwd
@@ -61,21 +65,34 @@ def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         upgrade(postgres.url)
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
         env.update(WORKER_SETTINGS)
-        env.update({
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-            "BATCHLLM_HOME": str(work_dir / "home"),
-            "BATCHLLM_DATABASE_URL": postgres.url,
-            "BATCHLLM_BROKER_URL": redis_server.url,
-            "BATCHLLM_STORAGE": str(work_dir / "storage"),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
-        settings = Settings(**{k.removeprefix("BATCHLLM_").lower(): v for k, v in env.items()
-                               if k.startswith("BATCHLLM_")})
-        yield FaultEnv(settings=settings, env=env, redis=redis_server, postgres=postgres,
-                       model=tiny_model, work_dir=work_dir)
+        env.update(
+            {
+                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+                "BATCHLLM_HOME": str(work_dir / "home"),
+                "BATCHLLM_DATABASE_URL": postgres.url,
+                "BATCHLLM_BROKER_URL": redis_server.url,
+                "BATCHLLM_STORAGE": str(work_dir / "storage"),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        settings = Settings(
+            **{
+                k.removeprefix("BATCHLLM_").lower(): v
+                for k, v in env.items()
+                if k.startswith("BATCHLLM_")
+            }
+        )
+        yield FaultEnv(
+            settings=settings,
+            env=env,
+            redis=redis_server,
+            postgres=postgres,
+            model=tiny_model,
+            work_dir=work_dir,
+        )
         get_engine(settings).dispose()
     finally:
         stop_all_workers()
@@ -125,8 +142,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for test, outcome, value in rows:
         seconds = value.get("seconds")
         shown = f"{seconds:8.1f}" if isinstance(seconds, (int, float)) else f"{'-':>8}"
-        terminalreporter.write_line(f"{test[:72]:<72} {outcome:<7} {value['what'][:44]:<44} "
-                                    f"{shown}")
+        terminalreporter.write_line(
+            f"{test[:72]:<72} {outcome:<7} {value['what'][:44]:<44} {shown}"
+        )
         if value.get("note"):
             terminalreporter.write_line(f"{'':<81}{value['note']}")
 

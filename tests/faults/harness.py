@@ -160,8 +160,7 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis(host=HOST, port=self.port, socket_connect_timeout=2,
-                           socket_timeout=5)
+        return redis.Redis(host=HOST, port=self.port, socket_connect_timeout=2, socket_timeout=5)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -170,15 +169,32 @@ class RedisServer:
         assert not self.running(), "redis-server is already running"
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", "",
-                 "--appendonly", "no", "--daemonize", "no", "--dir", str(self.work_dir)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    "redis-server",
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    HOST,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--daemonize",
+                    "no",
+                    "--dir",
+                    str(self.work_dir),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         _remember(self.proc.pid)
 
         def answers() -> bool:
             if self.proc.poll() is not None:
-                raise AssertionError(f"redis-server exited with {self.proc.returncode}:\n"
-                                     + tail(self.log_path))
+                raise AssertionError(
+                    f"redis-server exited with {self.proc.returncode}:\n" + tail(self.log_path)
+                )
             try:
                 return bool(self.client().ping())
             except Exception:
@@ -190,8 +206,11 @@ class RedisServer:
         """`SHUTDOWN NOSAVE`, then SIGTERM and SIGKILL to our PID if it does not go."""
         if not self.running():
             return
-        subprocess.run(["redis-cli", "-h", HOST, "-p", str(self.port), "shutdown", "nosave"],
-                       capture_output=True, timeout=15)
+        subprocess.run(
+            ["redis-cli", "-h", HOST, "-p", str(self.port), "shutdown", "nosave"],
+            capture_output=True,
+            timeout=15,
+        )
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None:
                 self.proc.send_signal(sig)
@@ -214,8 +233,10 @@ class RedisServer:
 
 
 def postgres_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                   key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
     if found:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
@@ -242,16 +263,30 @@ class PostgresCluster:
         command = [str(self.bin_dir / argv[0]), *argv[1:]]
         if self.as_root:
             command = ["runuser", "-u", "postgres", "--", *command]
-        result = subprocess.run(command, cwd=self.root, capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            command, cwd=self.root, capture_output=True, text=True, timeout=timeout
+        )
         if result.returncode != 0:
-            raise AssertionError(f"{' '.join(argv)} failed ({result.returncode}):\n"
-                                 f"{result.stdout}\n{result.stderr}\n" + tail(self.log_path))
+            raise AssertionError(
+                f"{' '.join(argv)} failed ({result.returncode}):\n"
+                f"{result.stdout}\n{result.stderr}\n" + tail(self.log_path)
+            )
         return result
 
     def init(self) -> None:
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8",
-                  "--locale=C", "--no-sync")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
         with (self.data / "postgresql.conf").open("a") as conf:
             conf.write(
                 "\n# batchllm fault suite\n"
@@ -262,7 +297,8 @@ class PostgresCluster:
                 "max_connections = 200\n"
                 # A backend whose client was killed -9 notices within a second even while it
                 # waits, and drops its locks, as it would on a real network.
-                "client_connection_check_interval = '1s'\n")
+                "client_connection_check_interval = '1s'\n"
+            )
 
     @property
     def pid(self) -> int | None:
@@ -279,8 +315,9 @@ class PostgresCluster:
             return False
 
     def start(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60",
-                  "start")
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60", "start"
+        )
         if self.pid:
             _remember(self.pid)
 
@@ -292,16 +329,28 @@ class PostgresCluster:
     def create_database(self) -> None:
         import psycopg
 
-        with psycopg.connect(host=HOST, port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True, connect_timeout=5) as conn:
+        with psycopg.connect(
+            host=HOST,
+            port=self.port,
+            user="postgres",
+            dbname="postgres",
+            autocommit=True,
+            connect_timeout=5,
+        ) as conn:
             conn.execute(f'CREATE DATABASE "{DATABASE}"')
 
     def connect(self):
         """A plain psycopg connection (autocommit) for the test's own SQL."""
         import psycopg
 
-        return psycopg.connect(host=HOST, port=self.port, user="postgres", dbname=DATABASE,
-                               autocommit=True, connect_timeout=5)
+        return psycopg.connect(
+            host=HOST,
+            port=self.port,
+            user="postgres",
+            dbname=DATABASE,
+            autocommit=True,
+            connect_timeout=5,
+        )
 
     def destroy(self) -> None:
         try:
@@ -331,14 +380,24 @@ class FaultEnv:
     def worker_env(self, **extra: str) -> dict[str, str]:
         return {**self.env, **extra}
 
-    def submit(self, source: Path, *, shard_size: int, max_tokens: int,
-               ignore_eos: bool = True, model: Path | str | None = None):
+    def submit(
+        self,
+        source: Path,
+        *,
+        shard_size: int,
+        max_tokens: int,
+        ignore_eos: bool = True,
+        model: Path | str | None = None,
+    ):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
         from batchllm.jobs.schemas import JobSpec, SamplingDefaults
         from batchllm.worker.dispatch import submit_job
 
-        spec = JobSpec(model=str(model or self.model), engine=ENGINE,
-                       sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        spec = JobSpec(
+            model=str(model or self.model),
+            engine=ENGINE,
+            sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        )
         return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
 
     def queue_length(self) -> int:
@@ -348,8 +407,14 @@ class FaultEnv:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`batchllm ARGS` as a user on this fleet runs it."""
-        return subprocess.run([sys.executable, "-m", "batchllm", *args], env=self.env, cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "batchllm", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def last_resort_cleanup(redis_server: RedisServer, postgres: PostgresCluster) -> None:
@@ -380,10 +445,24 @@ class Worker:
         self._log = log_path.open("ab")
         self._terminated = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "worker", "--model", str(env.model),
-             "--name", name, "--loglevel", "INFO"],
-            env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)), cwd=REPO,
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "batchllm",
+                "worker",
+                "--model",
+                str(env.model),
+                "--name",
+                name,
+                "--loglevel",
+                "INFO",
+            ],
+            env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)),
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         _remember(self.proc.pid)
         running_workers.append(self)
 
@@ -404,11 +483,13 @@ class Worker:
         deadline = time.monotonic() + timeout
         while f"{self.name} ready." not in self.log():
             if self.proc.poll() is not None:
-                raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}:\n"
-                                     + self.tail())
+                raise AssertionError(
+                    f"worker {self.name} exited with {self.proc.returncode}:\n" + self.tail()
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"worker {self.name} not ready after {timeout}s:\n"
-                                     + self.tail())
+                raise AssertionError(
+                    f"worker {self.name} not ready after {timeout}s:\n" + self.tail()
+                )
             time.sleep(0.2)
 
     def record_descendants(self) -> dict[int, float]:
@@ -547,36 +628,44 @@ class Pool:
                 self.suspect = False
                 return
             if attempt == 2:
-                raise AssertionError(f"probe shards ran on {used}, not on every worker of "
-                                     f"{[w.name for w in workers]}" + tails(workers))
-            self.notes.append(f"workers {sorted({w.name for w in workers} - used)} took no "
-                              "probe shard: pool restarted")
+                raise AssertionError(
+                    f"probe shards ran on {used}, not on every worker of "
+                    f"{[w.name for w in workers]}" + tails(workers)
+                )
+            self.notes.append(
+                f"workers {sorted({w.name for w in workers} - used)} took no "
+                "probe shard: pool restarted"
+            )
             for worker in workers:
                 worker.stop(grace=5)
                 self.workers.remove(worker)
             self._start(len(workers))
 
 
-def run_probe_job(env: FaultEnv, count: int, *, timeout: float,
-                  workers: list[Worker]) -> set[str]:
+def run_probe_job(env: FaultEnv, count: int, *, timeout: float, workers: list[Worker]) -> set[str]:
     """Run a small job of 2*count two-row shards; returns the workers that ran its shards."""
     from batchllm.jobs.db import session_scope
     from batchllm.jobs.models import Job, JobStatus
     from batchllm.jobs.workload import write_workload
 
-    source = write_workload(env.work_dir / f"probe-{time.monotonic_ns()}.jsonl",
-                            requests=4 * count, prompt_words=(4, 8))
+    source = write_workload(
+        env.work_dir / f"probe-{time.monotonic_ns()}.jsonl", requests=4 * count, prompt_words=(4, 8)
+    )
     job_id = env.submit(source, shard_size=2, max_tokens=4).id
 
     def ended():
         with session_scope(env.settings) as session:
             job = session.get(Job, job_id)
-            return (job.status, job.error, {s.worker for s in job.shards}) \
-                if job.status.is_final else None
+            return (
+                (job.status, job.error, {s.worker for s in job.shards})
+                if job.status.is_final
+                else None
+            )
 
     try:
-        status, error, used = wait_for(ended, timeout=timeout, what="the probe job to end",
-                                       interval=0.5)
+        status, error, used = wait_for(
+            ended, timeout=timeout, what="the probe job to end", interval=0.5
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}" + tails(workers)) from None
     assert status is JobStatus.COMPLETED, f"probe job {status.value}: {error}" + tails(workers)
@@ -585,5 +674,3 @@ def run_probe_job(env: FaultEnv, count: int, *, timeout: float,
 
 def tails(workers: list[Worker]) -> str:
     return "".join(f"\n--- {w.name} log (tail) ---\n{w.tail()}" for w in workers)
-
-

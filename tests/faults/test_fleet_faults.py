@@ -63,15 +63,19 @@ STALL = 120  # ... and the longest it may make no progress at all (an engine sta
 # -- helpers -------------------------------------------------------------------------------
 
 
-def workload(tmp_path: Path, *, seed: int, tokens: tuple[int, int] = TOKENS,
-             rows: int = ROWS) -> Path:
-    return write_workload(tmp_path / f"prompts-{seed}.jsonl", requests=rows, max_tokens=tokens,
-                          seed=seed)
+def workload(
+    tmp_path: Path, *, seed: int, tokens: tuple[int, int] = TOKENS, rows: int = ROWS
+) -> Path:
+    return write_workload(
+        tmp_path / f"prompts-{seed}.jsonl", requests=rows, max_tokens=tokens, seed=seed
+    )
 
 
 def asked_tokens(source: Path) -> dict[int, int]:
-    return {n: json.loads(raw)["max_tokens"]
-            for n, raw in enumerate(source.read_text().splitlines(), start=1)}
+    return {
+        n: json.loads(raw)["max_tokens"]
+        for n, raw in enumerate(source.read_text().splitlines(), start=1)
+    }
 
 
 def poll_job(env: FaultEnv, job_id: str) -> tuple[Job, list[Shard]] | None:
@@ -83,13 +87,24 @@ def poll_job(env: FaultEnv, job_id: str) -> tuple[Job, list[Shard]] | None:
 
 
 def progress_key(job: Job, shards: list[Shard]) -> tuple:
-    return (job.status, job.request_completed, job.request_failed, job.shards_done,
-            tuple((s.status, s.attempts, s.rows_ok + s.rows_failed) for s in shards))
+    return (
+        job.status,
+        job.request_completed,
+        job.request_failed,
+        job.shards_done,
+        tuple((s.status, s.attempts, s.rows_ok + s.rows_failed) for s in shards),
+    )
 
 
-def wait_until_final(env: FaultEnv, job_id: str, workers: list[Worker], *,
-                     timeout: float = JOB_TIMEOUT, stall: float = STALL,
-                     on_poll=None) -> tuple[Job, list[Shard]]:
+def wait_until_final(
+    env: FaultEnv,
+    job_id: str,
+    workers: list[Worker],
+    *,
+    timeout: float = JOB_TIMEOUT,
+    stall: float = STALL,
+    on_poll=None,
+) -> tuple[Job, list[Shard]]:
     """Poll until the job is final. Fails after `timeout`, or sooner when nothing about the job
     (state, counts, shard states and attempts) changed for `stall` seconds."""
     deadline = time.monotonic() + timeout
@@ -108,22 +123,30 @@ def wait_until_final(env: FaultEnv, job_id: str, workers: list[Worker], *,
                 last_key, last_change = key, now
         if now - last_change > stall or now > deadline:
             state = "unreachable database" if polled is None else describe(*polled)
-            why = (f"made no progress for {stall:.0f}s" if now - last_change > stall
-                   else f"did not end within {timeout:.0f}s")
+            why = (
+                f"made no progress for {stall:.0f}s"
+                if now - last_change > stall
+                else f"did not end within {timeout:.0f}s"
+            )
             raise AssertionError(f"job {job_id} {why}: {state}")
         time.sleep(0.5)
 
 
 def describe(job: Job, shards: list[Shard]) -> str:
-    parts = [f"{s.index}:{s.status.value}/{s.worker}/a{s.attempts}/"
-             f"{s.rows_ok + s.rows_failed}of{s.rows}" for s in shards]
-    return (f"{job.status.value}, {job.request_completed + job.request_failed} of "
-            f"{job.request_total} rows, shards {job.shards_done}/{job.shards_total} done "
-            f"[{' '.join(parts)}]")
+    parts = [
+        f"{s.index}:{s.status.value}/{s.worker}/a{s.attempts}/{s.rows_ok + s.rows_failed}of{s.rows}"
+        for s in shards
+    ]
+    return (
+        f"{job.status.value}, {job.request_completed + job.request_failed} of "
+        f"{job.request_total} rows, shards {job.shards_done}/{job.shards_total} done "
+        f"[{' '.join(parts)}]"
+    )
 
 
-def running_shard(env: FaultEnv, job_id: str, workers: list[Worker], *, min_done: int = 60,
-                  min_left: int = 100) -> Shard | None:
+def running_shard(
+    env: FaultEnv, job_id: str, workers: list[Worker], *, min_done: int = 60, min_left: int = 100
+) -> Shard | None:
     """A running shard on one of `workers` with some rows committed and many still to go."""
     polled = poll_job(env, job_id)
     if polled is None:
@@ -133,16 +156,22 @@ def running_shard(env: FaultEnv, job_id: str, workers: list[Worker], *, min_done
     names = {w.name for w in workers}
     for shard in shards:
         done = shard.rows_ok + shard.rows_failed
-        if (shard.status is ShardStatus.RUNNING and shard.worker in names
-                and min_done <= done <= shard.rows - min_left):
+        if (
+            shard.status is ShardStatus.RUNNING
+            and shard.worker in names
+            and min_done <= done <= shard.rows - min_left
+        ):
             return shard
     return None
 
 
 def wait_mid_shard(env: FaultEnv, job_id: str, workers: list[Worker], **kwargs) -> Shard:
-    return wait_for(lambda: running_shard(env, job_id, workers, **kwargs), timeout=240,
-                    what="a shard part-way through (some rows committed, many to go)",
-                    interval=0.1)
+    return wait_for(
+        lambda: running_shard(env, job_id, workers, **kwargs),
+        timeout=240,
+        what="a shard part-way through (some rows committed, many to go)",
+        interval=0.1,
+    )
 
 
 def by_name(workers: list[Worker]) -> dict[str, Worker]:
@@ -151,20 +180,26 @@ def by_name(workers: list[Worker]) -> dict[str, Worker]:
 
 def assert_rows_are_results(rows: list[dict], asked: dict[int, int]) -> None:
     """`ok` rows are real results: stop/length, never an aborted request's partial output."""
-    wrong = [r for r in rows
-             if r["status"] == "ok" and r["finish_reason"] not in ("stop", "length")]
-    assert not wrong, (f"{len(wrong)} ok rows with finish_reason "
-                       f"{wrong[0]['finish_reason']!r}: {wrong[0]}")
+    wrong = [
+        r for r in rows if r["status"] == "ok" and r["finish_reason"] not in ("stop", "length")
+    ]
+    assert not wrong, (
+        f"{len(wrong)} ok rows with finish_reason {wrong[0]['finish_reason']!r}: {wrong[0]}"
+    )
     short = [r for r in rows if r["status"] == "ok" and r["completion_tokens"] != asked[r["line"]]]
-    assert not short, (f"{len(short)} ok rows (ignore_eos) with fewer tokens than asked, e.g. "
-                       f"line {short[0]['line']}: {short[0]['completion_tokens']} of "
-                       f"{asked[short[0]['line']]}")
+    assert not short, (
+        f"{len(short)} ok rows (ignore_eos) with fewer tokens than asked, e.g. "
+        f"line {short[0]['line']}: {short[0]['completion_tokens']} of "
+        f"{asked[short[0]['line']]}"
+    )
 
 
-def assert_completed_exactly_once(env: FaultEnv, job: Job, shards: list[Shard], source: Path,
-                                  workers: list[Worker]) -> list[dict]:
-    assert job.status is JobStatus.COMPLETED, (f"job {job.status.value}: {job.error}; "
-                                               + describe(job, shards))
+def assert_completed_exactly_once(
+    env: FaultEnv, job: Job, shards: list[Shard], source: Path, workers: list[Worker]
+) -> list[dict]:
+    assert job.status is JobStatus.COMPLETED, f"job {job.status.value}: {job.error}; " + describe(
+        job, shards
+    )
     rows = output_rows(env, job.id)
     assert_exactly_once(rows, expected_rows(source))
     assert_rows_are_results(rows, asked_tokens(source))
@@ -200,14 +235,21 @@ def end_active_jobs(env: FaultEnv) -> None:
         deadline = time.monotonic() + 15
         while active and time.monotonic() < deadline:
             with session_scope(env.settings) as session:
-                active = list(session.scalars(select(Job.id).where(
-                    Job.status.in_(lifecycle.ACTIVE))))
+                active = list(
+                    session.scalars(select(Job.id).where(Job.status.in_(lifecycle.ACTIVE)))
+                )
             time.sleep(0.5)
         with session_scope(env.settings) as session:
-            session.execute(update(Shard).where(Shard.status.in_(
-                [ShardStatus.QUEUED, ShardStatus.RUNNING])).values(status=ShardStatus.CANCELLED))
-            session.execute(update(Job).where(Job.status.in_(lifecycle.ACTIVE)).values(
-                status=JobStatus.CANCELLED, error="ended by the fault suite's clean-up"))
+            session.execute(
+                update(Shard)
+                .where(Shard.status.in_([ShardStatus.QUEUED, ShardStatus.RUNNING]))
+                .values(status=ShardStatus.CANCELLED)
+            )
+            session.execute(
+                update(Job)
+                .where(Job.status.in_(lifecycle.ACTIVE))
+                .values(status=JobStatus.CANCELLED, error="ended by the fault suite's clean-up")
+            )
     except DBAPIError:
         pass
 
@@ -234,7 +276,8 @@ class TestPrivateFleet:
     """The harness itself: the private services and a warm pair run a job to completion."""
 
     def test_a_pair_of_workers_completes_a_job_on_the_private_redis_and_postgres(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         assert fault_env.redis.port not in (6379,) and fault_env.postgres.port != 5432
         source = workload(tmp_path, seed=10)
@@ -245,15 +288,19 @@ class TestPrivateFleet:
         took = time.monotonic() - started
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
         assert {s.worker for s in shards} == {w.name for w in pair}
-        recovery("no fault: submit to completed", took,
-                 f"baseline: {ROWS} rows, 8 shards, {job.output_tokens_per_s:.0f} out tok/s")
+        recovery(
+            "no fault: submit to completed",
+            took,
+            f"baseline: {ROWS} rows, 8 shards, {job.output_tokens_per_s:.0f} out tok/s",
+        )
 
 
 class TestServiceOutages:
     """A warm pair; Redis and PostgreSQL go away and come back while a job runs."""
 
     def test_a_redis_restart_while_shard_tasks_wait_in_the_queue_loses_no_shard(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         source = workload(tmp_path, seed=11)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
@@ -263,8 +310,9 @@ class TestServiceOutages:
             running = polled and sum(s.status is ShardStatus.RUNNING for s in polled[1])
             return running and fault_env.queue_length() >= 3
 
-        wait_for(tasks_waiting, timeout=240, what="running shards with tasks still queued",
-                 interval=0.1)
+        wait_for(
+            tasks_waiting, timeout=240, what="running shards with tasks still queued", interval=0.1
+        )
         waiting = fault_env.queue_length()
         fault_at = fault_env.redis.restart()
         assert fault_env.queue_length() == 0, "the restart kept the queued tasks"
@@ -275,7 +323,8 @@ class TestServiceOutages:
         recovery("redis restart -> completed", took, f"{waiting} queued tasks were lost")
 
     def test_a_redis_restart_while_shards_run_loses_no_row(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         source = workload(tmp_path, seed=12)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
@@ -284,18 +333,26 @@ class TestServiceOutages:
             shard = running_shard(fault_env, job.id, pair, min_done=1, min_left=60)
             return shard if shard and fault_env.queue_length() == 0 else None
 
-        shard = wait_for(running_with_empty_queue, timeout=300, interval=0.1,
-                         what="a shard running part-way with no task left in the queue")
+        shard = wait_for(
+            running_with_empty_queue,
+            timeout=300,
+            interval=0.1,
+            what="a shard running part-way with no task left in the queue",
+        )
         fault_at = fault_env.redis.restart()
 
         job, shards = wait_until_final(fault_env, job.id, pair)
         took = time.monotonic() - fault_at
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
-        recovery("redis restart -> completed", took,
-                 f"shard {shard.index} was running ({shard.rows_ok} of {shard.rows} rows)")
+        recovery(
+            "redis restart -> completed",
+            took,
+            f"shard {shard.index} was running ({shard.rows_ok} of {shard.rows} rows)",
+        )
 
     def test_postgresql_down_for_30_seconds_mid_job_loses_no_row(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         source = workload(tmp_path, seed=13)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
@@ -311,8 +368,11 @@ class TestServiceOutages:
         resumed: list[float] = []
 
         def note_resume(polled):
-            if (not resumed and polled is not None
-                    and polled[0].request_completed + polled[0].request_failed > done_before):
+            if (
+                not resumed
+                and polled is not None
+                and polled[0].request_completed + polled[0].request_failed > done_before
+            ):
                 resumed.append(time.monotonic() - back_at)
 
         job, shards = wait_until_final(fault_env, job.id, pair, on_poll=note_resume)
@@ -320,15 +380,19 @@ class TestServiceOutages:
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
         recovery("postgres back -> rows committed again", resumed[0] if resumed else None)
         alive = [w.name for w in pair if w.alive()]
-        recovery("postgres back -> completed", took,
-                 f"outage {back_at - stopped_at:.0f}s; workers alive after: {alive}")
+        recovery(
+            "postgres back -> completed",
+            took,
+            f"outage {back_at - stopped_at:.0f}s; workers alive after: {alive}",
+        )
 
 
 class TestEngineLoss:
     """kill -9 of a worker's VLLM::EngineCore process (the engine dies, the worker lives)."""
 
     def test_a_killed_engine_loses_no_row_and_its_worker_serves_again_or_exits(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=14)
@@ -344,8 +408,9 @@ class TestEngineLoss:
         job, shards = wait_until_final(fault_env, job.id, pair)
         took = time.monotonic() - killed_at
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
-        recovery("engine kill -> completed", took, f"engine of {victim.name} on shard "
-                                                    f"{shard.index}")
+        recovery(
+            "engine kill -> completed", took, f"engine of {victim.name} on shard {shard.index}"
+        )
 
         # The worker whose engine died must not sit alive and idle: it serves the next job
         # (rebuilding its engine) or it has exited with an error for its supervisor to see.
@@ -357,22 +422,31 @@ class TestEngineLoss:
                 except Exception:
                     pass
             assert victim.name in used or not victim.alive(), (
-                f"{victim.name} is alive but took no shard of the next job")
+                f"{victim.name} is alive but took no shard of the next job"
+            )
         if not victim.alive():
             assert victim.proc.returncode != 0, (
-                f"{victim.name} exited with 0 after losing its engine")
-            recovery("engine kill: worker outcome", None,
-                     f"{victim.name} exited with {victim.proc.returncode}")
+                f"{victim.name} exited with 0 after losing its engine"
+            )
+            recovery(
+                "engine kill: worker outcome",
+                None,
+                f"{victim.name} exited with {victim.proc.returncode}",
+            )
         else:
-            recovery("engine kill: worker outcome", None,
-                     f"{victim.name} rebuilt its engine and served the next job")
+            recovery(
+                "engine kill: worker outcome",
+                None,
+                f"{victim.name} rebuilt its engine and served the next job",
+            )
 
 
 class TestWorkerLoss:
     """kill -9 of a worker's main process mid-shard, as an OOM killer would."""
 
     def test_a_worker_killed_mid_shard_loses_no_row_and_leaves_no_engine_process(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=15)
@@ -382,7 +456,8 @@ class TestWorkerLoss:
         survivor = next(w for w in pair if w is not victim)
         children = victim.record_descendants()
         assert any("VLLM" in t or "EngineCore" in t for t in alive_of(children).values()), (
-            f"no engine process recorded under {victim.name}: {alive_of(children)}")
+            f"no engine process recorded under {victim.name}: {alive_of(children)}"
+        )
         killed_at = victim.kill_main()
 
         # Its engine processes must die with it, not live on under PID 1.
@@ -401,16 +476,21 @@ class TestWorkerLoss:
         took = time.monotonic() - killed_at
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
         taken = next(s for s in shards if s.id == shard.id)
-        assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts,
-                                                                        taken.worker)
+        assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts, taken.worker)
         recovery("worker kill -> completed", took, f"{victim.name} killed on shard {shard.index}")
-        recovery("worker kill -> its engine processes gone", gone_after,
-                 f"{len(children)} children recorded")
-        assert not orphans, (f"30 s after kill -9 of {victim.name}, its engine processes still "
-                             f"ran: {orphans} (parents {orphan_parents})")
+        recovery(
+            "worker kill -> its engine processes gone",
+            gone_after,
+            f"{len(children)} children recorded",
+        )
+        assert not orphans, (
+            f"30 s after kill -9 of {victim.name}, its engine processes still "
+            f"ran: {orphans} (parents {orphan_parents})"
+        )
 
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=16, tokens=(48, 120))
@@ -434,15 +514,20 @@ class TestWorkerLoss:
         assert_rows_are_results(rows, asked_tokens(source))
         assert len(rows) == job.request_completed + job.request_failed
         assert kept_by_victim and kept_by_victim <= {r["line"] for r in rows}, (
-            "rows the killed worker had committed were dropped")
+            "rows the killed worker had committed were dropped"
+        )
         assert {s.status for s in shards} <= {ShardStatus.COMPLETED, ShardStatus.CANCELLED}
         storage = Storage(fault_env.settings.resolved_storage)
         assert not storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
-        recovery("cancel (dead worker) -> cancelled", took,
-                 f"kept {len(rows)} rows, {len(kept_by_victim)} of them from {victim.name}")
+        recovery(
+            "cancel (dead worker) -> cancelled",
+            took,
+            f"kept {len(rows)} rows, {len(kept_by_victim)} of them from {victim.name}",
+        )
 
     def test_two_faults_in_one_job_a_worker_kill_and_a_redis_restart_lose_no_row(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         pair = pool.ensure(2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=17)
@@ -452,8 +537,12 @@ class TestWorkerLoss:
             shard = running_shard(fault_env, job.id, pair)
             return shard if shard and fault_env.queue_length() >= 1 else None
 
-        shard = wait_for(mid_shard_with_tasks_queued, timeout=240, interval=0.1,
-                         what="a shard part-way with tasks still queued")
+        shard = wait_for(
+            mid_shard_with_tasks_queued,
+            timeout=240,
+            interval=0.1,
+            what="a shard part-way with tasks still queued",
+        )
         victim = workers[shard.worker]
         killed_at = victim.kill_main()
         fault_env.redis.restart()
@@ -461,11 +550,15 @@ class TestWorkerLoss:
         job, shards = wait_until_final(fault_env, job.id, pair)
         took = time.monotonic() - killed_at
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
-        recovery("worker kill + redis restart -> completed", took,
-                 f"{victim.name} killed on shard {shard.index}, then Redis lost its tasks")
+        recovery(
+            "worker kill + redis restart -> completed",
+            took,
+            f"{victim.name} killed on shard {shard.index}, then Redis lost its tasks",
+        )
 
     def test_a_job_whose_worker_is_killed_while_finalizing_is_finalized_by_the_reconciler(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         """A worker killed between the job's move to `finalizing` and its completion.
 
         Made deterministic with a gate in the private PostgreSQL: a trigger on `jobs` holds any
@@ -488,30 +581,40 @@ class TestWorkerLoss:
             install_finalize_gate(conn)
             conn.execute("INSERT INTO fault_gate (job_id) VALUES (%s)", (job.id,))
             try:
+
                 def held():
                     polled = poll_job(fault_env, job.id)
                     assert polled and not polled[0].status.is_final, (
                         "the job ended without passing the gate: "
-                        + (describe(*polled) if polled else "?"))
+                        + (describe(*polled) if polled else "?")
+                    )
                     rows = conn.execute(
                         "SELECT pid, client_port FROM pg_stat_activity WHERE "
                         "wait_event = 'PgSleep' AND datname = current_database() "
-                        "ORDER BY xact_start").fetchall()
+                        "ORDER BY xact_start"
+                    ).fetchall()
                     return rows if polled[0].status is JobStatus.FINALIZING and rows else None
 
                 # The first to wait is the worker that ended the last shard (a reconciler
                 # that came later waits behind it, on the job's row lock).
-                backend, port = wait_for(held, timeout=300, interval=0.2,
-                                         what="a worker held in the job's completion")[0]
+                backend, port = wait_for(
+                    held, timeout=300, interval=0.2, what="a worker held in the job's completion"
+                )[0]
                 victim = worker_on_port(pair, port, fault_env.postgres.port)
                 assert victim is not None, f"no worker owns the waiting connection :{port}"
                 _, shards = load_job(fault_env, job.id)
                 last_ender = max(shards, key=lambda s: s.finished_at).worker
                 victim.kill_main()
                 killed_at = time.monotonic()
-                wait_for(lambda: not conn.execute(
-                    "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (backend,)).fetchone(),
-                    timeout=15, what="the killed worker's backend to end")
+                wait_for(
+                    lambda: (
+                        not conn.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (backend,)
+                        ).fetchone()
+                    ),
+                    timeout=15,
+                    what="the killed worker's backend to end",
+                )
                 stuck, _ = load_job(fault_env, job.id)
                 assert stuck.status is JobStatus.FINALIZING, stuck.status
                 storage = Storage(fault_env.settings.resolved_storage)
@@ -529,13 +632,17 @@ class TestWorkerLoss:
         assert manifest["status"] == "completed"
         assert manifest["rows"]["total"] == ROWS
         assert manifest["rows"]["ok"] + manifest["rows"]["error"] == ROWS
-        recovery("killed while finalizing -> completed", took,
-                 f"{victim.name} (ended the last shard: {last_ender}) killed "
-                 f"{opened_at - killed_at:.1f}s before the gate opened; _SUCCESS "
-                 f"{'already' if early_success else 'not yet'} written then")
+        recovery(
+            "killed while finalizing -> completed",
+            took,
+            f"{victim.name} (ended the last shard: {last_ender}) killed "
+            f"{opened_at - killed_at:.1f}s before the gate opened; _SUCCESS "
+            f"{'already' if early_success else 'not yet'} written then",
+        )
 
     def test_with_one_worker_a_killed_engine_still_lets_the_job_complete(
-            self, pool, fault_env, tmp_path, recovery):
+        self, pool, fault_env, tmp_path, recovery
+    ):
         """The only worker loses its engine mid-shard. It rebuilds its engine, or it exits
         non-zero and the test restarts it, as its supervisor (systemd, Kubernetes) would."""
         (solo,) = pool.ensure(1)
@@ -561,9 +668,13 @@ class TestWorkerLoss:
         job, shards = wait_until_final(fault_env, job.id, current, on_poll=supervise)
         took = time.monotonic() - killed_at
         assert_completed_exactly_once(fault_env, job, shards, source, current)
-        recovery("one worker, engine kill -> completed", took,
-                 "; ".join(restarts) + " -> restarted by the test" if restarts
-                 else f"{solo.name} rebuilt its engine (no restart)")
+        recovery(
+            "one worker, engine kill -> completed",
+            took,
+            "; ".join(restarts) + " -> restarted by the test"
+            if restarts
+            else f"{solo.name} rebuilt its engine (no restart)",
+        )
 
 
 # -- gate and process helpers --------------------------------------------------------------
@@ -589,11 +700,16 @@ def install_finalize_gate(conn) -> None:
 def worker_on_port(workers: list[Worker], client_port: int, server_port: int) -> Worker | None:
     """The worker whose process holds the TCP connection from `client_port` to the server."""
     for conn in psutil.net_connections(kind="tcp"):
-        if (conn.laddr and conn.laddr.port == client_port and conn.raddr
-                and conn.raddr.port == server_port):
+        if (
+            conn.laddr
+            and conn.laddr.port == client_port
+            and conn.raddr
+            and conn.raddr.port == server_port
+        ):
             for worker in workers:
                 if conn.pid == worker.pid or conn.pid in {
-                        p.pid for p in psutil.Process(worker.pid).children(recursive=True)}:
+                    p.pid for p in psutil.Process(worker.pid).children(recursive=True)
+                }:
                     return worker
     return None
 

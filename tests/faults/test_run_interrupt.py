@@ -78,28 +78,45 @@ def start_run(variant: str, *, model: Path, work_dir: Path, core: int) -> Run:
     home.mkdir(parents=True)
     source = write_workload(work_dir / variant / "j.jsonl", requests=ROWS, seed=30 + core)
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
-    env.update({
-        "BATCHLLM_HOME": str(home),
-        # Commit often, so the job row shows the run's progress as it goes.
-        "BATCHLLM_COMMIT_ROWS": "100",
-        "BATCHLLM_COMMIT_SECONDS": "2",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": str(core),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-    })
+    env.update(
+        {
+            "BATCHLLM_HOME": str(home),
+            # Commit often, so the job row shows the run's progress as it goes.
+            "BATCHLLM_COMMIT_ROWS": "100",
+            "BATCHLLM_COMMIT_SECONDS": "2",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+        }
+    )
     script = Path(sys.executable).with_name("batchllm")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "batchllm"]
     log_path = work_dir / variant / "run.log"
     with log_path.open("wb") as log:
         # start_new_session: what `setsid batchllm run ...` does; the pid leads its own group.
         proc = subprocess.Popen(
-            [*command, "run", str(source), "--model", str(model), "--max-tokens", str(MAX_TOKENS),
-             "--ignore-eos", "--max-model-len", "512", "--enforce-eager"],
-            env=env, cwd=work_dir / variant, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                *command,
+                "run",
+                str(source),
+                "--model",
+                str(model),
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--ignore-eos",
+                "--max-model-len",
+                "512",
+                "--enforce-eager",
+            ],
+            env=env,
+            cwd=work_dir / variant,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return Run(variant=variant, home=home, source=source, log_path=log_path, proc=proc)
 
 
@@ -119,8 +136,10 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     work_dir = tmp_path_factory.mktemp("interrupt")
     cores = os.cpu_count() or 1
-    runs = {v: start_run(v, model=tiny_model, work_dir=work_dir, core=i % cores)
-            for i, v in enumerate(("group", "main"))}
+    runs = {
+        v: start_run(v, model=tiny_model, work_dir=work_dir, core=i % cores)
+        for i, v in enumerate(("group", "main"))
+    }
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while any(r.signalled_at is None for r in runs.values()):
@@ -129,9 +148,10 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
                     continue
                 run.recorded.update(descendants(run.proc.pid))
                 if run.proc.poll() is not None:
-                    raise AssertionError(f"`batchllm run` ({run.variant}) exited with "
-                                         f"{run.proc.returncode} before it was interrupted:\n"
-                                         + run.tail())
+                    raise AssertionError(
+                        f"`batchllm run` ({run.variant}) exited with "
+                        f"{run.proc.returncode} before it was interrupted:\n" + run.tail()
+                    )
                 job = run.job()
                 if job and job["request_total"]:
                     done = job["request_completed"] + job["request_failed"]
@@ -141,9 +161,10 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
                         interrupt(run)
             if time.monotonic() > deadline:
                 late = [r.variant for r in runs.values() if r.signalled_at is None]
-                raise AssertionError(f"runs {late} did not reach {INTERRUPT_AT:.0%} of their rows "
-                                     f"within {START_TIMEOUT}s:\n"
-                                     + "\n".join(runs[v].tail() for v in late))
+                raise AssertionError(
+                    f"runs {late} did not reach {INTERRUPT_AT:.0%} of their rows "
+                    f"within {START_TIMEOUT}s:\n" + "\n".join(runs[v].tail() for v in late)
+                )
             time.sleep(0.2)
         for run in runs.values():
             remaining = run.signalled_at + EXIT_WITHIN - time.monotonic()
@@ -173,15 +194,20 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 def check_interrupted_run(run: Run, recovery) -> None:
     assert run.exit_seconds is not None, (
-        f"`batchllm run` still ran {EXIT_WITHIN}s after SIGINT ({run.variant}):\n" + run.tail())
-    recovery("SIGINT -> process exited", run.exit_seconds,
-             f"signalled at {run.share_at_signal:.0%} of rows; exit code {run.proc.returncode}")
+        f"`batchllm run` still ran {EXIT_WITHIN}s after SIGINT ({run.variant}):\n" + run.tail()
+    )
+    recovery(
+        "SIGINT -> process exited",
+        run.exit_seconds,
+        f"signalled at {run.share_at_signal:.0%} of rows; exit code {run.proc.returncode}",
+    )
     assert run.proc.returncode != 0, "an interrupted run exited 0\n" + run.tail()
 
     job = run.job()
     assert job is not None
     assert job["status"] in ("failed", "cancelled"), (
-        f"job {job['status']} after SIGINT: {job['error']}\n" + run.tail())
+        f"job {job['status']} after SIGINT: {job['error']}\n" + run.tail()
+    )
     if job["status"] == "failed":
         assert "interrupted" in (job["error"] or ""), job["error"]
     storage = Storage(str(run.home / "jobs"))
@@ -194,22 +220,33 @@ def check_interrupted_run(run: Run, recovery) -> None:
     assert len(rows) == job["request_completed"] + job["request_failed"]
     reasons = {r["finish_reason"] for r in rows if r["status"] == "ok"}
     assert reasons <= {"stop", "length"}, f"ok rows with finish reasons {reasons}"
-    cut = [r for r in rows if r["status"] == "ok"
-           and (not r["text"] or r["completion_tokens"] != MAX_TOKENS)]
-    assert not cut, (f"{len(cut)} ok rows cut short by the interrupt (ignore_eos, "
-                     f"max_tokens {MAX_TOKENS}), e.g. {cut[0]}")
+    cut = [
+        r
+        for r in rows
+        if r["status"] == "ok" and (not r["text"] or r["completion_tokens"] != MAX_TOKENS)
+    ]
+    assert not cut, (
+        f"{len(cut)} ok rows cut short by the interrupt (ignore_eos, "
+        f"max_tokens {MAX_TOKENS}), e.g. {cut[0]}"
+    )
 
-    recovery("SIGINT -> engine processes gone", run.engine_gone_seconds,
-             f"{len(run.recorded)} child processes recorded")
-    assert not run.engine_left, (f"engine processes outlived `batchllm run` by "
-                                 f"{ENGINE_GONE_WITHIN}s: {run.engine_left}")
+    recovery(
+        "SIGINT -> engine processes gone",
+        run.engine_gone_seconds,
+        f"{len(run.recorded)} child processes recorded",
+    )
+    assert not run.engine_left, (
+        f"engine processes outlived `batchllm run` by {ENGINE_GONE_WITHIN}s: {run.engine_left}"
+    )
 
 
 def test_ctrl_c_to_the_process_group_of_batchllm_run_fails_the_job_and_keeps_only_results(
-        interrupted, recovery):
+    interrupted, recovery
+):
     check_interrupted_run(interrupted["group"], recovery)
 
 
 def test_sigint_to_the_main_process_of_batchllm_run_fails_the_job_and_keeps_only_results(
-        interrupted, recovery):
+    interrupted, recovery
+):
     check_interrupted_run(interrupted["main"], recovery)

@@ -64,14 +64,23 @@ def _postgres_database(name: str) -> Iterator[str]:
     errors = []
     for user in POSTGRES_USERS:
         try:
-            admin = psycopg.connect(host=HOST, port=POSTGRES_PORT, user=user, dbname="test",
-                                    autocommit=True, connect_timeout=3)
+            admin = psycopg.connect(
+                host=HOST,
+                port=POSTGRES_PORT,
+                user=user,
+                dbname="test",
+                autocommit=True,
+                connect_timeout=3,
+            )
             break
         except psycopg.Error as exc:
             errors.append(f"{user}: {exc}")
     else:
-        require(False, f"PostgreSQL is not reachable at {HOST}:{POSTGRES_PORT} (database "
-                       f"`test`): " + "; ".join(errors))
+        require(
+            False,
+            f"PostgreSQL is not reachable at {HOST}:{POSTGRES_PORT} (database "
+            f"`test`): " + "; ".join(errors),
+        )
     with admin:
         admin.execute(f'CREATE DATABASE "{name}"')
         try:
@@ -114,48 +123,63 @@ class FleetEnv:
     def worker_env(self, **extra: str) -> dict[str, str]:
         return {**self.env, **extra}
 
-    def submit(self, source: Path, model: Path | str, *, shard_size: int,
-               max_tokens: int = 64):
+    def submit(self, source: Path, model: Path | str, *, shard_size: int, max_tokens: int = 64):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
         from batchllm.jobs.schemas import JobSpec, SamplingDefaults
         from batchllm.worker.dispatch import submit_job
 
-        spec = JobSpec(model=str(model), engine=ENGINE,
-                       sampling=SamplingDefaults(max_tokens=max_tokens))
+        spec = JobSpec(
+            model=str(model), engine=ENGINE, sampling=SamplingDefaults(max_tokens=max_tokens)
+        )
         return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         """`batchllm ARGS` as a user on this fleet runs it."""
-        return subprocess.run([sys.executable, "-m", "batchllm", *args], env=self.env, cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "batchllm", *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
 
 @pytest.fixture(scope="session")
 def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     token = uuid.uuid4().hex[:12]
-    with (_redis_database(token) as (broker, broker_url),
-          _postgres_database(f"batchllm_it_{token}") as url):
+    with (
+        _redis_database(token) as (broker, broker_url),
+        _postgres_database(f"batchllm_it_{token}") as url,
+    ):
         from batchllm.jobs.db import get_engine, upgrade
 
         upgrade(url)
         root = tmp_path_factory.mktemp("fleet")
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
         env.update(WORKER_SETTINGS)
-        env.update({
-            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-            "BATCHLLM_HOME": str(root / "home"),
-            "BATCHLLM_DATABASE_URL": url,
-            "BATCHLLM_BROKER_URL": broker_url,
-            "BATCHLLM_STORAGE": str(root / "storage"),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+                "BATCHLLM_HOME": str(root / "home"),
+                "BATCHLLM_DATABASE_URL": url,
+                "BATCHLLM_BROKER_URL": broker_url,
+                "BATCHLLM_STORAGE": str(root / "storage"),
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         # The test process reads and submits with the same settings the workers get.
-        settings = Settings(**{k.removeprefix("BATCHLLM_").lower(): v for k, v in env.items()
-                               if k.startswith("BATCHLLM_")})
+        settings = Settings(
+            **{
+                k.removeprefix("BATCHLLM_").lower(): v
+                for k, v in env.items()
+                if k.startswith("BATCHLLM_")
+            }
+        )
         try:
             yield FleetEnv(settings=settings, env=env, redis=broker)
         finally:
@@ -174,10 +198,24 @@ class Worker:
         self._log = log_path.open("wb")
         self._terminated = False
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "worker", "--model", str(model), "--name", name,
-             "--loglevel", "INFO"],
-            env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "batchllm",
+                "worker",
+                "--model",
+                str(model),
+                "--name",
+                name,
+                "--loglevel",
+                "INFO",
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         _running.append(self)
 
     def log(self) -> str:
@@ -190,11 +228,13 @@ class Worker:
         deadline = time.monotonic() + timeout
         while f"{self.name} ready." not in self.log():
             if self.proc.poll() is not None:
-                raise AssertionError(f"worker {self.name} exited with {self.proc.returncode}:\n"
-                                     + self.tail())
+                raise AssertionError(
+                    f"worker {self.name} exited with {self.proc.returncode}:\n" + self.tail()
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"worker {self.name} not ready after {timeout}s:\n"
-                                     + self.tail())
+                raise AssertionError(
+                    f"worker {self.name} not ready after {timeout}s:\n" + self.tail()
+                )
             time.sleep(0.2)
 
     def kill(self) -> None:
@@ -224,16 +264,23 @@ class Worker:
             _running.remove(self)
 
 
-def start_workers(names: list[str], *, fleet_env: FleetEnv, model: Path,
-                  log_dir: Path) -> list[Worker]:
+def start_workers(
+    names: list[str], *, fleet_env: FleetEnv, model: Path, log_dir: Path
+) -> list[Worker]:
     """Start the workers and wait until each consumes its queue. On two cores, each worker's
     engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
     workers = []
     try:
         for i, name in enumerate(names):
             cores = str(i % (os.cpu_count() or 1))
-            workers.append(Worker(name, model=model, log_path=log_dir / f"{name}.log",
-                                  env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores)))
+            workers.append(
+                Worker(
+                    name,
+                    model=model,
+                    log_path=log_dir / f"{name}.log",
+                    env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores),
+                )
+            )
         for worker in workers:
             worker.wait_ready()
     except BaseException:
@@ -272,8 +319,9 @@ def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir
         if time.monotonic() > deadline:
             raise AssertionError(f"warm-up job still {status.value} after 240s" + tails(workers))
         time.sleep(0.5)
-    assert status is JobStatus.COMPLETED, (
-        f"warm-up job {status.value}: {job.error}" + tails(workers))
+    assert status is JobStatus.COMPLETED, f"warm-up job {status.value}: {job.error}" + tails(
+        workers
+    )
     assert workers_used == {w.name for w in workers}, f"warm-up shards ran on {workers_used}"
 
 
@@ -281,8 +329,9 @@ def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir
 def pair(fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory) -> list[Worker]:
     """Two workers serving the tiny model with warm engines, alive for one test class."""
     work_dir = tmp_path_factory.mktemp("workers")
-    workers = start_workers(["w1@test", "w2@test"], fleet_env=fleet_env, model=tiny_model,
-                            log_dir=work_dir)
+    workers = start_workers(
+        ["w1@test", "w2@test"], fleet_env=fleet_env, model=tiny_model, log_dir=work_dir
+    )
     try:
         warm_up(workers, fleet_env=fleet_env, model=tiny_model, work_dir=work_dir)
         yield workers

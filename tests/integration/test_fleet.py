@@ -34,13 +34,13 @@ def load_job(fleet_env, job_id: str) -> tuple[Job, list[Shard]]:
     with session_scope(fleet_env.settings) as session:
         job = session.get(Job, job_id)
         session.refresh(job)
-        shards = list(session.scalars(select(Shard).where(Shard.job_id == job_id)
-                                      .order_by(Shard.index)))
+        shards = list(
+            session.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.index))
+        )
         return job, shards
 
 
-def wait_for(check: Callable[[], T], *, timeout: float, what: str,
-             interval: float = 0.25) -> T:
+def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = 0.25) -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -93,8 +93,11 @@ def assert_exactly_once(rows: list[dict], expected: dict[int, tuple[str, str]]) 
 
 def checkpoints_of(fleet_env, shard_id: int) -> list[Checkpoint]:
     with session_scope(fleet_env.settings) as session:
-        return list(session.scalars(select(Checkpoint).where(Checkpoint.shard_id == shard_id)
-                                    .order_by(Checkpoint.seq)))
+        return list(
+            session.scalars(
+                select(Checkpoint).where(Checkpoint.shard_id == shard_id).order_by(Checkpoint.seq)
+            )
+        )
 
 
 # -- tests ---------------------------------------------------------------------------------
@@ -104,9 +107,16 @@ class TestSharedFleet:
     """Two warm workers for several jobs in turn."""
 
     def test_two_workers_share_a_job_and_write_every_row_exactly_once(
-            self, pair, fleet_env, tiny_model, tmp_path):
-        source = write_workload(tmp_path / "prompts.jsonl", requests=3000, max_tokens=(8, 48),
-                                forms=("prompt", "chat", "openai_chat"), bad_lines=4, seed=1)
+        self, pair, fleet_env, tiny_model, tmp_path
+    ):
+        source = write_workload(
+            tmp_path / "prompts.jsonl",
+            requests=3000,
+            max_tokens=(8, 48),
+            forms=("prompt", "chat", "openai_chat"),
+            bad_lines=4,
+            seed=1,
+        )
         expected = expected_rows(source)
         started = time.monotonic()
         job = fleet_env.submit(source, tiny_model, shard_size=500)
@@ -141,17 +151,21 @@ class TestSharedFleet:
         assert job.hardware and job.vllm_version and job.finished_at is not None
         storage = Storage(fleet_env.settings.resolved_storage)
         assert storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
-        print(f"\ntwo workers: {job.request_total} rows in {job.shards_total} shards, "
-              f"submit-to-end {elapsed:.1f} s, job wall "
-              f"{job.wall_seconds:.1f} s, {job.requests_per_s:.1f} req/s, "
-              f"{job.output_tokens_per_s:.0f} output tok/s, engine {job.engine_seconds:.1f} s; "
-              f"shards per worker: "
-              f"{ {w.name: sum(s.worker == w.name for s in shards) for w in pair} }")
+        print(
+            f"\ntwo workers: {job.request_total} rows in {job.shards_total} shards, "
+            f"submit-to-end {elapsed:.1f} s, job wall "
+            f"{job.wall_seconds:.1f} s, {job.requests_per_s:.1f} req/s, "
+            f"{job.output_tokens_per_s:.0f} output tok/s, engine {job.engine_seconds:.1f} s; "
+            f"shards per worker: "
+            f"{ {w.name: sum(s.worker == w.name for s in shards) for w in pair} }"
+        )
 
     def test_cancelling_a_running_job_ends_it_within_seconds_and_keeps_its_finished_rows(
-            self, pair, fleet_env, tiny_model, tmp_path):
-        source = write_workload(tmp_path / "prompts.jsonl", requests=3000, max_tokens=(96, 160),
-                                seed=2)
+        self, pair, fleet_env, tiny_model, tmp_path
+    ):
+        source = write_workload(
+            tmp_path / "prompts.jsonl", requests=3000, max_tokens=(96, 160), seed=2
+        )
         expected = expected_rows(source)
         job = fleet_env.submit(source, tiny_model, shard_size=500, max_tokens=160)
 
@@ -184,14 +198,18 @@ class TestSharedFleet:
         assert job.shards_done == job.shards_total == 6
         storage = Storage(fleet_env.settings.resolved_storage)
         assert not storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
-        print(f"\ncancel: job ended cancelled {took:.1f}s after `batchllm cancel` started "
-              f"({took - command_took:.1f}s after it returned), kept {len(rows)} of 3000 rows")
+        print(
+            f"\ncancel: job ended cancelled {took:.1f}s after `batchllm cancel` started "
+            f"({took - command_took:.1f}s after it returned), kept {len(rows)} of 3000 rows"
+        )
 
     def test_a_job_for_a_model_no_worker_serves_stays_queued_and_blocks_nothing(
-            self, pair, fleet_env, tiny_model, tmp_path):
+        self, pair, fleet_env, tiny_model, tmp_path
+    ):
         unserved_model = tmp_path / "a-model-no-worker-serves"
-        source = write_workload(tmp_path / "prompts.jsonl", requests=400, max_tokens=(8, 32),
-                                seed=3)
+        source = write_workload(
+            tmp_path / "prompts.jsonl", requests=400, max_tokens=(8, 32), seed=3
+        )
         unserved = fleet_env.submit(source, unserved_model, shard_size=200)
         served = fleet_env.submit(source, tiny_model, shard_size=200)
 
@@ -203,7 +221,8 @@ class TestSharedFleet:
         assert job.status is JobStatus.QUEUED
         assert (job.request_completed, job.started_at) == (0, None)
         assert [(s.status, s.attempts, s.worker) for s in shards] == [
-            (ShardStatus.QUEUED, 0, None)] * 2
+            (ShardStatus.QUEUED, 0, None)
+        ] * 2
         assert fleet_env.redis.llen(queue_for_model(str(unserved_model))) == 2
         assert output_rows(fleet_env, unserved.id) == []
 
@@ -216,9 +235,11 @@ class TestWorkerCrash:
     """Its own pair of workers: one of them is killed."""
 
     def test_a_job_survives_kill_9_of_a_worker_mid_shard_with_every_row_exactly_once(
-            self, pair, fleet_env, tiny_model, tmp_path):
-        source = write_workload(tmp_path / "prompts.jsonl", requests=2400, max_tokens=(32, 96),
-                                seed=4)
+        self, pair, fleet_env, tiny_model, tmp_path
+    ):
+        source = write_workload(
+            tmp_path / "prompts.jsonl", requests=2400, max_tokens=(32, 96), seed=4
+        )
         expected = expected_rows(source)
         job = fleet_env.submit(source, tiny_model, shard_size=600, max_tokens=96)
         workers = {w.name: w for w in pair}
@@ -226,13 +247,17 @@ class TestWorkerCrash:
         def shard_mid_way():
             # Running, past a few checkpoints, with plenty left to lose.
             for shard in load_job(fleet_env, job.id)[1]:
-                if (shard.status is ShardStatus.RUNNING and shard.worker in workers
-                        and 100 <= shard.rows_ok + shard.rows_failed <= shard.rows - 200):
+                if (
+                    shard.status is ShardStatus.RUNNING
+                    and shard.worker in workers
+                    and 100 <= shard.rows_ok + shard.rows_failed <= shard.rows - 200
+                ):
                     return shard
             return None
 
-        victim_shard = wait_for(shard_mid_way, timeout=180, what="a shard past its checkpoints",
-                                interval=0.1)
+        victim_shard = wait_for(
+            shard_mid_way, timeout=180, what="a shard past its checkpoints", interval=0.1
+        )
         victim = workers[victim_shard.worker]
         victim.kill()
         killed_at = time.monotonic()
@@ -245,8 +270,9 @@ class TestWorkerCrash:
             shard = next(s for s in load_job(fleet_env, job.id)[1] if s.id == victim_shard.id)
             return shard.attempts >= 2
 
-        wait_for(taken_over, timeout=240, what="the killed worker's shard to be taken over",
-                 interval=0.5)
+        wait_for(
+            taken_over, timeout=240, what="the killed worker's shard to be taken over", interval=0.5
+        )
         recovered = time.monotonic() - killed_at
         job = wait_until_final(fleet_env, job.id, timeout=240)
         finished = time.monotonic() - killed_at
@@ -263,10 +289,12 @@ class TestWorkerCrash:
         assert shard.rows_ok == shard.rows
         after = checkpoints_of(fleet_env, shard.id)
         assert [c.seq for c in after] == list(range(len(after)))
-        assert [c.path for c in after[:len(committed)]] == [c.path for c in committed]
+        assert [c.path for c in after[: len(committed)]] == [c.path for c in committed]
         assert sum(c.rows for c in after) == shard.rows
         assert survivor.proc.poll() is None
-        print(f"\nkill -9: {victim.name} killed on shard {shard.index} after {committed_rows} of "
-              f"{shard.rows} rows were committed ({len(committed)} checkpoints); {survivor.name} "
-              f"took it over {recovered:.0f}s later (attempts {shard.attempts}) and ran the other "
-              f"{shard.rows - committed_rows} rows; job completed {finished:.0f}s after the kill")
+        print(
+            f"\nkill -9: {victim.name} killed on shard {shard.index} after {committed_rows} of "
+            f"{shard.rows} rows were committed ({len(committed)} checkpoints); {survivor.name} "
+            f"took it over {recovered:.0f}s later (attempts {shard.attempts}) and ran the other "
+            f"{shard.rows - committed_rows} rows; job completed {finished:.0f}s after the kill"
+        )

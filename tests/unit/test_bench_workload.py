@@ -12,8 +12,9 @@ def lengths(workload: Workload, variant: int = 0) -> list[int]:
 
 
 def test_log_uniform_outputs_stay_in_range_and_are_long_tailed():
-    workload = Workload(requests=4000, prompt_words=(8, 64), output_tokens=(8, 512),
-                        output_shape="log-uniform")
+    workload = Workload(
+        requests=4000, prompt_words=(8, 64), output_tokens=(8, 512), output_shape="log-uniform"
+    )
 
     drawn = lengths(workload)
 
@@ -32,8 +33,9 @@ def test_uniform_outputs_cover_the_range_evenly():
 
 
 def test_every_variant_has_the_same_lengths_and_different_words():
-    workload = Workload(requests=50, prompt_words=(8, 64), output_tokens=(8, 512),
-                        output_shape="log-uniform")
+    workload = Workload(
+        requests=50, prompt_words=(8, 64), output_tokens=(8, 512), output_shape="log-uniform"
+    )
 
     first, second = list(iter_requests(workload, 1)), list(iter_requests(workload, 2))
 

@@ -46,8 +46,9 @@ def processed() -> list[tuple[int, dict]]:
     return []
 
 
-def fake_process_shard(monkeypatch, calls: list, *, outcome: Outcome | None = None,
-                       error: Exception | None = None) -> None:
+def fake_process_shard(
+    monkeypatch, calls: list, *, outcome: Outcome | None = None, error: Exception | None = None
+) -> None:
     def process_shard(shard_id, **kwargs):
         calls.append((shard_id, kwargs))
         if error is not None:
@@ -61,9 +62,15 @@ def fake_process_shard(monkeypatch, calls: list, *, outcome: Outcome | None = No
 def delivered(*, retries: int = 0, routing_key: str | None = QUEUE):
     """The request of a delivery taken from `routing_key`'s queue, as a worker sets it."""
     run_shard.push_request(
-        id="task-1", args=[SHARD_ID], kwargs={}, retries=retries, hostname=HOSTNAME,
+        id="task-1",
+        args=[SHARD_ID],
+        kwargs={},
+        retries=retries,
+        hostname=HOSTNAME,
         delivery_info={"routing_key": routing_key, "exchange": "", "priority": 0},
-        called_directly=False, is_eager=False)
+        called_directly=False,
+        is_eager=False,
+    )
     try:
         yield
     finally:
@@ -72,7 +79,8 @@ def delivered(*, retries: int = 0, routing_key: str | None = QUEUE):
 
 @pytest.mark.parametrize("outcome", [Outcome.INTERRUPTED, Outcome.ENGINE_DIED])
 def test_a_shard_handed_back_is_sent_again_at_once_to_the_queue_it_came_from(
-        outcome, sent, processed, monkeypatch):
+    outcome, sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, outcome=outcome)
 
     with delivered():
@@ -87,21 +95,23 @@ def test_a_shard_handed_back_is_sent_again_at_once_to_the_queue_it_came_from(
 
 
 def test_a_shard_busy_on_another_worker_is_looked_at_again_in_thirty_seconds(
-        sent, processed, monkeypatch):
+    sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, outcome=Outcome.BUSY)
 
     with delivered():
         result = run_shard.run(SHARD_ID)
 
     assert result == "busy"
-    assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE,
-                                            "countdown": 30})]
+    assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": 30})]
 
 
-@pytest.mark.parametrize("outcome", [Outcome.COMPLETED, Outcome.SKIPPED, Outcome.CANCELLED,
-                                     Outcome.LOST, Outcome.FAILED])
+@pytest.mark.parametrize(
+    "outcome", [Outcome.COMPLETED, Outcome.SKIPPED, Outcome.CANCELLED, Outcome.LOST, Outcome.FAILED]
+)
 def test_a_shard_that_ended_or_belongs_to_another_worker_sends_no_task(
-        outcome, sent, processed, monkeypatch):
+    outcome, sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, outcome=outcome)
 
     with delivered():
@@ -113,7 +123,8 @@ def test_a_shard_that_ended_or_belongs_to_another_worker_sends_no_task(
 
 
 def test_the_worker_name_falls_back_to_worker_when_the_request_has_no_hostname(
-        sent, processed, monkeypatch):
+    sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, outcome=Outcome.COMPLETED)
     run_shard.push_request(id="task-1", args=[SHARD_ID], kwargs={}, delivery_info=None)
     try:
@@ -130,7 +141,8 @@ def database_down() -> OperationalError:
 
 
 def test_an_unreachable_database_retries_the_shard_in_five_seconds_on_the_same_queue(
-        sent, processed, monkeypatch):
+    sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, error=database_down())
 
     with delivered(retries=0), pytest.raises(Retry) as raised:
@@ -149,7 +161,8 @@ def test_an_unreachable_database_retries_the_shard_in_five_seconds_on_the_same_q
 
 @pytest.mark.parametrize(("retries", "countdown"), [(1, 10), (2, 20), (3, 40), (4, 60), (50, 60)])
 def test_database_retries_back_off_doubling_up_to_a_minute_and_never_give_up(
-        retries, countdown, sent, processed, monkeypatch):
+    retries, countdown, sent, processed, monkeypatch
+):
     fake_process_shard(monkeypatch, processed, error=database_down())
 
     with delivered(retries=retries), pytest.raises(Retry) as raised:
@@ -158,12 +171,16 @@ def test_database_retries_back_off_doubling_up_to_a_minute_and_never_give_up(
     assert raised.value.when == countdown
     ((_, message),) = sent.calls
     assert (message["args"], message["queue"], message["countdown"]) == (
-        (SHARD_ID,), QUEUE, countdown)
+        (SHARD_ID,),
+        QUEUE,
+        countdown,
+    )
     assert message["retries"] == retries + 1
 
 
 def test_a_dropped_database_connection_retries_like_an_unreachable_database(
-        sent, processed, monkeypatch):
+    sent, processed, monkeypatch
+):
     error = InterfaceError("SELECT 1", {}, Exception("connection already closed"))
     fake_process_shard(monkeypatch, processed, error=error)
 
@@ -174,8 +191,7 @@ def test_a_dropped_database_connection_retries_like_an_unreachable_database(
     assert [m["countdown"] for _, m in sent.calls] == [5]
 
 
-def test_an_error_that_is_not_the_database_propagates_without_a_retry(
-        sent, processed, monkeypatch):
+def test_an_error_that_is_not_the_database_propagates_without_a_retry(sent, processed, monkeypatch):
     fake_process_shard(monkeypatch, processed, error=ValueError("a bug"))
 
     with delivered(), pytest.raises(ValueError, match="a bug"):

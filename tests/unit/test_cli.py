@@ -47,8 +47,15 @@ def test_help_of_every_command_works(path):
 
 
 def test_the_expected_commands_exist():
-    assert {("run",), ("status",), ("jobs",), ("results",), ("cancel",), ("db", "upgrade"),
-            ("demo-model",)} <= set(command_paths())
+    assert {
+        ("run",),
+        ("status",),
+        ("jobs",),
+        ("results",),
+        ("cancel",),
+        ("db", "upgrade"),
+        ("demo-model",),
+    } <= set(command_paths())
 
 
 def test_version_option_prints_the_version():
@@ -64,27 +71,44 @@ def test_version_option_prints_the_version():
 def finished_job(settings, tmp_path) -> str:
     """A job taken through the real service path by hand: two ok rows, one error row."""
     source = tmp_path / "prompts.jsonl"
-    source.write_text('{"custom_id": "a", "prompt": "hello"}\n'
-                      '{"prompt": ""}\n'
-                      '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n')
-    job_id = service.create_job(source, JobSpec(model="/models/fake", metadata={"team": "cli"}),
-                                shard_size=10, settings=settings).job.id
+    source.write_text(
+        '{"custom_id": "a", "prompt": "hello"}\n'
+        '{"prompt": ""}\n'
+        '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n'
+    )
+    job_id = service.create_job(
+        source,
+        JobSpec(model="/models/fake", metadata={"team": "cli"}),
+        shard_size=10,
+        settings=settings,
+    ).job.id
     storage = Storage(settings.resolved_storage)
-    rows = [OutputRow("a", 1, "ok", "first answer", "length", 2, 7),
-            OutputRow.failed("line-2", 2, "field 'prompt': prompt is blank"),
-            OutputRow("c", 3, "ok", "second answer", "stop", 5, 3)]
+    rows = [
+        OutputRow("a", 1, "ok", "first answer", "length", 2, 7),
+        OutputRow.failed("line-2", 2, "field 'prompt': prompt is blank"),
+        OutputRow("c", 3, "ok", "second answer", "stop", 5, 3),
+    ]
     with session_scope(settings) as session:
         (shard,) = session.get(Job, job_id).shards
         leases.claim_shard(session, shard.id, "test-worker")
         service.mark_generation_started(session, job_id)
         path = write_part(storage, storage.output_dir(job_id), part_name(0, 0), rows)
-        checkpoints.record_checkpoint(session, shard_id=shard.id, job_id=job_id, seq=0, path=path,
-                                  rows_ok=2, rows_failed=1, prompt_tokens=7,
-                                  completion_tokens=10, engine_seconds=0.5)
-        assert lifecycle.end_shard(session, shard.id, ShardStatus.COMPLETED) is \
-            JobStatus.FINALIZING
-    finalize_job(job_id, storage=storage, settings=settings, hardware="fake CPU",
-                 vllm_version="0.0-test")
+        checkpoints.record_checkpoint(
+            session,
+            shard_id=shard.id,
+            job_id=job_id,
+            seq=0,
+            path=path,
+            rows_ok=2,
+            rows_failed=1,
+            prompt_tokens=7,
+            completion_tokens=10,
+            engine_seconds=0.5,
+        )
+        assert lifecycle.end_shard(session, shard.id, ShardStatus.COMPLETED) is JobStatus.FINALIZING
+    finalize_job(
+        job_id, storage=storage, settings=settings, hardware="fake CPU", vllm_version="0.0-test"
+    )
     return job_id
 
 
@@ -114,8 +138,9 @@ def test_status_json_carries_counts_throughput_and_shards(finished_job, settings
     assert throughput["output_tokens_per_s"] > 0
     assert (throughput["prompt_tokens"], throughput["completion_tokens"]) == (7, 10)
     assert (throughput["hardware"], throughput["vllm_version"]) == ("fake CPU", "0.0-test")
-    assert [(s["index"], s["status"], s["ok"], s["failed"], s["worker"])
-            for s in data["shards"]] == [(0, "completed", 2, 1, "test-worker")]
+    assert [
+        (s["index"], s["status"], s["ok"], s["failed"], s["worker"]) for s in data["shards"]
+    ] == [(0, "completed", 2, 1, "test-worker")]
     assert data["output_dir"] == Storage(settings.resolved_storage).output_dir(finished_job)
 
 
@@ -158,8 +183,7 @@ def test_cancel_of_a_finished_job_is_refused(finished_job):
     assert f"job {finished_job} is already completed" in result.output
 
 
-def test_run_on_a_missing_file_exits_nonzero_naming_the_file_and_creates_no_job(settings,
-                                                                                tmp_path):
+def test_run_on_a_missing_file_exits_nonzero_naming_the_file_and_creates_no_job(settings, tmp_path):
     missing = tmp_path / "no-such-prompts.jsonl"
 
     result = invoke("run", str(missing), "--model", "/models/fake")
@@ -182,8 +206,9 @@ def test_run_rejects_metadata_that_is_not_key_value(settings, tmp_path):
 
 def run_python(code: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 

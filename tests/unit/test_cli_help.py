@@ -9,8 +9,20 @@ from click.testing import CliRunner
 
 from batchllm.cli import cli
 
-EXPECTED = {"run", "submit", "worker", "wait", "cancel", "status", "jobs", "results",
-            "reconcile", "bench", "db", "demo-model"}
+EXPECTED = {
+    "run",
+    "submit",
+    "worker",
+    "wait",
+    "cancel",
+    "status",
+    "jobs",
+    "results",
+    "reconcile",
+    "bench",
+    "db",
+    "demo-model",
+}
 
 
 def walk(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -57,8 +69,7 @@ def test_every_command_answers_help_with_a_usage_line_naming_it(path):
 
     usage = output.splitlines()[0]
     assert usage.startswith(f"Usage: batchllm {' '.join(path)} "), usage
-    options = [p for p in command_at(path).params
-               if isinstance(p, click.Option) and not p.hidden]
+    options = [p for p in command_at(path).params if isinstance(p, click.Option) and not p.hidden]
     for option in options:
         assert any(flag in output for flag in option.opts), (option.name, output)
 
@@ -74,12 +85,12 @@ def test_the_top_level_help_lists_every_command():
     assert names >= EXPECTED
 
 
-@pytest.mark.parametrize("group", [p for p in COMMANDS if isinstance(command_at(p), click.Group)],
-                         ids=" ".join)
+@pytest.mark.parametrize(
+    "group", [p for p in COMMANDS if isinstance(command_at(p), click.Group)], ids=" ".join
+)
 def test_the_help_of_every_group_lists_its_subcommands(group):
     output = help_of(*group)
 
     listed = output.split("Commands:", 1)[1].splitlines()
     names = {line.split()[0] for line in listed if line.strip()}
-    assert names == {p[-1] for p in COMMANDS
-                     if p[:-1] == group and not command_at(p).hidden}
+    assert names == {p[-1] for p in COMMANDS if p[:-1] == group and not command_at(p).hidden}

@@ -64,12 +64,14 @@ def test_run_output_that_is_a_non_empty_directory_is_refused(settings, prompts, 
 
 
 def test_run_output_under_a_file_is_refused(settings, prompts, model_dir):
-    result = invoke("run", str(prompts), "--model", str(model_dir),
-                    "--output", str(prompts / "out"))
+    result = invoke(
+        "run", str(prompts), "--model", str(model_dir), "--output", str(prompts / "out")
+    )
 
     assert result.exit_code == 1
-    assert result.output.strip() == (f"Error: --output {prompts / 'out'}: {prompts} is not a "
-                                     "directory")
+    assert result.output.strip() == (
+        f"Error: --output {prompts / 'out'}: {prompts} is not a directory"
+    )
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])
@@ -84,27 +86,38 @@ def test_a_directory_as_file_is_called_a_directory(settings, tmp_path, model_dir
 
 @pytest.mark.parametrize("command", ["run", "submit"])
 @pytest.mark.parametrize("content", [b"", b"\n \t\n\r\n", b"\xef\xbb\xbf\n"])
-def test_a_file_without_requests_is_refused_and_leaves_no_job(settings, tmp_path, model_dir,
-                                                              command, content):
+def test_a_file_without_requests_is_refused_and_leaves_no_job(
+    settings, tmp_path, model_dir, command, content
+):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(content)
 
     result = invoke(command, str(empty), "--model", str(model_dir))
 
     assert result.exit_code == 1
-    assert result.output.strip() == (f"Error: {empty} has no requests (it is empty or has only "
-                                     "blank lines)")
+    assert result.output.strip() == (
+        f"Error: {empty} has no requests (it is empty or has only blank lines)"
+    )
     assert no_jobs(settings)
 
 
-@pytest.mark.parametrize("model", ["./no-such-model", "../no-such-model", "/no/such/model",
-                                   "~/no-such-model", "models/llama/no-such"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "./no-such-model",
+        "../no-such-model",
+        "/no/such/model",
+        "~/no-such-model",
+        "models/llama/no-such",
+    ],
+)
 def test_run_with_a_missing_model_path_names_it_and_leaves_no_job(settings, prompts, model):
     result = invoke("run", str(prompts), "--model", model)
 
     assert result.exit_code == 1
-    assert result.output.strip() == (f"Error: --model {model}: no such directory, and not a "
-                                     "Hugging Face repo id (org/name)")
+    assert result.output.strip() == (
+        f"Error: --model {model}: no such directory, and not a Hugging Face repo id (org/name)"
+    )
     assert no_jobs(settings)
 
 
@@ -126,8 +139,7 @@ def test_run_refuses_max_tokens_above_the_bound(settings, prompts, model_dir):
 
 @pytest.fixture
 def job_id(settings, prompts) -> str:
-    return service.create_job(prompts, JobSpec(model="m"), shard_size=10,
-                              settings=settings).job.id
+    return service.create_job(prompts, JobSpec(model="m"), shard_size=10, settings=settings).job.id
 
 
 @pytest.mark.parametrize("pattern", ["%{tail}", "job_%{tail}", "_{middle}", "job__{middle}"])
@@ -155,20 +167,30 @@ def test_an_empty_job_id_says_it_is_empty(job_id, ref):
 # -- an unreachable database ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [["jobs"], ["status", "job_x"], ["cancel", "job_x"],
-                                  ["submit", "{prompts}", "--model", "gpt2"]])
-def test_an_unreachable_database_is_one_line_without_the_password(settings, monkeypatch,
-                                                                  prompts, args):
-    monkeypatch.setenv("BATCHLLM_DATABASE_URL",
-                       "postgresql+psycopg://batch:s3cret@127.0.0.1:1/batchllm")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["jobs"],
+        ["status", "job_x"],
+        ["cancel", "job_x"],
+        ["submit", "{prompts}", "--model", "gpt2"],
+    ],
+)
+def test_an_unreachable_database_is_one_line_without_the_password(
+    settings, monkeypatch, prompts, args
+):
+    monkeypatch.setenv(
+        "BATCHLLM_DATABASE_URL", "postgresql+psycopg://batch:s3cret@127.0.0.1:1/batchllm"
+    )
     get_settings.cache_clear()
 
     result = invoke(*[a.format(prompts=prompts) for a in args])
 
     assert result.exit_code == 1
     (line,) = result.output.strip().splitlines()
-    assert line.startswith("error: cannot reach the database at "
-                           "postgresql+psycopg://batch:***@127.0.0.1:1/batchllm: ")
+    assert line.startswith(
+        "error: cannot reach the database at postgresql+psycopg://batch:***@127.0.0.1:1/batchllm: "
+    )
     assert "s3cret" not in result.output
     assert isinstance(result.exception, SystemExit)
 

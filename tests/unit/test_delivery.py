@@ -42,8 +42,12 @@ class NoEngines:
 
 
 def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(write_items(tmp_path / "in.jsonl", rows), make_spec(),
-                                 shard_size=shard_size, settings=settings)
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", rows),
+        make_spec(),
+        shard_size=shard_size,
+        settings=settings,
+    )
     with session_scope(settings) as session:
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
 
@@ -55,18 +59,19 @@ def job_and_shards(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]
 
 
 def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     job_id, shard_ids = create(settings, tmp_path, 20, shard_size=12)
     with session_scope(settings) as session:
-        service.mark_generation_started(session, job_id, hardware="4x L40S 48GB",
-                                        vllm_version="0.42.1")
+        service.mark_generation_started(
+            session, job_id, hardware="4x L40S 48GB", vllm_version="0.42.1"
+        )
     # The worker that ended the last shard died before it finalized the job.
     with monkeypatch.context() as patch:
         patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
-    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING,
-                                                [ShardStatus.COMPLETED] * 2)
+    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job_id)
     # A part file no checkpoint records (its worker died before the commit) is not output.
@@ -98,26 +103,31 @@ def test_a_job_finalized_by_the_first_delivery_is_skipped_by_the_next(small_comm
     settings = small_commits
     job_id, (shard_id,) = create(settings, tmp_path, 5, shard_size=10)
     with session_scope(settings) as session:
-        session.execute(update(Shard).where(Shard.id == shard_id)
-                        .values(status=ShardStatus.COMPLETED))
-        session.execute(update(Job).where(Job.id == job_id)
-                        .values(status=JobStatus.FINALIZING, shards_done=1))
+        session.execute(
+            update(Shard).where(Shard.id == shard_id).values(status=ShardStatus.COMPLETED)
+        )
+        session.execute(
+            update(Job).where(Job.id == job_id).values(status=JobStatus.FINALIZING, shards_done=1)
+        )
     storage = Storage(settings.resolved_storage)
     manifest_path = posixpath.join(storage.output_dir(job_id), MANIFEST_NAME)
 
-    assert process_shard(shard_id, worker="w1", engines=NoEngines(),
-                         settings=settings) is Outcome.SKIPPED
+    assert (
+        process_shard(shard_id, worker="w1", engines=NoEngines(), settings=settings)
+        is Outcome.SKIPPED
+    )
     first_manifest = storage.read_bytes(manifest_path)
-    assert process_shard(shard_id, worker="w2", engines=NoEngines(),
-                         settings=settings) is Outcome.SKIPPED
+    assert (
+        process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
+        is Outcome.SKIPPED
+    )
 
     assert storage.read_bytes(manifest_path) == first_manifest
     assert json.loads(first_manifest)["hardware"] is None  # no engine step was ever recorded
     assert job_and_shards(settings, job_id) == (JobStatus.COMPLETED, [ShardStatus.COMPLETED])
 
 
-def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
-        settings, tmp_path):
+def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(settings, tmp_path):
     job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
     with session_scope(settings) as session:
         leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
@@ -126,8 +136,11 @@ def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
         service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
     with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
-        session.execute(update(Shard).where(Shard.id == shard_id).values(
-            heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5)))
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5))
+        )
     engines = NoEngines()
 
     outcome = process_shard(shard_id, worker="w2", engines=engines, settings=settings)
@@ -142,12 +155,10 @@ def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
     assert output_rows(settings, job_id) == []
 
 
-def test_a_queued_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(
-        settings, tmp_path):
+def test_a_queued_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(settings, tmp_path):
     job_id, shard_ids = create(settings, tmp_path, 6, shard_size=3)
     with session_scope(settings) as session:
-        session.execute(update(Job).where(Job.id == job_id)
-                        .values(status=JobStatus.CANCELLING))
+        session.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.CANCELLING))
 
     outcome = process_shard(shard_ids[0], worker="w1", engines=NoEngines(), settings=settings)
 
@@ -159,15 +170,18 @@ def test_a_shard_that_no_longer_exists_is_skipped(settings, tmp_path):
     job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
     engines = NoEngines()
 
-    assert process_shard(shard_id + 1000, worker="w1", engines=engines,
-                         settings=settings) is Outcome.SKIPPED
+    assert (
+        process_shard(shard_id + 1000, worker="w1", engines=engines, settings=settings)
+        is Outcome.SKIPPED
+    )
     assert engines.closed == 0
     assert job_and_shards(settings, job_id) == (JobStatus.QUEUED, [ShardStatus.QUEUED])
 
 
 @pytest.mark.parametrize("final", [JobStatus.COMPLETED, JobStatus.CANCELLED, JobStatus.FAILED])
 def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
-        final, settings, tmp_path):
+    final, settings, tmp_path
+):
     job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
     with session_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id).values(status=final))
@@ -184,7 +198,8 @@ def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
 
 
 def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job_cancelled(
-        settings, tmp_path):
+    settings, tmp_path
+):
     job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
     with session_scope(settings) as session:
         leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
@@ -195,8 +210,11 @@ def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
 
     with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
-        session.execute(update(Shard).where(Shard.id == shard_id).values(
-            heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5)))
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5))
+        )
     process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
 
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])

@@ -40,8 +40,14 @@ class FaultyEngine(FakeEngine):
     dropping it on its own); from step `die_at` on (or once `dead` is set), every call raises
     EngineDied."""
 
-    def __init__(self, *, reasons: dict[str, str] | None = None, abort_at: int | None = None,
-                 die_at: int | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        reasons: dict[str, str] | None = None,
+        abort_at: int | None = None,
+        die_at: int | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.reasons = reasons or {}
         self.abort_at = abort_at
@@ -64,8 +70,7 @@ class FaultyEngine(FakeEngine):
         done = []
         for finished in super().step():
             reason = self.reasons.get(self.item_of_request[finished.request_id])
-            done.append(dataclasses.replace(finished, finish_reason=reason) if reason
-                        else finished)
+            done.append(dataclasses.replace(finished, finish_reason=reason) if reason else finished)
         if self.step_count == self.abort_at and done:
             done[-1] = dataclasses.replace(done[-1], finish_reason="abort")
             self.dropped.append(self.item_of_request[done[-1].request_id])
@@ -106,22 +111,26 @@ class BuildingEngines:
 
 
 def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(write_items(tmp_path / "in.jsonl", rows), make_spec(),
-                                 shard_size=shard_size, settings=settings)
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", rows),
+        make_spec(),
+        shard_size=shard_size,
+        settings=settings,
+    )
     with session_scope(settings) as session:
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
 
 
 def shard_rows(settings, job_id: str) -> list[tuple[ShardStatus, int, int, str | None]]:
     with session_scope(settings) as session:
-        return [(s.status, s.rows_ok, s.rows_failed, s.error)
-                for s in session.get(Job, job_id).shards]
+        return [
+            (s.status, s.rows_ok, s.rows_failed, s.error) for s in session.get(Job, job_id).shards
+        ]
 
 
 def assert_every_line_once(settings, job_id: str, lines: int) -> list[dict]:
     rows = output_rows(settings, job_id)
-    assert collections.Counter(r["line"] for r in rows) == collections.Counter(
-        range(1, lines + 1))
+    assert collections.Counter(r["line"] for r in rows) == collections.Counter(range(1, lines + 1))
     return rows
 
 
@@ -129,7 +138,8 @@ def assert_every_line_once(settings, job_id: str, lines: int) -> list[dict]:
 
 
 def test_a_request_the_engine_aborted_on_its_own_hands_the_shard_back_with_finished_rows_kept(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
     engine = FaultyEngine(abort_at=6)  # 4 requests finish every 2 steps
@@ -153,7 +163,8 @@ def test_a_request_the_engine_aborted_on_its_own_hands_the_shard_back_with_finis
 
     again = FakeEngine()
     assert ShardRunner(again, worker="w2", settings=settings).run([shard_id]) == {
-        shard_id: Outcome.COMPLETED}
+        shard_id: Outcome.COMPLETED
+    }
 
     rows = assert_every_line_once(settings, job_id, 40)
     assert len(again.prompts_added) == 40 - 11
@@ -170,7 +181,8 @@ def test_a_request_the_engine_aborted_on_its_own_hands_the_shard_back_with_finis
 
 
 def test_an_engine_that_dies_mid_run_hands_every_active_shard_back_and_a_rerun_finishes_once(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     job_id, shard_ids = create(settings, tmp_path, 40, shard_size=12)
     assert len(shard_ids) == 4
@@ -184,10 +196,12 @@ def test_an_engine_that_dies_mid_run_hands_every_active_shard_back_and_a_rerun_f
     assert len(kept) == 16
     assert len({r["line"] for r in kept}) == len(kept)
     assert all(r["status"] == "ok" for r in kept)
-    assert shard_rows(settings, job_id) == [(ShardStatus.COMPLETED, 12, 0, None),
-                                            (ShardStatus.QUEUED, 4, 0, None),
-                                            (ShardStatus.QUEUED, 0, 0, None),
-                                            (ShardStatus.QUEUED, 0, 0, None)]
+    assert shard_rows(settings, job_id) == [
+        (ShardStatus.COMPLETED, 12, 0, None),
+        (ShardStatus.QUEUED, 4, 0, None),
+        (ShardStatus.QUEUED, 0, 0, None),
+        (ShardStatus.QUEUED, 0, 0, None),
+    ]
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         assert (job.status, job.error) == (JobStatus.IN_PROGRESS, None)
@@ -196,8 +210,10 @@ def test_an_engine_that_dies_mid_run_hands_every_active_shard_back_and_a_rerun_f
     again = FakeEngine()
     outcomes = ShardRunner(again, worker="w2", settings=settings).run(shard_ids)
 
-    assert outcomes == {shard_ids[0]: Outcome.SKIPPED,
-                        **{shard_id: Outcome.COMPLETED for shard_id in shard_ids[1:]}}
+    assert outcomes == {
+        shard_ids[0]: Outcome.SKIPPED,
+        **{shard_id: Outcome.COMPLETED for shard_id in shard_ids[1:]},
+    }
     assert_every_line_once(settings, job_id, 40)
     assert len(again.prompts_added) == 40 - 16
     assert [s for s, *_ in shard_rows(settings, job_id)] == [ShardStatus.COMPLETED] * 4
@@ -208,7 +224,8 @@ def test_an_engine_that_dies_mid_run_hands_every_active_shard_back_and_a_rerun_f
 
 
 def test_process_shard_drops_a_dead_engine_so_the_next_task_builds_a_new_one(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     job_id, (shard_id,) = create(settings, tmp_path, 30, shard_size=30)
     dying, fresh = FaultyEngine(die_at=5), FaultyEngine()
@@ -223,8 +240,10 @@ def test_process_shard_drops_a_dead_engine_so_the_next_task_builds_a_new_one(
     assert len(kept) == 8  # steps 2 and 4
     assert shard_rows(settings, job_id) == [(ShardStatus.QUEUED, 8, 0, None)]
 
-    assert process_shard(shard_id, worker="w1", engines=engines,
-                         settings=settings) is Outcome.COMPLETED
+    assert (
+        process_shard(shard_id, worker="w1", engines=engines, settings=settings)
+        is Outcome.COMPLETED
+    )
 
     assert engines.built == [dying, fresh]
     assert engines.engine is fresh and not fresh.shut_down
@@ -235,7 +254,8 @@ def test_process_shard_drops_a_dead_engine_so_the_next_task_builds_a_new_one(
 
 
 def test_an_engine_that_dies_while_requests_are_added_hands_the_shard_back_without_error_rows(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
     monkeypatch.setattr("batchllm.worker.runner._PREPARE_BATCH", 4)  # feed as rows finish
@@ -252,13 +272,15 @@ def test_an_engine_that_dies_while_requests_are_added_hands_the_shard_back_witho
     assert shard_rows(settings, job_id) == [(ShardStatus.QUEUED, 8, 0, None)]
 
     assert ShardRunner(FakeEngine(), worker="w2", settings=settings).run([shard_id]) == {
-        shard_id: Outcome.COMPLETED}
+        shard_id: Outcome.COMPLETED
+    }
     rows = assert_every_line_once(settings, job_id, 40)
     assert all(r["status"] == "ok" for r in rows)
 
 
 def test_a_shard_whose_engine_dies_on_its_last_allowed_run_fails_instead_of_looping(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     settings.max_shard_attempts = 2
     job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
@@ -284,7 +306,8 @@ def test_a_shard_whose_engine_dies_on_its_last_allowed_run_fails_instead_of_loop
 
 
 def test_a_request_that_ended_with_another_finish_reason_becomes_an_error_row_and_the_job_completes(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     source = write_items(tmp_path / "in.jsonl", 20)
     engine = FaultyEngine(reasons={"item-5": "error", "item-9": "timeout"})
@@ -316,9 +339,11 @@ def test_a_request_that_ended_with_another_finish_reason_becomes_an_error_row_an
 
 def interrupt_at(*steps: int):
     """An on_step callback that sends this process a SIGINT (a Ctrl-C) at these steps."""
+
     def on_step(step: int) -> None:
         if step in steps:
             os.kill(os.getpid(), signal.SIGINT)
+
     return on_step
 
 
@@ -343,7 +368,8 @@ def assert_interrupted_job(settings, engine: FakeEngine) -> list[dict]:
 
 
 def test_a_first_ctrl_c_stops_the_run_in_order_and_fails_the_job_with_its_committed_rows(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
@@ -363,7 +389,8 @@ def test_a_first_ctrl_c_stops_the_run_in_order_and_fails_the_job_with_its_commit
 
 
 def test_a_second_ctrl_c_stops_at_once_and_still_keeps_the_committed_rows(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     # The run never reaches its control check: only the second Ctrl-C can stop it.
     monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 3600.0)
@@ -383,7 +410,8 @@ def test_a_second_ctrl_c_stops_at_once_and_still_keeps_the_committed_rows(
 
 
 def test_a_ctrl_c_during_the_last_step_never_reports_a_completed_job_as_failed(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 3600.0)
     source = write_items(tmp_path / "in.jsonl", 40)

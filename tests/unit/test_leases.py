@@ -29,14 +29,27 @@ def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:
 
 def age_heartbeat(settings, shard_id: int, seconds: float) -> None:
     with session_scope(settings) as session:
-        session.execute(update(Shard).where(Shard.id == shard_id)
-                        .values(heartbeat_at=utcnow() - timedelta(seconds=seconds)))
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(heartbeat_at=utcnow() - timedelta(seconds=seconds))
+        )
 
 
 def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> None:
-    checkpoints.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=seq, path=f"p{seq}",
-                              rows_ok=1, rows_failed=0, prompt_tokens=2, completion_tokens=3,
-                              engine_seconds=0.1, attempt=attempt)
+    checkpoints.record_checkpoint(
+        session,
+        shard_id=shard_id,
+        job_id=job_id,
+        seq=seq,
+        path=f"p{seq}",
+        rows_ok=1,
+        rows_failed=0,
+        prompt_tokens=2,
+        completion_tokens=3,
+        engine_seconds=0.1,
+        attempt=attempt,
+    )
 
 
 def test_a_worker_whose_shard_was_taken_over_cannot_record_checkpoints(settings, tmp_path):
@@ -90,23 +103,45 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
     job_id, shard_id = make_job(settings, tmp_path, rows=2)
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job_id)
-    rows = [OutputRow(custom_id=f"line-{n}", line=n, status="ok", text="x", prompt_tokens=2,
-                      completion_tokens=3) for n in (1, 2)]
+    rows = [
+        OutputRow(
+            custom_id=f"line-{n}",
+            line=n,
+            status="ok",
+            text="x",
+            prompt_tokens=2,
+            completion_tokens=3,
+        )
+        for n in (1, 2)
+    ]
     with session_scope(settings) as session:
         attempt = leases.claim_shard(session, shard_id, "w1").attempts
         kept = write_part(storage, out_dir, part_name(0, 0, attempt), rows)
-        checkpoints.record_checkpoint(session, shard_id=shard_id, job_id=job_id, seq=0, path=kept,
-                                  rows_ok=2, rows_failed=0, prompt_tokens=4,
-                                  completion_tokens=6, engine_seconds=0.1, attempt=attempt)
+        checkpoints.record_checkpoint(
+            session,
+            shard_id=shard_id,
+            job_id=job_id,
+            seq=0,
+            path=kept,
+            rows_ok=2,
+            rows_failed=0,
+            prompt_tokens=4,
+            completion_tokens=6,
+            engine_seconds=0.1,
+            attempt=attempt,
+        )
         # A zombie's file with the same rows, never checkpointed.
         write_part(storage, out_dir, part_name(0, 0, attempt + 5), rows)
-        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED,
-                                 attempt=attempt) is JobStatus.FINALIZING
+        assert (
+            lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=attempt)
+            is JobStatus.FINALIZING
+        )
 
     finalize_job(job_id, storage=storage, settings=settings, hardware="test", vllm_version="0")
 
     assert [n for n in storage.listdir(out_dir) if n.startswith("part-")] == [
-        part_name(0, 0, attempt)]
+        part_name(0, 0, attempt)
+    ]
     with session_scope(settings) as session:
         assert session.get(Job, job_id).status is JobStatus.COMPLETED
         assert session.query(Checkpoint).count() == 1

@@ -44,10 +44,19 @@ def output_dir(tmp_path: Path) -> tuple[Storage, str]:
     storage = Storage(str(tmp_path / "store"))
     out_dir = storage.output_dir("job_test")
     storage.makedirs(out_dir)
-    rows = [OutputRow(custom_id=c, line=n, status=s, text=t, finish_reason="length" if t else None,
-                      prompt_tokens=p, completion_tokens=k,
-                      error="field 'prompt': prompt is blank" if s == "error" else None)
-            for c, n, s, t, p, k in EXPECTED]
+    rows = [
+        OutputRow(
+            custom_id=c,
+            line=n,
+            status=s,
+            text=t,
+            finish_reason="length" if t else None,
+            prompt_tokens=p,
+            completion_tokens=k,
+            error="field 'prompt': prompt is blank" if s == "error" else None,
+        )
+        for c, n, s, t, p, k in EXPECTED
+    ]
     write_part(storage, out_dir, part_name(0, 0), rows[:2])
     write_part(storage, out_dir, part_name(0, 1), rows[2:])
     write_manifest(storage, out_dir, {"job_id": "job_test", "rows": {"total": 4}})
@@ -56,16 +65,29 @@ def output_dir(tmp_path: Path) -> tuple[Storage, str]:
 
 
 def as_tuples(records: list[dict]) -> list[tuple]:
-    return sorted((r["custom_id"], r["line"], r["status"], r["text"], r["prompt_tokens"],
-                   r["completion_tokens"]) for r in records)
+    return sorted(
+        (
+            r["custom_id"],
+            r["line"],
+            r["status"],
+            r["text"],
+            r["prompt_tokens"],
+            r["completion_tokens"],
+        )
+        for r in records
+    )
 
 
 def test_write_part_names_files_by_shard_and_sequence(output_dir):
     storage, out_dir = output_dir
 
     assert storage.listdir(out_dir) == [
-        ".part-s00000-00002.parquet.tmp", SUCCESS_NAME, MANIFEST_NAME,
-        "part-s00000-00000.parquet", "part-s00000-00001.parquet"]
+        ".part-s00000-00002.parquet.tmp",
+        SUCCESS_NAME,
+        MANIFEST_NAME,
+        "part-s00000-00000.parquet",
+        "part-s00000-00001.parquet",
+    ]
     assert read_lines(storage, posixpath.join(out_dir, part_name(0, 1))) == [3, 5]
 
 
@@ -78,9 +100,18 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
     assert table.schema.metadata[b"batchllm.schema_version"] == b"1"
     assert as_tuples(table.to_pylist()) == sorted(EXPECTED)
     errors = [r for r in table.to_pylist() if r["status"] == "error"]
-    assert errors == [{"custom_id": "b", "line": 2, "status": "error", "text": None,
-                       "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
-                       "error": "field 'prompt': prompt is blank"}]
+    assert errors == [
+        {
+            "custom_id": "b",
+            "line": 2,
+            "status": "error",
+            "text": None,
+            "finish_reason": None,
+            "prompt_tokens": None,
+            "completion_tokens": None,
+            "error": "field 'prompt': prompt is blank",
+        }
+    ]
 
 
 def test_read_output_returns_every_committed_row(output_dir):
@@ -129,7 +160,8 @@ def test_duckdb_reads_the_part_files_glob(output_dir):
 
     rows = duckdb.sql(
         f"SELECT custom_id, line, status, text, prompt_tokens, completion_tokens "
-        f"FROM read_parquet('{out_dir}/*.parquet') ORDER BY line").fetchall()
+        f"FROM read_parquet('{out_dir}/*.parquet') ORDER BY line"
+    ).fetchall()
 
     assert rows == sorted(EXPECTED, key=lambda r: r[1])
 
@@ -156,10 +188,18 @@ def test_alembic_upgrade_creates_the_tables_and_is_idempotent(tmp_path):
     try:
         inspector = inspect(engine)
         assert {"jobs", "shards", "checkpoints", "alembic_version"} <= set(
-            inspector.get_table_names())
+            inspector.get_table_names()
+        )
         job_columns = {c["name"] for c in inspector.get_columns("jobs")}
-        assert {"status", "request_total", "requests_per_s", "output_tokens_per_s", "hardware",
-                "vllm_version", "metadata"} <= job_columns
+        assert {
+            "status",
+            "request_total",
+            "requests_per_s",
+            "output_tokens_per_s",
+            "hardware",
+            "vllm_version",
+            "metadata",
+        } <= job_columns
         with engine.connect() as conn:
             versions = conn.exec_driver_sql("SELECT version_num FROM alembic_version").all()
         assert len(versions) == 1
@@ -198,8 +238,9 @@ def spec() -> JobSpec:
 
 
 def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 5, bad=1), spec(), shard_size=4,
-                                 settings=settings)
+    created = service.create_job(
+        make_input(tmp_path, 5, bad=1), spec(), shard_size=4, settings=settings
+    )
 
     with session_scope(settings) as session:
         job = session.get(Job, created.job.id)
@@ -207,7 +248,9 @@ def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
         assert (job.request_total, job.shards_total, job.shards_done) == (6, 2, 0)
         assert job.job_metadata == {"team": "tests"}
         assert [(s.index, s.rows, s.first_line, s.last_line, s.status) for s in job.shards] == [
-            (0, 4, 1, 4, ShardStatus.QUEUED), (1, 2, 5, 6, ShardStatus.QUEUED)]
+            (0, 4, 1, 4, ShardStatus.QUEUED),
+            (1, 2, 5, 6, ShardStatus.QUEUED),
+        ]
         assert job.output_dir == Storage(settings.resolved_storage).output_dir(job.id)
     assert Path(job.output_dir).is_dir()
 
@@ -216,15 +259,17 @@ def test_job_status_is_stored_by_value(settings, tmp_path):
     created = service.create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
 
     with session_scope(settings) as session:
-        raw = session.connection().exec_driver_sql(
-            "SELECT status FROM jobs WHERE id = ?", (created.job.id,)).scalar_one()
+        raw = (
+            session.connection()
+            .exec_driver_sql("SELECT status FROM jobs WHERE id = ?", (created.job.id,))
+            .scalar_one()
+        )
 
     assert raw == "queued"
 
 
 def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 6), spec(), shard_size=3,
-                                 settings=settings)
+    created = service.create_job(make_input(tmp_path, 6), spec(), shard_size=3, settings=settings)
     job_id = created.job.id
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -236,23 +281,52 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         assert service.job_status(session, job_id) is JobStatus.IN_PROGRESS
         service.mark_generation_started(session, job_id)
     with session_scope(settings) as session:
-        checkpoints.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=0,
-                                  path="p0", rows_ok=2, rows_failed=0, prompt_tokens=10,
-                                  completion_tokens=20, engine_seconds=0.5)
-        checkpoints.record_checkpoint(session, shard_id=shard_ids[0], job_id=job_id, seq=1,
-                                  path="p1", rows_ok=0, rows_failed=1, prompt_tokens=0,
-                                  completion_tokens=0, engine_seconds=0.25)
+        checkpoints.record_checkpoint(
+            session,
+            shard_id=shard_ids[0],
+            job_id=job_id,
+            seq=0,
+            path="p0",
+            rows_ok=2,
+            rows_failed=0,
+            prompt_tokens=10,
+            completion_tokens=20,
+            engine_seconds=0.5,
+        )
+        checkpoints.record_checkpoint(
+            session,
+            shard_id=shard_ids[0],
+            job_id=job_id,
+            seq=1,
+            path="p1",
+            rows_ok=0,
+            rows_failed=1,
+            prompt_tokens=0,
+            completion_tokens=0,
+            engine_seconds=0.25,
+        )
     with session_scope(settings) as session:
         assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
         assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
         assert leases.claim_shard(session, shard_ids[0], "w2") is None
         assert leases.claim_shard(session, shard_ids[1], "w2") is not None
-        checkpoints.record_checkpoint(session, shard_id=shard_ids[1], job_id=job_id, seq=0,
-                                  path="p2", rows_ok=3, rows_failed=0, prompt_tokens=15,
-                                  completion_tokens=30, engine_seconds=1.0)
+        checkpoints.record_checkpoint(
+            session,
+            shard_id=shard_ids[1],
+            job_id=job_id,
+            seq=0,
+            path="p2",
+            rows_ok=3,
+            rows_failed=0,
+            prompt_tokens=15,
+            completion_tokens=30,
+            engine_seconds=1.0,
+        )
     with session_scope(settings) as session:
-        assert lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is \
-            JobStatus.FINALIZING
+        assert (
+            lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED)
+            is JobStatus.FINALIZING
+        )
     with session_scope(settings) as session:
         assert lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is None
 
@@ -265,8 +339,10 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         first = session.get(Shard, shard_ids[0])
         assert (first.rows_ok, first.rows_failed, first.next_seq) == (2, 1, 2)
         assert [c.rows for c in checkpoints.checkpoints_of(session, shard_ids[0])] == [2, 1]
-        assert session.scalar(select(Checkpoint.path).where(
-            Checkpoint.shard_id == shard_ids[1])) == "p2"
+        assert (
+            session.scalar(select(Checkpoint.path).where(Checkpoint.shard_id == shard_ids[1]))
+            == "p2"
+        )
         done = lifecycle.complete_job(session, job_id, hardware="CPU (test)", vllm_version="0.0")
         assert done.status is JobStatus.COMPLETED
         assert done.wall_seconds > 0
@@ -276,8 +352,7 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
 
 
 def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 2), spec(), shard_size=10,
-                                 settings=settings)
+    created = service.create_job(make_input(tmp_path, 2), spec(), shard_size=10, settings=settings)
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
         leases.claim_shard(session, shard.id, "w1")
@@ -290,10 +365,10 @@ def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
         assert "engine died" in job.error
 
 
-def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claimed(settings,
-                                                                                   tmp_path):
-    created = service.create_job(make_input(tmp_path, 5), spec(), shard_size=2,
-                                 settings=settings)
+def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claimed(
+    settings, tmp_path
+):
+    created = service.create_job(make_input(tmp_path, 5), spec(), shard_size=2, settings=settings)
 
     with session_scope(settings) as session:
         job = service.cancel_job(session, created.job.id)
@@ -307,10 +382,10 @@ def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claim
             service.cancel_job(session, created.job.id)
 
 
-def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_ends(settings,
-                                                                                  tmp_path):
-    created = service.create_job(make_input(tmp_path, 4), spec(), shard_size=2,
-                                 settings=settings)
+def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_ends(
+    settings, tmp_path
+):
+    created = service.create_job(make_input(tmp_path, 4), spec(), shard_size=2, settings=settings)
     with session_scope(settings) as session:
         first, second = session.get(Job, created.job.id).shards
         leases.claim_shard(session, first.id, "w1")
@@ -361,8 +436,9 @@ def test_strict_refusal_leaves_a_failed_job_with_the_reason(settings, tmp_path):
     from batchllm.errors import InputError
 
     with pytest.raises(InputError):
-        service.create_job(make_input(tmp_path, 2, bad=1), spec(), shard_size=4, strict=True,
-                           settings=settings)
+        service.create_job(
+            make_input(tmp_path, 2, bad=1), spec(), shard_size=4, strict=True, settings=settings
+        )
 
     with session_scope(settings) as session:
         (job,) = service.list_jobs(session)

@@ -39,19 +39,30 @@ def only_error(tmp_path: Path, line: str | dict | bytes) -> LineError:
 
 
 def chat_line(custom_id: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body},
+    }
 
 
 # -- the three forms --------------------------------------------------------------------------
 
 
 def test_prompt_line_becomes_a_prompt_request_with_default_custom_id_and_overrides(tmp_path):
-    (req,) = read_all(tmp_path, [{"prompt": "Tell me a story", "max_tokens": 12,
-                                  "temperature": 0.5, "stop": ["\n"]}])
+    (req,) = read_all(
+        tmp_path,
+        [{"prompt": "Tell me a story", "max_tokens": 12, "temperature": 0.5, "stop": ["\n"]}],
+    )
 
-    assert req == Request(line=1, custom_id="line-1", kind="prompt", prompt="Tell me a story",
-                          sampling={"max_tokens": 12, "temperature": 0.5, "stop": ["\n"]})
+    assert req == Request(
+        line=1,
+        custom_id="line-1",
+        kind="prompt",
+        prompt="Tell me a story",
+        sampling={"max_tokens": 12, "temperature": 0.5, "stop": ["\n"]},
+    )
 
 
 def test_prompt_line_keeps_its_own_custom_id(tmp_path):
@@ -62,18 +73,26 @@ def test_prompt_line_keeps_its_own_custom_id(tmp_path):
 
 
 def test_messages_line_becomes_a_chat_request_with_text_parts_joined(tmp_path):
-    line = {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hello "},
-                                                      {"type": "text", "text": "there"}]}],
-            "top_p": 0.9}
+    line = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}],
+            },
+        ],
+        "top_p": 0.9,
+    }
 
     (req,) = read_all(tmp_path, ["", line])
 
     assert req.line == 2
     assert req.custom_id == "line-2"
     assert req.kind == "chat"
-    assert req.messages == [{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "Hello there"}]
+    assert req.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there"},
+    ]
     assert req.sampling == {"top_p": 0.9}
     assert req.prompt is None
 
@@ -94,13 +113,22 @@ def test_openai_chat_line_prefers_max_completion_tokens_over_max_tokens(tmp_path
 
 
 def test_openai_completion_line_becomes_a_prompt_request(tmp_path):
-    line = {"custom_id": "c-1", "method": "POST", "url": "/v1/completions",
-            "body": {"model": "m", "prompt": "Complete this", "max_tokens": 4, "seed": 3}}
+    line = {
+        "custom_id": "c-1",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "m", "prompt": "Complete this", "max_tokens": 4, "seed": 3},
+    }
 
     (req,) = read_all(tmp_path, [line])
 
-    assert req == Request(line=1, custom_id="c-1", kind="prompt", prompt="Complete this",
-                          sampling={"max_tokens": 4, "seed": 3})
+    assert req == Request(
+        line=1,
+        custom_id="c-1",
+        kind="prompt",
+        prompt="Complete this",
+        sampling={"max_tokens": 4, "seed": 3},
+    )
 
 
 # -- bad lines ----------------------------------------------------------------------------------
@@ -148,10 +176,15 @@ def test_empty_messages_list_is_an_error_on_the_messages_field(tmp_path):
 
 
 def test_duplicate_custom_id_becomes_an_error_row_naming_the_first_line(tmp_path):
-    items = read_all(tmp_path, [{"custom_id": "a", "prompt": "one"},
-                                {"custom_id": "b", "prompt": "two"},
-                                "",
-                                {"custom_id": "a", "prompt": "three"}])
+    items = read_all(
+        tmp_path,
+        [
+            {"custom_id": "a", "prompt": "one"},
+            {"custom_id": "b", "prompt": "two"},
+            "",
+            {"custom_id": "a", "prompt": "three"},
+        ],
+    )
 
     assert [type(i).__name__ for i in items] == ["Request", "Request", "LineError"]
     err = items[2]
@@ -167,8 +200,10 @@ def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
 
 
 def test_unsupported_url_is_an_error_on_the_url_field(tmp_path):
-    err = only_error(tmp_path, {"custom_id": "e-1", "method": "POST", "url": "/v1/embeddings",
-                                "body": {"input": "x"}})
+    err = only_error(
+        tmp_path,
+        {"custom_id": "e-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    )
 
     assert (err.custom_id, err.field) == ("e-1", "url")
     assert "/v1/chat/completions" in err.message
@@ -186,7 +221,10 @@ def test_blank_lines_are_skipped_but_line_numbers_stay_physical(tmp_path):
     items = read_all(tmp_path, ["", {"prompt": "a"}, "   ", "", {"prompt": "b"}, "{bad", "\t"])
 
     assert [(type(i).__name__, i.line, i.custom_id) for i in items] == [
-        ("Request", 2, "line-2"), ("Request", 5, "line-5"), ("LineError", 6, "line-6")]
+        ("Request", 2, "line-2"),
+        ("Request", 5, "line-5"),
+        ("LineError", 6, "line-6"),
+    ]
 
 
 def test_windows_line_endings_are_accepted(tmp_path):
@@ -206,11 +244,14 @@ def stored_rows(storage: Storage, path: str) -> list[InputRow]:
 
 
 def test_store_input_keeps_every_line_including_invalid_ones(tmp_path):
-    source = write_lines(tmp_path / "in.jsonl", [
-        {"custom_id": "a", "prompt": "one", "max_tokens": 3},
-        "not json",
-        {"messages": [{"role": "user", "content": "hi"}]},
-    ])
+    source = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"custom_id": "a", "prompt": "one", "max_tokens": 3},
+            "not json",
+            {"messages": [{"role": "user", "content": "hi"}]},
+        ],
+    )
     storage = Storage(str(tmp_path / "store"))
 
     stored = store_input(source, storage, "job_x", shard_size=100)
@@ -218,7 +259,10 @@ def test_store_input_keeps_every_line_including_invalid_ones(tmp_path):
     assert (stored.total, stored.invalid, len(stored.shards)) == (3, 1, 1)
     rows = stored_rows(storage, stored.shards[0].path)
     assert [(r.line, r.custom_id, r.kind) for r in rows] == [
-        (1, "a", "prompt"), (2, "line-2", "invalid"), (3, "line-3", "chat")]
+        (1, "a", "prompt"),
+        (2, "line-2", "invalid"),
+        (3, "line-3", "chat"),
+    ]
     assert json.loads(rows[0].sampling) == {"max_tokens": 3}
     assert "malformed JSON" in rows[1].error
     assert json.loads(rows[2].messages) == [{"role": "user", "content": "hi"}]
@@ -236,9 +280,15 @@ def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
     stored = store_input(source, storage, "job_x", shard_size=3)
 
     assert [(s.index, s.rows, s.first_line, s.last_line) for s in stored.shards] == [
-        (0, 3, 1, 3), (1, 3, 5, 7), (2, 1, 8, 8)]
+        (0, 3, 1, 3),
+        (1, 3, 5, 7),
+        (2, 1, 8, 8),
+    ]
     assert storage.listdir(storage.input_dir("job_x")) == [
-        "shard-00000.parquet", "shard-00001.parquet", "shard-00002.parquet"]
+        "shard-00000.parquet",
+        "shard-00001.parquet",
+        "shard-00002.parquet",
+    ]
     for shard in stored.shards:
         rows = stored_rows(storage, shard.path)
         assert len(rows) == shard.rows
@@ -247,9 +297,17 @@ def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
 
 
 def test_strict_refuses_a_file_with_invalid_lines_and_leaves_no_shard_files(tmp_path):
-    source = write_lines(tmp_path / "in.jsonl", [
-        {"prompt": "fine"}, {"prompt": "fine too"}, "{oops", {"prompt": "more"},
-        {"messages": []}, {"prompt": "last"}])
+    source = write_lines(
+        tmp_path / "in.jsonl",
+        [
+            {"prompt": "fine"},
+            {"prompt": "fine too"},
+            "{oops",
+            {"prompt": "more"},
+            {"messages": []},
+            {"prompt": "last"},
+        ],
+    )
     storage = Storage(str(tmp_path / "store"))
 
     with pytest.raises(InputError) as caught:

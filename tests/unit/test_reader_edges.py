@@ -18,9 +18,17 @@ from batchllm.settings import get_settings
 
 
 def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -> Path:
-    body = b"".join((json.dumps(line).encode() if isinstance(line, dict)
-                     else line if isinstance(line, bytes) else line.encode()) + b"\n"
-                    for line in lines)
+    body = b"".join(
+        (
+            json.dumps(line).encode()
+            if isinstance(line, dict)
+            else line
+            if isinstance(line, bytes)
+            else line.encode()
+        )
+        + b"\n"
+        for line in lines
+    )
     path.write_bytes(prefix + body)
     return path
 
@@ -37,13 +45,14 @@ def summary(items: list[Request | LineError]) -> list[tuple[str, int, str]]:
 
 
 def test_a_utf8_bom_before_the_first_line_is_ignored(tmp_path):
-    path = write(tmp_path / "bom.jsonl", [{"prompt": "a"}, {"prompt": "b"}],
-                 prefix=b"\xef\xbb\xbf")
+    path = write(tmp_path / "bom.jsonl", [{"prompt": "a"}, {"prompt": "b"}], prefix=b"\xef\xbb\xbf")
 
     items = list(read_requests(path))
 
     assert [(type(i).__name__, i.line, i.prompt) for i in items] == [
-        ("Request", 1, "a"), ("Request", 2, "b")]
+        ("Request", 1, "a"),
+        ("Request", 2, "b"),
+    ]
 
 
 def test_a_bom_on_a_later_line_is_still_an_error(tmp_path):
@@ -64,31 +73,50 @@ def test_a_file_holding_only_a_bom_and_blank_lines_has_no_rows(tmp_path):
 
 
 def test_a_later_given_id_equal_to_a_default_moves_the_default_aside(tmp_path):
-    items = read(tmp_path, [{"prompt": "a"}, {"prompt": "b"},
-                            {"custom_id": "line-2", "prompt": "c"}])
+    items = read(
+        tmp_path, [{"prompt": "a"}, {"prompt": "b"}, {"custom_id": "line-2", "prompt": "c"}]
+    )
 
-    assert summary(items) == [("Request", 1, "line-1"), ("Request", 2, "line-2-2"),
-                              ("Request", 3, "line-2")]
+    assert summary(items) == [
+        ("Request", 1, "line-1"),
+        ("Request", 2, "line-2-2"),
+        ("Request", 3, "line-2"),
+    ]
 
 
 def test_an_earlier_given_id_equal_to_a_default_moves_the_default_aside(tmp_path):
-    items = read(tmp_path, [{"custom_id": "line-3", "prompt": "a"}, {"prompt": "b"},
-                            {"messages": [{"role": "user", "content": "c"}]}])
+    items = read(
+        tmp_path,
+        [
+            {"custom_id": "line-3", "prompt": "a"},
+            {"prompt": "b"},
+            {"messages": [{"role": "user", "content": "c"}]},
+        ],
+    )
 
-    assert summary(items) == [("Request", 1, "line-3"), ("Request", 2, "line-2"),
-                              ("Request", 3, "line-3-2")]
+    assert summary(items) == [
+        ("Request", 1, "line-3"),
+        ("Request", 2, "line-2"),
+        ("Request", 3, "line-3-2"),
+    ]
 
 
 def test_a_default_skips_every_given_alternative_including_escaped_and_invalid_lines(tmp_path):
-    lines = [{"prompt": "a"},
-             {"custom_id": "line-1", "prompt": "b"},
-             '{"custom_id": "line\\u002d1-2", "prompt": "c"}',  # the same id behind an escape
-             {"custom_id": "line-1-3", "prompt": ""}]  # an invalid line's id is still taken
+    lines = [
+        {"prompt": "a"},
+        {"custom_id": "line-1", "prompt": "b"},
+        '{"custom_id": "line\\u002d1-2", "prompt": "c"}',  # the same id behind an escape
+        {"custom_id": "line-1-3", "prompt": ""},
+    ]  # an invalid line's id is still taken
 
     first, second = read(tmp_path, lines), read(tmp_path, lines)
 
-    assert summary(first) == [("Request", 1, "line-1-4"), ("Request", 2, "line-1"),
-                              ("Request", 3, "line-1-2"), ("LineError", 4, "line-1-3")]
+    assert summary(first) == [
+        ("Request", 1, "line-1-4"),
+        ("Request", 2, "line-1"),
+        ("Request", 3, "line-1-2"),
+        ("LineError", 4, "line-1-3"),
+    ]
     assert summary(second) == summary(first)
 
 
@@ -99,8 +127,9 @@ def test_an_error_row_without_an_id_gets_the_moved_default_too(tmp_path):
 
 
 def test_given_ids_that_repeat_are_still_duplicates(tmp_path):
-    items = read(tmp_path, [{"custom_id": "line-9", "prompt": "a"},
-                            {"custom_id": "line-9", "prompt": "b"}])
+    items = read(
+        tmp_path, [{"custom_id": "line-9", "prompt": "a"}, {"custom_id": "line-9", "prompt": "b"}]
+    )
 
     assert summary(items) == [("Request", 1, "line-9"), ("LineError", 2, "line-9")]
     assert "first on line 1" in items[1].message
@@ -114,24 +143,51 @@ def test_moved_defaults_reach_the_stored_input_rows(tmp_path):
 
     rows = list(iter_shard_rows(storage, stored.shards[0].path))
     assert [(r.line, r.custom_id, r.kind) for r in rows] == [
-        (1, "line-1-2", "prompt"), (2, "line-1", "prompt")]
+        (1, "line-1-2", "prompt"),
+        (2, "line-1", "prompt"),
+    ]
 
 
 # -- numbers in sampling fields ------------------------------------------------------------------
 
-NUMBER_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty"]
+NUMBER_FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def in_every_form(field: str, value) -> list[tuple[dict, str]]:
     """The line in each of the four forms with `field` set, and the field name its error has."""
-    return [({"prompt": "p", field: value}, field),
-            ({"messages": MESSAGES, field: value}, field),
-            ({"custom_id": "c", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": "p", field: value}}, f"body.{field}"),
-            ({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": MESSAGES, field: value}}, f"body.{field}")]
+    return [
+        ({"prompt": "p", field: value}, field),
+        ({"messages": MESSAGES, field: value}, field),
+        (
+            {
+                "custom_id": "c",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": "p", field: value},
+            },
+            f"body.{field}",
+        ),
+        (
+            {
+                "custom_id": "c",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"messages": MESSAGES, field: value},
+            },
+            f"body.{field}",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("field", NUMBER_FIELDS + ["max_completion_tokens"])
@@ -144,7 +200,8 @@ def test_a_boolean_in_a_number_field_is_an_error_naming_the_field(tmp_path, fiel
     items = read(tmp_path, [line for line, _ in cases])
 
     assert [(type(i).__name__, i.field) for i in items] == [
-        ("LineError", name) for _, name in cases]
+        ("LineError", name) for _, name in cases
+    ]
     assert all("not true/false" in i.message for i in items)
 
 
@@ -156,13 +213,18 @@ def test_ignore_eos_still_takes_a_boolean(tmp_path):
 
 def test_max_tokens_above_the_bound_is_an_error_naming_the_field(tmp_path):
     cases = in_every_form("max_tokens", 10**9)
-    over_completion = {"custom_id": "d", "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"messages": MESSAGES, "max_completion_tokens": 10**9}}
+    over_completion = {
+        "custom_id": "d",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": MESSAGES, "max_completion_tokens": 10**9},
+    }
 
     items = read(tmp_path, [line for line, _ in cases] + [over_completion])
 
     assert [(type(i).__name__, i.field) for i in items] == [
-        ("LineError", name) for _, name in cases] + [("LineError", "body.max_completion_tokens")]
+        ("LineError", name) for _, name in cases
+    ] + [("LineError", "body.max_completion_tokens")]
     assert all(f"less than or equal to {MAX_TOKENS_LIMIT}" in i.message for i in items)
 
 
@@ -172,8 +234,15 @@ def test_max_tokens_at_the_bound_is_accepted(tmp_path):
     assert item.sampling == {"max_tokens": MAX_TOKENS_LIMIT}
 
 
-@pytest.mark.parametrize("sampling", [{"max_tokens": True}, {"temperature": False},
-                                      {"top_p": True}, {"max_tokens": MAX_TOKENS_LIMIT + 1}])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"max_tokens": True},
+        {"temperature": False},
+        {"top_p": True},
+        {"max_tokens": MAX_TOKENS_LIMIT + 1},
+    ],
+)
 def test_job_defaults_refuse_booleans_and_an_unbounded_max_tokens(sampling):
     with pytest.raises(ValidationError) as caught:
         JobSpec(model="m", sampling=SamplingDefaults(**sampling))
@@ -205,14 +274,22 @@ def test_an_integer_of_ten_thousand_digits_is_an_error_row(tmp_path):
 def test_a_line_over_the_limit_is_an_error_row_and_later_lines_still_parse(tmp_path):
     long_line = json.dumps({"custom_id": "big", "prompt": "x" * 200})
     exact = json.dumps({"prompt": "y" * 80})
-    items = read(tmp_path, [{"prompt": "before"}, long_line, exact, {"custom_id": "z",
-                                                                     "prompt": "after"}],
-                 max_line_bytes=len(exact))
+    items = read(
+        tmp_path,
+        [{"prompt": "before"}, long_line, exact, {"custom_id": "z", "prompt": "after"}],
+        max_line_bytes=len(exact),
+    )
 
-    assert summary(items) == [("Request", 1, "line-1"), ("LineError", 2, "line-2"),
-                              ("Request", 3, "line-3"), ("Request", 4, "z")]
-    assert items[1].message == (f"line is {len(long_line):,} bytes, over the limit of "
-                                f"{len(exact):,} (BATCHLLM_MAX_LINE_BYTES)")
+    assert summary(items) == [
+        ("Request", 1, "line-1"),
+        ("LineError", 2, "line-2"),
+        ("Request", 3, "line-3"),
+        ("Request", 4, "z"),
+    ]
+    assert items[1].message == (
+        f"line is {len(long_line):,} bytes, over the limit of "
+        f"{len(exact):,} (BATCHLLM_MAX_LINE_BYTES)"
+    )
 
 
 def test_the_line_limit_comes_from_batchllm_max_line_bytes(tmp_path, monkeypatch):

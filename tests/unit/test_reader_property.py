@@ -16,13 +16,20 @@ from batchllm.jobs.schemas import LineError, Request
 LIMIT = 64  # small, so that generated long lines go over it cheaply
 BOM = b"\xef\xbb\xbf"
 
-custom_ids = st.one_of(st.none(), st.sampled_from(["a", "b", "line-1", "line-2", "line-2-2", ""]),
-                       st.text(max_size=8))
+custom_ids = st.one_of(
+    st.none(), st.sampled_from(["a", "b", "line-1", "line-2", "line-2-2", ""]), st.text(max_size=8)
+)
 sampling = st.dictionaries(
     st.sampled_from(["max_tokens", "temperature", "top_p", "seed", "ignore_eos", "stop", "bogus"]),
-    st.one_of(st.booleans(), st.integers(-5, 2_000_000), st.floats(allow_nan=False),
-              st.text(max_size=5), st.none()),
-    max_size=3)
+    st.one_of(
+        st.booleans(),
+        st.integers(-5, 2_000_000),
+        st.floats(allow_nan=False),
+        st.text(max_size=5),
+        st.none(),
+    ),
+    max_size=3,
+)
 
 
 @st.composite
@@ -33,11 +40,15 @@ def request_lines(draw) -> bytes:
     if form == "prompt":
         obj["prompt"] = content
     elif form == "messages":
-        obj["messages"] = [{"role": draw(st.sampled_from(["user", "system", "robot"])),
-                            "content": content}]
+        obj["messages"] = [
+            {"role": draw(st.sampled_from(["user", "system", "robot"])), "content": content}
+        ]
     elif form == "openai":
-        obj = {"method": "POST", "url": draw(st.sampled_from(["/v1/completions", "/v1/x"])),
-               "body": {"prompt": content, **obj}}
+        obj = {
+            "method": "POST",
+            "url": draw(st.sampled_from(["/v1/completions", "/v1/x"])),
+            "body": {"prompt": content, **obj},
+        }
     custom_id = draw(custom_ids)
     if custom_id is not None:
         obj["custom_id"] = custom_id

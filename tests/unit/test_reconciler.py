@@ -52,14 +52,17 @@ class Broker:
 def broker(settings, monkeypatch) -> Broker:
     settings.lease_seconds = LEASE
     fake = Broker()
-    monkeypatch.setattr("batchllm.worker.reconciler.shard_ids_in_broker",
-                        fake.shard_ids_in_broker)
+    monkeypatch.setattr("batchllm.worker.reconciler.shard_ids_in_broker", fake.shard_ids_in_broker)
     return fake
 
 
 def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(write_items(tmp_path / "in.jsonl", rows), make_spec(),
-                                 shard_size=shard_size, settings=settings)
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", rows),
+        make_spec(),
+        shard_size=shard_size,
+        settings=settings,
+    )
     with session_scope(settings) as session:
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
 
@@ -69,8 +72,13 @@ def claim(settings, shard_id: int, worker: str) -> int:
         return leases.claim_shard(session, shard_id, worker, LEASE).attempts
 
 
-def set_shard(settings, shard_id: int, *, heartbeat_age: float | None = None,
-              dispatched_age: float | None = None) -> None:
+def set_shard(
+    settings,
+    shard_id: int,
+    *,
+    heartbeat_age: float | None = None,
+    dispatched_age: float | None = None,
+) -> None:
     values = {}
     if heartbeat_age is not None:
         values["heartbeat_at"] = utcnow() - timedelta(seconds=heartbeat_age)
@@ -90,7 +98,8 @@ def states(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
 
 
 def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_fresh(
-        settings, tmp_path):
+    settings, tmp_path
+):
     _, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
     assert claim(settings, shard_id, "w1") == 1
 
@@ -110,7 +119,8 @@ def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_f
 
 
 def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_at_once(
-        settings, tmp_path):
+    settings, tmp_path
+):
     settings.lease_seconds = LEASE
     job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "dead")
@@ -121,22 +131,27 @@ def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_
         assert job.status is JobStatus.CANCELLED
         assert job.finished_at is not None
 
-    assert states(settings, job_id) == (JobStatus.CANCELLED,
-                                        [ShardStatus.CANCELLED, ShardStatus.CANCELLED])
+    assert states(settings, job_id) == (
+        JobStatus.CANCELLED,
+        [ShardStatus.CANCELLED, ShardStatus.CANCELLED],
+    )
     with session_scope(settings) as session:
         assert session.get(Job, job_id).shards_done == 2
 
 
 def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_runs_out(
-        settings, tmp_path):
+    settings, tmp_path
+):
     settings.lease_seconds = LEASE
     job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "alive")
 
     with session_scope(settings) as session:
         assert service.cancel_job(session, job_id).status is JobStatus.CANCELLING
-    assert states(settings, job_id) == (JobStatus.CANCELLING,
-                                        [ShardStatus.RUNNING, ShardStatus.CANCELLED])
+    assert states(settings, job_id) == (
+        JobStatus.CANCELLING,
+        [ShardStatus.RUNNING, ShardStatus.CANCELLED],
+    )
     with session_scope(settings) as session:
         assert recovery.end_stale_shards_of_cancelled_jobs(session, LEASE) == []
     assert states(settings, job_id)[0] is JobStatus.CANCELLING
@@ -147,15 +162,18 @@ def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_run
     with session_scope(settings) as session:
         assert recovery.end_stale_shards_of_cancelled_jobs(session, LEASE) == []
 
-    assert states(settings, job_id) == (JobStatus.CANCELLED,
-                                        [ShardStatus.CANCELLED, ShardStatus.CANCELLED])
+    assert states(settings, job_id) == (
+        JobStatus.CANCELLED,
+        [ShardStatus.CANCELLED, ShardStatus.CANCELLED],
+    )
 
 
 # -- the reconciler's pass ----------------------------------------------------------------------
 
 
 def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_again_once(
-        settings, tmp_path, broker):
+    settings, tmp_path, broker
+):
     job_id, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
     claim(settings, shard_id, "dead")
     assert not reconcile_once(broker.send, settings)  # its heartbeat is fresh
@@ -174,8 +192,7 @@ def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_ag
         assert leases.claim_shard(session, shard_id, "w2", LEASE).attempts == 2
 
 
-def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(
-        settings, tmp_path, broker):
+def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(settings, tmp_path, broker):
     job_id, (lost, just_sent) = create(settings, tmp_path, 8, shard_size=4)
     set_shard(settings, lost, dispatched_age=LEASE + 1)
     set_shard(settings, just_sent, dispatched_age=1)
@@ -191,7 +208,8 @@ def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(
 
 
 def test_a_queued_shard_whose_task_the_broker_still_holds_is_not_sent_again(
-        settings, tmp_path, broker):
+    settings, tmp_path, broker
+):
     _, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
     set_shard(settings, shard_id, dispatched_age=LEASE + 1)
     broker.holds = {shard_id}
@@ -204,7 +222,8 @@ def test_a_queued_shard_whose_task_the_broker_still_holds_is_not_sent_again(
 
 
 def test_a_cancelling_job_whose_only_running_shard_lost_its_worker_ends_cancelled(
-        settings, tmp_path, broker):
+    settings, tmp_path, broker
+):
     job_id, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
     claim(settings, shard_id, "dead")
     with session_scope(settings) as session:
@@ -221,12 +240,14 @@ def test_a_cancelling_job_whose_only_running_shard_lost_its_worker_ends_cancelle
 
 
 def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_first_step(
-        small_commits, tmp_path, broker, monkeypatch):
+    small_commits, tmp_path, broker, monkeypatch
+):
     settings = small_commits
     job_id, shard_ids = create(settings, tmp_path, 20, shard_size=12)
     with session_scope(settings) as session:
-        service.mark_generation_started(session, job_id, hardware="8x H100 80GB",
-                                        vllm_version="0.99.0")
+        service.mark_generation_started(
+            session, job_id, hardware="8x H100 80GB", vllm_version="0.99.0"
+        )
     # The worker that ends the last shard dies before it finalizes the job.
     with monkeypatch.context() as patch:
         patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
@@ -256,9 +277,15 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
 
 
 def test_the_shards_of_a_local_run_are_never_sent_to_the_fleet_and_a_killed_run_ends_failed(
-        settings, broker, tmp_path):
-    created = service.create_job(write_items(tmp_path / "in.jsonl", 8), make_spec(),
-                                 shard_size=4, settings=settings, local_run=True)
+    settings, broker, tmp_path
+):
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", 8),
+        make_spec(),
+        shard_size=4,
+        settings=settings,
+        local_run=True,
+    )
     with session_scope(settings) as session:
         running, queued = [s.id for s in session.get(Job, created.job.id).shards]
     claim(settings, running, "local@host")

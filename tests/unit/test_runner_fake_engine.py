@@ -66,8 +66,14 @@ class FakeEngine:
     version = "fake-1.0"
     hardware = "fake CPU (2 cores)"
 
-    def __init__(self, *, steps: int = 2, max_num_seqs: int = 4,
-                 max_model_len: int = MAX_MODEL_LEN, on_step=None) -> None:
+    def __init__(
+        self,
+        *,
+        steps: int = 2,
+        max_num_seqs: int = 4,
+        max_model_len: int = MAX_MODEL_LEN,
+        on_step=None,
+    ) -> None:
         self.tokenizer = WordTokenizer()
         self.steps, self.max_num_seqs, self.max_model_len = steps, max_num_seqs, max_model_len
         self.on_step = on_step or (lambda n: None)
@@ -99,9 +105,15 @@ class FakeEngine:
             if state[2] == 0:
                 ids, params, _ = self.running.pop(request_id)
                 echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
-                done.append(Finished(request_id=request_id, text=f"echo {echo}",
-                                     finish_reason="length", prompt_tokens=len(ids),
-                                     completion_tokens=params["max_tokens"]))
+                done.append(
+                    Finished(
+                        request_id=request_id,
+                        text=f"echo {echo}",
+                        finish_reason="length",
+                        prompt_tokens=len(ids),
+                        completion_tokens=params["max_tokens"],
+                    )
+                )
         return done
 
     def has_unfinished(self) -> bool:
@@ -129,9 +141,11 @@ class FakeEngines:
 
 
 def make_spec() -> JobSpec:
-    return JobSpec(model="/models/fake",
-                   sampling=SamplingDefaults(max_tokens=DEFAULT_MAX_TOKENS),
-                   engine=EngineOptions(max_model_len=MAX_MODEL_LEN))
+    return JobSpec(
+        model="/models/fake",
+        sampling=SamplingDefaults(max_tokens=DEFAULT_MAX_TOKENS),
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
+    )
 
 
 def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Path:
@@ -143,11 +157,18 @@ def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Pa
         if i % 3 == 0:
             lines.append({"custom_id": f"item-{i}", "prompt": text, "max_tokens": 2 + i % 3})
         elif i % 3 == 1:
-            lines.append({"custom_id": f"item-{i}",
-                          "messages": [{"role": "user", "content": text}]})
+            lines.append(
+                {"custom_id": f"item-{i}", "messages": [{"role": "user", "content": text}]}
+            )
         else:
-            lines.append({"custom_id": f"item-{i}", "method": "POST",
-                          "url": "/v1/completions", "body": {"prompt": text}})
+            lines.append(
+                {
+                    "custom_id": f"item-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": text},
+                }
+            )
     with path.open("w") as out:
         for line in lines:
             out.write(json.dumps(line) + "\n")
@@ -163,8 +184,9 @@ def item_of(prompt: str) -> str:
 
 def output_rows(settings, job_id: str) -> list[dict]:
     storage = Storage(settings.resolved_storage)
-    return sorted(read_output(storage, storage.output_dir(job_id)).to_pylist(),
-                  key=lambda r: r["line"])
+    return sorted(
+        read_output(storage, storage.output_dir(job_id)).to_pylist(), key=lambda r: r["line"]
+    )
 
 
 def part_files(settings, job_id: str) -> list[str]:
@@ -188,18 +210,24 @@ def small_commits(settings):
 
 
 def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_prompts(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     settings = small_commits
     too_long = " ".join(["long"] * (MAX_MODEL_LEN + 3))
-    source = write_items(tmp_path / "in.jsonl", 30, extra=[
-        "{broken json",
-        json.dumps({"custom_id": "blank", "prompt": "   "}),
-        json.dumps({"custom_id": "too-long", "prompt": too_long}),
-        "",
-        json.dumps({"custom_id": "item-0", "prompt": "a duplicate id"}),
-        json.dumps({"custom_id": "too-long-chat",
-                    "messages": [{"role": "user", "content": too_long}]}),
-    ])
+    source = write_items(
+        tmp_path / "in.jsonl",
+        30,
+        extra=[
+            "{broken json",
+            json.dumps({"custom_id": "blank", "prompt": "   "}),
+            json.dumps({"custom_id": "too-long", "prompt": too_long}),
+            "",
+            json.dumps({"custom_id": "item-0", "prompt": "a duplicate id"}),
+            json.dumps(
+                {"custom_id": "too-long-chat", "messages": [{"role": "user", "content": too_long}]}
+            ),
+        ],
+    )
     engine = FakeEngine()
 
     job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
@@ -228,8 +256,7 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
     assert by_id["item-6"]["text"] == "echo word word"
 
 
-def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small_commits,
-                                                                          tmp_path):
+def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small_commits, tmp_path):
     settings = small_commits
     source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
 
@@ -281,7 +308,8 @@ class StartingEngines(FakeEngines):
 
 
 def test_with_a_given_context_length_the_engine_starts_while_the_file_is_validated(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     source = write_items(tmp_path / "in.jsonl", 20)
     engines = StartingEngines(FakeEngine())
     engine_started_before_job_was_stored = []
@@ -289,8 +317,7 @@ def test_with_a_given_context_length_the_engine_starts_while_the_file_is_validat
     def created(job) -> None:
         engine_started_before_job_was_stored.append(engines.starting.wait(timeout=10))
 
-    job = run_job(source, make_spec(), settings=small_commits, engines=engines,
-                  on_created=created)
+    job = run_job(source, make_spec(), settings=small_commits, engines=engines, on_created=created)
 
     assert engine_started_before_job_was_stored == [True]
     assert job.status is JobStatus.COMPLETED
@@ -298,7 +325,8 @@ def test_with_a_given_context_length_the_engine_starts_while_the_file_is_validat
 
 
 def test_under_strict_a_refused_file_is_reported_without_starting_the_engine(
-        small_commits, tmp_path):
+    small_commits, tmp_path
+):
     source = write_items(tmp_path / "in.jsonl", 3, extra=["{broken json"])
     engines = StartingEngines(FakeEngine())
 
@@ -308,8 +336,7 @@ def test_under_strict_a_refused_file_is_reported_without_starting_the_engine(
     assert not engines.starting.is_set()
 
 
-def test_an_engine_that_fails_to_start_fails_the_job_created_meanwhile(small_commits,
-                                                                       tmp_path):
+def test_an_engine_that_fails_to_start_fails_the_job_created_meanwhile(small_commits, tmp_path):
     source = write_items(tmp_path / "in.jsonl", 5)
     engines = StartingEngines(FakeEngine(), fail="no such model")
 
@@ -353,12 +380,14 @@ def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
 
 
 def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_once(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     settings.shard_size = 20
     source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
-    created = service.create_job(source, make_spec(), shard_size=settings.shard_size,
-                                 settings=settings)
+    created = service.create_job(
+        source, make_spec(), shard_size=settings.shard_size, settings=settings
+    )
     job_id = created.job.id
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job_id)
@@ -373,8 +402,9 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
-        committed_paths = [c.path for shard in job.shards
-                           for c in checkpoints.checkpoints_of(session, shard.id)]
+        committed_paths = [
+            c.path for shard in job.shards for c in checkpoints.checkpoints_of(session, shard.id)
+        ]
         assert job.status is JobStatus.IN_PROGRESS
     assert len(committed_paths) == 2
     committed = {r["custom_id"] for p in committed_paths for r in read_output_file(storage, p)}
@@ -386,8 +416,11 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     shutil.copyfile(posixpath.join(out_dir, orphans[0]), planted)
     # The dead worker's heartbeat goes stale, so its redelivered shards may be taken over.
     with session_scope(settings) as session:
-        session.execute(update(Shard).where(Shard.job_id == job_id)
-                        .values(heartbeat_at=utcnow() - timedelta(hours=1)))
+        session.execute(
+            update(Shard)
+            .where(Shard.job_id == job_id)
+            .values(heartbeat_at=utcnow() - timedelta(hours=1))
+        )
 
     resumed = FakeEngine()
     outcomes = ShardRunner(resumed, worker="alive", settings=settings).run(shard_ids)
@@ -412,8 +445,9 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 
 def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):
     settings = small_commits
-    created = service.create_job(write_items(tmp_path / "in.jsonl", 4), make_spec(),
-                                 shard_size=10, settings=settings)
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", 4), make_spec(), shard_size=10, settings=settings
+    )
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
         leases.claim_shard(session, shard.id, "first", settings.lease_seconds)
@@ -431,7 +465,8 @@ def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_p
 
 
 def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     settings = small_commits
     monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
@@ -466,7 +501,8 @@ def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
 
 
 def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shard_exactly_once(
-        small_commits, tmp_path, monkeypatch):
+    small_commits, tmp_path, monkeypatch
+):
     """The worker path (process_shard): a stop request mid-shard aborts in-flight requests,
     keeps the committed rows and leaves the shard to the next delivery, which runs the rest."""
     from batchllm.worker.delivery import process_shard
@@ -482,8 +518,13 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
     stop = {"now": False}
     first = FakeEngine(on_step=lambda n: stop.update(now=n >= 8))
 
-    outcome = process_shard(shard_id, worker="w1", engines=FakeEngines(first),
-                            should_stop=lambda: stop["now"], settings=settings)
+    outcome = process_shard(
+        shard_id,
+        worker="w1",
+        engines=FakeEngines(first),
+        should_stop=lambda: stop["now"],
+        settings=settings,
+    )
 
     assert outcome is Outcome.INTERRUPTED
     assert first.aborted and not first.has_unfinished()
@@ -495,8 +536,10 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
         assert session.get(Job, created.job.id).status is JobStatus.IN_PROGRESS
 
     second = FakeEngine()
-    assert process_shard(shard_id, worker="w2", engines=FakeEngines(second),
-                         settings=settings) is Outcome.COMPLETED
+    assert (
+        process_shard(shard_id, worker="w2", engines=FakeEngines(second), settings=settings)
+        is Outcome.COMPLETED
+    )
 
     rows = output_rows(settings, created.job.id)
     assert sorted(r["line"] for r in rows) == list(range(1, 41))

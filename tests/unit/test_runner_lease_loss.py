@@ -39,8 +39,11 @@ def recorded_paths(settings, shard_id: int) -> list[str]:
 def take_over(settings, shard_id: int, worker: str) -> int:
     """Another worker's claim after this shard's lease ran out; returns its attempt."""
     with session_scope(settings) as session:
-        session.execute(update(Shard).where(Shard.id == shard_id)
-                        .values(heartbeat_at=utcnow() - timedelta(hours=1)))
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(heartbeat_at=utcnow() - timedelta(hours=1))
+        )
     with session_scope(settings) as session:
         claimed = leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
         assert claimed is not None
@@ -49,16 +52,22 @@ def take_over(settings, shard_id: int, worker: str) -> int:
 
 # The first runner notices at its next heartbeat (checked after every step here), or, with
 # heartbeats far apart, when its next commit (after the next step) is refused by the fence.
-@pytest.mark.parametrize(("control_interval", "steps_after", "noticed"), [
-    (0.0, 0, "its lease ran out and another worker took it over"),
-    (3600.0, 1, "is no longer run by attempt 1"),
-], ids=["heartbeat", "commit-fence"])
+@pytest.mark.parametrize(
+    ("control_interval", "steps_after", "noticed"),
+    [
+        (0.0, 0, "its lease ran out and another worker took it over"),
+        (3600.0, 1, "is no longer run by attempt 1"),
+    ],
+    ids=["heartbeat", "commit-fence"],
+)
 def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it_exactly_once(
-        control_interval, steps_after, noticed, small_commits, tmp_path, monkeypatch, caplog):
+    control_interval, steps_after, noticed, small_commits, tmp_path, monkeypatch, caplog
+):
     settings = small_commits
     monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", control_interval)
-    created = service.create_job(write_items(tmp_path / "in.jsonl", ROWS), make_spec(),
-                                 shard_size=ROWS, settings=settings)
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", ROWS), make_spec(), shard_size=ROWS, settings=settings
+    )
     job_id = created.job.id
     with session_scope(settings) as session:
         (shard_id,) = [s.id for s in session.get(Job, job_id).shards]
@@ -83,7 +92,8 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
     kept = recorded_paths(settings, shard_id)
     assert kept == at_takeover["paths"]
     assert [posixpath.basename(p) for p in kept] == [
-        part_name(0, seq, 1) for seq in range(len(kept))]
+        part_name(0, seq, 1) for seq in range(len(kept))
+    ]
     # w1 wrote no part file after the takeover (a refused commit deletes its file).
     assert sorted(part_files(settings, job_id)) == at_takeover["parts"]
     committed_rows = output_rows(settings, job_id)
@@ -102,8 +112,7 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
     assert outcomes == {shard_id: Outcome.COMPLETED}
     assert len(second.prompts_added) == ROWS - len(committed_rows)
     rows = output_rows(settings, job_id)
-    assert collections.Counter(r["line"] for r in rows) == collections.Counter(
-        range(1, ROWS + 1))
+    assert collections.Counter(r["line"] for r in rows) == collections.Counter(range(1, ROWS + 1))
     assert sorted(r["custom_id"] for r in rows) == sorted(f"item-{i}" for i in range(ROWS))
     assert all(r["status"] == "ok" for r in rows)
     with session_scope(settings) as session:
