@@ -16,12 +16,13 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.engine.protocol import Finished
+from batchllm.engine.protocol import Engine, Finished
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.jobs import checkpoints, leases, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME, read_output
+from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.jobs.storage import Storage
 from batchllm.worker.local import run_job
@@ -83,7 +84,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.step_count = 0
 
-    def prepare(self, rows: list[dict]) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 
     def sampling_params(self, merged: dict) -> dict:
@@ -124,6 +125,14 @@ class FakeEngine:
         for request_id in request_ids:
             self.waiting.pop(request_id, None)
             self.running.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _is_an_engine(engine: FakeEngine) -> Engine:
+    """mypy (`make lint`) checks here that the fake satisfies the Engine Protocol."""
+    return engine
 
 
 class FakeEngines:
