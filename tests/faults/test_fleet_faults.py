@@ -488,6 +488,36 @@ class TestWorkerLoss:
             f"ran: {orphans} (parents {orphan_parents})"
         )
 
+    def test_a_worker_stopped_with_sigterm_hands_its_shard_back_at_once_and_exits_cleanly(
+        self, pool, fault_env, tmp_path, recovery
+    ):
+        """A warm shutdown (a deploy, a scale-down): the running shard commits its finished
+        rows and goes back to the queue without waiting for a lease; the worker exits 0 and
+        takes its engine processes with it."""
+        pair = pool.ensure(2)
+        workers = by_name(pair)
+        source = workload(tmp_path, seed=21)
+        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
+        shard = wait_mid_shard(fault_env, job.id, pair)
+        victim = workers[shard.worker]
+        survivor = next(w for w in pair if w is not victim)
+        children = victim.record_descendants()
+        stopped_at = time.monotonic()
+        victim.terminate()
+        code = victim.proc.wait(timeout=120)
+        exited = time.monotonic() - stopped_at
+        assert code == 0, victim.tail()
+        wait_for(lambda: not alive_of(children), timeout=30, what="the engine processes to exit")
+
+        job, shards = wait_until_final(fault_env, job.id, pair)
+        took = time.monotonic() - stopped_at
+        assert_completed_exactly_once(fault_env, job, shards, source, pair)
+        taken = next(s for s in shards if s.id == shard.id)
+        assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts, taken.worker)
+        assert "handed back" in victim.log(), victim.tail()
+        recovery("SIGTERM -> worker exited 0", exited, f"{victim.name} on shard {shard.index}")
+        recovery("SIGTERM -> completed", took, "shard handed back, no lease wait")
+
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
         self, pool, fault_env, tmp_path, recovery
     ):
