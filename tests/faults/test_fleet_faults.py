@@ -497,8 +497,10 @@ class TestWorkerLoss:
         pair = pool.ensure(2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=21)
-        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, pair)
+        # Long shards, stopped with most of the shard to go: a 250-row shard here can finish in
+        # the second before the runner sees the stop, and then there is nothing to hand back.
+        job = fault_env.submit(source, shard_size=1000, max_tokens=max(TOKENS))
+        shard = wait_mid_shard(fault_env, job.id, pair, min_left=600)
         victim = workers[shard.worker]
         survivor = next(w for w in pair if w is not victim)
         children = victim.record_descendants()
