@@ -19,7 +19,6 @@ from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
-LOCAL_WORKER = "local@"  # the worker name prefix of `batchllm run`
 
 
 def end_stale_shards_of_cancelled_jobs(

@@ -14,8 +14,9 @@ from sqlalchemy.orm import Session
 from batchllm.errors import InputError, JobNotFound, JobStateError
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import StoredInput, readable_input, store_input
-from batchllm.jobs.lifecycle import ACTIVE, after_last_shard, end_open_shard
+from batchllm.jobs.lifecycle import ACTIVE, after_last_shard
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.jobs.recovery import end_stale_shards_of_cancelled_jobs
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
@@ -153,8 +154,6 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
     abort their in-flight requests, keep their committed rows, and end the job `cancelled`.
     A running shard whose worker is gone (no heartbeat within the lease) ends now too; one
     whose lease has not run out yet is ended by the reconciler when it does."""
-    from batchllm.jobs.recovery import end_stale_shards_of_cancelled_jobs
-
     job = get_job(session, job_ref)
     if job.status.is_final:
         raise JobStateError(f"job {job.id} is already {job.status.value}")
@@ -163,10 +162,7 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
         .where(Job.id == job.id, Job.status.in_(ACTIVE))
         .values(status=JobStatus.CANCELLING)
     )
-    for shard in session.scalars(
-        select(Shard).where(Shard.job_id == job.id, Shard.status == ShardStatus.QUEUED)
-    ):
-        end_open_shard(session, shard, ShardStatus.CANCELLED)
+    # Ends the queued shards, and the running ones whose worker is gone.
     end_stale_shards_of_cancelled_jobs(
         session, lease_seconds or get_settings().lease_seconds, job_id=job.id
     )

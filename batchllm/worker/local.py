@@ -66,7 +66,7 @@ def run_job(
         engine = engines.get(spec, max_model_len)
         runner = ShardRunner(
             engine,
-            worker=f"{recovery.LOCAL_WORKER}{socket.gethostname()}",
+            worker=f"local@{socket.gethostname()}",
             settings=settings,
             on_progress=on_progress,
             should_stop=interrupted.is_set,
