@@ -17,6 +17,11 @@ class EngineUnavailable(BatchLLMError):
     """vLLM is not installed or the engine could not start."""
 
 
+class EngineSettingsError(EngineUnavailable):
+    """An engine setting this machine cannot honour (more GPUs than it has, a quantization its
+    GPUs cannot run): refused before the engine starts."""
+
+
 class JobStateError(BatchLLMError):
     """The requested action does not fit the job's current state."""
 

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         "ends cancelled jobs whose workers died, finalizes jobs left finalizing.",
     )
 
+    allow_unsupported_vllm: bool = Field(
+        default=False,
+        description="Run engines on a vLLM release other than the one batchllm supports "
+        "(batchllm.engine.versions.SUPPORTED_VLLM) instead of refusing to start them.",
+    )
+
     @model_validator(mode="after")
     def _expand_home(self) -> Settings:
         self.home = self.home.expanduser()

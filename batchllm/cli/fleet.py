@@ -131,6 +131,12 @@ def worker(
     if not names:
         raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
     if concurrency > 1:
+        from batchllm.engine.hardware import runs_on_cpu, visible_gpus
+        from batchllm.engine.preflight import check_worker_concurrency
+
+        on_cpu = runs_on_cpu()
+        gpus = [] if on_cpu else visible_gpus()
+        check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
         _supervise(concurrency, models, queues, name, loglevel)
         return
     from batchllm.worker.celery_app import create_app

@@ -161,3 +161,13 @@ def require_local_model(model: str) -> None:
         raise click.ClickException(
             f"--model {model}: no such directory, and not a Hugging Face repo id (org/name)"
         )
+
+
+def require_hardware_for(engine: EngineOptions) -> None:
+    """Refuse, before a job is created, engine settings this machine's GPUs cannot honour (the
+    engine checks again, with the quantizations of the installed vLLM, when it starts)."""
+    from batchllm.engine.hardware import runs_on_cpu, visible_gpus
+    from batchllm.engine.preflight import check_engine_options
+
+    on_cpu = runs_on_cpu()
+    check_engine_options(engine, is_cpu=on_cpu, gpus=[] if on_cpu else visible_gpus())

@@ -10,6 +10,7 @@ from batchllm.cli import cli
 from batchllm.cli.options import (
     input_file,
     job_options,
+    require_hardware_for,
     require_local_model,
     require_requests,
     spec_from_flags,
@@ -41,6 +42,7 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
 
     spec = spec_from_flags(flags)
     require_local_model(spec.model)
+    require_hardware_for(spec.engine)
     if output is not None:
         _require_usable_output(output)
     require_requests(file)

@@ -16,12 +16,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from batchllm.engine.hardware import cpu_has_native_bf16, visible_gpus
 from batchllm.engine.parent_watch import ENGINE_MARK
+from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.jobs.rows import InputRow
+from batchllm.engine.versions import check_vllm_version
 from batchllm.jobs.schemas import EngineOptions
+from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +78,41 @@ def resolve_dtype(requested: str, *, is_cpu: bool) -> str:
     measured on a 2-core AMD EPYC (Zen 3) with the demo model, 230-790 output tok/s in
     bfloat16 against 3,150 in float32.
     """
-    if requested != "auto" or not is_cpu or platform.machine().lower() not in ("x86_64", "amd64"):
-        return requested
-    import torch
-
-    if torch.cpu._is_avx512_bf16_supported():
+    if requested != "auto" or not is_cpu or cpu_has_native_bf16():
         return requested
     log.info(
         "this CPU has no native bfloat16 (AVX512-BF16/AMX): running the model in float32 "
         "(pass --dtype to choose)"
     )
     return "float32"
+
+
+def preflight(options: EngineOptions, *, is_cpu: bool, device: str) -> None:
+    """Refuse settings this machine cannot honour before vLLM starts (EngineSettingsError),
+    asking the installed vLLM which quantizations exist, run here, and need which GPUs."""
+    gpus = [] if is_cpu else visible_gpus()
+    check_engine_options(options, is_cpu=is_cpu, gpus=gpus)
+    if options.quantization is None:
+        return
+    from vllm.model_executor.layers import quantization
+    from vllm.platforms import current_platform
+
+    known = list(quantization.QUANTIZATION_METHODS)
+    min_capability = None
+    if options.quantization in known and not is_cpu:
+        try:
+            config = quantization.get_quantization_config(options.quantization)
+            min_capability = config.get_min_capability()
+        except (ValueError, NotImplementedError, ImportError):
+            min_capability = None  # vLLM checks it itself when it loads the model
+    check_quantization(
+        options.quantization,
+        known=known,
+        platform_supported=list(current_platform.supported_quantization),
+        device=device,
+        min_capability=min_capability,
+        gpus=gpus,
+    )
 
 
 def sampling_values(merged: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +137,12 @@ class VllmEngine:
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.is_cpu = current_platform.is_cpu()
         self.version = vllm.__version__
+        warning = check_vllm_version(
+            self.version, allow_unsupported=get_settings().allow_unsupported_vllm
+        )
+        if warning:
+            log.warning("%s", warning)
+        preflight(options, is_cpu=self.is_cpu, device=current_platform.device_name)
         self.hardware = (
             f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
             if self.is_cpu

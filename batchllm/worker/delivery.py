@@ -7,9 +7,10 @@ import logging
 from collections.abc import Callable
 
 from batchllm.engine.protocol import EngineSource
-from batchllm.errors import EngineDied
+from batchllm.errors import EngineDied, EngineSettingsError
 from batchllm.jobs import leases
 from batchllm.jobs.db import session_scope
+from batchllm.jobs.lifecycle import fail_job
 from batchllm.jobs.models import JobStatus, Shard
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
@@ -51,7 +52,15 @@ def process_shard(
         finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
         return Outcome.SKIPPED
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
-    engine = engines.get(spec, max_model_len)
+    try:
+        engine = engines.get(spec, max_model_len)
+    except EngineSettingsError as exc:
+        # Settings this worker's hardware cannot honour (engine/preflight.py) would fail the
+        # same way on every delivery: the job fails now, with the reason.
+        log.error("job %s: %s", job_id, exc)
+        with session_scope(settings) as session:
+            fail_job(session, job_id, str(exc))
+        return Outcome.FAILED
     runner = ShardRunner(engine, worker=worker, settings=settings, should_stop=should_stop)
     try:
         return runner.run([shard_id]).get(shard_id, Outcome.SKIPPED)
