@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from batchllm.engine.parent_watch import ENGINE_MARK
 
@@ -34,7 +35,7 @@ class Gpu:
     memory_free_mib: int
     compute_capability: int | None  # e.g. 90 for 9.0 (H100), as vLLM counts it
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -46,7 +47,7 @@ class GpuProcess:
     used_mib: int
     orphaned: bool
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -58,7 +59,7 @@ class EngineProcess:
     rss_mib: int
     orphaned: bool
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -178,7 +179,7 @@ def _orphaned(pid: int, ppid: int) -> bool:
 
 def engine_processes() -> list[EngineProcess]:
     """vLLM engine processes on this machine (Linux /proc; [] elsewhere)."""
-    found = []
+    found: list[EngineProcess] = []
     if not _PROC.is_dir():
         return found
     for entry in _PROC.iterdir():
@@ -195,9 +196,7 @@ def engine_processes() -> list[EngineProcess]:
         if status is None:
             continue
         ppid, rss = status
-        found.append(
-            EngineProcess(pid, ppid, title.strip(), rss, orphaned=_orphaned(pid, ppid))
-        )
+        found.append(EngineProcess(pid, ppid, title.strip(), rss, orphaned=_orphaned(pid, ppid)))
     return sorted(found, key=lambda p: p.pid)
 
 
@@ -233,9 +232,7 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported())
 
 
-def auto_dtype(
-    *, is_cpu: bool, gpus: list[Gpu], checkpoint_dtype: str | None
-) -> tuple[str, str]:
+def auto_dtype(*, is_cpu: bool, gpus: list[Gpu], checkpoint_dtype: str | None) -> tuple[str, str]:
     """The dtype `--dtype auto` runs a model in here, and why. `checkpoint_dtype` is the
     model's config.json torch_dtype when known (vLLM keeps it, downcasting float32 to 16 bits
     on GPUs)."""
@@ -258,7 +255,10 @@ def auto_dtype(
         )
     if checkpoint_dtype == "float32":
         return "bfloat16", "vLLM downcasts a float32 checkpoint to bfloat16 on this GPU"
-    return checkpoint_dtype or "bfloat16", f"vLLM keeps {held} (compute capability {lowest / 10:.1f})"
+    return (
+        checkpoint_dtype or "bfloat16",
+        f"vLLM keeps {held} (compute capability {lowest / 10:.1f})",
+    )
 
 
 def checkpoint_dtype(model: str) -> str | None:
@@ -274,7 +274,7 @@ def checkpoint_dtype(model: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def torch_build() -> dict:
+def torch_build() -> dict[str, Any]:
     """torch's version and build (CUDA version, or CPU); imports torch (about 2 s)."""
     try:
         import torch

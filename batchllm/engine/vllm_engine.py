@@ -21,9 +21,9 @@ from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.protocol import Finished
+from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.jobs.rows import InputRow
-from batchllm.engine.versions import check_vllm_version
 from batchllm.jobs.schemas import EngineOptions
 from batchllm.settings import get_settings
 

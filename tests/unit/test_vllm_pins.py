@@ -4,10 +4,10 @@ the vLLM the tests run."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from batchllm.engine.versions import (
     SUPPORTED_VLLM,
