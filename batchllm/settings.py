@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         "ends cancelled jobs whose workers died, finalizes jobs left finalizing.",
     )
 
+    max_n: int = Field(
+        default=16,
+        ge=1,
+        description="Most samples a request may ask for with `n` (a line over it is an "
+        "error row): every sample costs as much engine time as a request.",
+    )
     allow_unsupported_vllm: bool = Field(
         default=False,
         description="Run engines on a vLLM release other than the one batchllm supports "

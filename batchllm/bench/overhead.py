@@ -57,10 +57,12 @@ class InstantEngine:
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
         self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
 
-    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
+    def prepare(
+        self, rows: list[InputRow], chat_template: str | None = None
+    ) -> list[list[int] | str]:
         started = time.perf_counter()
         try:
-            return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+            return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
         finally:
             self.prepare_seconds += time.perf_counter() - started
 

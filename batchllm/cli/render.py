@@ -38,6 +38,7 @@ def job_dict(job: Job, *, shards: bool = False) -> dict[str, Any]:
             "completed": job.request_completed,
             "failed": job.request_failed,
         },
+        "structured": {"rows": job.structured_rows, "valid": job.structured_valid},
         "progress": (job.request_completed + job.request_failed) / job.request_total
         if job.request_total
         else 0.0,
@@ -99,6 +100,11 @@ def echo_job(job: Job) -> None:
         f"requests   {done:,}/{job.request_total:,} done: {job.request_completed:,} ok, "
         f"{job.request_failed:,} error"
     )
+    if job.structured_rows:
+        click.echo(
+            f"structured {job.structured_valid:,}/{job.structured_rows:,} constrained rows "
+            "satisfy their constraint"
+        )
     click.echo(f"output     {job.output_dir}")
     live = live_throughput(job)
     if live:

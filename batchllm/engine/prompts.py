@@ -15,14 +15,27 @@ from batchllm.jobs.rows import InputRow
 Encode = Callable[[list[str], bool], list[list[int]]]
 
 
-def render(tokenizer: Any, row: InputRow) -> str:
-    if row.kind == "chat":
-        return str(
-            tokenizer.apply_chat_template(
-                row.chat_messages(), tokenize=False, add_generation_prompt=True
-            )
+def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> str:
+    """A row's prompt text: a chat row through the chat template (the job's, else the
+    model's) with the line's template options."""
+    if row.kind != "chat":
+        return str(row.prompt)
+    options = row.overrides() if row.sampling else {}
+    continue_final = bool(options.get("continue_final_message", False))
+    # Only what differs from the defaults is passed: a plain line renders exactly as before.
+    extra: dict[str, Any] = dict(options.get("chat_template_kwargs") or {})
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    if continue_final:
+        extra["continue_final_message"] = True
+    return str(
+        tokenizer.apply_chat_template(
+            row.chat_messages(),
+            tokenize=False,
+            add_generation_prompt=options.get("add_generation_prompt", not continue_final),
+            **extra,
         )
-    return str(row.prompt)
+    )
 
 
 def batch_encoder(tokenizer: Any) -> Encode:
@@ -50,7 +63,10 @@ def batch_encoder(tokenizer: Any) -> Encode:
 
 
 def prepare_prompts(
-    tokenizer: Any, rows: list[InputRow], max_model_len: int | None
+    tokenizer: Any,
+    rows: list[InputRow],
+    max_model_len: int | None,
+    chat_template: str | None = None,
 ) -> list[list[int] | str]:
     """For each row: its prompt token ids, or an error message (row stays in place)."""
     results: list[list[int] | str] = [""] * len(rows)
@@ -58,7 +74,7 @@ def prepare_prompts(
     for i, row in enumerate(rows):
         try:
             # A chat template already holds the special tokens; a plain prompt gets them added.
-            groups[row.kind != "chat"].append((i, render(tokenizer, row)))
+            groups[row.kind != "chat"].append((i, render(tokenizer, row, chat_template)))
         except Exception as exc:  # a template can raise on unusual message orders
             results[i] = f"chat template failed: {exc}"
     encode = batch_encoder(tokenizer)

@@ -16,10 +16,21 @@ class Finished:
     """One finished request as the runner needs it."""
 
     request_id: str
-    text: str
+    text: str  # the first sample's, as are finish_reason, completion_tokens and logprobs
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # One {token, logprob, top_logprobs} per generated token, when the request asked for them.
+    logprobs: list[dict[str, Any]] | None = None
+    # Every sample {index, text, finish_reason, completion_tokens, logprobs} when n > 1.
+    choices: list[dict[str, Any]] | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated over all samples (throughput counts every one)."""
+        if self.choices:
+            return sum(c["completion_tokens"] for c in self.choices)
+        return self.completion_tokens
 
 
 class Engine(Protocol):
@@ -29,8 +40,11 @@ class Engine(Protocol):
     hardware: str  # recorded per job: throughput depends on it
     max_num_seqs: int  # requests per step; the runner keeps a few times this many in flight
 
-    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
-        """Token ids per stored input row, or the reason the row cannot run."""
+    def prepare(
+        self, rows: list[InputRow], chat_template: str | None = None
+    ) -> list[list[int] | str]:
+        """Token ids per stored input row, or the reason the row cannot run. `chat_template`
+        (the job's) replaces the model's own for chat rows."""
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
         """The engine's sampling parameters for merged job and line settings."""

@@ -34,7 +34,12 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def size_max_model_len(model: str, rows: Iterable[InputRow], defaults: SamplingDefaults) -> int:
+def size_max_model_len(
+    model: str,
+    rows: Iterable[InputRow],
+    defaults: SamplingDefaults,
+    chat_template: str | None = None,
+) -> int:
     limit = model_limit(model)
     tokenizer = load_tokenizer(model)
     longest = 1
@@ -43,7 +48,7 @@ def size_max_model_len(model: str, rows: Iterable[InputRow], defaults: SamplingD
     def flush() -> int:
         best = 0
         runnable = [r for r in batch if r.kind != "invalid"]
-        for row, ids in zip(runnable, prepare_prompts(tokenizer, runnable, None)):
+        for row, ids in zip(runnable, prepare_prompts(tokenizer, runnable, None, chat_template)):
             if isinstance(ids, list):
                 best = max(best, len(ids) + defaults.merged(row.overrides())["max_tokens"])
         return best

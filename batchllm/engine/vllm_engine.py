@@ -42,6 +42,8 @@ _SAMPLING_KEYS = (
     "frequency_penalty",
     "repetition_penalty",
     "ignore_eos",
+    "n",
+    "logprobs",
 )
 
 
@@ -120,6 +122,35 @@ def sampling_values(merged: dict[str, Any]) -> dict[str, Any]:
     return {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
 
 
+def token_logprobs(
+    token_ids: Any, positions: Any, top_k: int | None
+) -> list[dict[str, Any]] | None:
+    """One {token, logprob, top_logprobs} per generated token from vLLM's per-position
+    {token id: Logprob(logprob, rank, decoded_token)}: the sampled token's entry, and the
+    `top_k` likeliest (rank 1..k) as its alternatives, as OpenAI returns them."""
+    if top_k is None or positions is None:
+        return None
+    entries = []
+    for token_id, position in zip(token_ids, positions):
+        if not position:
+            continue
+        chosen = position.get(token_id)
+        ranked = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
+            key=lambda lp: lp.rank,
+        )
+        entries.append(
+            {
+                "token": (chosen.decoded_token if chosen else None) or "",
+                "logprob": chosen.logprob if chosen else None,
+                "top_logprobs": [
+                    {"token": lp.decoded_token or "", "logprob": lp.logprob} for lp in ranked
+                ],
+            }
+        )
+    return entries
+
+
 class RequestRejected(BatchLLMError):
     """vLLM refused one request (its row becomes an error row; the job goes on)."""
 
@@ -185,6 +216,7 @@ class VllmEngine:
         self.hardware += f", {self.dtype}"  # recorded per job: throughput depends on it
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
         self._warned_seed = False
+        self._top_k: dict[str, int] = {}  # alternatives per token, of requests with logprobs
         self._closed = threading.Event()
         self._start_death_watch()
 
@@ -213,9 +245,11 @@ class VllmEngine:
 
     # -- preparation (before a request reaches the engine) -------------------------------
 
-    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
+    def prepare(
+        self, rows: list[InputRow], chat_template: str | None = None
+    ) -> list[list[int] | str]:
         """Token ids per stored input row, or the reason the row cannot run."""
-        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+        return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
         """SamplingParams for merged settings. The runner caches them per job and override set
@@ -227,7 +261,15 @@ class VllmEngine:
                 log.warning("per-request seed is not supported by the CPU engine; ignoring it")
                 self._warned_seed = True
             merged = {**merged, "seed": None}
-        return self._vllm.SamplingParams(**sampling_values(merged), output_kind=self._final_only)
+        structured = merged.get("structured")
+        extra: dict[str, Any] = {}
+        if structured:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(**structured)
+        return self._vllm.SamplingParams(
+            **sampling_values(merged), **extra, output_kind=self._final_only
+        )
 
     # -- the feed --------------------------------------------------------------------------
 
@@ -242,6 +284,8 @@ class VllmEngine:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc
         except (VLLMValidationError, ValueError) as exc:
             raise RequestRejected(str(exc)) from exc
+        if params.logprobs is not None:
+            self._top_k[request_id] = params.logprobs
 
     def step(self) -> list[Finished]:
         """Run one engine step; EngineDied when the engine process is gone."""
@@ -255,14 +299,27 @@ class VllmEngine:
         for out in outputs:
             if not out.finished:
                 continue
-            completion = out.outputs[0]
+            top_k = self._top_k.pop(out.request_id, None)
+            samples = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "completion_tokens": len(c.token_ids),
+                    "logprobs": token_logprobs(c.token_ids, c.logprobs, top_k),
+                }
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            first = samples[0]
             done.append(
                 Finished(
                     request_id=out.request_id,
-                    text=completion.text,
-                    finish_reason=completion.finish_reason,
+                    text=first["text"],
+                    finish_reason=first["finish_reason"],
                     prompt_tokens=len(out.prompt_token_ids or ()),
-                    completion_tokens=len(completion.token_ids),
+                    completion_tokens=first["completion_tokens"],
+                    logprobs=first["logprobs"],
+                    choices=samples if len(samples) > 1 else None,
                 )
             )
         return done
@@ -273,6 +330,8 @@ class VllmEngine:
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self.engine.abort_request(request_ids)
+            for request_id in request_ids:
+                self._top_k.pop(request_id, None)
 
     def shutdown(self) -> None:
         """Stop the EngineCore process now rather than at interpreter exit.

@@ -27,6 +27,8 @@ def record_checkpoint(
     completion_tokens: int,
     engine_seconds: float,
     attempt: int | None = None,
+    structured_rows: int = 0,
+    structured_valid: int = 0,
 ) -> None:
     """Record one committed part file and add its counts, in the caller's transaction.
 
@@ -75,6 +77,8 @@ def record_checkpoint(
             prompt_tokens=Job.prompt_tokens + prompt_tokens,
             completion_tokens=Job.completion_tokens + completion_tokens,
             engine_seconds=Job.engine_seconds + engine_seconds,
+            structured_rows=Job.structured_rows + structured_rows,
+            structured_valid=Job.structured_valid + structured_valid,
         )
     )
 

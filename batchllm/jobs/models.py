@@ -77,6 +77,9 @@ class Job(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    # Rows that ran under a structured output constraint, and those whose text satisfied it.
+    structured_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    structured_valid: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     wall_seconds: Mapped[float | None] = mapped_column(Float)
     requests_per_s: Mapped[float | None] = mapped_column(Float)
     output_tokens_per_s: Mapped[float | None] = mapped_column(Float)

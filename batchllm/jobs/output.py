@@ -22,7 +22,29 @@ import pyarrow.parquet as pq
 
 from batchllm.jobs.storage import Storage
 
-SCHEMA_VERSION = 1
+# Version 2 appended nullable columns (structured_ok, logprobs, choices); a reader of version 1
+# keeps working, since no column of version 1 moved or changed type.
+SCHEMA_VERSION = 2
+
+TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float32())])
+TOKEN_LOGPROBS = pa.list_(
+    pa.struct(
+        [
+            pa.field("token", pa.string()),
+            pa.field("logprob", pa.float32()),
+            pa.field("top_logprobs", pa.list_(TOP_LOGPROB)),
+        ]
+    )
+)
+CHOICE = pa.struct(
+    [
+        pa.field("index", pa.int32()),
+        pa.field("text", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("logprobs", TOKEN_LOGPROBS),
+    ]
+)
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -34,6 +56,10 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("prompt_tokens", pa.int32()),
         pa.field("completion_tokens", pa.int32()),
         pa.field("error", pa.string()),
+        # version 2
+        pa.field("structured_ok", pa.bool_()),
+        pa.field("logprobs", TOKEN_LOGPROBS),
+        pa.field("choices", pa.list_(CHOICE)),
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
@@ -52,6 +78,16 @@ class OutputRow:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    structured_ok: bool | None = None  # null: the row had no constraint
+    logprobs: list[dict[str, Any]] | None = None
+    choices: list[dict[str, Any]] | None = None  # every sample when n > 1
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated over every sample of the row (throughput counts all of them)."""
+        if self.choices:
+            return sum(c["completion_tokens"] or 0 for c in self.choices)
+        return self.completion_tokens or 0
 
     @classmethod
     def failed(

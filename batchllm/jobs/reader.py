@@ -18,6 +18,9 @@ from batchllm.jobs.custom_ids import CustomIds, default_custom_id, given_id
 from batchllm.jobs.lines import Line, iter_lines
 from batchllm.jobs.schemas import (
     ChatLine,
+    ChatOptions,
+    CompletionLogprobs,
+    ConstraintFields,
     LineError,
     OpenAIBatchLine,
     OpenAIChatBody,
@@ -26,11 +29,13 @@ from batchllm.jobs.schemas import (
     Request,
     SamplingOverrides,
 )
+from batchllm.jobs.structured import ConstraintError, constraint_of
 from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = set(SamplingOverrides.model_fields)
+_TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _CHUNK = 4096
 _UNKNOWN_FORM = (
     "unknown line form: expected a 'prompt' string, a 'messages' list, "
@@ -69,8 +74,41 @@ def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
         raise _from_validation(exc, prefix) from None
 
 
-def _sampling_of(parsed: BaseModel) -> dict[str, Any]:
-    return {k: v for k, v in parsed.model_dump(include=_SAMPLING_FIELDS).items() if v is not None}
+def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """The settings a line stores with its row: sampling overrides, then the normalized
+    sample count, log probabilities, constraint and chat template options."""
+    sampling = {
+        k: v for k, v in parsed.model_dump(include=_SAMPLING_FIELDS).items() if v is not None
+    }
+    max_n = get_settings().max_n
+    if sampling.get("n", 1) > max_n:
+        raise _LineProblem(
+            prefix + "n", f"n is {sampling['n']}; at most {max_n} samples (BATCHLLM_MAX_N)"
+        )
+    if isinstance(parsed, ChatOptions):
+        if parsed.logprobs:
+            sampling["logprobs"] = parsed.top_logprobs or 0
+        elif parsed.top_logprobs is not None:
+            raise _LineProblem(prefix + "top_logprobs", "top_logprobs needs logprobs: true")
+        if parsed.add_generation_prompt and parsed.continue_final_message:
+            raise _LineProblem(
+                prefix + "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true",
+            )
+        for name in _TEMPLATE_FIELDS:
+            value = getattr(parsed, name)
+            if value is not None:
+                sampling[name] = value
+    elif isinstance(parsed, CompletionLogprobs) and parsed.logprobs is not None:
+        sampling["logprobs"] = parsed.logprobs
+    if isinstance(parsed, ConstraintFields):
+        try:
+            constraint = constraint_of(parsed.constraint_fields())
+        except ConstraintError as exc:
+            raise _LineProblem(prefix + exc.field, exc.message) from None
+        if constraint is not None:
+            sampling["structured"] = constraint
+    return sampling
 
 
 def parse_line(obj: Any, line: int) -> Request:
@@ -81,7 +119,7 @@ def parse_line(obj: Any, line: int) -> Request:
         envelope = _validate(OpenAIBatchLine, obj)
         if envelope.url == "/v1/chat/completions":
             body = _validate(OpenAIChatBody, envelope.body, prefix="body.")
-            sampling = _sampling_of(body)
+            sampling = _sampling_of(body, "body.")
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -98,7 +136,7 @@ def parse_line(obj: Any, line: int) -> Request:
             custom_id=envelope.custom_id,
             kind="prompt",
             prompt=body.prompt,
-            sampling=_sampling_of(body),
+            sampling=_sampling_of(body, "body."),
         )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)

@@ -63,6 +63,55 @@ class SamplingOverrides(BaseModel):
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2, description="OpenAI-style.")
     repetition_penalty: Float | None = Field(default=None, gt=0, description="vLLM-style.")
     ignore_eos: bool | None = Field(default=None, description="Keep generating past EOS.")
+    n: Int | None = Field(
+        default=None, ge=1, description="Samples per request (capped by BATCHLLM_MAX_N)."
+    )
+
+
+# Most alternatives per generated token that `logprobs`/`top_logprobs` may ask for (OpenAI's cap).
+MAX_TOP_LOGPROBS = 20
+
+
+class ConstraintFields(BaseModel):
+    """Structured output fields a line may carry (at most one; jobs/structured.py checks and
+    normalizes them)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    response_format: Any = Field(
+        default=None, description="OpenAI: {type: json_object | json_schema | text}."
+    )
+    json_schema_: Any = Field(default=None, alias="json", description="A JSON schema.")
+    choice: Any = Field(default=None, description="The output is one of these strings.")
+    regex: Any = Field(default=None, description="The output fully matches this regex.")
+    grammar: Any = Field(default=None, description="A GBNF or Lark grammar.")
+
+    def constraint_fields(self) -> dict[str, Any]:
+        return {
+            "response_format": self.response_format,
+            "json": self.json_schema_,
+            "choice": self.choice,
+            "regex": self.regex,
+            "grammar": self.grammar,
+        }
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions-style log probabilities: `logprobs: K` alternatives per token."""
+
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ChatOptions(BaseModel):
+    """Chat-style log probabilities and chat template control."""
+
+    logprobs: bool | None = Field(default=None, description="Return log probabilities.")
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra variables for the chat template."
+    )
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class SamplingDefaults(BaseModel):
@@ -76,6 +125,18 @@ class SamplingDefaults(BaseModel):
     temperature: Float = Field(default=1.0, ge=0, description="Sampling temperature; 0 = greedy.")
     top_p: Float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     ignore_eos: bool = Field(default=False, description="Generate exactly max_tokens tokens.")
+    n: Int = Field(default=1, ge=1, description="Samples per request.")
+    logprobs: Int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Log probabilities of each generated token with this many alternatives.",
+    )
+    structured: dict[str, Any] | None = Field(
+        default=None,
+        description="The job's structured output constraint (jobs/structured.py), which a "
+        "line's own constraint replaces.",
+    )
 
     def merged(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """The full sampling settings for one request: these defaults under its overrides."""
@@ -125,6 +186,9 @@ class JobSpec(BaseModel):
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     engine: EngineOptions = Field(default_factory=EngineOptions)
     metadata: dict[str, str] = Field(default_factory=dict, description="Free-form labels.")
+    chat_template: str | None = Field(
+        default=None, description="A Jinja chat template replacing the model's own."
+    )
 
 
 class ChatMessage(BaseModel):
@@ -148,22 +212,22 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class PromptLine(SamplingOverrides):
+class PromptLine(SamplingOverrides, ConstraintFields, CompletionLogprobs):
     custom_id: NonEmptyStr | None = None
     prompt: NonEmptyStr
 
 
-class ChatLine(SamplingOverrides):
+class ChatLine(SamplingOverrides, ConstraintFields, ChatOptions):
     custom_id: NonEmptyStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
 
 
-class OpenAICompletionBody(SamplingOverrides):
+class OpenAICompletionBody(SamplingOverrides, ConstraintFields, CompletionLogprobs):
     model: str | None = None
     prompt: NonEmptyStr
 
 
-class OpenAIChatBody(SamplingOverrides):
+class OpenAIChatBody(SamplingOverrides, ConstraintFields, ChatOptions):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)

@@ -31,7 +31,7 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
     from batchllm.engine.sizing import size_max_model_len
 
     rows = itertools.chain.from_iterable(iter_shard_rows(storage, p) for p in paths)
-    sized = size_max_model_len(spec.model, rows, spec.sampling)
+    sized = size_max_model_len(spec.model, rows, spec.sampling, spec.chat_template)
     with session_scope(settings) as session:
         return service.set_max_model_len(session, job_id, sized)
 

@@ -63,6 +63,8 @@ def manifest_of(job: Job) -> dict:
             "error": job.request_failed,
         },
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens},
+        "structured": {"rows": job.structured_rows, "valid": job.structured_valid},
+        "chat_template": job.spec.get("chat_template"),
         "throughput": {
             "wall_seconds": job.wall_seconds,
             "engine_seconds": job.engine_seconds,

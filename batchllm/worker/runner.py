@@ -25,6 +25,7 @@ from batchllm.jobs.models import JobStatus, ShardStatus
 from batchllm.jobs.output import OutputRow
 from batchllm.jobs.rows import InputRow
 from batchllm.jobs.storage import Storage
+from batchllm.jobs.structured import field_of, satisfies
 from batchllm.settings import Settings, get_settings
 from batchllm.worker.finalize import finalize_job
 from batchllm.worker.shard_state import ShardState, load_shard_state, sampling_for
@@ -58,6 +59,7 @@ class _Pending:
     state: ShardState
     line: int
     custom_id: str
+    constraint: dict[str, Any] | None  # the structured output constraint the row ran under
 
 
 ProgressFn = Callable[[int, int], None]
@@ -87,7 +89,8 @@ class ShardRunner:
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
-        self._sampling_cache: dict[tuple[str, str | None], object] = {}
+        # (job, the line's override text) -> (engine sampling params, the row's constraint)
+        self._sampling_cache: dict[tuple[str, str | None], tuple[Any, Any]] = {}
         self._stopping = False
 
     # -- public ---------------------------------------------------------------------------
@@ -158,8 +161,7 @@ class ShardRunner:
                     OutputRow.failed(row.custom_id, row.line, row.error or "invalid line")
                 )
                 errors += 1
-        prepared = self.engine.prepare([r for _, r in runnable])
-        for (state, row), ids in zip(runnable, prepared):
+        for (state, row), ids in zip(runnable, self._prepare(runnable)):
             if isinstance(ids, str):
                 state.buffer.append(OutputRow.failed(row.custom_id, row.line, ids))
                 errors += 1
@@ -168,6 +170,21 @@ class ShardRunner:
         if errors:
             self.on_progress(errors, 0)
         return len(batch) < _PREPARE_BATCH
+
+    def _prepare(self, runnable: list[tuple[ShardState, InputRow]]) -> list[list[int] | str]:
+        """Token ids (or the reason a row cannot run) per row, each through its job's chat
+        template (a batch spans jobs only where shards of several jobs run together)."""
+        templates = {state.spec.chat_template for state, _ in runnable}
+        if len(templates) <= 1:
+            template = next(iter(templates), None)
+            return self.engine.prepare([r for _, r in runnable], template)
+        prepared: list[list[int] | str] = [""] * len(runnable)
+        for template in templates:
+            picked = [i for i, (s, _) in enumerate(runnable) if s.spec.chat_template == template]
+            results = self.engine.prepare([runnable[i][1] for i in picked], template)
+            for i, result in zip(picked, results):
+                prepared[i] = result
+        return prepared
 
     def _add(self, state: ShardState, row: InputRow, ids: list[int]) -> bool:
         if state.job_id not in self._started_jobs:
@@ -182,33 +199,41 @@ class ShardRunner:
         # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
         # benchmark drives generate and this runner on one engine.
         request_id = f"r{next(_request_ids)}"
+        params, constraint = self._sampling(state, row)
         try:
-            self.engine.add(request_id, ids, self._sampling(state, row))
+            self.engine.add(request_id, ids, params)
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
+            # A constraint the engine cannot compile is the usual cause: name its field.
+            where = f"field '{field_of(constraint)}': " if constraint else ""
             state.buffer.append(
                 OutputRow.failed(
-                    row.custom_id, row.line, f"rejected by vLLM: {exc}", prompt_tokens=len(ids)
+                    row.custom_id,
+                    row.line,
+                    f"{where}rejected by vLLM: {exc}",
+                    prompt_tokens=len(ids),
                 )
             )
             return False
-        self._pending[request_id] = _Pending(state, row.line, row.custom_id)
+        self._pending[request_id] = _Pending(state, row.line, row.custom_id, constraint)
         state.inflight += 1
         return True
 
-    def _sampling(self, state: ShardState, row: InputRow) -> Any:
-        """The row's engine sampling parameters, built once per job and distinct per-line
-        override text: a job's lines share few of them, and decoding, merging and keying them
-        again for every row was a third of the feed's own per-row work."""
+    def _sampling(self, state: ShardState, row: InputRow) -> tuple[Any, Any]:
+        """The row's engine sampling parameters and its constraint, built once per job and
+        distinct per-line override text: a job's lines share few of them, and decoding,
+        merging and keying them again for every row was a third of the feed's own per-row
+        work."""
         key = (state.job_id, row.sampling)
-        params = self._sampling_cache.get(key)
-        if params is None:
+        cached = self._sampling_cache.get(key)
+        if cached is None:
             if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
                 self._sampling_cache.clear()
-            params = self.engine.sampling_params(sampling_for(state.spec, row))
-            self._sampling_cache[key] = params
-        return params
+            merged = sampling_for(state.spec, row)
+            cached = (self.engine.sampling_params(merged), merged.get("structured"))
+            self._sampling_cache[key] = cached
+        return cached
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -238,6 +263,11 @@ class ShardRunner:
                         finish_reason=out.finish_reason,
                         prompt_tokens=out.prompt_tokens,
                         completion_tokens=out.completion_tokens,
+                        structured_ok=satisfies(pending.constraint, out.text)
+                        if pending.constraint
+                        else None,
+                        logprobs=out.logprobs,
+                        choices=out.choices,
                     )
                 )
             else:
@@ -249,7 +279,7 @@ class ShardRunner:
                         prompt_tokens=out.prompt_tokens,
                     )
                 )
-            tokens += out.completion_tokens
+            tokens += out.generated_tokens
         if finished:
             self.on_progress(len(finished), tokens)
 

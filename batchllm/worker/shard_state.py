@@ -80,7 +80,9 @@ class ShardState:
                     rows_ok=ok,
                     rows_failed=len(rows) - ok,
                     prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
-                    completion_tokens=sum(r.completion_tokens or 0 for r in rows),
+                    completion_tokens=sum(r.generated_tokens for r in rows),
+                    structured_rows=sum(1 for r in rows if r.structured_ok is not None),
+                    structured_valid=sum(1 for r in rows if r.structured_ok),
                     engine_seconds=self.step_seconds,
                     attempt=self.attempt,
                 )

@@ -193,9 +193,9 @@ def test_duplicate_custom_id_becomes_an_error_row_naming_the_first_line(tmp_path
 
 
 def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
-    err = only_error(tmp_path, chat_line("x-1", logprobs=True))
+    err = only_error(tmp_path, chat_line("x-1", logit_bias={"1": 5}))
 
-    assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.logprobs")
+    assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.logit_bias")
     assert "Extra inputs are not permitted" in err.message
 
 

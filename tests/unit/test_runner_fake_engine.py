@@ -84,7 +84,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.step_count = 0
 
-    def prepare(self, rows: list[InputRow]) -> list[list[int] | str]:
+    def prepare(
+        self, rows: list[InputRow], chat_template: str | None = None
+    ) -> list[list[int] | str]:
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 
     def sampling_params(self, merged: dict) -> dict:
