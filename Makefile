@@ -9,7 +9,7 @@ EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/nu
 DEMO := .demo
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install demo test test-unit lint bench clean
+.PHONY: install demo test test-unit lint bench clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,27 @@ test-unit: install
 bench: install
 	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
 	$(BIN)/batchllm bench --model $(DEMO)/model --output $(DEMO)/bench
+
+# The smoke run (scripts/smoke.sh): its own venv under .smoke/, doctor, a 2,000-line job, the
+# bench's engine part, one table. SMOKE_VENV, SMOKE_OUT, LINES and BENCH_ARGS pass through.
+SMOKE_VENV ?=
+SMOKE_OUT ?=
+LINES ?=
+BENCH_ARGS ?=
+# One repeat of 400 requests: about a minute on 2 cores; the GPU run keeps the bench's defaults.
+CPU_SMOKE_BENCH_ARGS ?= --requests 400 --repeats 1
+SMOKE = VENV="$(SMOKE_VENV)" OUT="$(SMOKE_OUT)" LINES="$(LINES)" PIP_ARGS="$(PIP_ARGS)" \
+	PYTHON="$(PYTHON)" bash scripts/smoke.sh
+
+# On an NVIDIA GPU machine: `make gpu-smoke MODEL=org/name-or-path`, batchllm[gpu] in .smoke/gpu-venv.
+gpu-smoke:
+	@test -n "$(MODEL)" || { echo "usage: make gpu-smoke MODEL=org/name-or-path" >&2; exit 2; }
+	EXTRA=gpu MODEL="$(MODEL)" BENCH_ARGS="$(BENCH_ARGS)" $(SMOKE)
+
+# The same script on batchllm[cpu] and the demo model (built if missing), bench shrunk; CI runs it.
+cpu-smoke:
+	EXTRA=cpu MODEL="$(or $(MODEL),$(DEMO)/model)" DEMO_MODEL=$(if $(MODEL),0,1) \
+		BENCH_ARGS="$(or $(BENCH_ARGS),$(CPU_SMOKE_BENCH_ARGS))" $(SMOKE)
 
 clean:
 	rm -rf $(VENV) $(DEMO)

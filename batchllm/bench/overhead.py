@@ -69,7 +69,7 @@ class InstantEngine:
     def sampling_params(self, merged: dict[str, Any]) -> _Params:
         return _Params(**sampling_values(merged))
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Any = None) -> None:
         self._queue.append((request_id, len(token_ids), params.max_tokens))
 
     def step(self) -> list[Finished]:

@@ -71,6 +71,6 @@ def main() -> None:
     cli(prog_name="batchllm")
 
 
-from batchllm.cli import admin, bench, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
+from batchllm.cli import admin, bench, doctor, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
 
-__all__ = ["admin", "bench", "cli", "fleet", "inspect", "main", "run"]
+__all__ = ["admin", "bench", "cli", "doctor", "fleet", "inspect", "main", "run"]

@@ -3,12 +3,21 @@ settings, and the checks that refuse a hopeless job before any work."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import click
 
-from batchllm.jobs.schemas import MAX_TOKENS_LIMIT, EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.schemas import (
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    EngineOptions,
+    JobSpec,
+    SamplingDefaults,
+)
+from batchllm.settings import get_settings
 
 # Hugging Face's own rule for `name` or `org/name` (huggingface_hub's validate_repo_id).
 _REPO_ID = re.compile(r"(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?")
@@ -53,6 +62,43 @@ def job_options(command):
             help="Default nucleus sampling mass.",
         ),
         click.option("--ignore-eos", is_flag=True, help="Always generate max_tokens tokens."),
+        click.option(
+            "--n",
+            "n",
+            type=click.IntRange(1),
+            default=_sampling("n"),
+            show_default=True,
+            help="Samples per request (lines may override with `n`; at most BATCHLLM_MAX_N).",
+        ),
+        click.option(
+            "--logprobs",
+            type=click.IntRange(0, MAX_TOP_LOGPROBS),
+            default=None,
+            help="Log probabilities of every generated token, with this many alternatives "
+            "each (lines may override).",
+        ),
+        click.option(
+            "--json-schema",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            default=None,
+            help="Constrain every answer to this JSON schema (a file); a line's own "
+            "constraint replaces it.",
+        ),
+        click.option(
+            "--choice",
+            default=None,
+            metavar="A,B,C",
+            help="Constrain every answer to one of these labels (comma-separated).",
+        ),
+        click.option(
+            "--regex", default=None, help="Constrain every answer to fully match this regex."
+        ),
+        click.option(
+            "--chat-template",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            default=None,
+            help="A Jinja chat template file replacing the model's own for chat lines.",
+        ),
         click.option(
             "--strict",
             is_flag=True,
@@ -102,9 +148,28 @@ def job_options(command):
         ),
         click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),
         click.option(
+            "--compact-json",
+            is_flag=True,
+            help="JSON-constrained answers without whitespace between tokens (fewer tokens; "
+            "vLLM's xgrammar backend for every constraint).",
+        ),
+        click.option(
             "--no-group-prefixes",
             is_flag=True,
             help="Run requests in file order instead of grouping shared prefixes.",
+        ),
+        click.option(
+            "--lora",
+            multiple=True,
+            metavar="NAME=PATH",
+            help='A LoRA adapter directory lines may pick with "adapter": NAME (or, in the '
+            "OpenAI form, body.model NAME); copied into the job's storage (repeatable).",
+        ),
+        click.option(
+            "--max-lora-rank",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Largest adapter rank [default: vLLM's, 16].",
         ),
         click.option(
             "--metadata", multiple=True, metavar="KEY=VALUE", help="Label the job (repeatable)."
@@ -116,18 +181,27 @@ def job_options(command):
 
 
 def spec_from_flags(flags: dict) -> JobSpec:
-    metadata = {}
-    for item in flags.pop("metadata", ()):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--metadata")
-        metadata[key] = value
+    metadata = _pairs(flags.pop("metadata", ()), "--metadata")
+    adapters = _pairs(flags.pop("lora", ()), "--lora")
+    for name, path in adapters.items():
+        if not Path(path).expanduser().is_dir():
+            raise click.BadParameter(f"{name}={path}: no such directory", param_hint="--lora")
+    n = flags.pop("n")
+    max_n = get_settings().max_n
+    if n > max_n:
+        raise click.BadParameter(f"{n} is over BATCHLLM_MAX_N ({max_n})", param_hint="--n")
     sampling = SamplingDefaults(
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),
         top_p=flags.pop("top_p"),
         ignore_eos=flags.pop("ignore_eos"),
+        n=n,
+        logprobs=flags.pop("logprobs"),
+        structured=_job_constraint(
+            flags.pop("json_schema"), flags.pop("choice"), flags.pop("regex")
+        ),
     )
+    template_file = flags.pop("chat_template")
     engine = EngineOptions(
         gpu_memory_utilization=flags.pop("gpu_memory_utilization"),
         max_model_len=flags.pop("max_model_len"),
@@ -138,9 +212,65 @@ def spec_from_flags(flags: dict) -> JobSpec:
         tensor_parallel_size=flags.pop("tensor_parallel_size"),
         enable_prefix_caching=flags.pop("prefix_caching"),
         enforce_eager=flags.pop("enforce_eager"),
+        compact_json=flags.pop("compact_json"),
+        max_lora_rank=flags.pop("max_lora_rank"),
         group_prefixes=not flags.pop("no_group_prefixes"),
     )
-    return JobSpec(model=flags.pop("model"), sampling=sampling, engine=engine, metadata=metadata)
+    return JobSpec(
+        model=flags.pop("model"),
+        sampling=sampling,
+        engine=engine,
+        metadata=metadata,
+        chat_template=template_file.read_text() if template_file else None,
+        adapters=adapters,
+    )
+
+
+def _pairs(items: tuple[str, ...], flag: str) -> dict[str, str]:
+    """KEY=VALUE items of a repeatable flag."""
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint=flag)
+        pairs[key] = value
+    return pairs
+
+
+def _job_constraint(
+    schema_file: Path | None, choice: str | None, regex: str | None
+) -> dict[str, Any] | None:
+    """The job's structured output constraint from --json-schema/--choice/--regex (one)."""
+    from batchllm.jobs.structured import ConstraintError, constraint_of
+
+    given = [
+        f
+        for f, v in (("--json-schema", schema_file), ("--choice", choice), ("--regex", regex))
+        if v
+    ]
+    if len(given) > 1:
+        raise click.UsageError(f"give one constraint per job: got {' and '.join(given)}")
+    fields: dict[str, Any] = {}
+    if schema_file is not None:
+        try:
+            fields["json"] = json.loads(schema_file.read_text())
+        except ValueError as exc:
+            raise click.BadParameter(
+                f"{schema_file} is not JSON: {exc}", param_hint="--json-schema"
+            ) from None
+        if fields["json"] is None:  # constraint_of would take null for "not given"
+            raise click.BadParameter(
+                f"{schema_file}: a JSON schema must be an object", param_hint="--json-schema"
+            )
+    if choice is not None:
+        fields["choice"] = [c.strip() for c in choice.split(",") if c.strip()]
+    if regex is not None:
+        fields["regex"] = regex
+    try:
+        return constraint_of(fields)
+    except ConstraintError as exc:
+        flag = {"json": "--json-schema", "choice": "--choice", "regex": "--regex"}[exc.field]
+        raise click.BadParameter(exc.message, param_hint=flag) from None
 
 
 def require_requests(file: Path) -> None:

@@ -231,3 +231,59 @@ def build_demo_model(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib
     tokenizer.save_pretrained(directory)
     logger.info("built demo model in %s (vocab %d, seed %d)", directory, len(tokenizer), seed)
     return directory
+
+
+# The demo model's attention shapes (see build_demo_model): q_proj 256 -> 4 heads x 64,
+# v_proj 256 -> 2 kv heads x 64.
+_LORA_TARGETS = {"q_proj": (256, 256), "v_proj": (256, 128)}
+_LORA_LAYERS = 2
+
+
+def build_demo_adapters(
+    model_dir: str | pathlib.Path, count: int, *, rank: int = 8, seed: int = 0
+) -> list[pathlib.Path]:
+    """Write `count` tiny random LoRA adapters (PEFT format) for the demo model under
+    MODEL_DIR/adapters/lora-<i>. Unlike PEFT's initialisation (B = 0, no effect), both
+    matrices are random, so each adapter visibly changes the model's greedy output."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = pathlib.Path(model_dir) / "adapters"
+    written = []
+    for i in range(count):
+        directory = root / f"lora-{i}"
+        directory.mkdir(parents=True, exist_ok=True)
+        generator = torch.Generator().manual_seed(seed * 1000 + i)
+        tensors = {}
+        for layer in range(_LORA_LAYERS):
+            for module, (fan_in, fan_out) in _LORA_TARGETS.items():
+                prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(
+                    rank, fan_in, generator=generator
+                ).mul(0.5)
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                    fan_out, rank, generator=generator
+                ).mul(0.5)
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors"
+        )
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": str(pathlib.Path(model_dir).resolve()),
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": sorted(_LORA_TARGETS),
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+        }
+        (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        written.append(directory)
+    logger.info("wrote %d demo LoRA adapters under %s", count, root)
+    return written

@@ -11,6 +11,17 @@ from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 
 
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter a request runs through: its name in the job and where it is stored."""
+
+    name: str
+    path: str
+    # A base-model row of a job with adapters: `path` is one of the job's adapters, whose
+    # shapes an engine may need for a zero-weight stand-in (see VllmEngine._lora_request).
+    base: bool = False
+
+
 @dataclass(slots=True)
 class Finished:
     """One finished request as the runner needs it."""
@@ -49,9 +60,11 @@ class Engine(Protocol):
     def sampling_params(self, merged: dict[str, Any]) -> Any:
         """The engine's sampling parameters for merged job and line settings."""
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
-        """Queue one request; a BatchLLMError when the engine refuses this request alone,
-        EngineDied when the engine is gone."""
+    def add(
+        self, request_id: str, token_ids: list[int], params: Any, adapter: Adapter | None = None
+    ) -> None:
+        """Queue one request, through a LoRA adapter when given; a BatchLLMError when the
+        engine refuses this request alone, EngineDied when the engine is gone."""
 
     def step(self) -> list[Finished]:
         """Run one step; the requests that finished in it. EngineDied when the engine is gone."""

@@ -20,7 +20,7 @@ from batchllm.engine.hardware import cpu_has_native_bf16, visible_gpus
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.engine.protocol import Finished
+from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.jobs.rows import InputRow
@@ -186,6 +186,17 @@ class VllmEngine:
             "enforce_eager": options.enforce_eager,
             "max_model_len": max_model_len,
         }
+        self.lora_enabled = options.enable_lora
+        if options.enable_lora:
+            kwargs["enable_lora"] = True
+            kwargs["max_loras"] = options.max_loras or 1
+            if options.max_lora_rank is not None:
+                kwargs["max_lora_rank"] = options.max_lora_rank
+        if options.compact_json:  # vLLM takes it per engine, for the xgrammar backend only
+            kwargs["structured_outputs_config"] = {
+                "backend": "xgrammar",
+                "disable_any_whitespace": True,
+            }
         if not self.is_cpu:  # the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
             kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
         for name in (
@@ -217,6 +228,8 @@ class VllmEngine:
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
         self._warned_seed = False
         self._top_k: dict[str, int] = {}  # alternatives per token, of requests with logprobs
+        self._lora_ids: dict[str, int] = {}  # stored adapter path -> vLLM's lora_int_id
+        self._zero_adapters: dict[str, str] = {}  # adapter path -> its zero-weight copy
         self._closed = threading.Event()
         self._start_death_watch()
 
@@ -273,19 +286,68 @@ class VllmEngine:
 
     # -- the feed --------------------------------------------------------------------------
 
-    def add(self, request_id: str, token_ids: list[int], params: Any) -> None:
+    def add(
+        self, request_id: str, token_ids: list[int], params: Any, adapter: Adapter | None = None
+    ) -> None:
         """Queue one request; RequestRejected when vLLM refuses this request alone."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        lora = self._lora_request(adapter) if adapter is not None else None
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+            self.engine.add_request(
+                request_id, {"prompt_token_ids": token_ids}, params, lora_request=lora
+            )
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc
         except (VLLMValidationError, ValueError) as exc:
             raise RequestRejected(str(exc)) from exc
         if params.logprobs is not None:
             self._top_k[request_id] = params.logprobs
+
+    def _lora_request(self, adapter: Adapter) -> Any:
+        """vLLM's LoRARequest for an adapter: one int id per adapter path, so adapters of the
+        same name from different jobs never mix, and vLLM loads each on first use.
+
+        A base-model row (adapter.base) runs without one, except on the CPU backend: vllm-cpu
+        0.32 gives a request without an adapter that shares a batch with adapter requests
+        an adapter's output (measured with the demo model: a base row's greedy text equal to
+        adapter lora-0's; right when it runs alone). There it runs through a copy of one of
+        the job's adapters with its B matrices zeroed, which adds exactly nothing.
+        """
+        if not self.lora_enabled:
+            raise RequestRejected(
+                f"adapter {adapter.name!r}: this engine was built without LoRA support"
+            )
+        path = adapter.path
+        if adapter.base:
+            if not self.is_cpu:
+                return None
+            path = self._zero_adapter(adapter.path)
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._lora_ids.setdefault(path, len(self._lora_ids) + 1)
+        return LoRARequest(f"{adapter.name or 'base'}-{lora_id}", lora_id, path)
+
+    def _zero_adapter(self, template: str) -> str:
+        """A copy of the adapter at `template` whose lora_B weights are zero (cached)."""
+        made = self._zero_adapters.get(template)
+        if made is not None:
+            return made
+        import shutil
+        import tempfile
+
+        from safetensors.torch import load_file, save_file
+
+        directory = tempfile.mkdtemp(prefix="batchllm-zero-lora-")
+        shutil.copy(os.path.join(template, "adapter_config.json"), directory)
+        weights = load_file(os.path.join(template, "adapter_model.safetensors"))
+        for name, tensor in weights.items():
+            if ".lora_B." in name:
+                weights[name] = tensor.new_zeros(tensor.shape)
+        save_file(weights, os.path.join(directory, "adapter_model.safetensors"))
+        self._zero_adapters[template] = directory
+        return directory
 
     def step(self) -> list[Finished]:
         """Run one engine step; EngineDied when the engine process is gone."""
@@ -341,6 +403,10 @@ class VllmEngine:
         nothing is worth that wait: stop at once, as `vllm run-batch` does.
         """
         self._closed.set()
+        import shutil
+
+        for directory in self._zero_adapters.values():
+            shutil.rmtree(directory, ignore_errors=True)
         core = getattr(self.engine, "engine_core", None)
         if core is None or not hasattr(core, "shutdown"):
             return

@@ -105,7 +105,13 @@ def readable_input(source: str | Path) -> Path:
 
 
 def store_input(
-    source: str | Path, storage: Storage, job_id: str, *, shard_size: int, strict: bool = False
+    source: str | Path,
+    storage: Storage,
+    job_id: str,
+    *,
+    shard_size: int,
+    strict: bool = False,
+    adapters: frozenset[str] = frozenset(),
 ) -> StoredInput:
     """Validate `source` line by line and store it as Parquet shards of `shard_size` rows.
 
@@ -117,7 +123,7 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size)
     try:
-        for item in read_requests(source):
+        for item in read_requests(source, adapters=adapters):
             result.total += 1
             if isinstance(item, LineError):
                 result.invalid += 1

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from batchllm.jobs.storage import Storage
 
-# Version 2 appended nullable columns (structured_ok, logprobs, choices); a reader of version 1
+# Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter); a reader of version 1
 # keeps working, since no column of version 1 moved or changed type.
 SCHEMA_VERSION = 2
 
@@ -60,6 +60,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("structured_ok", pa.bool_()),
         pa.field("logprobs", TOKEN_LOGPROBS),
         pa.field("choices", pa.list_(CHOICE)),
+        pa.field("adapter", pa.string()),  # the LoRA adapter; null for the base model
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
@@ -81,6 +82,7 @@ class OutputRow:
     structured_ok: bool | None = None  # null: the row had no constraint
     logprobs: list[dict[str, Any]] | None = None
     choices: list[dict[str, Any]] | None = None  # every sample when n > 1
+    adapter: str | None = None
 
     @property
     def generated_tokens(self) -> int:

@@ -86,10 +86,12 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
             prefix + "n", f"n is {sampling['n']}; at most {max_n} samples (BATCHLLM_MAX_N)"
         )
     if isinstance(parsed, ChatOptions):
+        if parsed.top_logprobs is not None and not parsed.logprobs:
+            raise _LineProblem(prefix + "top_logprobs", "top_logprobs needs logprobs: true")
         if parsed.logprobs:
             sampling["logprobs"] = parsed.top_logprobs or 0
-        elif parsed.top_logprobs is not None:
-            raise _LineProblem(prefix + "top_logprobs", "top_logprobs needs logprobs: true")
+        elif parsed.logprobs is False:
+            sampling["logprobs"] = None  # switches the job's --logprobs off for this line
         if parsed.add_generation_prompt and parsed.continue_final_message:
             raise _LineProblem(
                 prefix + "continue_final_message",
@@ -106,20 +108,32 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
             constraint = constraint_of(parsed.constraint_fields())
         except ConstraintError as exc:
             raise _LineProblem(prefix + exc.field, exc.message) from None
-        if constraint is not None:
+        if constraint is not None or parsed.response_format is not None:
+            # response_format text: this line runs unconstrained, whatever the job's default
             sampling["structured"] = constraint
     return sampling
 
 
-def parse_line(obj: Any, line: int) -> Request:
-    """Turn one decoded JSON value into a Request, or raise _LineProblem naming the field."""
+def _pick_adapter(name: str | None, adapters: frozenset[str]) -> dict[str, str]:
+    """The line's adapter setting: {} for the base model; _LineProblem for an unknown name."""
+    if name is None:
+        return {}
+    if name not in adapters:
+        known = ", ".join(sorted(adapters)) or "none (give them with --lora NAME=PATH)"
+        raise _LineProblem("adapter", f"unknown adapter {name!r}; this job's adapters: {known}")
+    return {"adapter": name}
+
+
+def parse_line(obj: Any, line: int, adapters: frozenset[str] = frozenset()) -> Request:
+    """Turn one decoded JSON value into a Request, or raise _LineProblem naming the field.
+    `adapters`: the names of the job's LoRA adapters, which lines may pick."""
     if not isinstance(obj, dict):
         raise _LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
     if {"method", "url", "body"} & obj.keys():
         envelope = _validate(OpenAIBatchLine, obj)
         if envelope.url == "/v1/chat/completions":
             body = _validate(OpenAIChatBody, envelope.body, prefix="body.")
-            sampling = _sampling_of(body, "body.")
+            sampling = _sampling_of(body, "body.") | _model_adapter(body.model, adapters)
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -136,7 +150,7 @@ def parse_line(obj: Any, line: int) -> Request:
             custom_id=envelope.custom_id,
             kind="prompt",
             prompt=body.prompt,
-            sampling=_sampling_of(body, "body."),
+            sampling=_sampling_of(body, "body.") | _model_adapter(body.model, adapters),
         )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)
@@ -146,7 +160,7 @@ def parse_line(obj: Any, line: int) -> Request:
             custom_id=chat.custom_id or default_custom_id(line),
             kind="chat",
             messages=messages,
-            sampling=_sampling_of(chat),
+            sampling=_sampling_of(chat) | _pick_adapter(chat.adapter, adapters),
         )
     if "prompt" in obj:
         plain = _validate(PromptLine, obj)
@@ -157,9 +171,15 @@ def parse_line(obj: Any, line: int) -> Request:
             custom_id=plain.custom_id or default_custom_id(line),
             kind="prompt",
             prompt=plain.prompt,
-            sampling=_sampling_of(plain),
+            sampling=_sampling_of(plain) | _pick_adapter(plain.adapter, adapters),
         )
     raise _LineProblem(None, _UNKNOWN_FORM)
+
+
+def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str]:
+    """In the OpenAI form a body.model naming one of the job's adapters picks it (as with
+    vLLM's server); any other model name runs the job's model."""
+    return {"adapter": model} if model is not None and model in adapters else {}
 
 
 def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
@@ -177,7 +197,7 @@ def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
         return None, _LineProblem(None, f"malformed JSON: {exc}")
 
 
-def _check(line: Line, max_line_bytes: int) -> _Checked:
+def _check(line: Line, max_line_bytes: int, adapters: frozenset[str]) -> _Checked:
     if line.raw is None:
         return (
             line.number,
@@ -191,7 +211,7 @@ def _check(line: Line, max_line_bytes: int) -> _Checked:
     obj, problem = _decode(line.raw)
     if problem is None:
         try:
-            return line.number, given_id(obj), parse_line(obj, line.number)
+            return line.number, given_id(obj), parse_line(obj, line.number, adapters)
         except _LineProblem as exc:
             problem = exc
     return line.number, given_id(obj), problem
@@ -201,6 +221,7 @@ def read_requests(
     path: str | Path,
     *,
     max_line_bytes: int | None = None,
+    adapters: frozenset[str] = frozenset(),
 ) -> Iterator[Request | LineError]:
     """Yield one Request or LineError per non-blank line of `path`, in line order.
 
@@ -217,7 +238,7 @@ def read_requests(
             handle.seek(0)
             chunk: list[_Checked] = []
             for line in iter_lines(handle, limit):
-                chunk.append(_check(line, limit))
+                chunk.append(_check(line, limit, adapters))
                 if len(chunk) >= _CHUNK:
                     yield from _resolve_chunk(chunk, ids, name)
                     chunk = []

@@ -16,8 +16,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StringConstraints,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -105,13 +107,18 @@ class CompletionLogprobs(BaseModel):
 class ChatOptions(BaseModel):
     """Chat-style log probabilities and chat template control."""
 
-    logprobs: bool | None = Field(default=None, description="Return log probabilities.")
+    # Strict: `"logprobs": 3` copied from a completions line must not pass as true.
+    logprobs: StrictBool | None = Field(default=None, description="Return log probabilities.")
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Extra variables for the chat template."
     )
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+
+
+# Job settings a line may switch off by storing null (see SamplingDefaults.merged).
+_SWITCHABLE = frozenset({"logprobs", "structured"})
 
 
 class SamplingDefaults(BaseModel):
@@ -139,8 +146,13 @@ class SamplingDefaults(BaseModel):
     )
 
     def merged(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        """The full sampling settings for one request: these defaults under its overrides."""
-        return {**self.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+        """The full sampling settings for one request: these defaults under its overrides.
+        A null override means "not given", except for the settings a line may switch off
+        (`"logprobs": false`, `response_format` text): there a stored null wins."""
+        return {
+            **self.model_dump(),
+            **{k: v for k, v in overrides.items() if v is not None or k in _SWITCHABLE},
+        }
 
 
 class EngineOptions(BaseModel):
@@ -168,6 +180,21 @@ class EngineOptions(BaseModel):
         description="KV cache size in bytes. Default: vLLM's (a share of GPU memory; on CPUs "
         "VLLM_CPU_KVCACHE_SPACE GiB).",
     )
+    compact_json: bool = Field(
+        default=False,
+        description="JSON-constrained answers without whitespace between tokens: fewer "
+        "tokens, and a weak model cannot spend max_tokens on whitespace. Uses vLLM's "
+        "xgrammar backend for every constraint (no fallback to guidance).",
+    )
+    enable_lora: bool = Field(
+        default=False, description="Serve LoRA adapters (set when the job has adapters)."
+    )
+    max_lora_rank: int | None = Field(
+        default=None, ge=1, description="Largest adapter rank the engine serves (vLLM: 16)."
+    )
+    max_loras: int | None = Field(
+        default=None, ge=1, description="Adapters in one batch (the job's adapter count)."
+    )
     group_prefixes: bool = Field(
         default=True,
         description="Run requests that share a prompt prefix next to each other so the prefix "
@@ -189,6 +216,26 @@ class JobSpec(BaseModel):
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template replacing the model's own."
     )
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters lines may pick by name: name -> path (once the job is "
+        "created, the copy in the job's storage).",
+    )
+
+    @model_validator(mode="after")
+    def _lora_engine(self) -> JobSpec:
+        """A job with adapters needs an engine built for them; the engine settings follow
+        from the adapters, so a caller's spec and the stored one build the same engine."""
+        if self.adapters and not self.engine.enable_lora:
+            self.engine = self.engine.model_copy(
+                update={
+                    "enable_lora": True,
+                    # Adapters one batch may mix: vLLM reserves memory for each slot and
+                    # swaps adapters in and out beyond it.
+                    "max_loras": self.engine.max_loras or min(len(self.adapters), 8),
+                }
+            )
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -215,11 +262,13 @@ class ChatMessage(BaseModel):
 class PromptLine(SamplingOverrides, ConstraintFields, CompletionLogprobs):
     custom_id: NonEmptyStr | None = None
     prompt: NonEmptyStr
+    adapter: NonEmptyStr | None = Field(default=None, description="A LoRA adapter of the job.")
 
 
 class ChatLine(SamplingOverrides, ConstraintFields, ChatOptions):
     custom_id: NonEmptyStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    adapter: NonEmptyStr | None = Field(default=None, description="A LoRA adapter of the job.")
 
 
 class OpenAICompletionBody(SamplingOverrides, ConstraintFields, CompletionLogprobs):

@@ -12,6 +12,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import InputError, JobNotFound, JobStateError
+from batchllm.jobs.adapters import store_adapters
 from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import StoredInput, readable_input, store_input
 from batchllm.jobs.lifecycle import ACTIVE, after_last_shard
@@ -51,6 +52,9 @@ def create_job(
     source = readable_input(source)
     storage = Storage(settings.resolved_storage)
     job_id = new_job_id()
+    if spec.adapters:
+        # Workers load adapters from the job's storage, wherever the job was submitted.
+        spec = spec.model_copy(update={"adapters": store_adapters(storage, job_id, spec.adapters)})
     with session_scope(settings) as session:
         session.add(
             Job(
@@ -67,7 +71,14 @@ def create_job(
             )
         )
     try:
-        stored = store_input(source, storage, job_id, shard_size=shard_size, strict=strict)
+        stored = store_input(
+            source,
+            storage,
+            job_id,
+            shard_size=shard_size,
+            strict=strict,
+            adapters=frozenset(spec.adapters),
+        )
     except InputError as exc:
         with session_scope(settings) as session:
             session.execute(

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.engine.protocol import Engine
+from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.jobs import leases, lifecycle, service
+from batchllm.jobs.adapters import local_adapter_path
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
 from batchllm.jobs.output import OutputRow
@@ -60,6 +61,7 @@ class _Pending:
     line: int
     custom_id: str
     constraint: dict[str, Any] | None  # the structured output constraint the row ran under
+    adapter: str | None  # the LoRA adapter it ran through
 
 
 ProgressFn = Callable[[int, int], None]
@@ -90,7 +92,7 @@ class ShardRunner:
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
         # (job, the line's override text) -> (engine sampling params, the row's constraint)
-        self._sampling_cache: dict[tuple[str, str | None], tuple[Any, Any]] = {}
+        self._sampling_cache: dict[tuple[str, str | None], tuple[Any, Any, Adapter | None]] = {}
         self._stopping = False
 
     # -- public ---------------------------------------------------------------------------
@@ -199,9 +201,9 @@ class ShardRunner:
         # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
         # benchmark drives generate and this runner on one engine.
         request_id = f"r{next(_request_ids)}"
-        params, constraint = self._sampling(state, row)
+        params, constraint, adapter = self._sampling(state, row)
         try:
-            self.engine.add(request_id, ids, params)
+            self.engine.add(request_id, ids, params, adapter)
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
@@ -216,13 +218,19 @@ class ShardRunner:
                 )
             )
             return False
-        self._pending[request_id] = _Pending(state, row.line, row.custom_id, constraint)
+        self._pending[request_id] = _Pending(
+            state,
+            row.line,
+            row.custom_id,
+            constraint,
+            adapter.name if adapter is not None and not adapter.base else None,
+        )
         state.inflight += 1
         return True
 
-    def _sampling(self, state: ShardState, row: InputRow) -> tuple[Any, Any]:
-        """The row's engine sampling parameters and its constraint, built once per job and
-        distinct per-line override text: a job's lines share few of them, and decoding,
+    def _sampling(self, state: ShardState, row: InputRow) -> tuple[Any, Any, Adapter | None]:
+        """The row's engine sampling parameters, constraint and adapter, built once per job
+        and distinct per-line override text: a job's lines share few of them, and decoding,
         merging and keying them again for every row was a third of the feed's own per-row
         work."""
         key = (state.job_id, row.sampling)
@@ -231,9 +239,21 @@ class ShardRunner:
             if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
                 self._sampling_cache.clear()
             merged = sampling_for(state.spec, row)
-            cached = (self.engine.sampling_params(merged), merged.get("structured"))
+            adapter = self._adapter_of(state, merged.get("adapter"))
+            cached = (self.engine.sampling_params(merged), merged.get("structured"), adapter)
             self._sampling_cache[key] = cached
         return cached
+
+    def _adapter_of(self, state: ShardState, name: str | None) -> Adapter | None:
+        """The row's LoRA adapter; for a base row of a job with adapters, a marker naming
+        one of them (an engine may need its shapes, engine/vllm_engine.py)."""
+        adapters = state.spec.adapters
+        if name is not None:
+            return Adapter(name, local_adapter_path(self.storage, adapters[name]))
+        if adapters:
+            first = sorted(adapters)[0]
+            return Adapter("", local_adapter_path(self.storage, adapters[first]), base=True)
+        return None
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -268,6 +288,7 @@ class ShardRunner:
                         else None,
                         logprobs=out.logprobs,
                         choices=out.choices,
+                        adapter=pending.adapter,
                     )
                 )
             else:

@@ -57,9 +57,9 @@ class FaultyEngine(FakeEngine):
         self.dropped: list[str] = []  # items whose request this engine reported as "abort"
         self.shut_down = False
 
-    def add(self, request_id, token_ids, params) -> None:
+    def add(self, request_id, token_ids, params, adapter=None) -> None:
         self._check_alive()
-        super().add(request_id, token_ids, params)
+        super().add(request_id, token_ids, params, adapter)
         self.item_of_request[request_id] = item_of(self.prompts_added[-1])
 
     def step(self):

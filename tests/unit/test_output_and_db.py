@@ -114,6 +114,7 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
             "structured_ok": None,
             "logprobs": None,
             "choices": None,
+            "adapter": None,
         }
     ]
 

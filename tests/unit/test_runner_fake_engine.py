@@ -10,6 +10,7 @@ import shutil
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -92,7 +93,7 @@ class FakeEngine:
     def sampling_params(self, merged: dict) -> dict:
         return dict(merged)
 
-    def add(self, request_id: str, token_ids: list[int], params: dict) -> None:
+    def add(self, request_id: str, token_ids: list[int], params: dict, adapter: Any = None) -> None:
         self.prompts_added.append(self.tokenizer.decode(token_ids))
         self.waiting[request_id] = [token_ids, params, self.steps]
 
