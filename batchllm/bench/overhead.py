@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.bench.figures import BenchFailed
-from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.engine.vllm_engine import sampling_values
 from batchllm.jobs.rows import InputRow
@@ -57,9 +57,7 @@ class InstantEngine:
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
         self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
 
-    def prepare(
-        self, rows: list[InputRow], chat_template: str | None = None
-    ) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         started = time.perf_counter()
         try:
             return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)

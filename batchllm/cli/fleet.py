@@ -33,7 +33,7 @@ def submit(file: Path, strict: bool, shard_size: int | None, wait_: bool, **flag
     """
     from batchllm.worker.dispatch import submit_job
 
-    spec = spec_from_flags(flags)
+    spec = spec_from_flags(flags, file)
     require_requests(file)
     job = submit_job(file, spec, shard_size=shard_size, strict=strict)
     click.echo(job.id)

@@ -41,6 +41,14 @@ def job_options(command):
     decorators = [
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
         click.option(
+            "--task",
+            type=click.Choice(["generate", "embed"]),
+            default=None,
+            help="generate text, or embed the lines' inputs with vLLM's pooling runner "
+            '[default: from the file\'s first line: {"input": ...} or /v1/embeddings '
+            "lines embed].",
+        ),
+        click.option(
             "--max-tokens",
             type=click.IntRange(1, MAX_TOKENS_LIMIT),
             default=_sampling("max_tokens"),
@@ -180,7 +188,8 @@ def job_options(command):
     return command
 
 
-def spec_from_flags(flags: dict) -> JobSpec:
+def spec_from_flags(flags: dict, file: Path | None = None) -> JobSpec:
+    """The job spec the flags describe; the task, when not given, from FILE's lines."""
     metadata = _pairs(flags.pop("metadata", ()), "--metadata")
     adapters = _pairs(flags.pop("lora", ()), "--lora")
     for name, path in adapters.items():
@@ -216,6 +225,14 @@ def spec_from_flags(flags: dict) -> JobSpec:
         max_lora_rank=flags.pop("max_lora_rank"),
         group_prefixes=not flags.pop("no_group_prefixes"),
     )
+    task = flags.pop("task")
+    if task is None:
+        from batchllm.jobs.reader import infer_task
+
+        task = infer_task(file) if file is not None else "generate"
+    if task == "embed":
+        _refuse_generation_flags(sampling, adapters, template_file)
+    engine = engine.model_copy(update={"task": task})
     return JobSpec(
         model=flags.pop("model"),
         sampling=sampling,
@@ -224,6 +241,25 @@ def spec_from_flags(flags: dict) -> JobSpec:
         chat_template=template_file.read_text() if template_file else None,
         adapters=adapters,
     )
+
+
+def _refuse_generation_flags(
+    sampling: SamplingDefaults, adapters: dict[str, str], template_file: Path | None
+) -> None:
+    """An embedding job generates nothing: flags that shape generation would be ignored."""
+    given = [
+        flag
+        for flag, used in (
+            ("--n", sampling.n != 1),
+            ("--logprobs", sampling.logprobs is not None),
+            ("--json-schema/--choice/--regex", sampling.structured is not None),
+            ("--lora", bool(adapters)),
+            ("--chat-template", template_file is not None),
+        )
+        if used
+    ]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: not for an embedding job (--task embed)")
 
 
 def _pairs(items: tuple[str, ...], flag: str) -> dict[str, str]:

@@ -113,11 +113,18 @@ def echo_job(job: Job) -> None:
             f"{live['output_tokens_per_s']:,.1f} output tok/s over "
             f"{live['elapsed_seconds']:,.0f} s"
         )
-    click.echo(
-        f"throughput {fmt(job.requests_per_s, 2)} req/s, "
-        f"{fmt(job.output_tokens_per_s)} output tok/s, "
-        f"{fmt(job.total_tokens_per_s)} total tok/s"
-    )
+    if (job.spec or {}).get("engine", {}).get("task") == "embed":
+        # Nothing is generated: an embedding job's pace is its inputs.
+        click.echo(
+            f"throughput {fmt(job.requests_per_s, 2)} req/s, "
+            f"{fmt(job.total_tokens_per_s)} input tok/s"
+        )
+    else:
+        click.echo(
+            f"throughput {fmt(job.requests_per_s, 2)} req/s, "
+            f"{fmt(job.output_tokens_per_s)} output tok/s, "
+            f"{fmt(job.total_tokens_per_s)} total tok/s"
+        )
     click.echo(
         f"tokens     {job.prompt_tokens:,} prompt, {job.completion_tokens:,} completion; "
         f"engine {fmt(job.engine_seconds)} s, wall {fmt(job.wall_seconds)} s"

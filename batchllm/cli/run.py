@@ -40,7 +40,7 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     from batchllm.jobs.models import JobStatus
     from batchllm.worker.local import run_job
 
-    spec = spec_from_flags(flags)
+    spec = spec_from_flags(flags, file)
     require_local_model(spec.model)
     require_hardware_for(spec.engine)
     if output is not None:

@@ -62,35 +62,71 @@ def batch_encoder(tokenizer: Any) -> Encode:
     return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
+# Token ids of a row: one prompt, or one per text of a list embedding input; or why it cannot run.
+Prepared = list[int] | list[list[int]] | str
+
+
+def token_count(prepared: list[Any]) -> int:
+    """Prompt tokens of prepared ids (all texts of a list embedding input)."""
+    if prepared and isinstance(prepared[0], list):
+        return sum(len(ids) for ids in prepared)
+    return len(prepared)
+
+
 def prepare_prompts(
     tokenizer: Any,
     rows: list[InputRow],
     max_model_len: int | None,
     chat_template: str | None = None,
-) -> list[list[int] | str]:
-    """For each row: its prompt token ids, or an error message (row stays in place)."""
-    results: list[list[int] | str] = [""] * len(rows)
-    groups: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+) -> list[Prepared]:
+    """For each row: its prompt token ids (a list of them for a list embedding input), or an
+    error message (row stays in place)."""
+    results: list[Prepared] = [""] * len(rows)
+    lists: dict[int, list[list[int]]] = {}  # rows with a list input: their texts' ids
+    # (row index, position in a list input or None, text), by whether special tokens are added
+    groups: dict[bool, list[tuple[int, int | None, str]]] = {True: [], False: []}
     for i, row in enumerate(rows):
+        if row.kind == "embed" and row.inputs:
+            texts = row.texts()
+            lists[i] = [[] for _ in texts]
+            groups[True].extend((i, j, text) for j, text in enumerate(texts))
+            continue
         try:
             # A chat template already holds the special tokens; a plain prompt gets them added.
-            groups[row.kind != "chat"].append((i, render(tokenizer, row, chat_template)))
+            groups[row.kind != "chat"].append((i, None, render(tokenizer, row, chat_template)))
         except Exception as exc:  # a template can raise on unusual message orders
             results[i] = f"chat template failed: {exc}"
     encode = batch_encoder(tokenizer)
     for special, items in groups.items():
         if not items:
             continue
-        encoded = encode([text for _, text in items], special)
-        for (i, _), ids in zip(items, encoded):
-            results[i] = ids
+        encoded = encode([text for _, _, text in items], special)
+        for (i, j, _), ids in zip(items, encoded):
+            if j is None:
+                results[i] = ids
+            else:
+                lists[i][j] = ids
+    for i, per_text in lists.items():
+        results[i] = per_text
     if max_model_len is not None:
         for i, prepared in enumerate(results):
-            if isinstance(prepared, list) and len(prepared) >= max_model_len:
-                results[i] = (
-                    f"prompt is {len(prepared)} tokens; the engine's max_model_len is "
-                    f"{max_model_len} (prompt plus at least one output token must fit)"
-                )
-            elif isinstance(prepared, list) and not prepared:
-                results[i] = "prompt is empty after tokenization"
+            if not isinstance(prepared, str):
+                results[i] = _checked(prepared, max_model_len, rows[i].kind == "embed")
     return results
+
+
+def _checked(prepared: list[Any], max_model_len: int, embed: bool) -> Prepared:
+    """The ids, or why they cannot run: a generation prompt needs room for one output token,
+    an embedding input only for itself."""
+    sequences = prepared if prepared and isinstance(prepared[0], list) else [prepared]
+    for ids in sequences:
+        if not ids:
+            return "prompt is empty after tokenization"
+        if embed and len(ids) > max_model_len:
+            return f"input is {len(ids)} tokens; the engine's max_model_len is {max_model_len}"
+        if not embed and len(ids) >= max_model_len:
+            return (
+                f"prompt is {len(ids)} tokens; the engine's max_model_len is "
+                f"{max_model_len} (prompt plus at least one output token must fit)"
+            )
+    return prepared

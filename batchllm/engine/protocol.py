@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from batchllm.engine.prompts import Prepared
 from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
 
@@ -35,6 +36,13 @@ class Finished:
     logprobs: list[dict[str, Any]] | None = None
     # Every sample {index, text, finish_reason, completion_tokens, logprobs} when n > 1.
     choices: list[dict[str, Any]] | None = None
+    # An embedding request's vector (one input), or its vectors (a list input).
+    embedding: list[float] | None = None
+    embeddings: list[list[float]] | None = None
+
+    @property
+    def is_embedding(self) -> bool:
+        return self.embedding is not None or self.embeddings is not None
 
     @property
     def generated_tokens(self) -> int:
@@ -51,9 +59,7 @@ class Engine(Protocol):
     hardware: str  # recorded per job: throughput depends on it
     max_num_seqs: int  # requests per step; the runner keeps a few times this many in flight
 
-    def prepare(
-        self, rows: list[InputRow], chat_template: str | None = None
-    ) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run. `chat_template`
         (the job's) replaces the model's own for chat rows."""
 
@@ -61,10 +67,12 @@ class Engine(Protocol):
         """The engine's sampling parameters for merged job and line settings."""
 
     def add(
-        self, request_id: str, token_ids: list[int], params: Any, adapter: Adapter | None = None
+        self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
     ) -> None:
-        """Queue one request, through a LoRA adapter when given; a BatchLLMError when the
-        engine refuses this request alone, EngineDied when the engine is gone."""
+        """Queue one request (`token_ids` as `prepare` gave them: a list of ids, or a list of
+        them for a list embedding input), through a LoRA adapter when given; a
+        BatchLLMError when the engine refuses this request alone, EngineDied when the
+        engine is gone."""
 
     def step(self) -> list[Finished]:
         """Run one step; the requests that finished in it. EngineDied when the engine is gone."""

@@ -49,7 +49,11 @@ def size_max_model_len(
         best = 0
         runnable = [r for r in batch if r.kind != "invalid"]
         for row, ids in zip(runnable, prepare_prompts(tokenizer, runnable, None, chat_template)):
-            if isinstance(ids, list):
+            if isinstance(ids, str):
+                continue
+            if row.kind == "embed":  # the longest text, and nothing generated
+                best = max(best, max(len(i) for i in ids) if isinstance(ids[0], list) else len(ids))
+            else:
                 best = max(best, len(ids) + defaults.merged(row.overrides())["max_tokens"])
         return best
 

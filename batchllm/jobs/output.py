@@ -22,8 +22,9 @@ import pyarrow.parquet as pq
 
 from batchllm.jobs.storage import Storage
 
-# Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter); a reader of version 1
-# keeps working, since no column of version 1 moved or changed type.
+# Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
+# embeddings); a reader of version 1 keeps working, since no column of version 1 moved or
+# changed type.
 SCHEMA_VERSION = 2
 
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float32())])
@@ -61,6 +62,8 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("logprobs", TOKEN_LOGPROBS),
         pa.field("choices", pa.list_(CHOICE)),
         pa.field("adapter", pa.string()),  # the LoRA adapter; null for the base model
+        pa.field("embedding", pa.list_(pa.float32())),  # an embedding line's one input
+        pa.field("embeddings", pa.list_(pa.list_(pa.float32()))),  # its list input
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
@@ -83,6 +86,8 @@ class OutputRow:
     logprobs: list[dict[str, Any]] | None = None
     choices: list[dict[str, Any]] | None = None  # every sample when n > 1
     adapter: str | None = None
+    embedding: list[float] | None = None
+    embeddings: list[list[float]] | None = None
 
     @property
     def generated_tokens(self) -> int:

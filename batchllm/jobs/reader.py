@@ -21,10 +21,12 @@ from batchllm.jobs.schemas import (
     ChatOptions,
     CompletionLogprobs,
     ConstraintFields,
+    EmbeddingLine,
     LineError,
     OpenAIBatchLine,
     OpenAIChatBody,
     OpenAICompletionBody,
+    OpenAIEmbeddingBody,
     PromptLine,
     Request,
     SamplingOverrides,
@@ -124,11 +126,79 @@ def _pick_adapter(name: str | None, adapters: frozenset[str]) -> dict[str, str]:
     return {"adapter": name}
 
 
-def parse_line(obj: Any, line: int, adapters: frozenset[str] = frozenset()) -> Request:
+def is_embedding_line(obj: Any) -> bool:
+    """Whether a decoded line is an embedding request ({"input": ...} or OpenAI's
+    /v1/embeddings), which only an embedding job runs."""
+    return isinstance(obj, dict) and (
+        obj.get("url") == "/v1/embeddings"
+        or ("input" in obj and not {"method", "body"} & obj.keys())
+    )
+
+
+def infer_task(path: str | Path, max_line_bytes: int | None = None) -> str:
+    """The task a file's lines ask for, from its first line that decodes to an object:
+    embed for embedding lines, else generate (one task per job; lines of the other task
+    become error rows)."""
+    limit = max_line_bytes or get_settings().max_line_bytes
+    with Path(path).open("rb") as handle:
+        for line in iter_lines(handle, limit):
+            if line.raw is None:
+                continue
+            obj, problem = _decode(line.raw)
+            if problem is None and isinstance(obj, dict):
+                return "embed" if is_embedding_line(obj) else "generate"
+    return "generate"
+
+
+def _embedding_request(
+    line: int, custom_id: str, value: str | list[str], dimensions: int | None
+) -> Request:
+    return Request(
+        line=line,
+        custom_id=custom_id,
+        kind="embed",
+        prompt=value if isinstance(value, str) else None,
+        inputs=None if isinstance(value, str) else list(value),
+        sampling={"dimensions": dimensions} if dimensions is not None else {},
+    )
+
+
+def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
+    if "url" in obj:
+        envelope = _validate(OpenAIBatchLine, obj)
+        body = _validate(OpenAIEmbeddingBody, envelope.body, prefix="body.")
+        return _embedding_request(line, envelope.custom_id, body.input, body.dimensions)
+    plain = _validate(EmbeddingLine, obj)
+    return _embedding_request(
+        line, plain.custom_id or default_custom_id(line), plain.input, plain.dimensions
+    )
+
+
+def _wrong_task(obj: dict[str, Any], task: str) -> _LineProblem:
+    if task == "embed":
+        form = "a chat" if "messages" in obj else "a completion"
+        field = "url" if "url" in obj else ("messages" if "messages" in obj else "prompt")
+        return _LineProblem(field, f"{form} line in an embedding job (--task embed)")
+    field = "url" if "url" in obj else "input"
+    return _LineProblem(field, "an embedding line in a generation job (--task generate)")
+
+
+def parse_line(
+    obj: Any, line: int, adapters: frozenset[str] = frozenset(), task: str = "generate"
+) -> Request:
     """Turn one decoded JSON value into a Request, or raise _LineProblem naming the field.
-    `adapters`: the names of the job's LoRA adapters, which lines may pick."""
+    `adapters`: the names of the job's LoRA adapters, which lines may pick; `task`: the
+    job's (a line of the other task is an error)."""
     if not isinstance(obj, dict):
         raise _LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
+    if task == "embed":
+        if is_embedding_line(obj):
+            return _parse_embedding(obj, line)
+        if not {"messages", "prompt", "url"} & obj.keys():
+            raise _LineProblem(None, 'expected an embedding line: {"input": text or list}')
+        raise _wrong_task(obj, task)
+    if is_embedding_line(obj):
+        raise _wrong_task(obj, task)
     if {"method", "url", "body"} & obj.keys():
         envelope = _validate(OpenAIBatchLine, obj)
         if envelope.url == "/v1/chat/completions":
@@ -197,7 +267,7 @@ def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
         return None, _LineProblem(None, f"malformed JSON: {exc}")
 
 
-def _check(line: Line, max_line_bytes: int, adapters: frozenset[str]) -> _Checked:
+def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str) -> _Checked:
     if line.raw is None:
         return (
             line.number,
@@ -211,7 +281,7 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str]) -> _Checke
     obj, problem = _decode(line.raw)
     if problem is None:
         try:
-            return line.number, given_id(obj), parse_line(obj, line.number, adapters)
+            return line.number, given_id(obj), parse_line(obj, line.number, adapters, task)
         except _LineProblem as exc:
             problem = exc
     return line.number, given_id(obj), problem
@@ -222,6 +292,7 @@ def read_requests(
     *,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
 ) -> Iterator[Request | LineError]:
     """Yield one Request or LineError per non-blank line of `path`, in line order.
 
@@ -238,7 +309,7 @@ def read_requests(
             handle.seek(0)
             chunk: list[_Checked] = []
             for line in iter_lines(handle, limit):
-                chunk.append(_check(line, limit, adapters))
+                chunk.append(_check(line, limit, adapters, task))
                 if len(chunk) >= _CHUNK:
                     yield from _resolve_chunk(chunk, ids, name)
                     chunk = []

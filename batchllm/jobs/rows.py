@@ -16,17 +16,18 @@ import pyarrow as pa
 
 from batchllm.jobs.schemas import LineError, Request
 
-RowKind = Literal["prompt", "chat", "invalid"]
+RowKind = Literal["prompt", "chat", "embed", "invalid"]
 
 INPUT_SCHEMA = pa.schema(
     [
         pa.field("line", pa.int64(), nullable=False),
         pa.field("custom_id", pa.string(), nullable=False),
-        pa.field("kind", pa.string(), nullable=False),  # prompt | chat | invalid
+        pa.field("kind", pa.string(), nullable=False),  # prompt | chat | embed | invalid
         pa.field("prompt", pa.string()),
         pa.field("messages", pa.string()),  # JSON list of {role, content}
         pa.field("sampling", pa.string()),  # JSON object of per-line overrides
         pa.field("error", pa.string()),
+        pa.field("inputs", pa.string()),  # JSON list of the texts of a list embedding input
     ]
 )
 
@@ -40,6 +41,7 @@ class InputRow:
     messages: str | None = None  # JSON text of the chat messages (kind "chat")
     sampling: str | None = None  # JSON text of the line's sampling overrides, if any
     error: str | None = None  # why the line is invalid (kind "invalid")
+    inputs: str | None = None  # JSON text of a list embedding input (kind "embed")
 
     @classmethod
     def from_item(cls, item: Request | LineError) -> InputRow:
@@ -54,6 +56,7 @@ class InputRow:
             prompt=item.prompt,
             messages=json.dumps(item.messages) if item.messages is not None else None,
             sampling=json.dumps(item.sampling) if item.sampling else None,
+            inputs=json.dumps(item.inputs) if item.inputs is not None else None,
         )
 
     @classmethod
@@ -63,6 +66,10 @@ class InputRow:
 
     def to_record(self) -> dict[str, Any]:
         return asdict(self)
+
+    def texts(self) -> list[str]:
+        """The texts of an embedding row: its one input, or its list."""
+        return json.loads(self.inputs) if self.inputs else [str(self.prompt)]
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return json.loads(self.messages) if self.messages else []

@@ -186,6 +186,10 @@ class EngineOptions(BaseModel):
         "tokens, and a weak model cannot spend max_tokens on whitespace. Uses vLLM's "
         "xgrammar backend for every constraint (no fallback to guidance).",
     )
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="generate: text completions; embed: vectors from vLLM's pooling runner.",
+    )
     enable_lora: bool = Field(
         default=False, description="Serve LoRA adapters (set when the job has adapters)."
     )
@@ -282,12 +286,39 @@ class OpenAIChatBody(SamplingOverrides, ConstraintFields, ChatOptions):
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+EmbeddingInput = NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+
+
+class EmbeddingLine(BaseModel):
+    """A text (or a list of texts) to embed, in an embedding job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: NonEmptyStr | None = None
+    input: EmbeddingInput
+    dimensions: Int | None = Field(
+        default=None, ge=1, description="Truncate to this many dimensions (Matryoshka models)."
+    )
+
+
+class OpenAIEmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: EmbeddingInput
+    dimensions: Int | None = Field(default=None, ge=1)
+    encoding_format: Literal["float"] | None = Field(
+        default=None, description="Only float: the vectors are a Parquet list<float32> column."
+    )
+    user: str | None = None
+
+
 class OpenAIBatchLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     custom_id: NonEmptyStr
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     body: dict[str, Any]
 
 
@@ -296,9 +327,10 @@ class Request(BaseModel):
 
     line: int
     custom_id: str
-    kind: Literal["prompt", "chat"]
-    prompt: str | None = None
+    kind: Literal["prompt", "chat", "embed"]
+    prompt: str | None = None  # also the text of an embedding line with one input
     messages: list[dict[str, str]] | None = None
+    inputs: list[str] | None = None  # the texts of an embedding line with a list input
     sampling: dict[str, Any] = Field(default_factory=dict)
 
 

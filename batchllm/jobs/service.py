@@ -78,6 +78,7 @@ def create_job(
             shard_size=shard_size,
             strict=strict,
             adapters=frozenset(spec.adapters),
+            task=spec.engine.task,
         )
     except InputError as exc:
         with session_scope(settings) as session:

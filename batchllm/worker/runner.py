@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.engine.prompts import Prepared, token_count
 from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.jobs import leases, lifecycle, service
@@ -173,14 +174,14 @@ class ShardRunner:
             self.on_progress(errors, 0)
         return len(batch) < _PREPARE_BATCH
 
-    def _prepare(self, runnable: list[tuple[ShardState, InputRow]]) -> list[list[int] | str]:
+    def _prepare(self, runnable: list[tuple[ShardState, InputRow]]) -> list[Prepared]:
         """Token ids (or the reason a row cannot run) per row, each through its job's chat
         template (a batch spans jobs only where shards of several jobs run together)."""
         templates = {state.spec.chat_template for state, _ in runnable}
         if len(templates) <= 1:
             template = next(iter(templates), None)
             return self.engine.prepare([r for _, r in runnable], template)
-        prepared: list[list[int] | str] = [""] * len(runnable)
+        prepared: list[Prepared] = [""] * len(runnable)
         for template in templates:
             picked = [i for i, (s, _) in enumerate(runnable) if s.spec.chat_template == template]
             results = self.engine.prepare([runnable[i][1] for i in picked], template)
@@ -188,7 +189,7 @@ class ShardRunner:
                 prepared[i] = result
         return prepared
 
-    def _add(self, state: ShardState, row: InputRow, ids: list[int]) -> bool:
+    def _add(self, state: ShardState, row: InputRow, ids: list[Any]) -> bool:
         if state.job_id not in self._started_jobs:
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
@@ -214,7 +215,7 @@ class ShardRunner:
                     row.custom_id,
                     row.line,
                     f"{where}rejected by vLLM: {exc}",
-                    prompt_tokens=len(ids),
+                    prompt_tokens=token_count(ids),
                 )
             )
             return False
@@ -273,7 +274,18 @@ class ShardRunner:
                     f"vLLM aborted request {out.request_id} itself: the engine is stopping"
                 )
             pending.state.inflight -= 1
-            if out.finish_reason in _RESULT_REASONS:
+            if out.is_embedding:
+                pending.state.buffer.append(
+                    OutputRow(
+                        custom_id=pending.custom_id,
+                        line=pending.line,
+                        status="ok",
+                        prompt_tokens=out.prompt_tokens,
+                        embedding=out.embedding,
+                        embeddings=out.embeddings,
+                    )
+                )
+            elif out.finish_reason in _RESULT_REASONS:
                 pending.state.buffer.append(
                     OutputRow(
                         custom_id=pending.custom_id,

@@ -115,6 +115,8 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
             "logprobs": None,
             "choices": None,
             "adapter": None,
+            "embedding": None,
+            "embeddings": None,
         }
     ]
 

@@ -202,11 +202,21 @@ def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
 def test_unsupported_url_is_an_error_on_the_url_field(tmp_path):
     err = only_error(
         tmp_path,
-        {"custom_id": "e-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "e-1", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
     )
 
     assert (err.custom_id, err.field) == ("e-1", "url")
     assert "/v1/chat/completions" in err.message
+
+
+def test_an_embedding_line_in_a_generation_job_is_an_error_on_the_url_field(tmp_path):
+    err = only_error(
+        tmp_path,
+        {"custom_id": "e-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    )
+
+    assert (err.custom_id, err.field) == ("e-1", "url")
+    assert "embedding line in a generation job" in err.message
 
 
 @pytest.mark.parametrize("value", ["[1, 2]", '"just a string"', "42", "null"])

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
-from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Engine, Finished
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.jobs import checkpoints, leases, service
@@ -85,9 +85,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.step_count = 0
 
-    def prepare(
-        self, rows: list[InputRow], chat_template: str | None = None
-    ) -> list[list[int] | str]:
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
 
     def sampling_params(self, merged: dict) -> dict:
