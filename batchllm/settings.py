@@ -79,6 +79,12 @@ class Settings(BaseSettings):
         description="Most samples a request may ask for with `n` (a line over it is an "
         "error row): every sample costs as much engine time as a request.",
     )
+    min_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="Smallest max_lora_rank of the LoRA engines this process builds "
+        "(`worker --max-lora-rank`): jobs with smaller adapters then share its warm engine.",
+    )
     allow_unsupported_vllm: bool = Field(
         default=False,
         description="Run engines on a vLLM release other than the one batchllm supports "

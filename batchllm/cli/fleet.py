@@ -113,8 +113,20 @@ def cancel(job_id: str) -> None:
     help="Worker name, unique in the fleet [default: batchllm-PID@host].",
 )
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option(
+    "--max-lora-rank",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Build LoRA engines for at least this adapter rank, so jobs with adapters of "
+    "different ranks share one warm engine (adapters come with each job; no restart).",
+)
 def worker(
-    models: tuple[str, ...], queues: str | None, concurrency: int, name: str | None, loglevel: str
+    models: tuple[str, ...],
+    queues: str | None,
+    concurrency: int,
+    name: str | None,
+    loglevel: str,
+    max_lora_rank: int | None,
 ) -> None:
     """Start a Celery worker that runs shards through vLLM (broker: BATCHLLM_BROKER_URL).
 
@@ -130,6 +142,8 @@ def worker(
     names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
     if not names:
         raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    if max_lora_rank is not None:  # read by this process's settings and its children's
+        os.environ["BATCHLLM_MIN_LORA_RANK"] = str(max_lora_rank)
     if concurrency > 1:
         from batchllm.engine.hardware import runs_on_cpu, visible_gpus
         from batchllm.engine.preflight import check_worker_concurrency

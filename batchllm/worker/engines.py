@@ -12,7 +12,7 @@ from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Job
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
-from batchllm.settings import Settings
+from batchllm.settings import Settings, get_settings
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
     from batchllm.engine.vllm_engine import VllmEngine
@@ -36,6 +36,19 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
         return service.set_max_model_len(session, job_id, sized)
 
 
+# vLLM's default max_lora_rank, which a job without --max-lora-rank gets.
+_VLLM_LORA_RANK = 16
+
+
+def with_min_lora_rank(spec: JobSpec, floor: int | None) -> JobSpec:
+    """A LoRA job's spec with its engine's max_lora_rank raised to the worker's floor."""
+    if floor is None or not spec.engine.enable_lora:
+        return spec
+    rank = max(spec.engine.max_lora_rank or _VLLM_LORA_RANK, floor)
+    engine = spec.engine.model_copy(update={"max_lora_rank": rank})
+    return spec.model_copy(update={"engine": engine})
+
+
 class EngineCache:
     """The warm engine of this process (an EngineSource)."""
 
@@ -44,6 +57,7 @@ class EngineCache:
         self.engine: VllmEngine | None = None
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
+        spec = with_min_lora_rank(spec, get_settings().min_lora_rank)
         key = spec.engine.engine_key(spec.model) + f"|{max_model_len}"
         if self.engine is not None and key == self._key:
             return self.engine

@@ -128,3 +128,17 @@ def test_the_run_command_refuses_a_memory_share_above_one_in_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert "--gpu-memory-utilization" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_workers_lora_rank_floor_raises_only_lora_engines():
+    from batchllm.jobs.schemas import JobSpec
+    from batchllm.worker.engines import with_min_lora_rank
+
+    plain = JobSpec(model="m")
+    assert with_min_lora_rank(plain, 64) is plain
+    lora = JobSpec(model="m", adapters={"a": "/x"})
+    assert lora.engine.enable_lora and lora.engine.max_loras == 1
+    assert with_min_lora_rank(lora, 64).engine.max_lora_rank == 64
+    ranked = JobSpec(model="m", adapters={"a": "/x"}, engine=EngineOptions(max_lora_rank=128))
+    assert with_min_lora_rank(ranked, 64).engine.max_lora_rank == 128
+    assert with_min_lora_rank(lora, None) is lora
