@@ -215,6 +215,7 @@ def reconcile(loop: bool) -> None:
     done = reconcile_once(send)
     click.echo(
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
-        f"{len(done.resent_lost)} lost task(s), cancelled {len(done.cancelled_jobs)} "
-        f"job(s), finalized {len(done.finalized_jobs)} job(s)"
+        f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
+        f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
+        "job(s)"
     )

@@ -5,6 +5,7 @@ conditional SQL UPDATE, so concurrent workers on PostgreSQL cannot both win it."
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -62,6 +63,11 @@ def end_shard(
     return after_last_shard(session, shard.job_id)
 
 
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands datetimes back without their zone; they were stored in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
 def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     done, total = session.execute(
         select(Job.shards_done, Job.shards_total).where(Job.id == job_id)
@@ -73,13 +79,21 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
         .select_from(Shard)
         .where(Shard.job_id == job_id, Shard.status == ShardStatus.FAILED)
     )
+    now = utcnow()
+    expires_at = session.scalar(select(Job.expires_at).where(Job.id == job_id))
+    # A job moved to cancelling because its completion window passed ends `expired`.
+    ended = (
+        JobStatus.EXPIRED
+        if expires_at is not None and _aware(expires_at) <= now
+        else JobStatus.CANCELLED
+    )
     if changed(
         session,
         update(Job)
         .where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
-        .values(status=JobStatus.CANCELLED, finished_at=utcnow()),
+        .values(status=ended, finished_at=now),
     ):
-        return JobStatus.CANCELLED
+        return ended
     if failed:
         errors = session.scalars(
             select(Shard.error)

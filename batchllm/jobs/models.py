@@ -61,6 +61,8 @@ class Job(Base):
     max_model_len: Mapped[int | None] = mapped_column(Integer)
     # Run by one `batchllm run` process, not the fleet: no reconciler re-drives its shards.
     local_run: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The end of its completion window (Batch API): the reconciler ends it `expired` then.
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -144,3 +146,50 @@ class Checkpoint(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     engine_seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    """A key of the Batch API server. Only its SHA-256 is stored: the key is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StoredFile(Base):
+    """A file uploaded to the Batch API (`/v1/files`), or one it wrote (a batch's output and
+    error files). `owner` is the API key's id that may see it."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(32), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(Integer)
+    lines: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Batch(Base):
+    """The Batch API's view of a job (same id): who owns it and its OpenAI fields."""
+
+    __tablename__ = "batches"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(32), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    # Validation errors of the whole batch (e.g. lines naming other models), OpenAI's shape.
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    job: Mapped[Job] = relationship()

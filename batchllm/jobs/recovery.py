@@ -44,12 +44,29 @@ def end_stale_shards_of_cancelled_jobs(
         query = query.where(Job.id == job_id)
     ended = []
     for shard in session.scalars(query).all():
-        if (
-            lifecycle.end_shard(session, shard.id, ShardStatus.CANCELLED, attempt=shard.attempts)
-            is JobStatus.CANCELLED
-        ):
+        if lifecycle.end_shard(
+            session, shard.id, ShardStatus.CANCELLED, attempt=shard.attempts
+        ) in (JobStatus.CANCELLED, JobStatus.EXPIRED):
             ended.append(shard.job_id)
     return ended
+
+
+def expire_overdue_jobs(session: Session) -> list[str]:
+    """Jobs whose completion window has passed stop like a cancel (running shards abort and
+    keep their finished rows, queued ones end) and then end `expired` (lifecycle)."""
+    overdue = session.scalars(
+        select(Job.id).where(Job.expires_at < utcnow(), Job.status.in_(RUNNABLE_JOBS))
+    ).all()
+    moved = []
+    for job_id in overdue:
+        if changed(
+            session,
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(RUNNABLE_JOBS))
+            .values(status=JobStatus.CANCELLING),
+        ):
+            moved.append(job_id)
+    return moved
 
 
 def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
@@ -61,7 +78,7 @@ def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
             Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total
         )
     ).all():
-        if lifecycle.after_last_shard(session, job_id) is JobStatus.CANCELLED:
+        if lifecycle.after_last_shard(session, job_id) in (JobStatus.CANCELLED, JobStatus.EXPIRED):
             ended.append(job_id)
     return ended
 

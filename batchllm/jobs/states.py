@@ -17,10 +17,16 @@ class JobStatus(str, enum.Enum):
     FAILED = "failed"
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # its completion window passed first; finished rows are kept
 
     @property
     def is_final(self) -> bool:
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+        return self in (
+            JobStatus.COMPLETED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+            JobStatus.EXPIRED,
+        )
 
 
 class ShardStatus(str, enum.Enum):

@@ -39,10 +39,15 @@ class Pass:
     resent_lost: list[int] = field(default_factory=list)
     cancelled_jobs: list[str] = field(default_factory=list)
     finalized_jobs: list[str] = field(default_factory=list)
+    expired_jobs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
-            self.requeued_stale or self.resent_lost or self.cancelled_jobs or self.finalized_jobs
+            self.requeued_stale
+            or self.resent_lost
+            or self.cancelled_jobs
+            or self.finalized_jobs
+            or self.expired_jobs
         )
 
 
@@ -62,6 +67,11 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         done.requeued_stale.append(shard_id)
 
     done.resent_lost = _resend_lost_tasks(send, settings)
+
+    with session_scope(settings) as session:
+        done.expired_jobs = recovery.expire_overdue_jobs(session)
+    for job_id in done.expired_jobs:
+        log.warning("job %s: its completion window passed; stopping it (expired)", job_id)
 
     with session_scope(settings) as session:
         done.cancelled_jobs = recovery.end_stale_shards_of_cancelled_jobs(
