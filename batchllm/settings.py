@@ -85,6 +85,16 @@ class Settings(BaseSettings):
         description="Smallest max_lora_rank of the LoRA engines this process builds "
         "(`worker --max-lora-rank`): jobs with smaller adapters then share its warm engine.",
     )
+    api_max_file_bytes: int = Field(
+        default=200 * 1024 * 1024,
+        ge=1,
+        description="Largest upload `batchllm serve` takes on /v1/files (413 above it).",
+    )
+    api_max_file_lines: int = Field(
+        default=50_000,
+        ge=1,
+        description="Most lines of an upload to `batchllm serve` (413 above it), as OpenAI.",
+    )
     allow_unsupported_vllm: bool = Field(
         default=False,
         description="Run engines on a vLLM release other than the one batchllm supports "

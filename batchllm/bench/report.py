@@ -110,16 +110,150 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
     return _format(rows)
 
 
+def _ran_workload(result: dict[str, Any]) -> bool:
+    """Whether a part that runs the engine workload (--requests, --output-tokens) ran."""
+    return bool(result["contenders"] or result.get("prefix") or result.get("overhead"))
+
+
+def _engine_line(engine: dict[str, Any]) -> str:
+    return (
+        f"vLLM {engine['version']} on {engine['hardware']}, max_model_len "
+        f"{engine['max_model_len']}, max_num_seqs {engine['max_num_seqs']}, "
+        f"max_num_batched_tokens {engine['max_num_batched_tokens']}, prefix caching off"
+    )
+
+
+def features_text(features: dict[str, Any]) -> str:
+    """The features part: every job against the plain one, then the mixed job's plain rows
+    against the control's."""
+    workload = features["workload"]
+    jobs = features["jobs"]
+    repeats = jobs["plain"]["repeats"]
+    rows: list[tuple[str, ...]] = [
+        (
+            "request features (batchllm jobs)",
+            "req/s",
+            "out tok/s",
+            "spread",
+            "tok/req",
+            "wall s",
+            "req/s vs plain",
+            "tok/s vs plain",
+            "structured valid",
+        )
+    ]
+    for figures in jobs.values():
+        constrained = figures.get("structured_rows")
+        rows.append(
+            (
+                figures["label"],
+                f"{figures['requests_per_s']['median']:,.1f}",
+                f"{figures['output_tokens_per_s']['median']:,.0f}",
+                _spread(figures["output_tokens_per_s"]),
+                f"{figures['output_tokens_per_request']:,.1f}",
+                f"{figures['wall_seconds']['median']:,.1f}",
+                f"{figures['requests_ratio_to_plain']:.2f}x",
+                f"{figures['tokens_ratio_to_plain']:.2f}x",
+                f"{figures['structured_valid'] / constrained:.1%}" if constrained else "",
+            )
+        )
+    halves: list[tuple[str, ...]] = [
+        (
+            "plain rows, job start to last one done",
+            "rows",
+            "rows/s",
+            "out tok/s",
+            "spread",
+            "done in s",
+            "median latency s",
+            "tok/s vs control",
+        )
+    ]
+    control = features["plain_rows"]["control"]["output_tokens_per_s"]["median"]
+    for figures in features["plain_rows"].values():
+        halves.append(
+            (
+                figures["label"],
+                f"{figures['requests']:,}",
+                f"{figures['requests_per_s']['median']:,.1f}",
+                f"{figures['output_tokens_per_s']['median']:,.0f}",
+                _spread(figures["output_tokens_per_s"]),
+                f"{figures['wall_seconds']['median']:,.1f}",
+                f"{figures['median_latency_seconds']:,.2f}",
+                f"{figures['output_tokens_per_s']['median'] / control:.2f}x",
+            )
+        )
+    return "\n".join(
+        [
+            f"request features: {workload['requests']:,} requests per job (prompts "
+            f"{workload['prompt_words'][0]}..{workload['prompt_words'][1]} words, max_tokens "
+            f"{features['max_tokens']}), the same prompts in every job, {repeats} repeat(s), "
+            "one engine built with --compact-json",
+            _engine_line(features["engine"]),
+            "",
+            _format(rows),
+            "plain, logprobs and n=4 rows generate max_tokens (ignore_eos); JSON and choice "
+            "rows stop when their grammar ends, so compare them on req/s; structured valid: "
+            "rows whose text satisfies their constraint; mixed: even lines plain, odd lines "
+            "json/choice/logprobs in turn",
+            "",
+            _format(halves),
+            "control: the mixed job's prompts with its plain lines as they are and its other "
+            "lines plain, generating the tokens the mixed job's did (ignore_eos): the same "
+            "load without constraints or logprobs",
+            f"plain rows beside constrained and logprobs rows: "
+            f"{features['plain_rows_vs_control']:.2f}x the output tok/s of the control's "
+            f"(median latency {features['plain_rows_latency_vs_control']:.2f}x)",
+        ]
+    )
+
+
+def embed_text(embed: dict[str, Any]) -> str:
+    """The embed part: rows/s and input tokens/s against raw `LLM.embed(texts)`."""
+    rows: list[tuple[str, ...]] = [
+        ("embeddings", "rows/s", "input tok/s", "spread", "wall s", "peak RSS", "vs raw")
+    ]
+    for figures in embed["contenders"].values():
+        rows.append(
+            (
+                figures["label"],
+                f"{figures['requests_per_s']['median']:,.0f}",
+                f"{figures['input_tokens_per_s']['median']:,.0f}",
+                _spread(figures["requests_per_s"]),
+                f"{figures['wall_seconds']['median']:,.2f}",
+                f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{figures['ratio_to_raw']:.2f}x",
+            )
+        )
+    words = embed["words"]
+    repeats = next(iter(embed["contenders"].values()))["repeats"]
+    return "\n".join(
+        [
+            f"embeddings: {embed['texts']:,} texts of {words[0]}..{words[1]} words, "
+            f"{embed['dimensions']} dimensions, {repeats} repeat(s), one pooling engine "
+            "(runner pooling, convert embed)",
+            _engine_line(embed["engine"]),
+            "",
+            _format(rows),
+            "vs raw: rows/s over LLM.embed(texts)'s; the vectors agree with raw vLLM's "
+            "(compared on the first texts)",
+        ]
+    )
+
+
 def summary_text(result: dict[str, Any]) -> str:
     """The whole report: contender table, prefix grouping, overhead, and the targets."""
     config = result["config"]
-    parts = [
-        f"batchllm bench: {config['requests']:,} requests, prompts "
-        f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
-        f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
-        f"({config.get('output_shape', 'uniform')}, ignore_eos), "
-        f"model {config['model']}"
-    ]
+    if _ran_workload(result):
+        parts = [
+            f"batchllm bench: {config['requests']:,} requests, prompts "
+            f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
+            f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
+            f"({config.get('output_shape', 'uniform')}, ignore_eos), "
+            f"model {config['model']}"
+        ]
+    else:  # only the features and embed parts, which describe their own work
+        parts = [f"batchllm bench: model {config['model']}"]
     engine = result.get("engine")
     if engine:
         limits = engine["limits"]
@@ -170,6 +304,12 @@ def summary_text(result: dict[str, Any]) -> str:
             "checkpoints; all: also tokenization (vLLM tokenizes text prompts itself) "
             "and the context-sizing pass (skipped with --max-model-len)"
         )
+    if result.get("features"):
+        parts.append("")
+        parts.append(features_text(result["features"]))
+    if result.get("embed"):
+        parts.append("")
+        parts.append(embed_text(result["embed"]))
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")
@@ -187,10 +327,10 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
 
     panels = [
         p
-        for p in ("contenders", "prefix", "overhead")
+        for p in ("contenders", "prefix", "overhead", "features", "embed")
         if result.get(p) and (p != "contenders" or result[p])
     ]
-    widths = [3 if p == "contenders" else 1.4 for p in panels]
+    widths = [{"contenders": 3, "features": 2.2}.get(p, 1.4) for p in panels]
     fig, axes = plt.subplots(
         1,
         len(panels),
@@ -199,15 +339,26 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
         squeeze=False,
     )
     for ax, panel in zip(axes[0], panels):
-        {"contenders": _throughput_panel, "prefix": _prefix_panel, "overhead": _overhead_panel}[
-            panel
-        ](ax, result)
+        {
+            "contenders": _throughput_panel,
+            "prefix": _prefix_panel,
+            "overhead": _overhead_panel,
+            "features": _features_panel,
+            "embed": _embed_panel,
+        }[panel](ax, result)
     config = result["config"]
-    engine = result.get("engine") or {}
+    engine = (
+        result.get("engine")
+        or (result.get("features") or {}).get("engine")
+        or (result.get("embed") or {}).get("engine")
+        or {}
+    )
+    machine = f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}"
     fig.suptitle(
         f"batchllm bench: {config['requests']:,} requests, outputs "
-        f"{config['output_tokens'][0]}-{config['output_tokens'][1]} tokens, "
-        f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}",
+        f"{config['output_tokens'][0]}-{config['output_tokens'][1]} tokens, {machine}"
+        if _ran_workload(result)
+        else f"batchllm bench: {machine}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -300,3 +451,56 @@ def _overhead_panel(ax, result: dict[str, Any]) -> None:
     twin.set_ylabel("peak RSS, MiB", color="tab:red")
     twin.set_ylim(bottom=0)
     ax.set_title("overhead and memory", fontsize=9)
+
+
+def _features_panel(ax, result: dict[str, Any]) -> None:
+    jobs = list(result["features"]["jobs"].values())
+    y = range(len(jobs))
+    ax.barh(
+        [i - 0.2 for i in y],
+        [j["requests_ratio_to_plain"] for j in jobs],
+        height=0.4,
+        color="tab:green",
+        label="req/s",
+    )
+    ax.barh(
+        [i + 0.2 for i in y],
+        [j["tokens_ratio_to_plain"] for j in jobs],
+        height=0.4,
+        color="tab:gray",
+        label="output tok/s",
+    )
+    ax.axvline(1.0, color="black", linewidth=0.6)
+    ax.set_yticks(list(y), [j["label"] for j in jobs], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("vs the plain job")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7)
+    ax.set_title(
+        f"request features; plain rows in a mixed job: "
+        f"{result['features']['plain_rows_vs_control']:.2f}x",
+        fontsize=9,
+    )
+
+
+def _embed_panel(ax, result: dict[str, Any]) -> None:
+    contenders = list(result["embed"]["contenders"].values())
+    medians = [c["requests_per_s"]["median"] for c in contenders]
+    ax.bar(
+        range(len(contenders)),
+        medians,
+        color=[
+            "tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders
+        ],
+        yerr=[
+            [m - c["requests_per_s"]["min"] for m, c in zip(medians, contenders)],
+            [c["requests_per_s"]["max"] - m for m, c in zip(medians, contenders)],
+        ],
+        capsize=3,
+    )
+    ax.set_xticks(
+        list(range(len(contenders))),
+        [c["label"].replace(": ", ":\n") for c in contenders],
+        fontsize=6,
+    )
+    ax.set_ylabel("rows/s")
+    ax.set_title("embeddings", fontsize=9)

@@ -2,8 +2,9 @@
 
 Order matters for honesty: the in-process contenders share one warm engine and take turns
 repeat by repeat (so drift on a busy machine hits all of them alike); the shared engine is
-shut down before the end-to-end contenders start their own; the overhead part runs last, each
-size in its own process.
+shut down before the end-to-end contenders start their own; the features and embed parts then
+each start an engine of their own (other engine settings), one after the other; the overhead
+part runs last, each size in its own process.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from batchllm.bench.processes import EngineLimits
 from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
 
-PARTS = ("engine", "run-batch", "run", "prefix", "overhead")
+PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed")
+# What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
+# engine of its own (compact_json, pooling) and runs minutes of jobs (7 per repeat for
+# features), which would make the default run (~8.5 minutes on 2 cores) about half again as
+# long for figures that do not change with the engine workload's settings.
+DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
 _END_TO_END_VARIANT = 0
@@ -41,12 +47,16 @@ class BenchConfig:
     repeats: int = 3
     process_repeats: int = 1
     batch_sizes: tuple[int, ...] = (32, 64)
-    parts: tuple[str, ...] = PARTS
+    parts: tuple[str, ...] = DEFAULT_PARTS
     prefix_requests: int = 400
     prefix_system_prompts: int = 4
     prefix_system_words: int = 250
     prefix_kv_cache_mib: int | None = None  # None: the shared engine's KV cache
     overhead_lines: tuple[int, ...] = (10_000, 100_000)
+    # The features part: 400 requests x 7 jobs x 3 repeats take about 5 minutes on 2 cores.
+    feature_requests: int = 400
+    feature_max_tokens: int = 64
+    embed_texts: int = 2_000
     seed: int = 0
 
     @property
@@ -124,6 +134,11 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
             )
         )
     result["contenders"] = {key: c.summary() for key, c in contenders.items()}
+    # Each starts (and shuts down) an engine of its own, after the shared one is gone.
+    if "features" in parts:
+        result["features"] = _features(config, model, workdir, say)
+    if "embed" in parts:
+        result["embed"] = _embed(config, model, workdir, say)
     if "overhead" in parts:
         result["overhead"] = _overhead(config, model, workdir, say)
     add_ratios_and_targets(result)
@@ -321,6 +336,39 @@ def _in_process(
                 f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)"
             )
     return {contender.key: contender for contender, _ in order}
+
+
+def _features(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.bench.features import run_features
+
+    return run_features(
+        model=model,
+        requests=config.feature_requests,
+        prompt_words=config.prompt_words,
+        max_tokens=config.feature_max_tokens,
+        repeats=config.repeats,
+        seed=config.seed,
+        settings=bench_settings(workdir / "home"),
+        workdir=workdir / "features",
+        say=say,
+    )
+
+
+def _embed(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.bench.embed import run_embed
+
+    return run_embed(
+        model=model,
+        texts=config.embed_texts,
+        words=config.prompt_words,
+        repeats=config.repeats,
+        seed=config.seed,
+        settings=bench_settings(workdir / "home"),
+        workdir=workdir / "embed",
+        say=say,
+    )
 
 
 def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:

@@ -71,6 +71,15 @@ def main() -> None:
     cli(prog_name="batchllm")
 
 
-from batchllm.cli import admin, bench, doctor, fleet, inspect, run  # noqa: E402  (commands register on `cli`)
+from batchllm.cli import (  # noqa: E402  (commands register on `cli`)
+    admin,
+    bench,
+    doctor,
+    export,
+    fleet,
+    inspect,
+    run,
+    serve,
+)
 
-__all__ = ["admin", "bench", "cli", "doctor", "fleet", "inspect", "main", "run"]
+__all__ = ["admin", "bench", "cli", "doctor", "export", "fleet", "inspect", "main", "run", "serve"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from batchllm.bench.suite import PARTS, BenchConfig
+from batchllm.bench.suite import DEFAULT_PARTS, PARTS, BenchConfig
 from batchllm.bench.workload import OUTPUT_SHAPES
 from batchllm.cli import cli
 
@@ -125,7 +125,7 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     "--parts",
     type=click.Choice(PARTS),
     multiple=True,
-    help="Run only these parts (repeatable) [default: all].",
+    help="Run only these parts (repeatable) [default: all but features and embed].",
 )
 @click.option(
     "--skip", type=click.Choice(PARTS), multiple=True, help="Leave these parts out (repeatable)."
@@ -159,6 +159,27 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     show_default=True,
     help="File sizes for the overhead part, e.g. 100000,1000000.",
 )
+@click.option(
+    "--feature-requests",
+    type=click.IntRange(min=2),
+    default=BenchConfig.feature_requests,
+    show_default=True,
+    help="Requests in each job of the features part.",
+)
+@click.option(
+    "--feature-max-tokens",
+    type=click.IntRange(min=1),
+    default=BenchConfig.feature_max_tokens,
+    show_default=True,
+    help="max_tokens of every request of the features part.",
+)
+@click.option(
+    "--embed-texts",
+    type=click.IntRange(min=1),
+    default=BenchConfig.embed_texts,
+    show_default=True,
+    help="Texts the embed part embeds per contender.",
+)
 @click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
 def bench(
     output: Path,
@@ -176,6 +197,9 @@ def bench(
     prefix_system_prompts: int,
     prefix_kv_cache_mib: int | None,
     overhead_lines: tuple[int, ...],
+    feature_requests: int,
+    feature_max_tokens: int,
+    embed_texts: int,
     seed: int,
 ) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
@@ -184,15 +208,16 @@ def bench(
     \b
     Parts: engine (in-process contenders on one shared engine), run-batch and run (end to
     end, each its own process), prefix (prefix grouping on/off), overhead (everything but
-    generation, on an instant engine). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on
-    CPU machines.
+    generation, on an instant engine); opt-in with --parts: features (plain, JSON schema,
+    choice, logprobs, n=4 and a mixed job on one engine) and embed (embedding jobs against
+    raw LLM.embed). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
     from batchllm.bench.suite import BenchConfig, run_bench, write_results
 
     # vLLM's INFO lines would bury the progress lines; set VLLM_LOGGING_LEVEL to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    chosen = tuple(p for p in (parts or PARTS) if p not in skip)
+    chosen = tuple(p for p in (parts or DEFAULT_PARTS) if p not in skip)
     if not chosen:
         raise click.BadParameter("every part is skipped", param_hint="--skip")
     config = BenchConfig(
@@ -210,6 +235,9 @@ def bench(
         prefix_system_prompts=prefix_system_prompts,
         prefix_kv_cache_mib=prefix_kv_cache_mib,
         overhead_lines=overhead_lines,
+        feature_requests=feature_requests,
+        feature_max_tokens=feature_max_tokens,
+        embed_texts=embed_texts,
         seed=seed,
     )
     result = run_bench(config, say=lambda line: click.echo(line, err=True))

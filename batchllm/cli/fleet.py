@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -142,6 +143,8 @@ def worker(
     names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
     if not names:
         raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    # The models this worker announces to `batchllm serve` (GET /v1/models); children inherit.
+    os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps(list(models))
     if max_lora_rank is not None:  # read by this process's settings and its children's
         os.environ["BATCHLLM_MIN_LORA_RANK"] = str(max_lora_rank)
     if concurrency > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select, update
@@ -43,6 +44,7 @@ def create_job(
     strict: bool = False,
     settings: Settings | None = None,
     local_run: bool = False,
+    expires_at: datetime | None = None,
 ) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
@@ -68,6 +70,7 @@ def create_job(
                 output_dir=storage.display(storage.output_dir(job_id)),
                 max_model_len=spec.engine.max_model_len,
                 local_run=local_run,
+                expires_at=expires_at,
             )
         )
     try:
@@ -159,6 +162,32 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
         update(Job).where(Job.id == job_id, Job.max_model_len.is_(None)).values(max_model_len=value)
     )
     return int(session.scalar(select(Job.max_model_len).where(Job.id == job_id)) or value)
+
+
+def record_refused_job(
+    source: str, spec: JobSpec, error: str, *, settings: Settings | None = None
+) -> str:
+    """A job that fails before any row is stored (e.g. a Batch API file naming several
+    models): recorded `failed` with the reason, so it can be looked up like any other."""
+    settings = settings or get_settings()
+    storage = Storage(settings.resolved_storage)
+    job_id = new_job_id()
+    with session_scope(settings) as session:
+        session.add(
+            Job(
+                id=job_id,
+                status=JobStatus.FAILED,
+                model=spec.model,
+                spec=spec.model_dump(mode="json"),
+                job_metadata=dict(spec.metadata),
+                input_file=source,
+                storage_root=settings.resolved_storage,
+                output_dir=storage.display(storage.output_dir(job_id)),
+                error=error,
+                finished_at=utcnow(),
+            )
+        )
+    return job_id
 
 
 def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = None) -> Job:

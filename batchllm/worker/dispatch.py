@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy import select
@@ -25,17 +27,28 @@ def submit_job(
     shard_size: int | None = None,
     strict: bool = False,
     settings: Settings | None = None,
+    expires_at: datetime | None = None,
+    before_dispatch: Callable[[str], None] | None = None,
 ) -> Job:
     """Create the job and its shards, then enqueue one task per shard on the model's queue.
 
     Tasks go out only after the database commit, so a worker never sees a shard that is not
     there yet. If the broker cannot be reached, the job is marked failed and the error says so.
+    `expires_at` ends the job `expired` when it passes; `before_dispatch(job_id)` runs between
+    the commit and the first task (the Batch API records its batch there).
     """
     settings = settings or get_settings()
     created = service.create_job(
-        source, spec, shard_size=shard_size or settings.shard_size, strict=strict, settings=settings
+        source,
+        spec,
+        shard_size=shard_size or settings.shard_size,
+        strict=strict,
+        settings=settings,
+        expires_at=expires_at,
     )
     job_id = created.job.id
+    if before_dispatch is not None:
+        before_dispatch(job_id)
     with session_scope(settings) as session:
         shard_ids = list(
             session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))

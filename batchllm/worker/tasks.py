@@ -9,6 +9,8 @@ from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from batchllm.settings import get_settings
+from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache
@@ -38,6 +40,30 @@ def _start_reconciler(sender=None, **_kwargs) -> None:
     threading.Thread(
         target=reconcile_forever, args=(_send_shard, _stop), name="batchllm-reconciler", daemon=True
     ).start()
+
+
+@worker_ready.connect
+def _start_registration(sender=None, **_kwargs) -> None:
+    """Announce this worker's models (GET /v1/models of `batchllm serve` lists them)."""
+    models = registry.worker_models()
+    if not models:
+        return
+    node = getattr(sender, "hostname", None) or "worker"
+    threading.Thread(
+        target=_register_forever, args=(node, models), name="batchllm-registry", daemon=True
+    ).start()
+
+
+def _register_forever(node: str, models: list[str]) -> None:
+    settings = get_settings()
+    period = min(settings.reconcile_seconds, 30.0)
+    while True:
+        try:
+            registry.register(settings.broker_url, node, models, ttl_seconds=int(3 * period) + 1)
+        except Exception as exc:  # the broker is down: the reconciler says so too
+            log.debug("could not register this worker's models: %s", exc)
+        if _stop.wait(period):
+            return
 
 
 def _send_shard(shard_id: int, queue: str) -> None:

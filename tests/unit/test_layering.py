@@ -1,4 +1,4 @@
-"""The package's layers import only downwards: cli -> bench -> worker -> engine -> jobs."""
+"""The package's layers import only downwards: cli -> api -> bench -> worker -> engine -> jobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import batchllm
 
-LAYERS = ["cli", "bench", "worker", "engine", "jobs"]  # each may import the ones after it
+LAYERS = ["cli", "api", "bench", "worker", "engine", "jobs"]  # each may import the ones after it
 PACKAGE = Path(batchllm.__file__).parent
 
 

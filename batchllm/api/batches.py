@@ -1,0 +1,201 @@
+"""Creating a batch: the file is checked for what the Batch API requires of a whole batch (one
+model, every line for the batch's endpoint), then submitted as a job; its output and error
+files are written once it ends."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from batchllm.jobs import service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.lines import iter_lines
+from batchllm.jobs.models import Batch, Job, StoredFile, utcnow
+from batchllm.jobs.schemas import EngineOptions, JobSpec
+from batchllm.jobs.storage import Storage
+from batchllm.settings import Settings
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+_WINDOW = re.compile(r"^(\d+)([hms])$")
+_UNITS = {"h": 3600, "m": 60, "s": 1}
+_MAX_LISTED = 100  # batch-level validation errors listed, as lines
+
+
+def window_seconds(window: str) -> int | None:
+    """'24h', '1h', '30m' or '90s' in seconds; None when it is not such a window."""
+    match = _WINDOW.match(window)
+    if not match or int(match[1]) == 0:
+        return None
+    return int(match[1]) * _UNITS[match[2]]
+
+
+def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[set[str], list[dict]]:
+    """The models the file's lines name, and batch-level errors (OpenAI's BatchError shape):
+    lines for another endpoint. Lines that do not parse are left to per-line validation,
+    which turns them into error lines of the batch's error file."""
+    models: set[str] = set()
+    errors: list[dict[str, Any]] = []
+    with open(path, "rb") as handle:
+        for line in iter_lines(handle, max_line_bytes):
+            if line.raw is None:
+                continue
+            try:
+                obj = json.loads(line.raw)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            url = obj.get("url")
+            if url is not None and url != endpoint and len(errors) < _MAX_LISTED:
+                errors.append(
+                    {
+                        "code": "invalid_url",
+                        "message": f"the line's url {url!r} is not the batch's endpoint "
+                        f"{endpoint!r}",
+                        "param": "url",
+                        "line": line.number,
+                    }
+                )
+            body = obj.get("body")
+            model = body.get("model") if isinstance(body, dict) else None
+            if isinstance(model, str) and model:
+                models.add(model)
+    return models, errors
+
+
+def mixed_model_errors(path: str, models: set[str], max_line_bytes: int) -> list[dict]:
+    """The lines naming another model than the first one the file names."""
+    first: str | None = None
+    errors: list[dict[str, Any]] = []
+    with open(path, "rb") as handle:
+        for line in iter_lines(handle, max_line_bytes):
+            if line.raw is None:
+                continue
+            try:
+                obj = json.loads(line.raw)
+            except ValueError:
+                continue
+            body = obj.get("body") if isinstance(obj, dict) else None
+            model = body.get("model") if isinstance(body, dict) else None
+            if not isinstance(model, str) or not model:
+                continue
+            if first is None:
+                first = model
+            elif model != first and len(errors) < _MAX_LISTED:
+                errors.append(
+                    {
+                        "code": "model_mismatch",
+                        "message": f"the line names model {model!r}; this batch's lines name "
+                        f"{first!r} (one model per batch)",
+                        "param": "body.model",
+                        "line": line.number,
+                    }
+                )
+    return errors
+
+
+def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:
+    if endpoint == "/v1/embeddings":
+        return JobSpec(model=model, metadata=metadata, engine=EngineOptions(task="embed"))
+    return JobSpec(model=model, metadata=metadata)
+
+
+def record_batch(
+    settings: Settings,
+    job_id: str,
+    *,
+    owner: str,
+    endpoint: str,
+    window: str,
+    input_file_id: str,
+    errors: list[dict[str, Any]] | None = None,
+) -> None:
+    with session_scope(settings) as session:
+        session.add(
+            Batch(
+                job_id=job_id,
+                owner=owner,
+                endpoint=endpoint,
+                completion_window=window,
+                input_file_id=input_file_id,
+                errors=errors,
+            )
+        )
+
+
+def expiry(window: str) -> datetime:
+    seconds = window_seconds(window)
+    assert seconds is not None
+    return utcnow() + timedelta(seconds=seconds)
+
+
+def refuse_batch(
+    settings: Settings,
+    file: StoredFile,
+    model: str,
+    endpoint: str,
+    metadata: dict[str, str],
+    errors: list[dict[str, Any]],
+    *,
+    owner: str,
+    window: str,
+) -> str:
+    """Record a batch that failed validation as a whole (status failed, its errors listed)."""
+    summary = (
+        f"{len(errors)} line(s) failed batch validation, e.g. line {errors[0]['line']}: "
+        + (errors[0]["message"])
+    )
+    job_id = service.record_refused_job(
+        file.path, spec_for(model, endpoint, metadata), summary, settings=settings
+    )
+    record_batch(
+        settings,
+        job_id,
+        owner=owner,
+        endpoint=endpoint,
+        window=window,
+        input_file_id=file.id,
+        errors=errors,
+    )
+    return job_id
+
+
+def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str, str]:
+    """Export an ended batch's output and error files (once: the ids are derived from the
+    batch id, so a second caller finds them) and record them as files of its owner."""
+    from batchllm.jobs.openai_files import export_openai
+
+    storage = Storage(settings.resolved_storage)
+    directory = Path(storage.root) / "files" / f"{job.id}-results"
+    counts = export_openai(job, directory)
+    made = []
+    for kind, name in (("output", "output.jsonl"), ("errors", "errors.jsonl")):
+        path = directory / name
+        file_id = f"file-{job.id.removeprefix('job_')}-{kind}"
+        made.append(
+            StoredFile(
+                id=file_id,
+                owner=batch.owner,
+                filename=f"{job.id}_{name}",
+                purpose="batch_output",
+                bytes=path.stat().st_size,
+                lines=_count_lines(path),
+                path=str(path),
+            )
+        )
+    del counts
+    with session_scope(settings) as session:
+        for row in made:
+            session.merge(row)
+        stored = session.get(Batch, job.id)
+        if stored is not None:
+            stored.output_file_id, stored.error_file_id = made[0].id, made[1].id
+    return made[0].id, made[1].id
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as handle:
+        return sum(1 for _ in handle)

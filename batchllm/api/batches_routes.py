@@ -1,0 +1,201 @@
+"""/v1/batches: create, retrieve, list (cursor pages), cancel; and /v1/models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select
+
+from batchllm.api import batches
+from batchllm.api.auth import current_owner
+from batchllm.api.errors import ApiError, not_found
+from batchllm.api.objects import batch_object, page
+from batchllm.errors import BatchLLMError, JobStateError
+from batchllm.jobs import files, service
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Batch
+from batchllm.worker.dispatch import submit_job
+from batchllm.worker.registry import served_models
+
+router = APIRouter()
+_MAX_METADATA = 16
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # newer SDK fields (e.g. output_expires_after)
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def _check_request(body: CreateBatch) -> dict[str, str]:
+    if body.endpoint not in batches.ENDPOINTS:
+        raise ApiError(
+            400,
+            f"endpoint {body.endpoint!r}: one of {', '.join(batches.ENDPOINTS)}",
+            param="endpoint",
+            code="invalid_value",
+        )
+    if batches.window_seconds(body.completion_window) is None:
+        raise ApiError(
+            400,
+            f"completion_window {body.completion_window!r}: e.g. 24h, 1h, 30m",
+            param="completion_window",
+            code="invalid_value",
+        )
+    metadata = body.metadata or {}
+    if len(metadata) > _MAX_METADATA or any(
+        len(k) > 64 or len(v) > 512 for k, v in metadata.items()
+    ):
+        raise ApiError(
+            400,
+            "metadata: at most 16 pairs, keys up to 64 and values up to 512 characters",
+            param="metadata",
+            code="invalid_value",
+        )
+    return metadata
+
+
+@router.post("/v1/batches")
+def create_batch(
+    request: Request, body: CreateBatch, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    settings = request.app.state.settings
+    metadata = _check_request(body)
+    with session_scope(settings) as session:
+        stored = files.get_file(session, owner, body.input_file_id)
+        if stored is None:
+            raise not_found("file", body.input_file_id)
+        session.expunge(stored)
+    models, errors = batches.scan_batch_file(stored.path, body.endpoint, settings.max_line_bytes)
+    if not models:
+        raise ApiError(
+            400,
+            "no line of the file names a model (body.model)",
+            param="input_file_id",
+            code="missing_model",
+        )
+    if len(models) > 1:
+        errors += batches.mixed_model_errors(stored.path, models, settings.max_line_bytes)
+    model = sorted(models)[0] if len(models) > 1 else next(iter(models))
+    if errors:
+        job_id = batches.refuse_batch(
+            settings,
+            stored,
+            model,
+            body.endpoint,
+            metadata,
+            errors,
+            owner=owner,
+            window=body.completion_window,
+        )
+        return _render(settings, owner, job_id)
+    if request.app.state.require_served_model and model not in served_models(settings.broker_url):
+        raise ApiError(
+            400,
+            f"no worker serves model {model!r} (start one: batchllm worker --model {model})",
+            param="body.model",
+            code="model_not_found",
+        )
+
+    def record(job_id: str) -> None:
+        batches.record_batch(
+            settings,
+            job_id,
+            owner=owner,
+            endpoint=body.endpoint,
+            window=body.completion_window,
+            input_file_id=stored.id,
+        )
+
+    try:
+        job = submit_job(
+            stored.path,
+            batches.spec_for(model, body.endpoint, metadata),
+            settings=settings,
+            expires_at=batches.expiry(body.completion_window),
+            before_dispatch=record,
+        )
+    except BatchLLMError as exc:
+        raise ApiError(503, str(exc), code="service_unavailable") from None
+    return _render(settings, owner, job.id)
+
+
+def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
+    with session_scope(settings) as session:
+        batch = session.get(Batch, job_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", job_id)
+        job = batch.job
+        if job.status.is_final and batch.output_file_id is None and job.request_total:
+            session.expunge_all()
+            batches.write_result_files(settings, batch, job)
+            return _render(settings, owner, job_id)
+        return batch_object(batch, job)
+
+
+@router.get("/v1/batches/{batch_id}")
+def retrieve_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    return _render(request.app.state.settings, owner, batch_id)
+
+
+@router.get("/v1/batches")
+def list_batches(
+    request: Request,
+    limit: int = 20,
+    after: str | None = None,
+    owner: str = Depends(current_owner),
+) -> dict[str, Any]:
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit: 1 to 100", param="limit", code="invalid_value")
+    with session_scope(request.app.state.settings) as session:
+        query = (
+            select(Batch)
+            .where(Batch.owner == owner)
+            .order_by(Batch.created_at.desc(), Batch.job_id.desc())
+        )
+        if after is not None:
+            cursor = session.get(Batch, after)
+            if cursor is None or cursor.owner != owner:
+                raise not_found("batch", after)
+            query = query.where(
+                (Batch.created_at < cursor.created_at)
+                | ((Batch.created_at == cursor.created_at) & (Batch.job_id < cursor.job_id))
+            )
+        rows = list(session.scalars(query.limit(limit + 1)))
+        data = [batch_object(b, b.job) for b in rows[:limit]]
+        return page(data, has_more=len(rows) > limit)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+def cancel_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", batch_id)
+        try:
+            service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
+        except JobStateError as exc:
+            raise ApiError(409, str(exc), code="batch_not_cancellable") from None
+    return _render(settings, owner, batch_id)
+
+
+@router.get("/v1/models")
+def list_models(request: Request, owner: str = Depends(current_owner)) -> dict[str, Any]:
+    served = served_models(request.app.state.settings.broker_url)
+    return {
+        "object": "list",
+        "data": [
+            {"id": model, "object": "model", "created": 0, "owned_by": "batchllm"}
+            for model in sorted(served)
+        ],
+    }

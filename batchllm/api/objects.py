@@ -1,0 +1,82 @@
+"""Database rows as the OpenAI objects the `openai` SDK parses: FileObject and Batch."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from batchllm.jobs.models import Batch, Job, StoredFile
+from batchllm.jobs.states import JobStatus
+
+# batchllm's `queued` (validated, waiting for a worker) is in progress to an API client.
+_STATUS = {JobStatus.QUEUED: "in_progress"}
+
+
+def epoch(moment: datetime | None) -> int | None:
+    if moment is None:
+        return None
+    aware = moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return int(aware.timestamp())
+
+
+def file_object(row: StoredFile) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "object": "file",
+        "bytes": row.bytes,
+        "created_at": epoch(row.created_at),
+        "filename": row.filename,
+        "purpose": row.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
+
+def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
+    status = job.status
+    ended = epoch(job.finished_at)
+    return {
+        "id": job.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "model": job.model,
+        "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": _STATUS.get(status, status.value),
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": epoch(batch.created_at),
+        "in_progress_at": epoch(job.started_at),
+        "expires_at": epoch(job.expires_at),
+        "finalizing_at": None,
+        "completed_at": ended if status is JobStatus.COMPLETED else None,
+        "failed_at": ended if status is JobStatus.FAILED else None,
+        "expired_at": ended if status is JobStatus.EXPIRED else None,
+        "cancelling_at": None,
+        "cancelled_at": ended if status is JobStatus.CANCELLED else None,
+        "request_counts": {
+            "total": job.request_total,
+            "completed": job.request_completed,
+            "failed": job.request_failed,
+        },
+        "metadata": job.job_metadata or None,
+        "usage": {
+            "input_tokens": job.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": job.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+        },
+    }
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }

@@ -1,0 +1,460 @@
+"""Request features measured: the same prompts as a plain job, a JSON-schema job, a choice job,
+a top-5 logprobs job and an n=4 job, one after another on one shared engine, and a mixed job
+whose plain rows are timed against a control.
+
+Every job goes through the real `run_job` (validation, the continuous feed, Parquet, database
+checkpoints), like the engine part's batchllm contender. Every job asks for the same max_tokens;
+plain, logprobs and n=4 rows run to it (`ignore_eos`), while JSON and choice rows stop when
+their grammar is done (by construction, a few tokens), so the jobs are compared on requests/s
+as well as output tokens/s. The engine is built with `compact_json` (the random-weight demo
+model otherwise fills max_tokens with whitespace inside the JSON) and without prefix caching:
+every job runs literally the same prompts, and none may find another's in the cache.
+
+"Constrained rows must not slow the unconstrained rows of the same job" is measured with two
+jobs that differ only in what the constraints and logprobs add: the mixed job interleaves plain
+rows (even lines) with JSON, choice and top-5 logprobs rows (odd lines); the control job runs
+the same prompts with the same plain even lines, and odd lines that are plain too but generate
+exactly the tokens their mixed counterpart generated (`ignore_eos`, max_tokens = that count).
+Both jobs then keep the engine equally busy step by step, so the plain rows' finish times
+differ only by the features' own cost (grammar bitmasks, logprobs, their bookkeeping). Compared
+with the all-plain job instead, the mixed job's early-stopping JSON and choice rows would lighten
+the engine and flatter the plain rows; compared with a job of the plain rows alone, the mixed
+job's extra rows would slow them for reasons that are not the features'.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from batchllm.bench.figures import BenchFailed, Contender, Run
+from batchllm.bench.memory import PeakRss
+from batchllm.bench.workload import TEMPERATURE, Request, Workload, iter_requests
+from batchllm.engine.prompts import Prepared
+from batchllm.engine.protocol import Adapter, Engine, Finished
+from batchllm.jobs.models import Job
+from batchllm.jobs.rows import InputRow
+from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.settings import Settings
+from batchllm.worker.engines import EngineCache
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "sentiment": {"enum": ["positive", "negative", "neutral"]},
+        "sarcastic": {"type": "boolean"},
+    },
+    "required": ["sentiment", "sarcastic"],
+    "additionalProperties": False,
+}
+CHOICES = ["positive", "negative", "neutral"]
+TOP_LOGPROBS = 5
+SAMPLES = 4
+_RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+
+JOBS = {
+    "plain": "plain (unconstrained)",
+    "json": "JSON schema (enum + boolean)",
+    "choice": f"choice of {len(CHOICES)} labels",
+    "logprobs": f"top-{TOP_LOGPROBS} logprobs",
+    "n4": f"n={SAMPLES} samples",
+    "mixed": "mixed: half plain, half json/choice/logprobs",
+}
+# The kinds of the mixed job's odd lines, in turn.
+_MIXED = ("json", "choice", "logprobs")
+HALVES = {
+    "mixed": "mixed job: its plain rows",
+    "control": "control job: the same rows",
+    "plain": "plain job: the same rows",
+}
+_WARMUP_ROWS = 40
+Say = Callable[[str], None]
+
+
+def line_fields(kind: str, max_tokens: int) -> dict[str, Any]:
+    """What a line of this kind asks for beside its messages and temperature."""
+    full: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True}
+    kinds: dict[str, dict[str, Any]] = {
+        "plain": full,
+        # No ignore_eos: it would let the row run on, unconstrained, past the grammar's end.
+        "json": {"max_tokens": max_tokens, "response_format": _RESPONSE_FORMAT},
+        "choice": {"max_tokens": max_tokens, "choice": CHOICES},
+        "logprobs": {**full, "logprobs": True, "top_logprobs": TOP_LOGPROBS},
+        "n4": {**full, "n": SAMPLES},
+    }
+    return kinds[kind]
+
+
+def mixed_kind(index: int) -> str:
+    """The kind of the mixed job's line `index` (0-based): plain on even lines."""
+    return "plain" if index % 2 == 0 else _MIXED[(index // 2) % len(_MIXED)]
+
+
+def write_lines(path: Path, requests: list[Request], fields: Callable[[int], dict]) -> Path:
+    """batchllm's chat lines, one per request, with `fields(index)` on each."""
+    with path.open("w") as out:
+        for i, request in enumerate(requests):
+            line = {
+                "custom_id": request.custom_id,
+                "messages": request.messages,
+                "temperature": TEMPERATURE,
+                **fields(i),
+            }
+            out.write(json.dumps(line) + "\n")
+    return path
+
+
+# -- timing each request of a job ----------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """Per engine request: when the runner added it and its prompt ids (which tell its line),
+    and when it finished with how many generated tokens."""
+
+    added: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
+    finished: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+
+class _TimedEngine:
+    """The shared engine as the runner sees it, noting each request's add and finish on the
+    timeline: a clock read and a dict write per request, for every job of this part alike."""
+
+    def __init__(self, engine: Engine, timeline: Timeline) -> None:
+        self._engine = engine
+        self._timeline = timeline
+        self.version = engine.version
+        self.hardware = engine.hardware
+        self.max_num_seqs = engine.max_num_seqs
+
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
+        return self._engine.prepare(rows, chat_template)
+
+    def sampling_params(self, merged: dict[str, Any]) -> Any:
+        return self._engine.sampling_params(merged)
+
+    def add(
+        self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
+    ) -> None:
+        self._engine.add(request_id, token_ids, params, adapter)
+        self._timeline.added[request_id] = (time.perf_counter(), token_ids)
+
+    def step(self) -> list[Finished]:
+        finished = self._engine.step()
+        now = time.perf_counter()
+        for out in finished:
+            self._timeline.finished[out.request_id] = (now, out.generated_tokens)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished()
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._engine.abort(request_ids)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+class _TimedEngines:
+    """An EngineSource over one warm engine whose requests land on `timeline` (set per job)."""
+
+    def __init__(self) -> None:
+        self.cache = EngineCache()
+        self.timeline = Timeline()
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.cache.engine
+
+    def get(self, spec: JobSpec, max_model_len: int) -> Engine:
+        return _TimedEngine(self.cache.get(spec, max_model_len), self.timeline)
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+@dataclass
+class _Done:
+    run: Run
+    job: Job
+    timeline: Timeline
+    rows: dict[str, dict[str, Any]]  # custom_id -> output row
+
+
+def _run_job(engines: _TimedEngines, spec: JobSpec, source: Path, settings: Settings) -> _Done:
+    """The whole `run_job`, timed like the engine part's batchllm contender: from the end of
+    validation and storage to the finished job. Error rows would make the figures meaningless."""
+    from batchllm.jobs.models import JobStatus
+    from batchllm.jobs.output import read_output
+    from batchllm.jobs.storage import Storage
+    from batchllm.worker.local import run_job
+
+    engines.timeline = timeline = Timeline()
+    stored_at: list[float] = []
+    with PeakRss() as memory:
+        job = run_job(
+            source,
+            spec,
+            settings=settings,
+            engines=engines,
+            on_created=lambda _job: stored_at.append(time.perf_counter()),
+        )
+        ended = time.perf_counter()
+    if job.status is not JobStatus.COMPLETED or job.request_failed:
+        raise BenchFailed(
+            f"bench job {job.id} ended {job.status.value} with {job.request_failed} error "
+            f"rows: {job.error or 'see its output'}"
+        )
+    table = read_output(Storage(settings.resolved_storage), job.output_dir)
+    run = Run(
+        seconds=ended - stored_at[0],
+        requests=job.request_completed,
+        prompt_tokens=job.prompt_tokens,
+        output_tokens=job.completion_tokens,
+        peak_rss=memory.peak,
+        extra={
+            "job_id": job.id,
+            "structured_rows": job.structured_rows,
+            "structured_valid": job.structured_valid,
+        },
+    )
+    return _Done(run, job, timeline, {r["custom_id"]: r for r in table.to_pylist()})
+
+
+def plain_half(done: _Done, lines: dict[tuple[int, ...], int]) -> Run:
+    """The even lines' requests of a job as a run of their own: from the job's first request
+    reaching the engine until the last of them finished (`lines`: prompt ids -> line index)."""
+    start = min(added for added, _ in done.timeline.added.values())
+    ends, latencies, prompt_tokens, output_tokens = [], [], 0, 0
+    for request_id, (added, ids) in done.timeline.added.items():
+        if lines[tuple(ids)] % 2:
+            continue
+        finished, generated = done.timeline.finished[request_id]
+        ends.append(finished)
+        latencies.append(finished - added)
+        prompt_tokens += len(ids)
+        output_tokens += generated
+    return Run(
+        seconds=max(ends) - start,
+        requests=len(ends),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        peak_rss=done.run.peak_rss,
+        extra={"median_latency_seconds": statistics.median(latencies)},
+    )
+
+
+def _check(kind: str, done: _Done) -> None:
+    """Fail loudly when a job did not get its feature: its figures would be the plain job's."""
+    rows = list(done.rows.values())
+    if kind in ("json", "choice") and done.job.structured_rows != len(rows):
+        raise BenchFailed(f"{kind} job {done.job.id}: not every row ran constrained")
+    if kind == "logprobs" and not all(
+        r["logprobs"] and all(len(t["top_logprobs"]) == TOP_LOGPROBS for t in r["logprobs"])
+        for r in rows
+    ):
+        raise BenchFailed(f"logprobs job {done.job.id}: rows without {TOP_LOGPROBS} alternatives")
+    if kind == "n4" and not all(r["choices"] and len(r["choices"]) == SAMPLES for r in rows):
+        raise BenchFailed(f"n={SAMPLES} job {done.job.id}: rows without {SAMPLES} samples")
+
+
+def run_features(
+    *,
+    model: str,
+    requests: int,
+    prompt_words: tuple[int, int],
+    max_tokens: int,
+    repeats: int,
+    seed: int,
+    settings: Settings,
+    workdir: Path,
+    say: Say,
+) -> dict[str, Any]:
+    """Every job of this part on one engine started here; the part's figures for bench.json."""
+    from batchllm.bench.contenders import kv_cache_tokens
+    from batchllm.engine.sizing import size_max_model_len
+
+    workload = Workload(
+        requests=requests,
+        prompt_words=prompt_words,
+        output_tokens=(max_tokens, max_tokens),
+        seed=seed + 2,
+    )
+    prompts = list(iter_requests(workload, 0))
+    rows = [r.row(line) for line, r in enumerate(prompts, start=1)]
+    say("[features] sizing the context")
+    max_model_len = size_max_model_len(model, rows, SamplingDefaults(max_tokens=max_tokens))
+    spec = JobSpec(
+        model=model,
+        sampling=SamplingDefaults(max_tokens=max_tokens, temperature=TEMPERATURE),
+        engine=EngineOptions(
+            max_model_len=max_model_len,
+            compact_json=True,
+            enable_prefix_caching=False,
+            # Rows fed in file order: the mixed and control jobs then queue their plain rows
+            # at the same places (prefix grouping would order the two files differently;
+            # these prompts share no prefix for it to gain on anyway).
+            group_prefixes=False,
+        ),
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    engines = _TimedEngines()
+    say(f"[features] starting the vLLM engine (compact_json, max_model_len {max_model_len})")
+    started = time.perf_counter()
+    engine = engines.cache.get(spec, max_model_len)
+    scheduler = engine.engine.vllm_config.scheduler_config
+    info = {
+        "version": engine.version,
+        "hardware": engine.hardware,
+        "start_seconds": time.perf_counter() - started,
+        "max_model_len": max_model_len,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "kv_cache_tokens": kv_cache_tokens(engine),
+        "compact_json": True,
+        "prefix_caching": False,
+    }
+    try:
+        # Prompt ids -> line index: which requests are a job's plain (even) lines.
+        lines: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(engine.prepare(rows)):
+            if isinstance(ids, str):
+                raise BenchFailed(f"a feature prompt cannot run: {ids}")
+            lines[tuple(cast(list[int], ids))] = i
+        if len(lines) != len(rows):
+            raise BenchFailed("the feature prompts are not distinct")
+        jobs, halves = _take_turns(
+            prompts, lines, engines, spec, settings, workdir, max_tokens, repeats, say
+        )
+    finally:
+        engines.close()
+    return _figures(workload, max_tokens, info, jobs, halves)
+
+
+def _take_turns(
+    prompts: list[Request],
+    lines: dict[tuple[int, ...], int],
+    engines: _TimedEngines,
+    spec: JobSpec,
+    settings: Settings,
+    workdir: Path,
+    max_tokens: int,
+    repeats: int,
+    say: Say,
+) -> tuple[dict[str, Contender], dict[str, Contender]]:
+    """Each job once per repeat, in turn, so drift on a busy machine hits all alike. A warm-up
+    job first: it compiles the JSON and choice grammars (vLLM keeps them per engine, as a long
+    job pays for them once) and runs every feature's code path once."""
+    say("[features] warming up (one job with every feature)")
+    kinds = ("plain", "json", "choice", "logprobs", "n4")
+    warm = write_lines(
+        workdir / "features-warmup.jsonl",
+        prompts[:_WARMUP_ROWS],
+        lambda i: line_fields(kinds[i % len(kinds)], max_tokens),
+    )
+    _run_job(engines, spec, warm, settings)
+    jobs = {key: Contender(key, label) for key, label in JOBS.items()}
+    halves = {key: Contender(f"{key}_plain_rows", label) for key, label in HALVES.items()}
+    for repeat in range(repeats):
+        for key in JOBS:
+            source = write_lines(
+                workdir / f"features-{key}.jsonl", prompts, _fields_of(key, max_tokens)
+            )
+            done = _run_job(engines, spec, source, settings)
+            _check(key, done)
+            jobs[key].runs.append(done.run)
+            say(
+                f"[features] {JOBS[key]}, repeat {repeat + 1}/{repeats}: "
+                f"{done.run.requests / done.run.seconds:,.1f} req/s, "
+                f"{done.run.output_tokens_per_s:,.0f} output tokens/s ({done.run.seconds:.1f} s)"
+            )
+            if key == "plain":
+                halves["plain"].runs.append(plain_half(done, lines))
+            if key != "mixed":
+                continue
+            halves["mixed"].runs.append(plain_half(done, lines))
+            source = write_lines(
+                workdir / "features-control.jsonl", prompts, _control_of(done, prompts, max_tokens)
+            )
+            halves["control"].runs.append(
+                plain_half(_run_job(engines, spec, source, settings), lines)
+            )
+            mixed, same = halves["mixed"].runs[-1], halves["control"].runs[-1]
+            say(
+                f"[features] plain rows, repeat {repeat + 1}/{repeats}: done in "
+                f"{mixed.seconds:.1f} s in the mixed job, {same.seconds:.1f} s in the control"
+            )
+    return jobs, halves
+
+
+def _fields_of(key: str, max_tokens: int) -> Callable[[int], dict]:
+    """The line fields of job `key`, by line index."""
+    if key == "mixed":
+        return lambda i: line_fields(mixed_kind(i), max_tokens)
+    return lambda _i: line_fields(key, max_tokens)
+
+
+def _control_of(mixed: _Done, prompts: list[Request], max_tokens: int) -> Callable[[int], dict]:
+    """The control job's line fields: the mixed job's load, row by row, without its features
+    (odd lines plain, generating exactly the tokens the mixed job's line generated)."""
+    generated = {custom_id: row["completion_tokens"] for custom_id, row in mixed.rows.items()}
+
+    def fields(i: int) -> dict:
+        if i % 2 == 0:
+            return line_fields("plain", max_tokens)
+        return {"max_tokens": generated[prompts[i].custom_id], "ignore_eos": True}
+
+    return fields
+
+
+def _figures(
+    workload: Workload,
+    max_tokens: int,
+    info: dict[str, Any],
+    jobs: dict[str, Contender],
+    halves: dict[str, Contender],
+) -> dict[str, Any]:
+    summaries = {key: c.summary() for key, c in jobs.items()}
+    plain = summaries["plain"]
+    for key, figures in summaries.items():
+        runs = jobs[key].runs
+        figures["requests_ratio_to_plain"] = (
+            figures["requests_per_s"]["median"] / plain["requests_per_s"]["median"]
+        )
+        figures["tokens_ratio_to_plain"] = (
+            figures["output_tokens_per_s"]["median"] / plain["output_tokens_per_s"]["median"]
+        )
+        figures["output_tokens_per_request"] = figures["output_tokens"] / figures["requests"]
+        constrained = sum(r.extra["structured_rows"] for r in runs)
+        if constrained:
+            figures["structured_rows"] = constrained
+            figures["structured_valid"] = sum(r.extra["structured_valid"] for r in runs)
+    rows = {key: c.summary() for key, c in halves.items()}
+    for figures, contender in zip(rows.values(), halves.values()):
+        figures["median_latency_seconds"] = statistics.median(
+            r.extra["median_latency_seconds"] for r in contender.runs
+        )
+    control = rows["control"]
+    return {
+        "workload": asdict(workload),
+        "max_tokens": max_tokens,
+        "schema": SCHEMA,
+        "choices": CHOICES,
+        "top_logprobs": TOP_LOGPROBS,
+        "samples": SAMPLES,
+        "engine": info,
+        "jobs": summaries,
+        "plain_rows": rows,
+        # The figure the part exists for: the plain rows' speed beside constrained and logprobs
+        # rows, over their speed beside rows of the same load without them (1.0: not slowed).
+        "plain_rows_vs_control": rows["mixed"]["output_tokens_per_s"]["median"]
+        / control["output_tokens_per_s"]["median"],
+        "plain_rows_latency_vs_control": rows["mixed"]["median_latency_seconds"]
+        / control["median_latency_seconds"],
+    }

@@ -1,0 +1,53 @@
+"""`batchllm export`: a finished job's results in another format (OpenAI batch files for now)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from batchllm.cli import cli
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option(
+    "--output",
+    "-o",
+    "out_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    required=True,
+    help="Directory for the files (created if missing).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["openai"]),
+    default="openai",
+    show_default=True,
+    help="openai: output.jsonl and errors.jsonl as the OpenAI Batch API writes them.",
+)
+@click.option("--force", is_flag=True, help="Replace output.jsonl/errors.jsonl already in DIR.")
+def export(job_id: str, out_dir: Path, fmt: str, force: bool) -> None:
+    """Write a finished job's rows as OpenAI batch files: ok rows to output.jsonl, error rows
+    to errors.jsonl, each in input line order (JOB_ID may be a unique prefix). The job must
+    have ended (completed, cancelled or failed).
+
+    \b
+    Example:
+      batchllm export job_3f2a -o results/
+    """
+    from batchllm.jobs import service
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.openai_files import export_openai
+
+    with session_scope() as session:
+        job = service.get_job(session, job_id)
+    try:
+        counts = export_openai(job, out_dir, overwrite=force)
+    except FileExistsError as exc:
+        raise click.ClickException(f"{exc}; pass --force to replace it") from None
+    click.echo(f"{counts.output_path}  {counts.output:,} lines")
+    click.echo(f"{counts.errors_path}  {counts.errors:,} lines")
+    if counts.not_run:
+        click.echo(f"{counts.not_run:,} input lines never ran (job {job.status.value})", err=True)

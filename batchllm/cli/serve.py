@@ -1,0 +1,123 @@
+"""`batchllm serve` (the OpenAI-compatible Batch API) and `batchllm keys` (its API keys)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import click
+
+from batchllm.cli import cli
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option(
+    "--no-auth",
+    is_flag=True,
+    help="Serve without API keys, as one tenant (for a single user on this machine).",
+)
+@click.option(
+    "--require-served-model",
+    is_flag=True,
+    help="Refuse a batch for a model no live worker serves (default: it waits in the queue).",
+)
+@click.option(
+    "--worker",
+    "worker_models",
+    multiple=True,
+    metavar="MODEL",
+    help="Also run `batchllm worker --model MODEL` beside the server (repeatable); needs "
+    "the broker like any worker.",
+)
+def serve(
+    host: str, port: int, no_auth: bool, require_served_model: bool, worker_models: tuple[str, ...]
+) -> None:
+    """Serve the OpenAI Batch API (/v1/files, /v1/batches, /v1/models) over this database,
+    storage and fleet: the official `openai` client works with base_url
+    http://HOST:PORT/v1 and a key from `batchllm keys create`.
+
+    \b
+    Example:
+      batchllm keys create alice
+      batchllm serve --port 8000 --worker ./tiny-model
+    """
+    import uvicorn
+
+    from batchllm.api.app import create_app
+    from batchllm.jobs.db import get_engine
+
+    get_engine()  # refuse an unreachable or old database now, in one line
+    app = create_app(auth=not no_auth, require_served_model=require_served_model)
+    worker = None
+    if worker_models:
+        argv = [sys.executable, "-m", "batchllm", "worker"]
+        for model in worker_models:
+            argv += ["--model", model]
+        worker = subprocess.Popen(argv, env=os.environ.copy())
+        click.echo(f"worker started (pid {worker.pid}) for {', '.join(worker_models)}", err=True)
+    auth = "no API keys (--no-auth)" if no_auth else "API keys required"
+    click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.terminate()  # a warm shutdown: its shard goes back to the queue
+            try:
+                worker.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+
+
+@cli.group()
+def keys() -> None:
+    """API keys of `batchllm serve`: each key sees only its own files and batches."""
+
+
+@keys.command("create")
+@click.argument("name")
+def create_key(name: str) -> None:
+    """Create a key named NAME and print it (once: only its hash is stored)."""
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.keys import create_key as make
+
+    with session_scope() as session:
+        row, key = make(session, name)
+        key_id = row.id
+    click.echo(key)
+    click.echo(f"key {key_id} ({name}) created; it is not shown again", err=True)
+
+
+@keys.command("list")
+def list_keys() -> None:
+    """Keys by id, name, creation and revocation time (never the keys themselves)."""
+    from batchllm.cli.render import table
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.keys import list_keys as rows
+
+    with session_scope() as session:
+        lines = [
+            [
+                r.id,
+                r.name,
+                r.created_at.isoformat(timespec="seconds"),
+                r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-",
+            ]
+            for r in rows(session)
+        ]
+    click.echo(table(["id", "name", "created", "revoked"], lines))
+
+
+@keys.command("revoke")
+@click.argument("key")
+def revoke_key(key: str) -> None:
+    """Revoke the key with this id or name: its requests get 401 from now on."""
+    from batchllm.jobs.db import session_scope
+    from batchllm.jobs.keys import revoke_key as revoke
+
+    with session_scope() as session:
+        row = revoke(session, key)
+        key_id = row.id
+    click.echo(f"key {key_id} revoked")

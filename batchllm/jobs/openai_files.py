@@ -1,0 +1,378 @@
+"""A finished job as OpenAI Batch API files: `output.jsonl` and `errors.jsonl` (`batchllm export`).
+
+One line per output row, in input line order: ok rows go to the output file, error rows to the
+error file, each as OpenAI writes them (`{"id": "batch_req_...", "custom_id", "response",
+"error"}`). The line's endpoint is not stored (an OpenAI line's url is dropped at validation),
+so it follows from the stored row kind: chat -> chat.completion, prompt -> text_completion,
+embed -> an embeddings list. Plain `prompt`/`messages` lines export by their form the same way.
+
+Streaming, one shard at a time: a shard holds a contiguous block of input lines
+(inputs._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
+shard's stored (line, kind) column, give the shard's lines in order. Memory is bounded by one
+shard's output rows as Arrow columns (--shard-size rows, 10,000 by default), whatever the job's
+size; the JSON goes straight to the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import posixpath
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from batchllm.errors import JobStateError
+from batchllm.jobs.models import Job
+from batchllm.jobs.output import OUTPUT_SCHEMA
+from batchllm.jobs.storage import Storage
+
+OUTPUT_NAME = "output.jsonl"
+ERRORS_NAME = "errors.jsonl"
+
+_BATCH_ROWS = 1024  # rows turned into Python objects at a time
+_SHARD_NAME = re.compile(r"shard-(\d+)\.parquet$")
+_PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet$")
+_FIELD_PREFIX = re.compile(r"field '(.+?)': ", re.DOTALL)  # InputRow.from_item's wording
+# OpenAI's stand-in for a log probability too small to report; JSON has no -Infinity, and vLLM
+# gives -inf for tokens a constraint or top-k masked.
+_VERY_UNLIKELY = -9999.0
+
+# The input shard keeps only an invalid line's message, so its OpenAI `code` is read back from
+# the wording of batchllm's reader and pydantic (first match wins; else invalid_value).
+_INVALID_CODES = (
+    ("duplicate custom_id", "duplicate_custom_id"),
+    ("malformed JSON", "invalid_json"),
+    ("not valid UTF-8", "invalid_json"),
+    ("Field required", "missing_required_parameter"),
+    ("Extra inputs are not permitted", "unknown_parameter"),
+)
+# The same for a request that passed validation and failed when run (messages of
+# engine/prompts.py and worker/runner.py); anything else is the engine's fault: server_error.
+_FAILED_CODES = (
+    ("max_model_len", "context_length_exceeded"),
+    ("empty after tokenization", "invalid_prompt"),
+    ("rejected by vLLM", "request_rejected"),
+)
+
+
+@dataclass
+class ExportCounts:
+    output_path: Path
+    errors_path: Path
+    output: int = 0  # lines written to output.jsonl (ok rows)
+    errors: int = 0  # lines written to errors.jsonl (error rows)
+    not_run: int = 0  # input lines without a row: a cancelled or failed job never ran them
+
+
+def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> ExportCounts:
+    """Write the job's rows as OpenAI batch output and error files into `out_dir` (created if
+    missing). JobStateError when the job is not finished or has no output; FileExistsError
+    when either file exists and not `overwrite`. Both files appear only when complete."""
+    if not job.status.is_final:
+        raise JobStateError(
+            f"job {job.id} is {job.status.value}; only a finished job (completed, cancelled "
+            "or failed) can be exported"
+        )
+    storage = Storage(job.storage_root)
+    shards = _shards(storage, job.id)
+    if not shards:
+        raise JobStateError(
+            f"job {job.id} {job.status.value} before it stored any input; it has no output"
+        )
+    counts = ExportCounts(out_dir / OUTPUT_NAME, out_dir / ERRORS_NAME)
+    existing = [p for p in (counts.output_path, counts.errors_path) if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{existing[0]} exists")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Temporary names in the same directory, renamed once complete: a reader (or a crashed
+    # export) never leaves a truncated file under the final name.
+    tmp_output = out_dir / f".{OUTPUT_NAME}.{os.getpid()}.tmp"
+    tmp_errors = out_dir / f".{ERRORS_NAME}.{os.getpid()}.tmp"
+    lines = _LineMaker(job)
+    try:
+        with (
+            tmp_output.open("w", encoding="utf-8") as output,
+            tmp_errors.open("w", encoding="utf-8") as errors,
+        ):
+            for kind, row in _job_rows(storage, shards):
+                if row is None:
+                    counts.not_run += 1
+                elif row["status"] == "ok":
+                    _write(output, lines.ok(kind, row))
+                    counts.output += 1
+                else:
+                    _write(errors, lines.error(kind, row))
+                    counts.errors += 1
+        tmp_output.replace(counts.output_path)
+        tmp_errors.replace(counts.errors_path)
+    finally:
+        tmp_output.unlink(missing_ok=True)
+        tmp_errors.unlink(missing_ok=True)
+    return counts
+
+
+def _write(out: TextIO, line: dict[str, Any]) -> None:
+    out.write(json.dumps(line, ensure_ascii=False, allow_nan=False))
+    out.write("\n")
+
+
+# -- reading rows in line order, a shard at a time -------------------------------------------
+
+
+@dataclass
+class _Shard:
+    input_path: str
+    parts: list[str]
+
+
+def _shards(storage: Storage, job_id: str) -> list[_Shard]:
+    """The job's input shards in order, each with its output part files."""
+    input_dir, out_dir = storage.input_dir(job_id), storage.output_dir(job_id)
+    parts: dict[int, list[str]] = {}
+    for name in storage.listdir(out_dir):
+        match = _PART_NAME.fullmatch(name)
+        if match:
+            parts.setdefault(int(match[1]), []).append(posixpath.join(out_dir, name))
+    shards = []
+    for name in storage.listdir(input_dir):
+        match = _SHARD_NAME.fullmatch(name)
+        if match:
+            index = int(match[1])
+            shards.append((index, _Shard(posixpath.join(input_dir, name), parts.get(index, []))))
+    return [shard for _, shard in sorted(shards, key=lambda item: item[0])]
+
+
+def _job_rows(
+    storage: Storage, shards: list[_Shard]
+) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """(kind, output row or None when the line never ran) per input line, in line order."""
+    for shard in shards:
+        yield from _shard_rows(storage, shard)
+
+
+def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """Merge the shard's input (line, kind), stored in line order, with its rows by line."""
+    rows = _sorted_rows(storage, shard.parts)
+    current = next(rows, None)
+    for line, kind in _input_kinds(storage, shard.input_path):
+        # Skips a second row of one line too: a part file no checkpoint records (its worker
+        # died before the commit) is deleted when a job completes, but may stay in a job that
+        # was cancelled or failed meanwhile; both rows answer the same request.
+        while current is not None and current["line"] < line:
+            current = next(rows, None)
+        if current is not None and current["line"] == line:
+            yield kind, current
+            current = next(rows, None)
+        else:
+            yield kind, None
+
+
+def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str]]:
+    with storage.fs.open_input_file(path) as src:
+        for batch in pq.ParquetFile(src).iter_batches(
+            batch_size=_BATCH_ROWS * 8, columns=["line", "kind"]
+        ):
+            yield from zip(batch.column("line").to_pylist(), batch.column("kind").to_pylist())
+
+
+def _sorted_rows(storage: Storage, parts: list[str]) -> Iterator[dict[str, Any]]:
+    """One shard's output rows by line. Read through the contract's schema, so part files of
+    schema version 1 read with the newer columns null."""
+    if not parts:
+        return
+    table = (
+        ds.dataset(parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")
+        .to_table()
+        .sort_by("line")
+    )
+    for batch in table.to_batches(max_chunksize=_BATCH_ROWS):
+        yield from batch.to_pylist()
+
+
+# -- OpenAI lines ------------------------------------------------------------------------------
+
+
+class _LineMaker:
+    """Builds one job's lines. Ids are derived from the job id and line number, so exporting
+    again gives the same files."""
+
+    def __init__(self, job: Job) -> None:
+        self.job_id, self.model = job.id, job.model
+        self.created = _epoch(job.finished_at or job.created_at)
+
+    def _id(self, prefix: str, line: int) -> str:
+        digest = hashlib.blake2b(f"{self.job_id}/{line}/{prefix}".encode(), digest_size=12)
+        return prefix + digest.hexdigest()
+
+    def _line(self, row: dict[str, Any], response: Any, error: Any) -> dict[str, Any]:
+        return {
+            "id": self._id("batch_req_", row["line"]),
+            "custom_id": row["custom_id"],
+            "response": response,
+            "error": error,
+        }
+
+    def _response(self, row: dict[str, Any], status_code: int, body: Any) -> dict[str, Any]:
+        return {
+            "status_code": status_code,
+            "request_id": self._id("req_", row["line"]),
+            "body": body,
+        }
+
+    def ok(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
+        model = row["adapter"] or self.model  # vLLM's server answers with the LoRA's name
+        if kind == "embed":
+            body = _embedding_body(row, model)
+        else:
+            prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+            body = {
+                "id": self._id(prefix, row["line"]),
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": self.created,
+                "model": model,
+                "choices": _choices(row, chat=kind == "chat"),
+                "usage": _usage(row),
+            }
+        return self._line(row, self._response(row, 200, body), None)
+
+    def error(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
+        message = row["error"] or "the request failed"
+        if kind == "invalid":
+            # Refused at validation: OpenAI answers such a request with HTTP 400.
+            return self._line(row, self._response(row, 400, _invalid_body(message)), None)
+        # Accepted but failed when run: OpenAI's shape for a request that got no response.
+        return self._line(row, None, {"code": _code(message, _FAILED_CODES), "message": message})
+
+
+def _epoch(moment: datetime) -> int:
+    # SQLite hands back naive datetimes; they were stored in UTC (models.utcnow).
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp())
+
+
+def _code(message: str, table: tuple[tuple[str, str], ...], default: str = "server_error") -> str:
+    return next((code for text, code in table if text in message), default)
+
+
+def _invalid_body(stored: str) -> dict[str, Any]:
+    """OpenAI's error body from the stored reason `field 'x': message`. A field of the OpenAI
+    form is stored as `body.x`; OpenAI names the parameter inside the body: `x`."""
+    match = _FIELD_PREFIX.match(stored)
+    param = match[1].removeprefix("body.") if match else None
+    message = stored[match.end() :] if match else stored
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            # The first problem's wording decides, as the param names the first problem.
+            "code": _code(message.split("; ")[0], _INVALID_CODES, default="invalid_value"),
+        }
+    }
+
+
+def _samples(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every sample of a row: the `choices` column when n > 1, else the row itself."""
+    if row["choices"]:
+        return list(row["choices"])
+    return [
+        {
+            "index": 0,
+            "text": row["text"],
+            "finish_reason": row["finish_reason"],
+            "completion_tokens": row["completion_tokens"],
+            "logprobs": row["logprobs"],
+        }
+    ]
+
+
+def _choices(row: dict[str, Any], *, chat: bool) -> list[dict[str, Any]]:
+    choices = []
+    for sample in _samples(row):
+        text, tokens = sample["text"] or "", sample["logprobs"]
+        choice: dict[str, Any] = {"index": sample["index"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = _chat_logprobs(tokens) if tokens is not None else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = _completion_logprobs(tokens) if tokens is not None else None
+        choice["finish_reason"] = sample["finish_reason"]
+        choices.append(choice)
+    return choices
+
+
+def _usage(row: dict[str, Any]) -> dict[str, int]:
+    prompt = row["prompt_tokens"] or 0
+    completion = sum(s["completion_tokens"] or 0 for s in _samples(row))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _logprob(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else _VERY_UNLIKELY
+
+
+def _chat_token(token: str | None, logprob: float | None) -> dict[str, Any]:
+    text = token or ""
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+
+def _chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """Chat form: per generated token its text, log probability, UTF-8 bytes and the top
+    alternatives in the same form."""
+    return {
+        "content": [
+            {
+                **_chat_token(t["token"], t["logprob"]),
+                "top_logprobs": [
+                    _chat_token(a["token"], a["logprob"]) for a in t["top_logprobs"] or []
+                ],
+            }
+            for t in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def _completion_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """Completions form: parallel lists, the alternatives as {token: logprob}, and each token's
+    character offset in the generated text (vLLM's, without echo: from 0)."""
+    texts = [t["token"] or "" for t in tokens]
+    return {
+        "tokens": texts,
+        "token_logprobs": [_logprob(t["logprob"]) for t in tokens],
+        "top_logprobs": [
+            {a["token"] or "": _logprob(a["logprob"]) for a in t["top_logprobs"] or []}
+            for t in tokens
+        ],
+        "text_offset": [0, *accumulate(len(text) for text in texts)][: len(texts)],
+    }
+
+
+def _embedding_body(row: dict[str, Any], model: str) -> dict[str, Any]:
+    vectors = row["embeddings"] if row["embeddings"] is not None else [row["embedding"]]
+    prompt = row["prompt_tokens"] or 0
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": vector}
+            for i, vector in enumerate(vectors)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+    }

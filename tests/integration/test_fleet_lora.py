@@ -1,0 +1,131 @@
+"""A LoRA job on the worker fleet: real Redis and PostgreSQL, a real `batchllm worker` process.
+
+The worker is started with no adapter flags, before the adapter directory exists; the job is
+submitted with `--lora a=PATH` and the original directory is deleted right after submission,
+so the worker can only have loaded the copy `batchllm submit` stored under the job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+from sqlalchemy import select
+
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
+from batchllm.jobs.output import read_output
+from batchllm.jobs.storage import Storage
+
+# The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
+# by this test, not by conftest's report hook).
+from tests.integration.conftest import start_workers, stop_workers, tails
+
+WORKER = "lora@test"
+MAX_TOKENS = 12
+PROMPTS = [
+    "The farmer found a wooden table near the river.",
+    "Why is the sky blue?",
+]
+
+
+def job_lines() -> list[dict]:
+    lines = []
+    for i, prompt in enumerate(PROMPTS):
+        messages = [{"role": "user", "content": prompt}]
+        lines += [
+            {"custom_id": f"base-prompt-{i}", "prompt": prompt},
+            {"custom_id": f"a-prompt-{i}", "prompt": prompt, "adapter": "a"},
+            {"custom_id": f"base-chat-{i}", "messages": messages},
+            {"custom_id": f"a-chat-{i}", "messages": messages, "adapter": "a"},
+        ]
+    return lines
+
+
+def load_job(fleet_env, job_id: str) -> tuple[Job, list[Shard]]:
+    with session_scope(fleet_env.settings) as session:
+        job = session.get(Job, job_id)
+        session.refresh(job)
+        shards = list(
+            session.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.index))
+        )
+        return job, shards
+
+
+def wait_until_final(fleet_env, job_id: str, timeout: float, workers) -> Job:
+    deadline = time.monotonic() + timeout
+    while True:
+        job, _ = load_job(fleet_env, job_id)
+        if job.status.is_final:
+            return job
+        for worker in workers:
+            assert worker.proc.poll() is None, f"{worker.name} exited" + tails(workers)
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"job {job_id} still {job.status.value} after {timeout:.0f}s" + tails(workers)
+            )
+        time.sleep(0.5)
+
+
+def test_a_lora_job_runs_on_a_worker_started_without_adapters(fleet_env, tiny_model, tmp_path):
+    from batchllm.engine.demo_model import build_demo_adapters
+
+    workers = start_workers([WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
+    (worker,) = workers
+    try:
+        pid = worker.proc.pid
+        # The adapter exists only now, outside the fleet's storage.
+        original = tmp_path / "adapters" / "a"
+        shutil.copytree(build_demo_adapters(tiny_model, 1)[0], original)
+        source = tmp_path / "lora.jsonl"
+        source.write_text("".join(json.dumps(line) + "\n" for line in job_lines()))
+
+        submitted = fleet_env.cli(
+            "submit",
+            str(source),
+            *("--model", str(tiny_model)),
+            *("--lora", f"a={original}"),
+            *("--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--temperature", "0"),
+            *("--max-model-len", "512", "--enforce-eager"),
+        )
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        job_id = submitted.stdout.split()[0]
+        shutil.rmtree(original)  # the job runs from its stored copy
+
+        job = wait_until_final(fleet_env, job_id, timeout=420, workers=workers)
+        job, shards = load_job(fleet_env, job_id)
+
+        assert job.status is JobStatus.COMPLETED, job.error
+        assert (job.request_completed, job.request_failed) == (len(job_lines()), 0)
+        assert [(s.status, s.worker) for s in shards] == [(ShardStatus.COMPLETED, WORKER)] * len(
+            shards
+        )
+        storage = Storage(fleet_env.settings.resolved_storage)
+        stored = f"{storage.job_dir(job_id)}/adapters/a"
+        assert job.spec["adapters"] == {"a": stored}
+        assert storage.exists(f"{stored}/adapter_config.json")
+        rows = {
+            r["custom_id"]: r for r in read_output(storage, storage.output_dir(job_id)).to_pylist()
+        }
+        assert set(rows) == {line["custom_id"] for line in job_lines()}
+        for key, row in rows.items():
+            assert row["status"] == "ok", row
+            assert row["completion_tokens"] == MAX_TOKENS, row
+            assert row["adapter"] == ("a" if key.startswith("a-") else None), row
+        for i in range(len(PROMPTS)):
+            for form in ("prompt", "chat"):
+                adapted, base = rows[f"a-{form}-{i}"], rows[f"base-{form}-{i}"]
+                assert adapted["text"] != base["text"], (adapted, base)
+                assert adapted["prompt_tokens"] == base["prompt_tokens"]
+        # The same worker process served the job: no restart to take on the adapter.
+        assert worker.proc.poll() is None and worker.proc.pid == pid
+        assert worker.log().count(f"{WORKER} ready.") == 1
+        print(
+            f"\nLoRA job on the fleet: {job.request_total} rows, job wall "
+            f"{job.wall_seconds:.1f} s on {WORKER} (pid {pid}, not restarted)"
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{tails(workers)}") from None
+    finally:
+        stop_workers(workers)
