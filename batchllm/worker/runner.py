@@ -208,8 +208,11 @@ class ShardRunner:
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
-            # A constraint the engine cannot compile is the usual cause: name its field.
+            # A constraint the engine cannot compile, or embedding dimensions the model does
+            # not have, is the usual cause: name the field.
             where = f"field '{field_of(constraint)}': " if constraint else ""
+            if not where and getattr(params, "dimensions", None) is not None:
+                where = "field 'dimensions': "
             state.buffer.append(
                 OutputRow.failed(
                     row.custom_id,

@@ -374,7 +374,7 @@ def test_generation_lines_and_dimensions_are_error_rows_in_an_embedding_job(embe
         "field 'prompt': a completion line in an embedding job (--task embed)"
     )
     dims = rows["dims"]
-    assert dims["error"].startswith("rejected by vLLM: "), dims["error"]
+    assert dims["error"].startswith("field 'dimensions': rejected by vLLM: "), dims["error"]
     assert "dimensions" in dims["error"], dims["error"]  # vLLM's words: no Matryoshka model
     assert dims["prompt_tokens"] == rows["river"]["prompt_tokens"]
     for key in EMBED_ERRORS:
