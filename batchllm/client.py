@@ -1,0 +1,257 @@
+"""The Python API: jobs from a data pipeline (Airflow, Dagster, a notebook) rather than a
+terminal. The same library calls as the CLI, typed, with no click and no printing.
+
+    from batchllm import Client
+
+    client = Client()
+    job = client.submit("prompts.jsonl", model="meta-llama/Llama-3.1-8B-Instruct", max_tokens=64)
+    job = client.wait(job, timeout=3600)
+    table = client.results(job).to_table()      # pyarrow; .to_pandas() for pandas
+
+vllm and torch are imported only by `run` (which builds an engine here).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchllm.errors import BatchLLMError
+from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+
+    from batchllm.engine.protocol import EngineSource
+    from batchllm.jobs.models import Job as JobRow
+
+Requests = str | Path | Iterable[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as it stood when read: id, state, counts, where its output is, throughput."""
+
+    id: str
+    status: str
+    model: str
+    total: int
+    completed: int
+    failed: int
+    output_dir: str
+    error: str | None = None
+    throughput: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """The job ended (completed, failed, cancelled or expired)."""
+        return self.status in ("completed", "failed", "cancelled", "expired")
+
+    @classmethod
+    def of(cls, row: JobRow) -> Job:
+        return cls(
+            id=row.id,
+            status=row.status.value,
+            model=row.model,
+            total=row.request_total,
+            completed=row.request_completed,
+            failed=row.request_failed,
+            output_dir=row.output_dir,
+            error=row.error,
+            throughput={
+                "prompt_tokens": row.prompt_tokens,
+                "completion_tokens": row.completion_tokens,
+                "requests_per_s": row.requests_per_s,
+                "output_tokens_per_s": row.output_tokens_per_s,
+                "wall_seconds": row.wall_seconds,
+            },
+        )
+
+
+_SAMPLING = set(SamplingDefaults.model_fields)
+_ENGINE = set(EngineOptions.model_fields)
+
+
+def job_spec(
+    model: str,
+    *,
+    json_schema: dict[str, Any] | None = None,
+    choice: list[str] | None = None,
+    regex: str | None = None,
+    lora: Mapping[str, str] | None = None,
+    chat_template: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+    **options: Any,
+) -> JobSpec:
+    """A JobSpec from the CLI's job options as keyword arguments (max_tokens, temperature,
+    top_p, n, logprobs, task, max_model_len, dtype, ...); unknown names are refused."""
+    from batchllm.jobs.structured import constraint_of
+
+    unknown = set(options) - _SAMPLING - _ENGINE
+    if unknown:
+        raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
+    sampling = {k: v for k, v in options.items() if k in _SAMPLING}
+    constraint = constraint_of({"json": json_schema, "choice": choice, "regex": regex})
+    if constraint is not None:
+        sampling["structured"] = constraint
+    return JobSpec(
+        model=model,
+        sampling=SamplingDefaults(**sampling),
+        engine=EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE}),
+        metadata=dict(metadata or {}),
+        chat_template=chat_template,
+        adapters=dict(lora or {}),
+    )
+
+
+class Client:
+    """Jobs on the database, storage and broker of `settings` (default: BATCHLLM_* variables,
+    as the CLI)."""
+
+    def __init__(self, settings: Settings | None = None, *, keep_engine: bool = False) -> None:
+        """`keep_engine`: `run` keeps its vLLM engine up between jobs with the same model and
+        engine settings (a notebook's second job starts at once); `close()` stops it."""
+        self.settings = settings or get_settings()
+        self._engines: EngineSource | None = None
+        if keep_engine:
+            from batchllm.worker.engines import EngineCache
+
+            self._engines = EngineCache()
+
+    def close(self) -> None:
+        """Stop the engine kept by `keep_engine`, if any."""
+        if self._engines is not None:
+            self._engines.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def submit(
+        self, requests: Requests, *, model: str, strict: bool = False, **options: Any
+    ) -> Job:
+        """Validate and store the requests (a JSONL path, or request dicts in any line form)
+        and queue the job for the fleet; returns at once."""
+        from batchllm.worker.dispatch import submit_job
+
+        with _as_file(requests) as path:
+            spec = _with_task(job_spec(model, **options), path, options)
+            row = submit_job(path, spec, strict=strict, settings=self.settings)
+        return Job.of(row)
+
+    def run(
+        self,
+        requests: Requests,
+        *,
+        model: str,
+        strict: bool = False,
+        engines: EngineSource | None = None,
+        **options: Any,
+    ) -> Job:
+        """Run the job to its end in this process (vLLM here, no broker); returns it ended.
+        `engines` hands it an engine source of the caller's (tests use a fake one)."""
+        from batchllm.worker.local import run_job
+
+        with _as_file(requests) as path:
+            spec = _with_task(job_spec(model, **options), path, options)
+            row = run_job(
+                path, spec, strict=strict, settings=self.settings, engines=engines or self._engines
+            )
+        return Job.of(row)
+
+    def status(self, job: Job | str) -> Job:
+        from batchllm.jobs import service
+        from batchllm.jobs.db import session_scope
+
+        with session_scope(self.settings) as session:
+            return Job.of(service.get_job(session, _id(job)))
+
+    def wait(self, job: Job | str, timeout: float | None = None, poll: float = 2.0) -> Job:
+        """Poll until the job ends; TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        while True:
+            current = self.status(job)
+            if current.done:
+                return current
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {current.id} is still {current.status} after {timeout} s")
+            time.sleep(poll)
+
+    def cancel(self, job: Job | str) -> Job:
+        from batchllm.jobs import service
+        from batchllm.jobs.db import session_scope
+
+        with session_scope(self.settings) as session:
+            return Job.of(
+                service.cancel_job(session, _id(job), lease_seconds=self.settings.lease_seconds)
+            )
+
+    def results(self, job: Job | str) -> ds.Dataset:
+        """The job's output (committed rows so far, all of them once it completed) as a
+        pyarrow dataset with the Parquet contract's schema; `.to_table().to_pandas()`."""
+        import posixpath
+
+        import pyarrow.dataset as pads
+
+        from batchllm.jobs.output import OUTPUT_SCHEMA
+        from batchllm.jobs.storage import Storage
+
+        current = self.status(job)
+        storage = Storage(self.settings.resolved_storage)
+        out_dir = storage.output_dir(current.id)
+        parts = [
+            posixpath.join(out_dir, n)
+            for n in storage.listdir(out_dir)
+            if n.startswith("part-") and n.endswith(".parquet")
+        ]
+        return pads.dataset(parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")
+
+
+def _id(job: Job | str) -> str:
+    return job.id if isinstance(job, Job) else job
+
+
+def _with_task(spec: JobSpec, path: Path, options: Mapping[str, Any]) -> JobSpec:
+    """Infer the task from the requests when the caller did not give one, as the CLI does."""
+    if "task" in options:
+        return spec
+    from batchllm.jobs.reader import infer_task
+
+    if infer_task(path) == "embed":
+        return spec.model_copy(update={"engine": spec.engine.model_copy(update={"task": "embed"})})
+    return spec
+
+
+class _as_file:
+    """A JSONL path for the requests: the path given, or a temporary file the dicts are
+    streamed into (removed afterwards: the job keeps its own validated copy)."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests
+        self.temporary: Path | None = None
+
+    def __enter__(self) -> Path:
+        if isinstance(self.requests, (str, Path)):
+            return Path(self.requests)
+        handle = tempfile.NamedTemporaryFile(
+            "w", suffix=".jsonl", prefix="batchllm-requests-", delete=False, encoding="utf-8"
+        )
+        with handle:
+            for request in self.requests:
+                if not isinstance(request, Mapping):
+                    raise BatchLLMError(f"a request must be a dict, got {type(request).__name__}")
+                handle.write(json.dumps(request) + "\n")
+        self.temporary = Path(handle.name)
+        return self.temporary
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.temporary is not None:
+            self.temporary.unlink(missing_ok=True)
