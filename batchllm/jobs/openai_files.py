@@ -32,7 +32,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
-from batchllm.jobs.models import Job
+from batchllm.jobs.models import Job, JobStatus
 from batchllm.jobs.output import OUTPUT_SCHEMA
 from batchllm.jobs.storage import Storage
 
@@ -65,6 +65,9 @@ _FAILED_CODES = (
 )
 
 
+_NOT_RUN = "not_run"  # the status of a line without an output row (never ran)
+
+
 @dataclass
 class ExportCounts:
     output_path: Path
@@ -94,8 +97,8 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists")
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Temporary names in the same directory, renamed once complete: a reader (or a crashed
-    # export) never leaves a truncated file under the final name.
+    # Temporary names in the same directory, renamed once complete: a reader never sees, and
+    # a crashed export never leaves, a truncated file under the final name.
     tmp_output = out_dir / f".{OUTPUT_NAME}.{os.getpid()}.tmp"
     tmp_errors = out_dir / f".{ERRORS_NAME}.{os.getpid()}.tmp"
     lines = _LineMaker(job)
@@ -104,9 +107,13 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
             tmp_output.open("w", encoding="utf-8") as output,
             tmp_errors.open("w", encoding="utf-8") as errors,
         ):
+            expired = job.status is JobStatus.EXPIRED
             for kind, row in _job_rows(storage, shards):
-                if row is None:
+                if row["status"] == _NOT_RUN:
                     counts.not_run += 1
+                    if expired:  # OpenAI lists them in the error file as batch_expired
+                        _write(errors, lines.expired(row))
+                        counts.errors += 1
                 elif row["status"] == "ok":
                     _write(output, lines.ok(kind, row))
                     counts.output += 1
@@ -152,19 +159,18 @@ def _shards(storage: Storage, job_id: str) -> list[_Shard]:
     return [shard for _, shard in sorted(shards, key=lambda item: item[0])]
 
 
-def _job_rows(
-    storage: Storage, shards: list[_Shard]
-) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """(kind, output row or None when the line never ran) per input line, in line order."""
+def _job_rows(storage: Storage, shards: list[_Shard]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(kind, output row) per input line, in line order; a line that never ran gets a row
+    with status _NOT_RUN (its line and custom_id only)."""
     for shard in shards:
         yield from _shard_rows(storage, shard)
 
 
-def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str, Any] | None]]:
+def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str, Any]]]:
     """Merge the shard's input (line, kind), stored in line order, with its rows by line."""
     rows = _sorted_rows(storage, shard.parts)
     current = next(rows, None)
-    for line, kind in _input_kinds(storage, shard.input_path):
+    for line, kind, custom_id in _input_kinds(storage, shard.input_path):
         # Skips a second row of one line too: a part file no checkpoint records (its worker
         # died before the commit) is deleted when a job completes, but may stay in a job that
         # was cancelled or failed meanwhile; both rows answer the same request.
@@ -174,15 +180,19 @@ def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str
             yield kind, current
             current = next(rows, None)
         else:
-            yield kind, None
+            yield kind, {"line": line, "custom_id": custom_id, "status": _NOT_RUN}
 
 
-def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str]]:
+def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str, str]]:
     with storage.fs.open_input_file(path) as src:
         for batch in pq.ParquetFile(src).iter_batches(
-            batch_size=_BATCH_ROWS * 8, columns=["line", "kind"]
+            batch_size=_BATCH_ROWS * 8, columns=["line", "kind", "custom_id"]
         ):
-            yield from zip(batch.column("line").to_pylist(), batch.column("kind").to_pylist())
+            yield from zip(
+                batch.column("line").to_pylist(),
+                batch.column("kind").to_pylist(),
+                batch.column("custom_id").to_pylist(),
+            )
 
 
 def _sorted_rows(storage: Storage, parts: list[str]) -> Iterator[dict[str, Any]]:
@@ -244,6 +254,18 @@ class _LineMaker:
                 "usage": _usage(row),
             }
         return self._line(row, self._response(row, 200, body), None)
+
+    def expired(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A line an expired batch never ran, as OpenAI reports it."""
+        return self._line(
+            row,
+            None,
+            {
+                "code": "batch_expired",
+                "message": "This request could not be executed before the completion window "
+                "expired.",
+            },
+        )
 
     def error(self, kind: str, row: dict[str, Any]) -> dict[str, Any]:
         message = row["error"] or "the request failed"

@@ -284,15 +284,19 @@ def vllm_check(*paths: Path) -> dict[str, dict]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_every_line_validates_against_vllms_batch_request_output(exported):
+def test_every_line_validates_against_vllms_batch_request_output(exported, small_commits, tmp_path):
     _, out = exported
-    results = vllm_check(out / OUTPUT_NAME, out / ERRORS_NAME)
+    embedded = export_openai(embedding_job(small_commits, tmp_path), tmp_path / "embeddings")
+    # One child process for every file: vLLM's import is most of the test's time.
+    results = vllm_check(out / OUTPUT_NAME, out / ERRORS_NAME, embedded.output_path)
 
-    assert set(results) == set(EXPECTED)
+    assert set(results) == set(EXPECTED) | {"line-1", "line-2"}
     for custom_id, result in results.items():
-        kind = EXPECTED[custom_id][1]
+        kind = EXPECTED.get(custom_id, ("output", "embedding"))[1]
         if kind == "chat.completion":
             assert result["whole"] == "ChatCompletionResponse", custom_id
+        elif kind == "embedding":
+            assert result["whole"] == "EmbeddingResponse", custom_id
         elif kind == "context_length_exceeded":
             assert result["whole"] == "NoneType", custom_id  # response null, error set
         else:
@@ -341,10 +345,11 @@ def end(settings, job_id: str, status: JobStatus, rows: list[list[OutputRow]]) -
         return session.get(Job, job_id)
 
 
-def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
+def embedding_job(settings, tmp_path: Path) -> Job:
+    """A finished embedding job of two lines: one text, a list of two."""
     spec = JobSpec(model="/models/embedder", engine=EngineOptions(task="embed"))
     job_id = create(settings, tmp_path, [{"input": "one"}, {"input": ["two", "three"]}], spec)
-    job = end(
+    return end(
         settings,
         job_id,
         JobStatus.COMPLETED,
@@ -356,7 +361,9 @@ def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
         ],
     )
 
-    counts = export_openai(job, tmp_path / "out")
+
+def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
+    counts = export_openai(embedding_job(settings, tmp_path), tmp_path / "out")
 
     assert (counts.output, counts.errors) == (2, 0)
     lines = read_jsonl(counts.output_path)
@@ -370,13 +377,9 @@ def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
         ("/models/embedder", 2, 2),
         ("/models/embedder", 4, 4),
     ]
-    results = vllm_check(counts.output_path)
-    assert {r["whole"] for r in results.values()} == {"EmbeddingResponse"}
 
 
-def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(
-    settings, tmp_path
-):
+def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(settings, tmp_path):
     job_id = create(settings, tmp_path, [{"prompt": f"p{i}"} for i in range(5)])
     answer = OutputRow("line-2", 2, "ok", "two", "stop", 2, 1, adapter="my-lora")
     job = end(
@@ -394,6 +397,22 @@ def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(
     assert [x["custom_id"] for x in lines] == ["line-2", "line-4"]
     assert lines[0]["response"]["body"]["model"] == "my-lora"  # the adapter, as vLLM answers
     assert lines[1]["response"]["body"]["created"] == int(job.finished_at.timestamp())
+
+
+def test_an_expired_job_lists_the_lines_it_never_ran_as_batch_expired_errors(settings, tmp_path):
+    job_id = create(settings, tmp_path, [{"prompt": f"p{i}"} for i in range(4)])
+    job = end(
+        settings, job_id, JobStatus.EXPIRED, [[OutputRow("line-3", 3, "ok", "three", "stop", 2, 1)]]
+    )
+
+    counts = export_openai(job, tmp_path / "out")
+
+    assert (counts.output, counts.errors, counts.not_run) == (1, 3, 3)
+    assert [x["custom_id"] for x in read_jsonl(counts.output_path)] == ["line-3"]
+    errors = read_jsonl(counts.errors_path)
+    assert [x["custom_id"] for x in errors] == ["line-1", "line-2", "line-4"]
+    assert {x["error"]["code"] for x in errors} == {"batch_expired"}
+    assert all(x["response"] is None for x in errors)
 
 
 def invoke(*args: str):
