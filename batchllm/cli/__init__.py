@@ -25,6 +25,7 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except BatchLLMError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
+            _name_the_log()
             sys.exit(130 if isinstance(exc, JobInterrupted) else 1)  # 130: the shell's Ctrl-C
         except Exception as exc:
             message = _database_problem(exc)
@@ -32,6 +33,14 @@ class _Group(click.Group):
                 raise
             click.secho(f"error: {message}", fg="red", err=True)
             sys.exit(1)
+
+
+def _name_the_log() -> None:
+    """After a failure in a quiet command, say where vLLM's full output is."""
+    console = sys.modules.get("batchllm.cli.console")
+    log = console.active_log() if console is not None else None
+    if log is not None:
+        click.echo(f"full log: {log}", err=True)
 
 
 def _database_problem(exc: Exception) -> str | None:

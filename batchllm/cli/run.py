@@ -27,9 +27,10 @@ from batchllm.cli.options import (
     default=None,
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
-def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
-    """Run the prompts in FILE (JSONL) to the end in this process and print where the results
-    are. Exit code 0 when the job completed, also when some lines became error rows.
+def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
+    """Run the prompts in FILE (JSONL: a local path or an s3:// URI) to the end in this process
+    and print where the results are. Exit code 0 when the job completed, also when some lines
+    became error rows.
 
     \b
     Example:
@@ -46,6 +47,13 @@ def run(file: Path, output: Path | None, strict: bool, **flags) -> None:
     if output is not None:
         _require_usable_output(output)
     require_requests(file)
+    if not click.get_current_context().find_root().params.get("verbose"):
+        from batchllm.cli.console import quiet
+        from batchllm.settings import get_settings
+
+        log = quiet(get_settings().home / "logs", "run")
+        if log is not None:
+            click.echo(f"vLLM's output goes to {log} (-v shows it here)", err=True)
     progress: list[Progress] = []
 
     def created(job) -> None:

@@ -1,0 +1,74 @@
+"""A quiet console for commands that start an engine: the terminal shows batchllm's own lines
+(what is happening, progress, the result); vLLM's output, the engine processes' output and the
+interpreter's warnings go to a log file named on the console.
+
+Engine processes write to the file descriptors they inherit, so the redirect happens at the
+descriptor level: fds 1 and 2 point at the log file, and batchllm's console lines go to copies
+of the original descriptors (sys.stdout / sys.stderr are rebound to them). With `-v` nothing is
+redirected and everything shows, as before.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+_ACTIVE: Path | None = None
+
+
+def active_log() -> Path | None:
+    """The log file of the current quiet command, if any (named again when it fails)."""
+    return _ACTIVE
+
+
+class _OwnLines(logging.Filter):
+    """What the console shows while quiet: batchllm's warnings and errors only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("batchllm") and record.levelno >= logging.WARNING
+
+
+def quiet(log_dir: Path, name: str) -> Path | None:
+    """Send everything but batchllm's own console lines to LOG_DIR/NAME-<time>-<pid>.log;
+    returns its path. None, and nothing changed, when the console is not a pair of real file
+    descriptors (e.g. click's test runner)."""
+    global _ACTIVE
+    try:
+        sys.stdout.fileno()
+        sys.stderr.fileno()
+    except (AttributeError, io.UnsupportedOperation, ValueError):
+        return None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    console_out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    console_err = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stdout, sys.stderr = console_out, console_err
+    # vLLM then logs through the root logger (below) instead of its own stdout handler; its
+    # engine processes, with no handler, write warnings to their stderr: the log file.
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    to_file = logging.StreamHandler(
+        io.TextIOWrapper(os.fdopen(os.dup(2), "wb"), line_buffering=True)
+    )
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_console = logging.StreamHandler(console_err)
+    to_console.addFilter(_OwnLines())
+    to_console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    root.addHandler(to_file)
+    root.addHandler(to_console)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # warnings.warn(...) -> the `py.warnings` logger -> the file
+    _ACTIVE = path
+    return path
