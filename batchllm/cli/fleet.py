@@ -25,8 +25,9 @@ from batchllm.cli.options import input_file, job_options, require_requests, spec
     help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
-def submit(file: Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
-    """Validate FILE, queue it for the worker fleet and print the job id.
+def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
+    """Validate FILE (JSONL: a local path or an s3:// URI), queue it for the worker fleet and
+    print the job id.
 
     \b
     Example:
@@ -121,6 +122,24 @@ def cancel(job_id: str) -> None:
     help="Build LoRA engines for at least this adapter rank, so jobs with adapters of "
     "different ranks share one warm engine (adapters come with each job; no restart).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    envvar="BATCHLLM_METRICS_PORT",
+    show_envvar=True,
+    help="Serve Prometheus metrics at http://0.0.0.0:PORT/metrics. With --concurrency N, "
+    "worker process i serves its own on PORT+i (scrape all N ports).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="BATCHLLM_LOG_FORMAT",  # so --concurrency's child processes inherit the choice
+    help="json: one object per line (time, level, logger, message, job_id, shard_id) for "
+    "log shippers.",
+)
 def worker(
     models: tuple[str, ...],
     queues: str | None,
@@ -128,6 +147,8 @@ def worker(
     name: str | None,
     loglevel: str,
     max_lora_rank: int | None,
+    metrics_port: int | None,
+    log_format: str,
 ) -> None:
     """Start a Celery worker that runs shards through vLLM (broker: BATCHLLM_BROKER_URL).
 
@@ -136,17 +157,24 @@ def worker(
 
     \b
     Example:
-      batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --concurrency 8
+      batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --concurrency 8 --metrics-port 9400
     """
     from batchllm.worker.celery_app import queue_for_model
 
     names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
     if not names:
         raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
     # The models this worker announces to `batchllm serve` (GET /v1/models); children inherit.
     os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps(list(models))
     if max_lora_rank is not None:  # read by this process's settings and its children's
         os.environ["BATCHLLM_MIN_LORA_RANK"] = str(max_lora_rank)
+    if metrics_port is not None and metrics_port + concurrency - 1 > 65535:
+        raise click.BadParameter(
+            f"{metrics_port} + {concurrency - 1} is past 65535: each worker process serves its "
+            "metrics on the next port",
+            param_hint="'--metrics-port'",
+        )
     if concurrency > 1:
         from batchllm.engine.hardware import runs_on_cpu, visible_gpus
         from batchllm.engine.preflight import check_worker_concurrency
@@ -154,8 +182,10 @@ def worker(
         on_cpu = runs_on_cpu()
         gpus = [] if on_cpu else visible_gpus()
         check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
-        _supervise(concurrency, models, queues, name, loglevel)
+        _supervise(concurrency, models, queues, name, loglevel, metrics_port)
         return
+    if metrics_port is not None:
+        _serve_metrics(metrics_port)
     from batchllm.worker.celery_app import create_app
 
     app = create_app()
@@ -176,9 +206,24 @@ def worker(
     )
 
 
-def _supervise(count: int, models, queues, name, loglevel) -> None:
+def _serve_metrics(port: int) -> None:
+    """This process's Prometheus registry on PORT, or a clear error when the port is taken."""
+    from batchllm.worker.metrics import start_metrics_server
+
+    try:
+        start_metrics_server(port)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot serve metrics on port {port}: {exc.strerror or exc}",
+            param_hint="'--metrics-port'",
+        ) from None
+    click.echo(f"Prometheus metrics on http://0.0.0.0:{port}/metrics", err=True)
+
+
+def _supervise(count: int, models, queues, name, loglevel, metrics_port: int | None) -> None:
     """Run `count` single-process workers, GPU i visible to process i, restarting any that
-    dies, and forward SIGTERM/SIGINT to them."""
+    dies, and forward SIGTERM/SIGINT to them. Each child has its own metrics registry, served
+    on metrics_port + i."""
     from batchllm.worker.supervisor import child_env, supervise
 
     commands = []
@@ -190,6 +235,8 @@ def _supervise(count: int, models, queues, name, loglevel) -> None:
             argv += ["--queues", queues]
         # Names must be unique on the host: a worker may reclaim a shard it ran itself.
         argv += ["--name", f"{name or f'batchllm-{os.getpid()}'}-{i}@{socket.gethostname()}"]
+        if metrics_port is not None:  # a restarted child serves on its slot's port again
+            argv += ["--metrics-port", str(metrics_port + i)]
         commands.append((argv, child_env(i)))
     code = supervise(commands)
     if code:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import click
 
@@ -32,8 +33,22 @@ from batchllm.cli import cli
     help="Also run `batchllm worker --model MODEL` beside the server (repeatable); needs "
     "the broker like any worker.",
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="BATCHLLM_LOG_FORMAT",
+    help="json: one object per line (time, level, logger, message) for log shippers; the "
+    "--worker process logs the same way.",
+)
 def serve(
-    host: str, port: int, no_auth: bool, require_served_model: bool, worker_models: tuple[str, ...]
+    host: str,
+    port: int,
+    no_auth: bool,
+    require_served_model: bool,
+    worker_models: tuple[str, ...],
+    log_format: str,
 ) -> None:
     """Serve the OpenAI Batch API (/v1/files, /v1/batches, /v1/models) over this database,
     storage and fleet: the official `openai` client works with base_url
@@ -50,6 +65,7 @@ def serve(
     from batchllm.jobs.db import get_engine
 
     get_engine()  # refuse an unreachable or old database now, in one line
+    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
     app = create_app(auth=not no_auth, require_served_model=require_served_model)
     worker = None
     if worker_models:
@@ -60,8 +76,14 @@ def serve(
         click.echo(f"worker started (pid {worker.pid}) for {', '.join(worker_models)}", err=True)
     auth = "no API keys (--no-auth)" if no_auth else "API keys required"
     click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
+    log_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
+    if log_format == "json":
+        from batchllm.worker.log_format import use_json
+
+        use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
+        log_config = None
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning", log_config=log_config)
     finally:
         if worker is not None and worker.poll() is None:
             worker.terminate()  # a warm shutdown: its shard goes back to the queue

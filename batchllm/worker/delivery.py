@@ -17,6 +17,7 @@ from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
 from batchllm.worker.engines import resolve_max_model_len
 from batchllm.worker.finalize import finalize_job
+from batchllm.worker.log_format import note_job, shard_context
 from batchllm.worker.runner import Outcome, ShardRunner
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,17 @@ def process_shard(
     should_stop: Callable[[], bool] = lambda: False,
     settings: Settings | None = None,
 ) -> Outcome:
-    settings = settings or get_settings()
+    with shard_context(shard_id):
+        return _process_shard(shard_id, worker, engines, should_stop, settings or get_settings())
+
+
+def _process_shard(
+    shard_id: int,
+    worker: str,
+    engines: EngineSource,
+    should_stop: Callable[[], bool],
+    settings: Settings,
+) -> Outcome:
     with session_scope(settings) as session:
         shard = session.get(Shard, shard_id)
         if shard is None:
@@ -39,7 +50,8 @@ def process_shard(
         job = shard.job
         status, job_id = job.status, job.id
         spec = JobSpec.model_validate(job.spec)
-    storage = Storage(settings.resolved_storage)
+    note_job(job_id)
+    storage = Storage.of(settings)
     if status.is_final:
         return Outcome.SKIPPED
     if status is JobStatus.CANCELLING:

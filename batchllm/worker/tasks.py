@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from celery import shared_task
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    after_setup_logger,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from batchllm.settings import get_settings
-from batchllm.worker import registry
+from batchllm.worker import log_format, registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache
@@ -25,6 +31,13 @@ _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
 _DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
 _MAX_RETRY_SECONDS = 60
+
+
+@after_setup_logger.connect
+def _json_logs(logger=None, **_kwargs) -> None:
+    """`worker --log-format json`: Celery has set up its handlers; make them write JSON."""
+    if os.environ.get(log_format.FORMAT_ENV) == "json":
+        log_format.use_json(logger)
 
 
 @worker_shutting_down.connect
