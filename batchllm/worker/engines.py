@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from batchllm.jobs import service
@@ -13,6 +14,7 @@ from batchllm.jobs.models import Job
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
+from batchllm.worker import metrics
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
     from batchllm.engine.vllm_engine import VllmEngine
@@ -54,6 +56,7 @@ class EngineCache:
 
     def __init__(self) -> None:
         self._key: str | None = None
+        self._model: str | None = None
         self.engine: VllmEngine | None = None
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
@@ -64,11 +67,20 @@ class EngineCache:
         self.close()
         from batchllm.engine.vllm_engine import VllmEngine
 
-        engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
-        self.engine, self._key = engine, key
+        started = time.monotonic()
+        try:
+            engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
+        except Exception:
+            metrics.engine_start_failed(spec.model)
+            raise
+        metrics.engine_started(spec.model, time.monotonic() - started)
+        self.engine, self._key, self._model = engine, key, spec.model
         return engine
 
     def close(self) -> None:
         engine, self.engine, self._key = self.engine, None, None
+        model, self._model = self._model, None
+        if model is not None:
+            metrics.engine_stopped(model)
         if engine is not None:
             engine.shutdown()

@@ -29,6 +29,7 @@ from batchllm.jobs.rows import InputRow
 from batchllm.jobs.storage import Storage
 from batchllm.jobs.structured import field_of, satisfies
 from batchllm.settings import Settings, get_settings
+from batchllm.worker import metrics
 from batchllm.worker.finalize import finalize_job
 from batchllm.worker.shard_state import ShardState, load_shard_state, sampling_for
 
@@ -95,6 +96,10 @@ class ShardRunner:
         # (job, the line's override text) -> (engine sampling params, the row's constraint)
         self._sampling_cache: dict[tuple[str, str | None], tuple[Any, Any, Adapter | None]] = {}
         self._stopping = False
+        # Prometheus (worker/metrics.py). The engine serves one model, so the per-step gauges
+        # go to the model of the shard claimed last; commits and shard ends to their own.
+        self._metrics: metrics.ModelMetrics | None = None
+        self._shard_started: dict[int, float] = {}
 
     # -- public ---------------------------------------------------------------------------
 
@@ -121,6 +126,9 @@ class ShardRunner:
         except BaseException as exc:
             self._fail_active(exc)
             raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.step(0, len(self._pending))
         return self._outcomes
 
     # -- feeding --------------------------------------------------------------------------
@@ -143,6 +151,9 @@ class ShardRunner:
                 continue
             state = load_shard_state(self.storage, self.settings, shard_id)
             self._active.append(state)
+            self._metrics = metrics.for_model(state.spec.model)
+            self._metrics.shard_started(resumed=bool(state.done_lines))
+            self._shard_started[shard_id] = time.monotonic()
             for row in state.rows(self.storage):
                 if self._stopping or state.fed_all:  # fed_all early: the job was cancelled
                     break
@@ -318,6 +329,8 @@ class ShardRunner:
             tokens += out.generated_tokens
         if finished:
             self.on_progress(len(finished), tokens)
+        if self._metrics is not None:
+            self._metrics.step(tokens, len(self._pending))
 
     # -- commits, shard ends, control ------------------------------------------------------
 
@@ -334,12 +347,15 @@ class ShardRunner:
 
     def _commit(self, state: ShardState) -> bool:
         """Commit the state's finished rows; False (and the shard dropped) if it was lost."""
+        rows = state.buffer
         try:
             state.commit(self.storage, self.settings)
-            return True
         except ShardLost as exc:
             self._drop(state, exc)
             return False
+        if rows:
+            metrics.rows_committed(state.spec.model, rows)
+        return True
 
     def _drop(self, state: ShardState, reason: Exception) -> None:
         log.warning("shard %d: %s; dropping this worker's run of it", state.index, reason)
@@ -348,6 +364,7 @@ class ShardRunner:
         if state in self._active:
             self._active.remove(state)
         self._outcomes[state.shard_id] = Outcome.LOST
+        self._shard_ended(state, Outcome.LOST)
 
     def _end(
         self, state: ShardState, status: ShardStatus, outcome: Outcome, error: str | None = None
@@ -358,6 +375,7 @@ class ShardRunner:
             next_step = lifecycle.end_shard(
                 session, state.shard_id, status, error, attempt=state.attempt
             )
+        self._shard_ended(state, outcome)
         if next_step is JobStatus.FINALIZING:
             finalize_job(
                 state.job_id,
@@ -404,6 +422,20 @@ class ShardRunner:
             leases.release_shard(session, state.shard_id, state.attempt)
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
+        self._shard_ended(state, outcome)
+
+    def _shard_ended(self, state: ShardState, outcome: Outcome) -> None:
+        """Count the end of a shard run this runner started (once)."""
+        started = self._shard_started.pop(state.shard_id, None)
+        if started is None:
+            return
+        shard_metrics = metrics.for_model(state.spec.model)
+        if outcome is Outcome.COMPLETED:
+            shard_metrics.shard_finished(time.monotonic() - started)
+        elif outcome is Outcome.FAILED:
+            shard_metrics.shard_failed()
+        else:
+            shard_metrics.shard_stopped(outcome.value)
 
     def _fail_active(self, exc: BaseException) -> None:
         """A fatal error: keep what finished, then hand the shards back (interrupt, engine

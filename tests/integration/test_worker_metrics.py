@@ -1,0 +1,95 @@
+"""`batchllm worker --metrics-port`: a real worker (real Redis, PostgreSQL and vLLM on the tiny
+model) runs a job, then its /metrics shows the job's rows and tokens as the database has them.
+
+The port is given through BATCHLLM_METRICS_PORT, the flag's environment variable, so the
+conftest's Worker starts the process unchanged."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchllm.jobs.models import JobStatus
+from batchllm.jobs.workload import write_workload
+from tests.integration.conftest import Worker
+from tests.integration.test_fleet import load_job, wait_for, wait_until_final
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """(sample name, its labels) -> value."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_worker_that_ran_a_job_shows_its_rows_and_tokens(
+    fleet_env, tiny_model: Path, tmp_path: Path
+):
+    port = free_port()
+    worker = Worker(
+        "metrics@test",
+        model=tiny_model,
+        env=fleet_env.worker_env(BATCHLLM_METRICS_PORT=str(port)),
+        log_path=tmp_path / "worker.log",
+    )
+    try:
+        worker.wait_ready()
+        # Served from the start, before any job: no engine yet, no series of the model.
+        assert "# TYPE batchllm_rows_total counter" in scrape(port)
+        source = write_workload(
+            tmp_path / "prompts.jsonl", requests=30, max_tokens=(4, 24), bad_lines=2, seed=3
+        )
+        submitted = fleet_env.submit(source, tiny_model, shard_size=12)
+        assert submitted.shards_total == 3
+        wait_until_final(fleet_env, submitted.id, timeout=420)
+        job, shards = load_job(fleet_env, submitted.id)
+        assert job.status is JobStatus.COMPLETED, job.error
+        assert (job.request_completed, job.request_failed) == (28, 2)  # 2 of the 30 are bad
+
+        text = scrape(port)
+        (tmp_path / "metrics.txt").write_text(text)
+        found = samples(text)
+
+        def sample(name: str, **labels: str) -> float | None:
+            return found.get((name, frozenset({"model": str(tiny_model), **labels}.items())))
+
+        assert sample("batchllm_rows_total", status="ok") == job.request_completed
+        assert sample("batchllm_rows_total", status="error") == job.request_failed
+        assert sample("batchllm_completion_tokens_total") == job.completion_tokens > 0
+        assert sample("batchllm_prompt_tokens_total") == job.prompt_tokens > 0
+        assert sample("batchllm_shards_started_total") == len(shards)
+        assert sample("batchllm_shards_finished_total") == len(shards)
+        assert sample("batchllm_shards_failed_total") == 0
+        assert sample("batchllm_shard_duration_seconds_count") == len(shards)
+        assert sample("batchllm_engine_starts_total") == 1
+        assert sample("batchllm_engine_up") == 1
+        assert sample("batchllm_requests_in_flight") == 0
+        # The window of whole seconds empties within a few seconds of the last step.
+        rate = ("batchllm_output_tokens_per_second", frozenset({("model", str(tiny_model))}))
+        wait_for(
+            lambda: samples(scrape(port)).get(rate) == 0,
+            timeout=30,
+            what="output tokens/s to fall back to 0 with nothing running",
+        )
+    finally:
+        worker.stop()
