@@ -205,7 +205,7 @@ class Client:
         from batchllm.jobs.storage import Storage
 
         current = self.status(job)
-        storage = Storage(self.settings.resolved_storage)
+        storage = Storage.of(self.settings)
         out_dir = storage.output_dir(current.id)
         parts = [
             posixpath.join(out_dir, n)
@@ -219,7 +219,7 @@ def _id(job: Job | str) -> str:
     return job.id if isinstance(job, Job) else job
 
 
-def _with_task(spec: JobSpec, path: Path, options: Mapping[str, Any]) -> JobSpec:
+def _with_task(spec: JobSpec, path: str | Path, options: Mapping[str, Any]) -> JobSpec:
     """Infer the task from the requests when the caller did not give one, as the CLI does."""
     if "task" in options:
         return spec
@@ -231,14 +231,16 @@ def _with_task(spec: JobSpec, path: Path, options: Mapping[str, Any]) -> JobSpec
 
 
 class _as_file:
-    """A JSONL path for the requests: the path given, or a temporary file the dicts are
-    streamed into (removed afterwards: the job keeps its own validated copy)."""
+    """A JSONL path for the requests: the path (or s3:// URI) given, or a temporary file the
+    dicts are streamed into (removed afterwards: the job keeps its own validated copy)."""
 
     def __init__(self, requests: Requests) -> None:
         self.requests = requests
         self.temporary: Path | None = None
 
-    def __enter__(self) -> Path:
+    def __enter__(self) -> str | Path:
+        if isinstance(self.requests, str) and "://" in self.requests:
+            return self.requests  # a URI (s3://bucket/key): Path() would mangle it
         if isinstance(self.requests, (str, Path)):
             return Path(self.requests)
         handle = tempfile.NamedTemporaryFile(

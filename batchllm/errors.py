@@ -9,6 +9,10 @@ class InputError(BatchLLMError):
     """The input file cannot be used (unreadable, or refused under --strict)."""
 
 
+class StorageError(BatchLLMError):
+    """The job storage (BATCHLLM_STORAGE: a path, or a bucket) cannot be written or read."""
+
+
 class JobNotFound(BatchLLMError):
     """No job with that id (or id prefix) exists."""
 

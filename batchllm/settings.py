@@ -29,6 +29,13 @@ class Settings(BaseSettings):
         description="Where job inputs and outputs live: a local path or a pyarrow.fs URI "
         "shared by the fleet. Default: HOME/jobs.",
     )
+    s3_endpoint: str | None = Field(
+        default=None,
+        description="Endpoint of an S3-compatible store (MinIO, Ceph, ...) for s3:// storage "
+        "and input URIs, e.g. http://127.0.0.1:9000 (http:// for a plain-HTTP one). Default: "
+        "AWS S3 (or AWS_ENDPOINT_URL). Credentials and region come from the standard AWS "
+        "variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, ...).",
+    )
     broker_url: str = Field(
         default="redis://localhost:6379/0", description="Celery broker for `submit` and `worker`."
     )

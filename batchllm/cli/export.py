@@ -16,6 +16,7 @@ from batchllm.cli import cli
     "-o",
     "out_dir",
     type=click.Path(path_type=Path, file_okay=False),
+    metavar="DIR",
     required=True,
     help="Directory for the files (created if missing).",
 )

@@ -23,7 +23,33 @@ from batchllm.settings import get_settings
 _REPO_ID = re.compile(r"(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?")
 _PATH_STARTS = ("/", "./", "../", "~")
 
-input_file = click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+
+class InputFile(click.ParamType):
+    """FILE of `run` and `submit`: a local JSONL file (a Path, checked as click.Path checks
+    it), or a URI such as s3://bucket/prompts.jsonl, kept as given (a str) and checked through
+    its store (pyarrow's filesystem) before any job is created."""
+
+    name = "file"
+
+    def __init__(self) -> None:
+        self._local = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "://" in value:
+            from batchllm.errors import BatchLLMError
+            from batchllm.jobs.inputs import readable_input
+
+            try:
+                return readable_input(value)
+            except BatchLLMError as exc:
+                self.fail(str(exc), param, ctx)
+        return self._local.convert(value, param, ctx)
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str):
+        return self._local.shell_complete(ctx, param, incomplete)
+
+
+input_file = click.argument("file", type=InputFile())
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 
@@ -188,7 +214,7 @@ def job_options(command):
     return command
 
 
-def spec_from_flags(flags: dict, file: Path | None = None) -> JobSpec:
+def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     """The job spec the flags describe; the task, when not given, from FILE's lines."""
     metadata = _pairs(flags.pop("metadata", ()), "--metadata")
     adapters = _pairs(flags.pop("lora", ()), "--lora")
@@ -309,7 +335,7 @@ def _job_constraint(
         raise click.BadParameter(exc.message, param_hint=flag) from None
 
 
-def require_requests(file: Path) -> None:
+def require_requests(file: str | Path) -> None:
     """Refuse a file without a request before a job is created for it."""
     from batchllm.jobs.lines import has_requests
     from batchllm.settings import get_settings

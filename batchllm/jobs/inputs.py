@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchllm.errors import InputError
+from batchllm.errors import InputError, StorageError
 from batchllm.jobs.reader import read_requests
 from batchllm.jobs.rows import INPUT_SCHEMA, InputRow
 from batchllm.jobs.schemas import LineError
-from batchllm.jobs.storage import Storage
+from batchllm.jobs.storage import Storage, filesystem_for, is_uri
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,10 @@ class _ShardWriter:
     def __init__(self, storage: Storage, job_id: str, shard_size: int) -> None:
         self.storage, self.shard_size = storage, shard_size
         self.dir = storage.input_dir(job_id)
-        storage.makedirs(self.dir)
+        try:
+            storage.makedirs(self.dir)
+        except OSError as exc:
+            raise _not_writable(storage, exc) from exc
         self.shards: list[ShardInput] = []
         self._rows: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
@@ -84,24 +88,54 @@ class _ShardWriter:
         self._flush_rows()
         assert self._writer is not None and self._sink is not None  # set with _current
         self._writer.close()
-        self.storage.write_bytes(self._current.path, self._sink.getvalue())
+        try:
+            self.storage.write_bytes(self._current.path, self._sink.getvalue())
+        except OSError as exc:
+            raise _not_writable(self.storage, exc) from exc
         self.shards.append(self._current)
         self._current, self._writer, self._sink = None, None, None
 
     def discard(self) -> None:
+        """Delete the shards stored so far; best effort (the storage may be what failed)."""
         for shard in self.shards:
-            self.storage.delete(shard.path)
+            try:
+                self.storage.delete(shard.path)
+            except OSError as exc:
+                log.warning("could not delete %s: %s", shard.path, exc)
 
 
-def readable_input(source: str | Path) -> Path:
-    """The input file as a Path; InputError, naming it, when it is missing or a directory.
-    Checked before anything is created for a job (no job row, no engine start)."""
+def _not_writable(storage: Storage, exc: OSError) -> StorageError:
+    return StorageError(f"job storage {storage.display(storage.root)}: cannot write: {exc}")
+
+
+def readable_input(source: str | Path) -> str | Path:
+    """The input file: a Path, or a URI string (`s3://bucket/key`) as given; InputError,
+    naming it, when it is missing or a directory (on an object store: a key prefix), or the
+    store cannot be asked. Checked before anything is created for a job (no job row, no
+    engine start)."""
+    if is_uri(source):
+        uri = str(source)
+        try:
+            fs, path = filesystem_for(uri)
+            kind = fs.get_file_info(path).type
+        except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
+            raise InputError(f"{uri}: cannot read: {exc}") from exc
+        if kind == pafs.FileType.Directory:
+            raise InputError(f"{uri}: is a directory, not a JSONL file")
+        if kind != pafs.FileType.File:
+            raise InputError(f"{uri}: no such file")
+        return uri
     source = Path(source)
     if source.is_dir():
         raise InputError(f"{source}: is a directory, not a JSONL file")
     if not source.is_file():
         raise InputError(f"{source}: no such file")
     return source
+
+
+def input_name(source: str | Path) -> str:
+    """How a job records its input file: the absolute path, or the URI as given."""
+    return str(source) if is_uri(source) else str(Path(source).resolve())
 
 
 def store_input(
@@ -114,11 +148,12 @@ def store_input(
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
 ) -> StoredInput:
-    """Validate `source` line by line and store it as Parquet shards of `shard_size` rows.
+    """Validate `source` (a local path or a URI, streamed) line by line and store it as
+    Parquet shards of `shard_size` rows.
 
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
     InputError lists the problems. Raises InputError when the file cannot be read or holds
-    no request at all.
+    no request at all, StorageError when the shards cannot be written.
     """
     source = readable_input(source)
     result = StoredInput()
@@ -132,9 +167,12 @@ def store_input(
                     result.problems.append(item)
             writer.add(InputRow.from_item(item))
         writer.close_shard()
-    except OSError as exc:
+    except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()
         raise InputError(f"{source}: cannot read: {exc}") from exc
+    except StorageError:
+        writer.discard()
+        raise
     result.shards = writer.shards
     if result.total == 0:
         raise InputError(f"{source}: no requests (the file is empty or has only blank lines)")

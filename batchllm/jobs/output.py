@@ -4,8 +4,12 @@ A job's output directory holds part files `part-s<shard>-a<attempt>-<seq>.parque
 and `_SUCCESS` once the job is finalized. Names starting with `_` or `.` are skipped by pyarrow,
 pandas and Spark dataset readers, so the directory reads as one table without options; Polars
 (2.x refuses a directory of mixed extensions) and DuckDB take the glob `<dir>/*.parquet`.
-Part files appear atomically (written under a dot-name, then renamed), so the results of a
-running job can be read at any time.
+Part files appear atomically (on a filesystem written under a dot-name, then renamed; on an
+object store, which has no rename, uploaded under the final name, which shows the whole object
+or nothing), so the results of a running job can be read at any time. The checkpoint row is the
+commit record: a part no checkpoint records (its worker died between the upload and the commit)
+is deleted when the shard resumes and again when the job is finalized, so a finished job reads
+as exactly one row per input line.
 """
 
 from __future__ import annotations

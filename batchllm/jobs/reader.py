@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from batchllm.jobs.custom_ids import CustomIds, default_custom_id, given_id
-from batchllm.jobs.lines import Line, iter_lines
+from batchllm.jobs.lines import Line, iter_lines, open_input
 from batchllm.jobs.schemas import (
     ChatLine,
     ChatOptions,
@@ -31,6 +31,7 @@ from batchllm.jobs.schemas import (
     Request,
     SamplingOverrides,
 )
+from batchllm.jobs.storage import is_uri
 from batchllm.jobs.structured import ConstraintError, constraint_of
 from batchllm.settings import get_settings
 
@@ -140,7 +141,7 @@ def infer_task(path: str | Path, max_line_bytes: int | None = None) -> str:
     embed for embedding lines, else generate (one task per job; lines of the other task
     become error rows)."""
     limit = max_line_bytes or get_settings().max_line_bytes
-    with Path(path).open("rb") as handle:
+    with open_input(path) as handle:
         for line in iter_lines(handle, limit):
             if line.raw is None:
                 continue
@@ -294,19 +295,22 @@ def read_requests(
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
 ) -> Iterator[Request | LineError]:
-    """Yield one Request or LineError per non-blank line of `path`, in line order.
+    """Yield one Request or LineError per non-blank line of `path` (a local path or a URI
+    such as s3://bucket/key, streamed), in line order.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
     A line over `max_line_bytes` (default: the setting) is an error without being parsed.
+    The file is read twice (custom_ids.py), each time from its start.
     """
-    path = Path(path)
+    if not is_uri(path):
+        path = Path(path)
     name = str(path)
     limit = max_line_bytes or get_settings().max_line_bytes
     ids = CustomIds()
     try:
-        with path.open("rb") as handle:
+        with open_input(path) as handle:
             ids.collect_given(iter_lines(handle, limit))
-            handle.seek(0)
+        with open_input(path) as handle:
             chunk: list[_Checked] = []
             for line in iter_lines(handle, limit):
                 chunk.append(_check(line, limit, adapters, task))

@@ -12,10 +12,10 @@ from pathlib import Path
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from batchllm.errors import InputError, JobNotFound, JobStateError
+from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
 from batchllm.jobs.adapters import store_adapters
 from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import StoredInput, readable_input, store_input
+from batchllm.jobs.inputs import StoredInput, input_name, readable_input, store_input
 from batchllm.jobs.lifecycle import ACTIVE, after_last_shard
 from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.jobs.recovery import end_stale_shards_of_cancelled_jobs
@@ -48,11 +48,12 @@ def create_job(
 ) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
-    A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API.
+    A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
+    so does a job storage that cannot be written (StorageError).
     """
     settings = settings or get_settings()
     source = readable_input(source)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     job_id = new_job_id()
     if spec.adapters:
         # Workers load adapters from the job's storage, wherever the job was submitted.
@@ -65,7 +66,7 @@ def create_job(
                 model=spec.model,
                 spec=spec.model_dump(mode="json"),
                 job_metadata=dict(spec.metadata),
-                input_file=str(source.resolve()),
+                input_file=input_name(source),
                 storage_root=settings.resolved_storage,
                 output_dir=storage.display(storage.output_dir(job_id)),
                 max_model_len=spec.engine.max_model_len,
@@ -83,15 +84,20 @@ def create_job(
             adapters=frozenset(spec.adapters),
             task=spec.engine.task,
         )
-    except InputError as exc:
+        storage.makedirs(storage.output_dir(job_id))
+    except (InputError, StorageError, OSError) as exc:
+        error = exc
+        if isinstance(exc, OSError):  # the output directory
+            error = StorageError(f"job storage {storage.display(storage.root)}: {exc}")
         with session_scope(settings) as session:
             session.execute(
                 update(Job)
                 .where(Job.id == job_id)
-                .values(status=JobStatus.FAILED, error=str(exc), finished_at=utcnow())
+                .values(status=JobStatus.FAILED, error=str(error), finished_at=utcnow())
             )
-        raise
-    storage.makedirs(storage.output_dir(job_id))
+        if error is exc:
+            raise
+        raise error from exc
     with session_scope(settings) as session:
         job = get_one(session, Job, job_id)
         for shard in stored.shards:
@@ -170,7 +176,7 @@ def record_refused_job(
     """A job that fails before any row is stored (e.g. a Batch API file naming several
     models): recorded `failed` with the reason, so it can be looked up like any other."""
     settings = settings or get_settings()
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     job_id = new_job_id()
     with session_scope(settings) as session:
         session.add(

@@ -1,29 +1,111 @@
-"""Job files behind one filesystem abstraction (pyarrow.fs), so the fleet can share a network
-path today and object storage later without touching the callers.
+"""Job files behind one filesystem abstraction (pyarrow.fs): a local path, a network path the
+fleet shares, or object storage (`s3://bucket/prefix`, AWS S3 or an S3-compatible store such as
+MinIO), without touching the callers.
 
 Layout under the storage root:
   <job_id>/input/shard-00000.parquet     validated input rows of shard 0
   <job_id>/output/part-s00000-a001-00000.parquet   finished rows, one file per checkpoint
   <job_id>/output/_manifest.json, _SUCCESS
+
+S3 filesystems are built here only (`filesystem_for`): the endpoint from BATCHLLM_S3_ENDPOINT,
+everything else (credentials, region, AWS_ENDPOINT_URL) read by pyarrow's AWS SDK itself from
+the standard AWS variables, or given as pyarrow's URI options (`?region=...`).
 """
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pyarrow.fs as pafs
 
+from batchllm.errors import BatchLLMError
+
+if TYPE_CHECKING:
+    from batchllm.settings import Settings
+
+# Stores without a rename: an object is written whole under its final name (a PUT, or a
+# multipart upload completed at close, is atomic: readers see all of it or nothing).
+_OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})
+
+
+def is_uri(source: str | Path) -> bool:
+    """Whether `source` names a file through a filesystem URI (s3://bucket/key) rather than a
+    local path. A Path never does: Path("s3://b/k") has already lost the second slash."""
+    return isinstance(source, str) and "://" in source
+
+
+def endpoint_options(endpoint: str) -> dict[str, str]:
+    """pyarrow's S3 options for an endpoint URL: `http://host:port` -> endpoint_override
+    host:port, scheme http; without a scheme, https (as pyarrow's default)."""
+    endpoint = endpoint.strip()
+    if "://" not in endpoint:
+        return {"endpoint_override": endpoint.rstrip("/")}
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BatchLLMError(
+            f"BATCHLLM_S3_ENDPOINT={endpoint!r}: expected http://host:port or https://host:port"
+        )
+    if parts.path.strip("/"):
+        raise BatchLLMError(
+            f"BATCHLLM_S3_ENDPOINT={endpoint!r}: give the server only (no path); the bucket "
+            "goes in BATCHLLM_STORAGE (s3://bucket/prefix)"
+        )
+    return {"endpoint_override": parts.netloc, "scheme": parts.scheme}
+
+
+def filesystem_for(uri: str, *, s3_endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem of a URI and the path inside it. For s3://, `s3_endpoint` names
+    an S3-compatible server (None: the BATCHLLM_S3_ENDPOINT setting; "": none, AWS), unless the
+    URI gives its own `endpoint_override`; filesystems are built once per bucket and options."""
+    parts = urlsplit(uri)
+    if parts.scheme != "s3":
+        fs, path = pafs.FileSystem.from_uri(uri)
+        return fs, str(path)
+    if s3_endpoint is None:
+        from batchllm.settings import get_settings
+
+        s3_endpoint = get_settings().s3_endpoint
+    query = dict(parse_qsl(parts.query))
+    if s3_endpoint and "endpoint_override" not in query:
+        query.update(endpoint_options(s3_endpoint))
+    bucket = parts.netloc.rpartition("@")[2]
+    if not bucket:
+        raise BatchLLMError(f"{uri}: no bucket (expected s3://bucket/prefix)")
+    path = posixpath.join(bucket, parts.path.strip("/")).rstrip("/")
+    return _s3_filesystem(parts.netloc, urlencode(sorted(query.items()))), path
+
+
+@functools.lru_cache(maxsize=16)
+def _s3_filesystem(netloc: str, query: str) -> pafs.FileSystem:
+    """One S3 filesystem per bucket and options: building one starts an AWS client and, for
+    AWS without a region, looks the bucket's region up over the network."""
+    uri = f"s3://{netloc}" + (f"?{query}" if query else "")
+    return pafs.FileSystem.from_uri(uri)[0]
+
 
 class Storage:
-    def __init__(self, root: str) -> None:
+    """The job storage at `root`: a local path or a URI; `s3_endpoint` as for
+    `filesystem_for`."""
+
+    def __init__(self, root: str, *, s3_endpoint: str | None = None) -> None:
         if "://" in root:
-            self.fs, self.root = pafs.FileSystem.from_uri(root)
+            self.fs, self.root = filesystem_for(root, s3_endpoint=s3_endpoint)
             self._uri_prefix = root[: root.index("://") + 3]
         else:
             self.fs, self.root = pafs.LocalFileSystem(), str(Path(root).expanduser().resolve())
             self._uri_prefix = ""
         self.root = self.root.rstrip("/") or "/"
+        # No rename on an object store: write_bytes puts objects under their final name.
+        self.is_object_store = self.fs.type_name in _OBJECT_STORES
+
+    @classmethod
+    def of(cls, settings: Settings) -> Storage:
+        """The job storage these settings name, on their S3 endpoint if they give one."""
+        return cls(settings.resolved_storage, s3_endpoint=settings.s3_endpoint or "")
 
     def job_dir(self, job_id: str) -> str:
         return posixpath.join(self.root, job_id)
@@ -39,19 +121,30 @@ class Storage:
         return path if not self._uri_prefix else self._uri_prefix + path.lstrip("/")
 
     def makedirs(self, path: str) -> None:
+        """A directory; on an object store, where directories are only key prefixes, pyarrow
+        checks the bucket and leaves empty marker objects."""
         self.fs.create_dir(path, recursive=True)
 
     def exists(self, path: str) -> bool:
+        """Whether a file or directory is there (on an object store: an object or a prefix)."""
         return bool(self.fs.get_file_info(path).type != pafs.FileType.NotFound)
 
     def listdir(self, path: str) -> list[str]:
+        """The names of the files directly in `path` (on an object store: the objects right
+        under the prefix), sorted; [] when there is none."""
         if not self.exists(path):
             return []
         infos = self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
         return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        """Write through a temporary name and rename, so readers never see half a file."""
+        """Write a whole file so that readers never see half of it: on a filesystem through a
+        temporary name and a rename; on an object store straight under its final name, where
+        the upload appears whole when it completes (a "move" there would copy and delete)."""
+        if self.is_object_store:
+            with self.fs.open_output_stream(path) as out:
+                out.write(data)
+            return
         tmp = posixpath.join(posixpath.dirname(path), "." + posixpath.basename(path) + ".tmp")
         with self.fs.open_output_stream(tmp) as out:
             out.write(data)

@@ -275,8 +275,9 @@ def _queue_depths(client: Any) -> dict[str, int]:
 
 
 def check_storage(root: str) -> Section:
-    """Writable: a probe file is written (through Storage's temporary name and rename), read
-    back and deleted. Directories the probe needed are removed again."""
+    """Writable: a probe file is written (as part files are: through a temporary name and a
+    rename, or on an object store under its name), read back and deleted. Directories the
+    probe needed are removed again."""
     from batchllm.jobs.storage import Storage
 
     shown = hide_password(root)

@@ -40,7 +40,7 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
     """
     settings = settings or get_settings()
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     with session_scope(settings) as session:
         for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
             log.warning(

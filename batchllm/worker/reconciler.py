@@ -82,7 +82,7 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
 
     with session_scope(settings) as session:
         finalizing = recovery.finalizing_jobs(session)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     for job_id in finalizing:
         # hardware/version: the job row has them from its first engine step.
         if finalize_job(
