@@ -15,8 +15,9 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(PIP_ARGS) -e ".[$(EXTRA),test]"
+	@# -qq: pip's notes about a machine's index settings would fill the demo's screen; errors show.
+	$(BIN)/pip install -qq --upgrade pip
+	$(BIN)/pip install -qq $(PIP_ARGS) -e ".[$(EXTRA),test]"
 	@# PyPI's torchvision/torchaudio/torchcodec beside a CPU torch break `import transformers`
 	@# (text models need none of them): drop them when they do not import.
 	@$(BIN)/python -c "import torchvision" 2>/dev/null || \
