@@ -32,11 +32,12 @@ def window_seconds(window: str) -> int | None:
     return int(match[1]) * _UNITS[match[2]]
 
 
-def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[set[str], list[dict]]:
-    """The models the file's lines name, and batch-level errors (OpenAI's BatchError shape):
-    lines for another endpoint. Lines that do not parse are left to per-line validation,
-    which turns them into error lines of the batch's error file."""
-    models: set[str] = set()
+def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[list[str], list[dict]]:
+    """The models the file's lines name, in the order they first appear (the batch's model is
+    the first), and batch-level errors (OpenAI's BatchError shape): lines for another
+    endpoint. Lines that do not parse are left to per-line validation, which turns them into
+    error lines of the batch's error file."""
+    models: dict[str, None] = {}  # insertion-ordered
     errors: list[dict[str, Any]] = []
     with open(path, "rb") as handle:
         for line in iter_lines(handle, max_line_bytes):
@@ -62,11 +63,11 @@ def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[set[
             body = obj.get("body")
             model = body.get("model") if isinstance(body, dict) else None
             if isinstance(model, str) and model:
-                models.add(model)
-    return models, errors
+                models.setdefault(model)
+    return list(models), errors
 
 
-def mixed_model_errors(path: str, models: set[str], max_line_bytes: int) -> list[dict]:
+def mixed_model_errors(path: str, models: list[str], max_line_bytes: int) -> list[dict]:
     """The lines naming another model than the first one the file names."""
     first: str | None = None
     errors: list[dict[str, Any]] = []

@@ -81,7 +81,8 @@ def create_batch(
         )
     if len(models) > 1:
         errors += batches.mixed_model_errors(stored.path, models, settings.max_line_bytes)
-    model = sorted(models)[0] if len(models) > 1 else next(iter(models))
+    # The first model the file names: the one the model_mismatch errors hold the others to.
+    model = models[0]
     if errors:
         job_id = batches.refuse_batch(
             settings,

@@ -64,6 +64,20 @@ def install_handlers(app: FastAPI) -> None:
         )
         return JSONResponse(error_body(400, message, param, "invalid_value"), 400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, _exc: Exception) -> JSONResponse:
+        # Anything else (the database or the broker unreachable, a bug): still OpenAI's shape,
+        # which clients parse, and no internals in the message. Starlette logs the traceback.
+        return JSONResponse(
+            error_body(
+                500,
+                "The server had an error while processing your request.",
+                None,
+                "server_error",
+            ),
+            500,
+        )
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(

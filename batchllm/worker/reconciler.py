@@ -78,7 +78,10 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
             session, settings.lease_seconds
         ) + recovery.end_cancelling_jobs_without_shards(session)
     for job_id in done.cancelled_jobs:
-        log.warning("job %s cancelled: its remaining shards had no live worker", job_id)
+        log.warning(
+            "job %s ended (cancelled, or expired): its remaining shards had no live worker",
+            job_id,
+        )
 
     with session_scope(settings) as session:
         finalizing = recovery.finalizing_jobs(session)

@@ -1,0 +1,607 @@
+"""`batchllm serve` end to end, driven by the official `openai` client: a real server process
+with API keys, a real `batchllm worker` running the tiny model through vLLM, the isolated
+PostgreSQL database and Redis database of conftest's fleet_env.
+
+One worker serves every batch of the module: the first batch builds its engine (the slow part),
+the others find it warm. Its reconciler runs every 2 s, so completion windows of seconds expire
+within a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.models import StoredFile
+from tests.integration.conftest import HOST, REPO, FleetEnv, Worker, stop_workers
+
+openai = pytest.importorskip("openai")
+from openai import OpenAI  # noqa: E402
+from openai.types import Batch, Completion, FileObject  # noqa: E402
+from openai.types.chat import ChatCompletion  # noqa: E402
+from openai.types.shared import ErrorObject  # noqa: E402
+
+T = TypeVar("T")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MAX_FILE_BYTES = 4 * 1024 * 1024
+RECONCILE_SECONDS = "2"
+# Long enough that cancelling or expiring it always finds rows done and rows left: about
+# 100 s on a loaded 2-core machine (~100 rows/s), and it is stopped after a few seconds.
+BIG_LINES = 10_000
+FIRST_BATCH_SECONDS = 600  # the engine is built while the first batch waits
+BATCH_SECONDS = 300
+
+
+# -- the server, its keys and the worker ----------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A `batchllm serve` process in its own process group, its output in a log file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "serve", "--host", HOST, "--port", str(self.port)],
+            env=env,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).json() == {"status": "ok"}:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve not up after {timeout:.0f}s:\n{self.tail()}")
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@dataclass
+class Api:
+    fleet_env: FleetEnv
+    server: Server
+    worker: Worker
+    model: str
+    keys: dict[str, str]
+
+    def client(self, key: str | None = None, **options: Any) -> OpenAI:
+        # No retries: a 409 or 5xx must show, not be retried away.
+        return OpenAI(
+            base_url=f"{self.server.base_url}/v1",
+            api_key=key if key is not None else self.keys["alice"],
+            max_retries=0,
+            timeout=120,
+            **options,
+        )
+
+    def logs(self) -> str:
+        return (
+            f"\n--- serve log (tail) ---\n{self.server.tail()}"
+            f"\n--- worker log (tail) ---\n{self.worker.tail()}"
+        )
+
+    @property
+    def files_dir(self) -> Path:
+        return Path(self.fleet_env.settings.resolved_storage) / "files"
+
+
+def create_key(fleet_env: FleetEnv, name: str) -> str:
+    done = fleet_env.cli("keys", "create", name)
+    assert done.returncode == 0, done.stderr
+    key = done.stdout.strip()
+    assert key.startswith("sk-batchllm-") and "\n" not in key, done.stdout
+    return key
+
+
+@pytest.fixture(scope="module")
+def api(
+    fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Api]:
+    work = tmp_path_factory.mktemp("batch-api")
+    keys = {name: create_key(fleet_env, name) for name in ("alice", "bob")}
+    listed = fleet_env.cli("keys", "list")
+    assert listed.returncode == 0 and "alice" in listed.stdout and "sk-" not in listed.stdout
+    env = fleet_env.worker_env(
+        BATCHLLM_RECONCILE_SECONDS=RECONCILE_SECONDS,
+        BATCHLLM_API_MAX_FILE_BYTES=str(MAX_FILE_BYTES),
+    )
+    worker = Worker(
+        "api@test",
+        model=tiny_model,
+        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+        log_path=work / "worker.log",
+    )
+    server = Server(env, work / "serve.log")
+    try:
+        server.wait_healthy()
+        worker.wait_ready()
+        yield Api(fleet_env, server, worker, str(tiny_model), keys)
+    finally:
+        server.stop()
+        stop_workers([worker])
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def wait_for(check: Callable[[], T | None], *, timeout: float, what: Callable[[], str]) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what()}")
+        time.sleep(0.5)
+
+
+def wait_status(api: Api, client: OpenAI, batch_id: str, status: str, timeout: float) -> Batch:
+    last: list[Batch] = []
+
+    def reached() -> Batch | None:
+        batch = client.batches.retrieve(batch_id)
+        last[:] = [batch]
+        if batch.status in ("failed", "completed", "cancelled", "expired"):
+            assert batch.status == status, f"batch {batch.status}: {batch}{api.logs()}"
+            return batch
+        return None
+
+    return wait_for(
+        reached,
+        timeout=timeout,
+        what=lambda: f"batch {batch_id} to be {status} (last: {last}){api.logs()}",
+    )
+
+
+def jsonl(lines: list[dict[str, Any] | str]) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+def upload(client: OpenAI, content: bytes, name: str = "input.jsonl") -> FileObject:
+    file = client.files.create(file=(name, content), purpose="batch")
+    assert (file.purpose, file.bytes, file.filename) == ("batch", len(content), name)
+    return file
+
+
+def read_jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    stored = client.files.retrieve(file_id)
+    content = client.files.content(file_id).content
+    assert (stored.purpose, stored.bytes) == ("batch_output", len(content))
+    return [json.loads(line) for line in content.decode().splitlines()]
+
+
+def chat_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": CHAT,
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Say something about {custom_id}."}],
+            "max_tokens": 8,
+            "temperature": 0,
+            **body,
+        },
+    }
+
+
+def completion_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": COMPLETIONS,
+        "body": {"model": model, "prompt": f"Once upon {custom_id}", "max_tokens": 8, **body},
+    }
+
+
+def big_batch(api: Api) -> bytes:
+    """BIG_LINES chat lines that each generate exactly 16 to 48 tokens (ignore_eos): rows keep
+    finishing all along, so a checkpoint comes well before the end. Prompt and answer stay
+    within 64 tokens, the max_model_len the small batches size their engine to, so the worker's
+    engine serves them all (a job needing more context would rebuild it: a minute on CPU)."""
+    return jsonl(
+        [
+            {
+                "custom_id": f"big-{i}",
+                "method": "POST",
+                "url": CHAT,
+                "body": {
+                    "model": api.model,
+                    "messages": [{"role": "user", "content": f"big-{i}"}],
+                    "max_tokens": big_tokens(i),
+                    "ignore_eos": True,
+                },
+            }
+            for i in range(BIG_LINES)
+        ]
+    )
+
+
+def big_tokens(i: int) -> int:
+    return 16 + i % 33
+
+
+def assert_ok_lines(
+    lines: list[dict[str, Any]], response_type: type, model: str
+) -> tuple[int, int]:
+    """Every output line as OpenAI writes it; returns the summed (prompt, completion) tokens."""
+    prompt = completion = 0
+    for line in lines:
+        assert line["id"].startswith("batch_req_") and line["error"] is None, line
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"], line
+        body = response_type.model_validate(response["body"])
+        assert body.model == model and len(body.choices) == 1
+        assert body.usage is not None
+        assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
+        prompt += body.usage.prompt_tokens
+        completion += body.usage.completion_tokens
+    assert len({line["id"] for line in lines}) == len(lines)
+    return prompt, completion
+
+
+def assert_invalid_lines(lines: list[dict[str, Any]], params: dict[str, str | None]) -> None:
+    """Every error line a 400 answer naming the parameter at fault, as OpenAI writes it."""
+    assert sorted(line["custom_id"] for line in lines) == sorted(params)
+    for line in lines:
+        assert line["id"].startswith("batch_req_") and line["error"] is None, line
+        assert line["response"]["status_code"] == 400, line
+        error = ErrorObject.model_validate(line["response"]["body"]["error"])
+        assert error.type == "invalid_request_error" and error.message and error.code, line
+        assert error.param == params[line["custom_id"]], line
+
+
+def refused_batch(client: OpenAI) -> Batch:
+    """A batch refused at once for naming two models: no engine time."""
+    file = upload(client, jsonl([chat_line("m1", "a"), chat_line("m2", "b")]))
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    assert batch.status == "failed" and batch.errors is not None, batch
+    return batch
+
+
+def assert_window(batch: Batch, seconds: int) -> None:
+    # The window starts when the request comes (expires_at), the batch's clock once its input
+    # is stored (created_at): they differ by the time storing took.
+    assert 0 <= batch.created_at + seconds - batch.expires_at <= 10, batch
+
+
+def file_rows(api: Api) -> int:
+    with session_scope(api.fleet_env.settings) as session:
+        return session.scalar(select(func.count()).select_from(StoredFile))
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+
+def test_keys_are_required(api: Api) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        api.client("sk-batchllm-not-a-key").batches.list()
+    assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
+    revoked = create_key(api.fleet_env, "revoked")
+    api.client(revoked).files.list()
+    done = api.fleet_env.cli("keys", "revoke", "revoked")
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(openai.AuthenticationError):
+        api.client(revoked).files.list()
+    # No key at all (the SDK refuses to send a request without one).
+    bare = httpx.get(f"{api.server.base_url}/v1/batches", timeout=10)
+    assert bare.status_code == 401
+    assert set(bare.json()["error"]) == {"message", "type", "param", "code"}
+    assert bare.json()["error"]["code"] == "missing_api_key"
+
+
+def test_models_lists_the_worker_model(api: Api) -> None:
+    models = wait_for(
+        lambda: [m.id for m in api.client().models.list().data] or None,
+        timeout=30,
+        what=lambda: "the worker to register its model" + api.logs(),
+    )
+    assert api.model in models
+    assert "/nonexistent-model" not in models
+
+
+def test_an_oversized_upload_keeps_nothing(api: Api) -> None:
+    client = api.client(api.keys["bob"])
+    before_files = sorted(api.files_dir.rglob("*")) if api.files_dir.exists() else []
+    before_listed = [f.id for f in client.files.list().data]
+    before_rows = file_rows(api)
+    line = json.dumps(chat_line(api.model, "x")).encode() + b"\n"
+    just_over = (line * (MAX_FILE_BYTES // len(line) + 1))[: MAX_FILE_BYTES + 1]
+    # One byte over: refused while it is stored; over by more than the multipart framing:
+    # refused from its Content-Length before a byte is stored.
+    for content in (just_over, just_over + line * (100_000 // len(line))):
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.files.create(file=("big.jsonl", content), purpose="batch")
+        assert caught.value.status_code == 413, caught.value
+        assert caught.value.code == "file_too_large"
+        after = sorted(api.files_dir.rglob("*")) if api.files_dir.exists() else []
+        assert after == before_files
+        assert [f.id for f in client.files.list().data] == before_listed
+        assert file_rows(api) == before_rows
+    # The limit itself is fine.
+    fits = upload(client, line * (MAX_FILE_BYTES // len(line)))
+    assert client.files.delete(fits.id).deleted
+
+
+def test_a_chat_batch_completes(api: Api) -> None:
+    client = api.client()
+    valid = [chat_line(api.model, f"chat-{i}") for i in range(6)]
+    invalid = [
+        {**chat_line(api.model, "no-messages"), "body": {"model": api.model, "max_tokens": 8}},
+        chat_line(api.model, "bad-temperature", temperature=-1),
+        chat_line(api.model, "unknown-field", frobnicate=True),
+    ]
+    lines: list[dict[str, Any] | str] = [*valid[:3], *invalid, *valid[3:], '{"custom_id": "cut']
+    broken_id = f"line-{len(lines)}"  # a line that does not parse gets its number as custom_id
+    file = upload(client, jsonl(lines))
+    created = client.batches.create(
+        input_file_id=file.id,
+        endpoint=CHAT,
+        completion_window="24h",
+        metadata={"suite": "batch-api"},
+    )
+    assert created.status in ("validating", "in_progress") and created.model == api.model
+    assert (created.input_file_id, created.metadata) == (file.id, {"suite": "batch-api"})
+    assert created.request_counts.total == len(lines)
+    assert_window(created, 24 * 3600)
+
+    batch = wait_status(api, client, created.id, "completed", FIRST_BATCH_SECONDS)
+    assert batch.completed_at and batch.in_progress_at and batch.errors is None
+    assert batch.request_counts.model_dump() == {
+        "total": len(lines),
+        "completed": len(valid),
+        "failed": len(invalid) + 1,
+    }
+    output = read_jsonl(client, batch.output_file_id)
+    errors = read_jsonl(client, batch.error_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(c["custom_id"] for c in valid)
+    prompt, completion = assert_ok_lines(output, ChatCompletion, api.model)
+    for line in output:
+        choice = ChatCompletion.model_validate(line["response"]["body"]).choices[0]
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert_invalid_lines(
+        errors,
+        {
+            "no-messages": "messages",
+            "bad-temperature": "temperature",
+            "unknown-field": "frobnicate",
+            broken_id: None,  # malformed JSON: no parameter to blame
+        },
+    )
+    assert {line["custom_id"] for line in output + errors} == {
+        *(c["custom_id"] for c in valid + invalid),
+        broken_id,
+    }
+    assert batch.usage is not None
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt, completion)
+    assert batch.usage.total_tokens == prompt + completion and completion > 0
+    # Retrieving again exports nothing new: the same files.
+    again = client.batches.retrieve(batch.id)
+    assert (again.output_file_id, again.error_file_id) == (
+        batch.output_file_id,
+        batch.error_file_id,
+    )
+
+
+def test_a_completions_batch_completes(api: Api) -> None:
+    client = api.client()
+    valid = [completion_line(api.model, f"cmpl-{i}") for i in range(4)]
+    invalid = [completion_line(api.model, "zero-tokens", max_tokens=0)]
+    file = upload(client, jsonl([*valid, *invalid]))
+    created = client.batches.create(
+        input_file_id=file.id, endpoint=COMPLETIONS, completion_window="1h"
+    )
+    assert_window(created, 3600)
+    batch = wait_status(api, client, created.id, "completed", BATCH_SECONDS)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    output = read_jsonl(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(c["custom_id"] for c in valid)
+    prompt, completion = assert_ok_lines(output, Completion, api.model)
+    for line in output:
+        assert Completion.model_validate(line["response"]["body"]).object == "text_completion"
+    assert_invalid_lines(read_jsonl(client, batch.error_file_id), {"zero-tokens": "max_tokens"})
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt, completion)
+
+
+def test_a_file_for_two_endpoints_is_refused(api: Api) -> None:
+    client = api.client()
+    file = upload(client, jsonl([chat_line(api.model, "a"), completion_line(api.model, "b")]))
+    batch = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    assert batch.status == "failed" and batch.failed_at
+    assert batch.errors is not None
+    assert [(e.line, e.code, e.param) for e in batch.errors.data] == [(2, "invalid_url", "url")]
+    assert batch.output_file_id is None and batch.error_file_id is None
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/responses", completion_window="24h"
+        )
+    assert caught.value.param == "endpoint"
+
+
+def test_batch_pages(api: Api) -> None:
+    client = api.client()
+    for _ in range(3):
+        refused_batch(client)
+    everything = client.batches.list(limit=100)
+    assert not everything.has_more and len(everything.data) >= 3
+    ids = [b.id for b in everything.data]
+    assert len(set(ids)) == len(ids)
+
+    first = client.batches.list(limit=1)
+    assert [b.id for b in first.data] == ids[:1] and first.has_more
+    second = client.batches.list(limit=1, after=first.data[0].id)
+    assert [b.id for b in second.data] == ids[1:2]
+    assert second.has_more == (len(ids) > 2)
+    paged = []
+    page = first
+    while True:
+        paged += [b.id for b in page.data]
+        if not page.has_next_page():
+            break
+        page = page.get_next_page()
+    assert paged == ids
+    assert [b.id for b in client.batches.list(limit=1)] == ids  # the SDK's auto-pagination
+    last = client.batches.list(limit=1, after=ids[-1])
+    assert last.data == [] and not last.has_more
+
+
+def test_another_key_sees_nothing(api: Api) -> None:
+    alice, bob = api.client(), api.client(api.keys["bob"])
+    refused_batch(alice)  # at least one, with the batches the tests before this one made
+    batches = alice.batches.list(limit=100).data
+    bobs = {b.id for b in bob.batches.list(limit=100).data}
+    for batch in batches:
+        assert batch.id not in bobs
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.batches.cancel(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.files.retrieve(batch.input_file_id)
+        for file_id in filter(None, (batch.output_file_id, batch.error_file_id)):
+            with pytest.raises(openai.NotFoundError):
+                bob.files.content(file_id)
+            with pytest.raises(openai.NotFoundError):
+                bob.files.delete(file_id)
+            alice.files.retrieve(file_id)  # still there
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.list(after=batches[0].id)
+    bob_files = {f.id for f in bob.files.list().data}
+    assert not bob_files & {f.id for f in alice.files.list().data}
+
+
+def test_cancel_a_running_batch(api: Api) -> None:
+    client = api.client()
+    file = upload(client, big_batch(api), "big.jsonl")
+    created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+
+    def running() -> Batch | None:
+        batch = client.batches.retrieve(created.id)
+        assert batch.status == "in_progress", batch
+        return batch if batch.request_counts.completed > 0 else None
+
+    wait_for(running, timeout=BATCH_SECONDS, what=lambda: "a first checkpoint" + api.logs())
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = wait_status(api, client, created.id, "cancelled", 120)
+    assert batch.cancelled_at and batch.completed_at is None
+    counts = batch.request_counts
+    assert counts.total == BIG_LINES
+    assert 0 < counts.completed < BIG_LINES and counts.failed == 0
+    # The finished rows only; lines that never ran are in neither file (openai_files: not_run).
+    output = read_jsonl(client, batch.output_file_id)
+    assert len(output) == counts.completed
+    assert read_jsonl(client, batch.error_file_id) == []
+    custom_ids = [line["custom_id"] for line in output]
+    assert len(set(custom_ids)) == len(custom_ids)
+    assert set(custom_ids) < {f"big-{i}" for i in range(BIG_LINES)}
+    prompt, completion = assert_ok_lines(output, ChatCompletion, api.model)
+    for line in output:
+        i = int(line["custom_id"].removeprefix("big-"))
+        assert line["response"]["body"]["usage"]["completion_tokens"] == big_tokens(i)
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt, completion)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(created.id)
+    # The worker is free again: a small batch completes.
+    small = upload(client, jsonl([chat_line(api.model, "after-cancel")]))
+    after = client.batches.create(input_file_id=small.id, endpoint=CHAT, completion_window="24h")
+    assert (
+        wait_status(api, client, after.id, "completed", BATCH_SECONDS).request_counts.completed == 1
+    )
+
+
+def test_a_queued_batch_expires(api: Api) -> None:
+    """No worker serves its model, so it waits in the queue until its window passes."""
+    client = api.client()
+    lines = [chat_line("/nonexistent-model", f"never-{i}") for i in range(3)]
+    file = upload(client, jsonl(lines))
+    created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="5s")
+    assert created.status == "in_progress" and created.model == "/nonexistent-model"
+    assert_window(created, 5)
+    batch = wait_status(api, client, created.id, "expired", 60)
+    assert batch.expired_at and batch.expired_at >= batch.expires_at
+    assert batch.in_progress_at is None
+    assert batch.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 0}
+    # No line ran: the output file is empty, and the error file lists every line as OpenAI
+    # does for a batch that expired (openai_files: not-run lines of an expired job).
+    assert read_jsonl(client, batch.output_file_id) == []
+    errors = read_jsonl(client, batch.error_file_id)
+    assert_expired_lines(errors)
+    assert sorted(line["custom_id"] for line in errors) == [c["custom_id"] for c in lines]
+
+
+def assert_expired_lines(lines: list[dict[str, Any]]) -> None:
+    for line in lines:
+        assert line["id"].startswith("batch_req_") and line["response"] is None, line
+        assert line["error"]["code"] == "batch_expired" and line["error"]["message"], line
+
+
+def test_a_running_batch_expires_with_its_finished_rows(api: Api) -> None:
+    client = api.client()
+    file = upload(client, big_batch(api), "big.jsonl")
+    created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="15s")
+    batch = wait_status(api, client, created.id, "expired", 120)
+    counts = batch.request_counts
+    assert 0 < counts.completed < BIG_LINES, counts
+    assert batch.in_progress_at and batch.expired_at >= batch.expires_at
+    output = read_jsonl(client, batch.output_file_id)
+    assert len(output) == counts.completed
+    assert_ok_lines(output, ChatCompletion, api.model)
+    # The lines it had no time for are batch_expired errors: every line is in one file.
+    errors = read_jsonl(client, batch.error_file_id)
+    assert len(errors) == BIG_LINES - counts.completed and counts.failed == 0
+    assert_expired_lines(errors)
+    assert sorted(line["custom_id"] for line in output + errors) == sorted(
+        f"big-{i}" for i in range(BIG_LINES)
+    )
