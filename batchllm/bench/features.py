@@ -19,7 +19,10 @@ Both jobs then keep the engine equally busy step by step, so the plain rows' fin
 differ only by the features' own cost (grammar bitmasks, logprobs, their bookkeeping). Compared
 with the all-plain job instead, the mixed job's early-stopping JSON and choice rows would lighten
 the engine and flatter the plain rows; compared with a job of the plain rows alone, the mixed
-job's extra rows would slow them for reasons that are not the features'.
+job's extra rows would slow them for reasons that are not the features'. The same two loads
+also run through raw `LLM.generate` (token ids, the sampling parameters batchllm builds for
+those lines), which tells how much of any slowdown is vLLM's own: an engine step runs every
+row of the batch, so a step's grammar masks and logprobs are waited for by all of them.
 """
 
 from __future__ import annotations
@@ -63,14 +66,25 @@ JOBS = {
     "choice": f"choice of {len(CHOICES)} labels",
     "logprobs": f"top-{TOP_LOGPROBS} logprobs",
     "n4": f"n={SAMPLES} samples",
-    "mixed": "mixed: half plain, half json/choice/logprobs",
+    "mixed": "mixed: plain + json/choice/logprobs",
+    "control": "control: the mixed load, all plain",
 }
 # The kinds of the mixed job's odd lines, in turn.
 _MIXED = ("json", "choice", "logprobs")
+# The mixed job's plain rows, and the same lines in the control and the plain job.
 HALVES = {
     "mixed": "mixed job: its plain rows",
     "control": "control job: the same rows",
     "plain": "plain job: the same rows",
+}
+# The settings batchllm stores for each kind of line (jobs/reader.py): what raw vLLM's twin of
+# each job is given, through batchllm's own SamplingParams construction.
+_RAW: dict[str, dict[str, Any]] = {
+    "plain": {"ignore_eos": True},
+    "json": {"structured": {"json": SCHEMA}},
+    "choice": {"structured": {"choice": CHOICES}},
+    "logprobs": {"ignore_eos": True, "logprobs": TOP_LOGPROBS},
+    "n4": {"ignore_eos": True, "n": SAMPLES},
 }
 _WARMUP_ROWS = 40
 Say = Callable[[str], None]
@@ -321,76 +335,188 @@ def run_features(
         "prefix_caching": False,
     }
     try:
-        # Prompt ids -> line index: which requests are a job's plain (even) lines.
-        lines: dict[tuple[int, ...], int] = {}
-        for i, ids in enumerate(engine.prepare(rows)):
-            if isinstance(ids, str):
-                raise BenchFailed(f"a feature prompt cannot run: {ids}")
-            lines[tuple(cast(list[int], ids))] = i
-        if len(lines) != len(rows):
-            raise BenchFailed("the feature prompts are not distinct")
-        jobs, halves = _take_turns(
-            prompts, lines, engines, spec, settings, workdir, max_tokens, repeats, say
-        )
+        part = _Part(prompts, engine.prepare(rows), engines, spec, settings, workdir, say)
+        part.take_turns(repeats)
     finally:
         engines.close()
-    return _figures(workload, max_tokens, info, jobs, halves)
+    return part.figures(workload, info)
 
 
-def _take_turns(
-    prompts: list[Request],
-    lines: dict[tuple[int, ...], int],
-    engines: _TimedEngines,
-    spec: JobSpec,
-    settings: Settings,
-    workdir: Path,
-    max_tokens: int,
-    repeats: int,
-    say: Say,
-) -> tuple[dict[str, Contender], dict[str, Contender]]:
-    """Each job once per repeat, in turn, so drift on a busy machine hits all alike. A warm-up
-    job first: it compiles the JSON and choice grammars (vLLM keeps them per engine, as a long
-    job pays for them once) and runs every feature's code path once."""
-    say("[features] warming up (one job with every feature)")
-    kinds = ("plain", "json", "choice", "logprobs", "n4")
-    warm = write_lines(
-        workdir / "features-warmup.jsonl",
-        prompts[:_WARMUP_ROWS],
-        lambda i: line_fields(kinds[i % len(kinds)], max_tokens),
-    )
-    _run_job(engines, spec, warm, settings)
-    jobs = {key: Contender(key, label) for key, label in JOBS.items()}
-    halves = {key: Contender(f"{key}_plain_rows", label) for key, label in HALVES.items()}
-    for repeat in range(repeats):
-        for key in JOBS:
-            source = write_lines(
-                workdir / f"features-{key}.jsonl", prompts, _fields_of(key, max_tokens)
+class _Part:
+    """The jobs of this part and their raw vLLM twins, on the engine `engines` holds."""
+
+    def __init__(
+        self,
+        prompts: list[Request],
+        prepared: list[Prepared],
+        engines: _TimedEngines,
+        spec: JobSpec,
+        settings: Settings,
+        workdir: Path,
+        say: Say,
+    ) -> None:
+        self.prompts = prompts
+        self.engines = engines
+        self.spec = spec
+        self.settings = settings
+        self.workdir = workdir
+        self.say = say
+        self.max_tokens = spec.sampling.max_tokens
+        # Prompt ids -> line index: which requests are a job's plain (even) lines.
+        self.lines: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(prepared):
+            if isinstance(ids, str):
+                raise BenchFailed(f"a feature prompt cannot run: {ids}")
+            self.lines[tuple(cast(list[int], ids))] = i
+        if len(self.lines) != len(prompts):
+            raise BenchFailed("the feature prompts are not distinct")
+        self.token_prompts = [{"prompt_token_ids": list(ids)} for ids in self.lines]
+        self.jobs = {key: Contender(key, label) for key, label in JOBS.items()}
+        self.raw = {key: Contender(f"vllm_{key}", f"raw vLLM: {key}") for key in JOBS}
+        self.plain_rows = {k: Contender(f"{k}_plain_rows", label) for k, label in HALVES.items()}
+
+    def take_turns(self, repeats: int) -> None:
+        """Each job once per repeat, in turn, so drift on a busy machine hits all alike, each
+        followed by its raw vLLM twin; the control right after the mixed job. A warm-up job
+        first: it compiles the JSON and choice grammars (vLLM keeps them per engine, as a long
+        job pays for them once) and runs every feature's code path once."""
+        self.say("[features] warming up (one job with every feature)")
+        kinds = ("plain", "json", "choice", "logprobs", "n4")
+        self._job("warmup", lambda i: line_fields(kinds[i % len(kinds)], self.max_tokens))
+        for repeat in range(repeats):
+            said = f"repeat {repeat + 1}/{repeats}"
+            for key in ("plain", "json", "choice", "logprobs", "n4", "mixed"):
+                done = self._timed(key, _fields_of(key, self.max_tokens), said)
+                _check(key, done)
+                if key in ("plain", "mixed"):
+                    self.plain_rows[key].runs.append(plain_half(done, self.lines))
+                line_kinds = [
+                    mixed_kind(i) if key == "mixed" else key for i in range(len(self.prompts))
+                ]
+                outputs = self._raw_twin(key, [_RAW[kind] for kind in line_kinds], said)
+            # The last job of the turn was the mixed one: now its control, with each side's own.
+            mixed, raw_mixed = done, outputs
+            control = _control_of(mixed, self.prompts, self.max_tokens)
+            self.plain_rows["control"].runs.append(
+                plain_half(self._timed("control", control, said), self.lines)
             )
-            done = _run_job(engines, spec, source, settings)
-            _check(key, done)
-            jobs[key].runs.append(done.run)
-            say(
-                f"[features] {JOBS[key]}, repeat {repeat + 1}/{repeats}: "
-                f"{done.run.requests / done.run.seconds:,.1f} req/s, "
-                f"{done.run.output_tokens_per_s:,.0f} output tokens/s ({done.run.seconds:.1f} s)"
+            rows = self.plain_rows["mixed"].runs[-1], self.plain_rows["control"].runs[-1]
+            self.say(
+                f"[features] plain rows, {said}: done in {rows[0].seconds:.1f} s in the mixed "
+                f"job, {rows[1].seconds:.1f} s in the control"
             )
-            if key == "plain":
-                halves["plain"].runs.append(plain_half(done, lines))
-            if key != "mixed":
-                continue
-            halves["mixed"].runs.append(plain_half(done, lines))
-            source = write_lines(
-                workdir / "features-control.jsonl", prompts, _control_of(done, prompts, max_tokens)
+            # Raw vLLM's control: its own mixed run's load, without the features.
+            self._raw_twin(
+                "control",
+                [
+                    _RAW["plain"]
+                    if i % 2 == 0
+                    else {"ignore_eos": True, "max_tokens": len(out.outputs[0].token_ids)}
+                    for i, out in enumerate(raw_mixed)
+                ],
+                said,
             )
-            halves["control"].runs.append(
-                plain_half(_run_job(engines, spec, source, settings), lines)
+
+    def _job(self, key: str, fields: Callable[[int], dict]) -> _Done:
+        source = write_lines(self.workdir / f"features-{key}.jsonl", self.prompts, fields)
+        return _run_job(self.engines, self.spec, source, self.settings)
+
+    def _timed(self, key: str, fields: Callable[[int], dict], said: str) -> _Done:
+        done = self._job(key, fields)
+        self.jobs[key].runs.append(done.run)
+        self._said(JOBS[key], said, done.run)
+        return done
+
+    def _said(self, label: str, said: str, run: Run) -> None:
+        self.say(
+            f"[features] {label}, {said}: {run.requests / run.seconds:,.1f} req/s, "
+            f"{run.output_tokens_per_s:,.0f} output tokens/s ({run.seconds:.1f} s)"
+        )
+
+    def _raw_twin(self, key: str, overrides: list[dict[str, Any]], said: str) -> list[Any]:
+        """Job `key`'s requests through one raw `LLM.generate` call: token ids (as in the engine
+        part, the engine alone), and the sampling parameters batchllm builds for those lines
+        (VllmEngine.sampling_params), so the two differ only by batchllm's job path."""
+        engine = self.engines.cache.engine
+        if engine is None:
+            raise BenchFailed("the features engine is gone")
+        params = [
+            engine.sampling_params(self.spec.sampling.merged({"max_tokens": self.max_tokens, **o}))
+            for o in overrides
+        ]
+        with PeakRss() as memory:
+            started = time.perf_counter()
+            outputs = engine.llm.generate(self.token_prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+        run = Run(
+            seconds=seconds,
+            requests=len(outputs),
+            prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+            peak_rss=memory.peak,
+        )
+        self.raw[key].runs.append(run)
+        self._said(f"raw vLLM, {key}", said, run)
+        return outputs
+
+    def figures(self, workload: Workload, info: dict[str, Any]) -> dict[str, Any]:
+        def paired(pair: tuple[Contender, Contender], figure: Callable[[Run], float]) -> float:
+            """The median over repeats of the first side's figure over the second's, each pair
+            run back to back (so drift on a busy machine cancels out of the ratio)."""
+            return statistics.median(figure(a) / figure(b) for a, b in zip(*(c.runs for c in pair)))
+
+        def speed(run: Run) -> float:
+            return run.output_tokens_per_s
+
+        def rate(run: Run) -> float:
+            return run.requests / run.seconds
+
+        jobs = {key: c.summary() for key, c in self.jobs.items()}
+        raw = {key: c.summary() for key, c in self.raw.items()}
+        for key, figures in jobs.items():
+            runs = self.jobs[key].runs
+            for name, sides in (("", jobs), ("raw_", raw)):
+                sides[key][f"requests_ratio_to_{name}plain"] = (
+                    sides[key]["requests_per_s"]["median"]
+                    / sides["plain"]["requests_per_s"]["median"]
+                )
+                sides[key][f"tokens_ratio_to_{name}plain"] = (
+                    sides[key]["output_tokens_per_s"]["median"]
+                    / sides["plain"]["output_tokens_per_s"]["median"]
+                )
+            figures["output_tokens_per_request"] = figures["output_tokens"] / figures["requests"]
+            # Requests/s: JSON and choice rows sample their length, so tokens differ a little.
+            figures["requests_ratio_to_raw"] = paired((self.jobs[key], self.raw[key]), rate)
+            constrained = sum(r.extra["structured_rows"] for r in runs)
+            if constrained:
+                figures["structured_rows"] = constrained
+                figures["structured_valid"] = sum(r.extra["structured_valid"] for r in runs)
+        plain_rows = {key: c.summary() for key, c in self.plain_rows.items()}
+        for key, figures in plain_rows.items():
+            figures["median_latency_seconds"] = statistics.median(
+                r.extra["median_latency_seconds"] for r in self.plain_rows[key].runs
             )
-            mixed, same = halves["mixed"].runs[-1], halves["control"].runs[-1]
-            say(
-                f"[features] plain rows, repeat {repeat + 1}/{repeats}: done in "
-                f"{mixed.seconds:.1f} s in the mixed job, {same.seconds:.1f} s in the control"
-            )
-    return jobs, halves
+        rows = (self.plain_rows["mixed"], self.plain_rows["control"])
+        return {
+            "workload": asdict(workload),
+            "max_tokens": self.max_tokens,
+            "schema": SCHEMA,
+            "choices": CHOICES,
+            "top_logprobs": TOP_LOGPROBS,
+            "samples": SAMPLES,
+            "engine": info,
+            "jobs": jobs,
+            "raw": raw,
+            "plain_rows": plain_rows,
+            # The figures the mixed job exists for, mixed over control (1.0: not slowed; the
+            # latency ratio above 1.0: slower). Output tokens/s: both sides generate the same.
+            "mixed_vs_control": {
+                "plain_rows": paired(rows, speed),
+                "plain_rows_latency": paired(rows, lambda run: run.extra["median_latency_seconds"]),
+                "job": paired((self.jobs["mixed"], self.jobs["control"]), speed),
+                "raw_vllm": paired((self.raw["mixed"], self.raw["control"]), speed),
+            },
+        }
 
 
 def _fields_of(key: str, max_tokens: int) -> Callable[[int], dict]:
@@ -411,50 +537,3 @@ def _control_of(mixed: _Done, prompts: list[Request], max_tokens: int) -> Callab
         return {"max_tokens": generated[prompts[i].custom_id], "ignore_eos": True}
 
     return fields
-
-
-def _figures(
-    workload: Workload,
-    max_tokens: int,
-    info: dict[str, Any],
-    jobs: dict[str, Contender],
-    halves: dict[str, Contender],
-) -> dict[str, Any]:
-    summaries = {key: c.summary() for key, c in jobs.items()}
-    plain = summaries["plain"]
-    for key, figures in summaries.items():
-        runs = jobs[key].runs
-        figures["requests_ratio_to_plain"] = (
-            figures["requests_per_s"]["median"] / plain["requests_per_s"]["median"]
-        )
-        figures["tokens_ratio_to_plain"] = (
-            figures["output_tokens_per_s"]["median"] / plain["output_tokens_per_s"]["median"]
-        )
-        figures["output_tokens_per_request"] = figures["output_tokens"] / figures["requests"]
-        constrained = sum(r.extra["structured_rows"] for r in runs)
-        if constrained:
-            figures["structured_rows"] = constrained
-            figures["structured_valid"] = sum(r.extra["structured_valid"] for r in runs)
-    rows = {key: c.summary() for key, c in halves.items()}
-    for figures, contender in zip(rows.values(), halves.values()):
-        figures["median_latency_seconds"] = statistics.median(
-            r.extra["median_latency_seconds"] for r in contender.runs
-        )
-    control = rows["control"]
-    return {
-        "workload": asdict(workload),
-        "max_tokens": max_tokens,
-        "schema": SCHEMA,
-        "choices": CHOICES,
-        "top_logprobs": TOP_LOGPROBS,
-        "samples": SAMPLES,
-        "engine": info,
-        "jobs": summaries,
-        "plain_rows": rows,
-        # The figure the part exists for: the plain rows' speed beside constrained and logprobs
-        # rows, over their speed beside rows of the same load without them (1.0: not slowed).
-        "plain_rows_vs_control": rows["mixed"]["output_tokens_per_s"]["median"]
-        / control["output_tokens_per_s"]["median"],
-        "plain_rows_latency_vs_control": rows["mixed"]["median_latency_seconds"]
-        / control["median_latency_seconds"],
-    }

@@ -126,8 +126,11 @@ def _engine_line(engine: dict[str, Any]) -> str:
 def features_text(features: dict[str, Any]) -> str:
     """The features part: every job against the plain one, then the mixed job's plain rows
     against the control's."""
+    from batchllm.bench.features import JOBS
+
     workload = features["workload"]
-    jobs = features["jobs"]
+    # In the part's order (bench.json keeps its keys sorted).
+    jobs = {key: features["jobs"][key] for key in JOBS}
     repeats = jobs["plain"]["repeats"]
     rows: list[tuple[str, ...]] = [
         (
@@ -136,13 +139,14 @@ def features_text(features: dict[str, Any]) -> str:
             "out tok/s",
             "spread",
             "tok/req",
-            "wall s",
             "req/s vs plain",
             "tok/s vs plain",
-            "structured valid",
+            "raw: tok/s vs plain",
+            "req/s vs raw",
+            "valid",
         )
     ]
-    for figures in jobs.values():
+    for key, figures in jobs.items():
         constrained = figures.get("structured_rows")
         rows.append(
             (
@@ -151,38 +155,35 @@ def features_text(features: dict[str, Any]) -> str:
                 f"{figures['output_tokens_per_s']['median']:,.0f}",
                 _spread(figures["output_tokens_per_s"]),
                 f"{figures['output_tokens_per_request']:,.1f}",
-                f"{figures['wall_seconds']['median']:,.1f}",
                 f"{figures['requests_ratio_to_plain']:.2f}x",
                 f"{figures['tokens_ratio_to_plain']:.2f}x",
+                f"{features['raw'][key]['tokens_ratio_to_raw_plain']:.2f}x",
+                f"{figures['requests_ratio_to_raw']:.2f}x",
                 f"{figures['structured_valid'] / constrained:.1%}" if constrained else "",
             )
         )
-    halves: list[tuple[str, ...]] = [
+    pair = features["mixed_vs_control"]
+    plain_rows, raw = features["plain_rows"], features["raw"]
+
+    def speeds(sides: dict[str, Any]) -> list[str]:
+        return [f"{sides[k]['output_tokens_per_s']['median']:,.0f}" for k in ("mixed", "control")]
+
+    latency = [f"{plain_rows[k]['median_latency_seconds']:.2f}" for k in ("mixed", "control")]
+    mixed: list[tuple[str, ...]] = [
+        ("mixed job against its control", "mixed", "control", "mixed vs control"),
+        ("batchllm, whole job: out tok/s", *speeds(jobs), f"{pair['job']:.2f}x"),
         (
-            "plain rows, job start to last one done",
-            "rows",
-            "rows/s",
-            "out tok/s",
-            "spread",
-            "done in s",
-            "median latency s",
-            "tok/s vs control",
-        )
+            "batchllm, its plain rows: out tok/s",
+            *speeds(plain_rows),
+            f"{pair['plain_rows']:.2f}x",
+        ),
+        (
+            "batchllm, its plain rows: median latency s",
+            *latency,
+            f"{pair['plain_rows_latency']:.2f}x",
+        ),
+        ("raw vLLM, one generate call: out tok/s", *speeds(raw), f"{pair['raw_vllm']:.2f}x"),
     ]
-    control = features["plain_rows"]["control"]["output_tokens_per_s"]["median"]
-    for figures in features["plain_rows"].values():
-        halves.append(
-            (
-                figures["label"],
-                f"{figures['requests']:,}",
-                f"{figures['requests_per_s']['median']:,.1f}",
-                f"{figures['output_tokens_per_s']['median']:,.0f}",
-                _spread(figures["output_tokens_per_s"]),
-                f"{figures['wall_seconds']['median']:,.1f}",
-                f"{figures['median_latency_seconds']:,.2f}",
-                f"{figures['output_tokens_per_s']['median'] / control:.2f}x",
-            )
-        )
     return "\n".join(
         [
             f"request features: {workload['requests']:,} requests per job (prompts "
@@ -193,27 +194,32 @@ def features_text(features: dict[str, Any]) -> str:
             "",
             _format(rows),
             "plain, logprobs and n=4 rows generate max_tokens (ignore_eos); JSON and choice "
-            "rows stop when their grammar ends, so compare them on req/s; structured valid: "
-            "rows whose text satisfies their constraint; mixed: even lines plain, odd lines "
-            "json/choice/logprobs in turn",
+            "rows stop when their grammar ends, so compare them on req/s. valid: rows whose "
+            "text satisfies their constraint. mixed: even lines plain, odd lines "
+            "json/choice/logprobs in turn; control: the same prompts, its even lines as the "
+            "mixed job's, its odd lines plain but generating the tokens the mixed job's did "
+            "(ignore_eos): the same load without constraints or logprobs. raw: the same "
+            "requests as token ids with batchllm's sampling parameters in one LLM.generate "
+            "call, right after each job; vs raw: the median of those pairs' ratios",
             "",
-            _format(halves),
-            "control: the mixed job's prompts with its plain lines as they are and its other "
-            "lines plain, generating the tokens the mixed job's did (ignore_eos): the same "
-            "load without constraints or logprobs",
-            f"plain rows beside constrained and logprobs rows: "
-            f"{features['plain_rows_vs_control']:.2f}x the output tok/s of the control's "
-            f"(median latency {features['plain_rows_latency_vs_control']:.2f}x)",
+            _format(mixed),
+            "plain rows: the mixed job's even lines, from the job's first request in the engine "
+            "to the last of them done; the same lines in the all-plain job: "
+            f"{plain_rows['plain']['output_tokens_per_s']['median']:,.0f} out tok/s (its "
+            "other lines all run to max_tokens, a heavier load); mixed vs control: the median "
+            "of the ratios of runs made back to back",
         ]
     )
 
 
 def embed_text(embed: dict[str, Any]) -> str:
     """The embed part: rows/s and input tokens/s against raw `LLM.embed(texts)`."""
+    from batchllm.bench.embed import CONTENDERS
+
     rows: list[tuple[str, ...]] = [
         ("embeddings", "rows/s", "input tok/s", "spread", "wall s", "peak RSS", "vs raw")
     ]
-    for figures in embed["contenders"].values():
+    for figures in (embed["contenders"][key] for key in CONTENDERS):
         rows.append(
             (
                 figures["label"],
@@ -454,7 +460,9 @@ def _overhead_panel(ax, result: dict[str, Any]) -> None:
 
 
 def _features_panel(ax, result: dict[str, Any]) -> None:
-    jobs = list(result["features"]["jobs"].values())
+    from batchllm.bench.features import JOBS
+
+    jobs = [result["features"]["jobs"][key] for key in JOBS]
     y = range(len(jobs))
     ax.barh(
         [i - 0.2 for i in y],
@@ -477,13 +485,15 @@ def _features_panel(ax, result: dict[str, Any]) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7)
     ax.set_title(
         f"request features; plain rows in a mixed job: "
-        f"{result['features']['plain_rows_vs_control']:.2f}x",
+        f"{result['features']['mixed_vs_control']['plain_rows']:.2f}x",
         fontsize=9,
     )
 
 
 def _embed_panel(ax, result: dict[str, Any]) -> None:
-    contenders = list(result["embed"]["contenders"].values())
+    from batchllm.bench.embed import CONTENDERS
+
+    contenders = [result["embed"]["contenders"][key] for key in CONTENDERS]
     medians = [c["requests_per_s"]["median"] for c in contenders]
     ax.bar(
         range(len(contenders)),

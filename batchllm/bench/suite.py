@@ -25,9 +25,9 @@ from batchllm.bench.workload import Workload, stored_rows
 
 PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed")
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
-# engine of its own (compact_json, pooling) and runs minutes of jobs (7 per repeat for
-# features), which would make the default run (~8.5 minutes on 2 cores) about half again as
-# long for figures that do not change with the engine workload's settings.
+# engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
+# (7 jobs and their raw twins per repeat, then 3 embedding contenders), which would make the
+# default run (~8.5 minutes) about 70% longer to answer other questions than its own.
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -53,7 +53,8 @@ class BenchConfig:
     prefix_system_words: int = 250
     prefix_kv_cache_mib: int | None = None  # None: the shared engine's KV cache
     overhead_lines: tuple[int, ...] = (10_000, 100_000)
-    # The features part: 400 requests x 7 jobs x 3 repeats take about 5 minutes on 2 cores.
+    # The features part (400 requests x 7 jobs and their raw twins x 3 repeats) takes about
+    # 4 minutes on 2 cores, the embed part about 2.
     feature_requests: int = 400
     feature_max_tokens: int = 64
     embed_texts: int = 2_000

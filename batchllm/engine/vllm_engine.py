@@ -285,6 +285,11 @@ class VllmEngine:
             merged = {**merged, "seed": None}
         structured = merged.get("structured")
         extra: dict[str, Any] = {}
+        if structured and merged.get("ignore_eos"):
+            # With ignore_eos vLLM keeps generating, unconstrained, after the grammar has
+            # ended: every such row would end `length` with text past its answer. A
+            # constraint decides where a row ends.
+            merged = {**merged, "ignore_eos": False}
         if structured:
             from vllm.sampling_params import StructuredOutputsParams
 
