@@ -11,7 +11,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.jobs.db import changed
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.jobs.output import remove_unrecorded_parts
+from batchllm.jobs.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,26 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
+def drop_unrecorded_parts(session: Session, job_id: str) -> list[str]:
+    """Delete the job's part files that no checkpoint records, once no shard of it runs: left
+    by a worker that died between writing a file and its commit, or that lost its shard. The
+    output of an ended job (completed, cancelled, expired or failed) then holds exactly its
+    committed rows. A storage error is logged, not raised: the job's end must not be undone."""
+    root = session.scalar(select(Job.storage_root).where(Job.id == job_id))
+    if root is None:
+        return []
+    recorded = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
+    storage = Storage(root)
+    try:
+        removed = remove_unrecorded_parts(storage, storage.output_dir(job_id), list(recorded))
+    except OSError as exc:
+        log.warning("job %s: could not tidy its output (%s)", job_id, exc)
+        return []
+    for name in removed:
+        log.warning("job %s: removed unrecorded part file %s", job_id, name)
+    return removed
+
+
 def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     done, total = session.execute(
         select(Job.shards_done, Job.shards_total).where(Job.id == job_id)
@@ -93,6 +115,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
         .where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
         .values(status=ended, finished_at=now),
     ):
+        drop_unrecorded_parts(session, job_id)
         return ended
     if failed:
         errors = session.scalars(
@@ -109,6 +132,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
                 error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors),
             )
         )
+        drop_unrecorded_parts(session, job_id)
         return JobStatus.FAILED
     moved = changed(
         session,

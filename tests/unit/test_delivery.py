@@ -218,3 +218,19 @@ def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job
     process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
 
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])
+
+
+def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_path):
+    """A part file no checkpoint records (its worker died before the commit) is not output of
+    a job that ends cancelled either: readers of the directory see committed rows only."""
+    settings = small_commits
+    job_id, _ = create(settings, tmp_path, 20, shard_size=12)
+    storage = Storage(settings.resolved_storage)
+    orphan = posixpath.join(storage.output_dir(job_id), "part-s00000-a001-00000.parquet")
+    storage.write_bytes(orphan, b"never committed")
+
+    with session_scope(settings) as session:
+        job = service.cancel_job(session, job_id)
+        assert job.status is JobStatus.CANCELLED
+
+    assert not storage.exists(orphan)
