@@ -12,18 +12,28 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
+from typing import cast
 
 log = logging.getLogger(__name__)
 
 _UNACKED_KEY = "unacked"  # kombu's Redis transport default (unacked_key)
+_UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> time delivered (unacked_index_key)
 
 
 class BrokerNotInspectable(Exception):
     """This broker's content cannot be read (not Redis)."""
 
 
-def shard_ids_in_broker(broker_url: str, queues: set[str], task_name: str) -> set[int]:
-    """Shard ids of every `task_name` message in these queues or delivered and unacknowledged."""
+def shard_ids_in_broker(
+    broker_url: str, queues: set[str], task_name: str, unacked_grace: float | None = None
+) -> set[int]:
+    """Shard ids of every `task_name` message in these queues or delivered and unacknowledged.
+
+    With `unacked_grace`, a message delivered longer ago than that does not count: the caller
+    asks about shards no worker has claimed, and a live worker claims its shard once its engine
+    is up; a message held that long belongs to a worker that died before claiming it, and kombu
+    would only restore it after the visibility timeout (hours)."""
     if not broker_url.startswith(("redis://", "rediss://", "unix://")):
         raise BrokerNotInspectable(
             f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})"
@@ -36,7 +46,15 @@ def shard_ids_in_broker(broker_url: str, queues: set[str], task_name: str) -> se
         for queue in queues:
             for raw in client.lrange(queue, 0, -1):
                 found.update(_shard_ids(_decode(raw), task_name))
-        for raw in client.hvals(_UNACKED_KEY):
+        delivered: dict[object, float] = {}
+        if unacked_grace is not None:
+            scored = client.zrange(_UNACKED_INDEX_KEY, 0, -1, withscores=True)
+            for member, when in cast("list[tuple[bytes, float]]", scored):
+                delivered[member] = float(when)
+        cutoff = time.time() - unacked_grace if unacked_grace is not None else None
+        for tag, raw in client.hgetall(_UNACKED_KEY).items():
+            if cutoff is not None and delivered.get(tag, cutoff) < cutoff:
+                continue
             entry = _decode(raw)
             if isinstance(entry, list) and entry:  # [message, exchange, routing key]
                 found.update(_shard_ids(entry[0], task_name))

@@ -106,7 +106,12 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
         return []
     queues = {queue_for_model(model) for _, model in candidates}
     try:
-        present = shard_ids_in_broker(settings.broker_url, queues, TASK_RUN_SHARD)
+        # A task delivered a lease ago whose shard is still unclaimed most likely belongs to
+        # a worker that died with it; if its worker is only slow (building an engine), the
+        # second delivery is harmless: one claim wins, the other is skipped.
+        present = shard_ids_in_broker(
+            settings.broker_url, queues, TASK_RUN_SHARD, unacked_grace=grace
+        )
     except BrokerNotInspectable as exc:
         log.debug("%s: lost queued tasks are not re-sent", exc)
         return []

@@ -4,6 +4,7 @@ in a queue and messages delivered but not acknowledged (kombu's `unacked` hash).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -59,6 +60,13 @@ def test_a_task_delivered_and_not_acknowledged_is_found_in_the_unacked_hash(brok
             assert client.hlen("unacked") == 1
 
             assert shard_ids_in_broker(url, {FIRST}, TASK_RUN_SHARD) == {7}
+            assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD) == {7}
+            # Held longer than the grace (its consumer died before claiming the shard): it no
+            # longer counts, so the reconciler sends the shard's task again.
+            assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD, unacked_grace=3600) == {7}
+            (tag,) = client.hkeys("unacked")
+            client.zadd("unacked_index", {tag: time.time() - 7200})
+            assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD, unacked_grace=3600) == set()
             assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD) == {7}
         finally:
             consumer.close()

@@ -40,7 +40,9 @@ class Broker:
         self.inspected: list[tuple[str, set[str], str]] = []
         self.sent: list[tuple[int, str]] = []
 
-    def shard_ids_in_broker(self, url: str, queues: set[str], task_name: str) -> set[int]:
+    def shard_ids_in_broker(
+        self, url: str, queues: set[str], task_name: str, unacked_grace: float | None = None
+    ) -> set[int]:
         self.inspected.append((url, queues, task_name))
         return set(self.holds)
 
