@@ -40,6 +40,24 @@ def job_spec(
     )
 
 
+def engine_info(engine, *, started: float, max_model_len: int, **extra) -> dict:
+    """What the bench records of an engine it built: version, hardware, start seconds (from
+    `started`, a perf_counter reading) and the scheduler's limits, plus `extra`."""
+    import time
+
+    scheduler = engine.engine.vllm_config.scheduler_config
+    return {
+        "version": engine.version,
+        "hardware": engine.hardware,
+        "start_seconds": time.perf_counter() - started,
+        "max_model_len": max_model_len,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "kv_cache_tokens": kv_cache_tokens(engine),
+        **extra,
+    }
+
+
 def kv_cache_tokens(engine) -> int:
     """How many tokens the engine's KV cache holds, as vLLM allocated it."""
     cache = engine.engine.vllm_config.cache_config

@@ -104,7 +104,7 @@ def run_embed(
     say: Say,
 ) -> dict[str, Any]:
     """Every contender on one pooling engine started here, taking turns repeat by repeat."""
-    from batchllm.bench.contenders import kv_cache_tokens
+    from batchllm.bench.contenders import engine_info
     from batchllm.engine.sizing import size_max_model_len
 
     corpus = make_texts(texts, words, seed)
@@ -131,17 +131,7 @@ def run_embed(
     say(f"[embed] starting the vLLM pooling engine (max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)
-    scheduler = engine.engine.vllm_config.scheduler_config
-    info = {
-        "version": engine.version,
-        "hardware": engine.hardware,
-        "start_seconds": time.perf_counter() - started,
-        "max_model_len": max_model_len,
-        "max_num_seqs": scheduler.max_num_seqs,
-        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-        "kv_cache_tokens": kv_cache_tokens(engine),
-        "prefix_caching": False,
-    }
+    info = engine_info(engine, started=started, max_model_len=max_model_len, prefix_caching=False)
     contenders = {key: Contender(key, label) for key, label in CONTENDERS.items()}
     differences: dict[str, float] = {}
     try:

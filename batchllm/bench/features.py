@@ -291,7 +291,7 @@ def run_features(
     say: Say,
 ) -> dict[str, Any]:
     """Every job of this part on one engine started here; the part's figures for bench.json."""
-    from batchllm.bench.contenders import kv_cache_tokens
+    from batchllm.bench.contenders import engine_info
     from batchllm.engine.sizing import size_max_model_len
 
     workload = Workload(
@@ -322,18 +322,13 @@ def run_features(
     say(f"[features] starting the vLLM engine (compact_json, max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.cache.get(spec, max_model_len)
-    scheduler = engine.engine.vllm_config.scheduler_config
-    info = {
-        "version": engine.version,
-        "hardware": engine.hardware,
-        "start_seconds": time.perf_counter() - started,
-        "max_model_len": max_model_len,
-        "max_num_seqs": scheduler.max_num_seqs,
-        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-        "kv_cache_tokens": kv_cache_tokens(engine),
-        "compact_json": True,
-        "prefix_caching": False,
-    }
+    info = engine_info(
+        engine,
+        started=started,
+        max_model_len=max_model_len,
+        compact_json=True,
+        prefix_caching=False,
+    )
     try:
         part = _Part(prompts, engine.prepare(rows), engines, spec, settings, workdir, say)
         part.take_turns(repeats)
