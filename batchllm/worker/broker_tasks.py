@@ -15,6 +15,8 @@ import logging
 import time
 from typing import cast
 
+from batchllm.worker.holding import held_shard_ids
+
 log = logging.getLogger(__name__)
 
 _UNACKED_KEY = "unacked"  # kombu's Redis transport default (unacked_key)
@@ -30,10 +32,10 @@ def shard_ids_in_broker(
 ) -> set[int]:
     """Shard ids of every `task_name` message in these queues or delivered and unacknowledged.
 
-    With `unacked_grace`, a message delivered longer ago than that does not count: the caller
-    asks about shards no worker has claimed, and a live worker claims its shard once its engine
-    is up; a message held that long belongs to a worker that died before claiming it, and kombu
-    would only restore it after the visibility timeout (hours)."""
+    With `unacked_grace`, a message delivered longer ago than that counts only while a live
+    worker marks its shard held (worker/holding.py: a worker building its engine has not
+    claimed the shard yet); otherwise its worker died before claiming it, and kombu would only
+    restore it after the visibility timeout (hours)."""
     if not broker_url.startswith(("redis://", "rediss://", "unix://")):
         raise BrokerNotInspectable(
             f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})"
@@ -52,13 +54,17 @@ def shard_ids_in_broker(
             for member, when in cast("list[tuple[bytes, float]]", scored):
                 delivered[member] = float(when)
         cutoff = time.time() - unacked_grace if unacked_grace is not None else None
+        overdue: set[int] = set()
         for tag, raw in client.hgetall(_UNACKED_KEY).items():
-            if cutoff is not None and delivered.get(tag, cutoff) < cutoff:
-                continue
             entry = _decode(raw)
-            if isinstance(entry, list) and entry:  # [message, exchange, routing key]
-                found.update(_shard_ids(entry[0], task_name))
-        return found
+            if not (isinstance(entry, list) and entry):  # [message, exchange, routing key]
+                continue
+            ids = _shard_ids(entry[0], task_name)
+            if cutoff is not None and delivered.get(tag, cutoff) < cutoff:
+                overdue.update(ids)
+            else:
+                found.update(ids)
+        return found | held_shard_ids(client, overdue - found)
     finally:
         client.close()
 

@@ -106,9 +106,8 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
         return []
     queues = {queue_for_model(model) for _, model in candidates}
     try:
-        # A task delivered a lease ago whose shard is still unclaimed most likely belongs to
-        # a worker that died with it; if its worker is only slow (building an engine), the
-        # second delivery is harmless: one claim wins, the other is skipped.
+        # A task delivered a lease ago whose shard is still unclaimed and that no live worker
+        # marks held (worker/holding.py) belongs to a worker that died with it.
         present = shard_ids_in_broker(
             settings.broker_url, queues, TASK_RUN_SHARD, unacked_grace=grace
         )

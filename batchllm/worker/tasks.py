@@ -20,6 +20,7 @@ from batchllm.worker import log_format, registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache
+from batchllm.worker.holding import holding
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
 
@@ -95,13 +96,14 @@ def _close_engine(**_kwargs) -> None:
 )
 def run_shard(self, shard_id: int) -> str:
     queue = (self.request.delivery_info or {}).get("routing_key")
+    node = self.request.hostname or "worker"
+    settings = get_settings()
     try:
-        outcome = process_shard(
-            shard_id,
-            worker=self.request.hostname or "worker",
-            engines=_engines,
-            should_stop=_stop.is_set,
-        )
+        # Held while the engine builds, before the claim: the reconciler leaves this task be.
+        with holding(settings.broker_url, shard_id, node, settings.lease_seconds):
+            outcome = process_shard(
+                shard_id, worker=node, engines=_engines, should_stop=_stop.is_set
+            )
     except _DATABASE_ERRORS as exc:
         # Acknowledging this delivery would lose the shard's task; send it again with backoff.
         # (If the broker is down too, the reconciler re-sends it once both are back.)

@@ -15,9 +15,19 @@ from celery import Celery
 from batchllm.settings import Settings
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
+from batchllm.worker.holding import holding
 from tests.integration.conftest import _redis_database
 
 FIRST, SECOND = "batchllm.test-first", "batchllm.test-second"
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -68,6 +78,12 @@ def test_a_task_delivered_and_not_acknowledged_is_found_in_the_unacked_hash(brok
             client.zadd("unacked_index", {tag: time.time() - 7200})
             assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD, unacked_grace=3600) == set()
             assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD) == {7}
+            # ...unless a live worker marks it held (building its engine before the claim).
+            with holding(url, 7, "w1@test", lease_seconds=30):
+                assert wait_for(lambda: client.get("batchllm:held:7") == b"w1@test")
+                assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD, unacked_grace=3600) == {7}
+            assert client.get("batchllm:held:7") is None  # released when the task ends
+            assert shard_ids_in_broker(url, set(), TASK_RUN_SHARD, unacked_grace=3600) == set()
         finally:
             consumer.close()
 
