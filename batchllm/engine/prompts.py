@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from batchllm.engine.chat_batch import render_chats
 from batchllm.jobs.rows import InputRow
 
 Encode = Callable[[list[str], bool], list[list[int]]]
+# A line's settings that change how its conversation renders (reader.py stores them).
+_TEMPLATE_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
 
 def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> str:
@@ -20,7 +23,7 @@ def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> s
     model's) with the line's template options."""
     if row.kind != "chat":
         return str(row.prompt)
-    options = row.overrides() if row.sampling else {}
+    options = row.overrides()
     continue_final = bool(options.get("continue_final_message", False))
     # Only what differs from the defaults is passed: a plain line renders exactly as before.
     extra: dict[str, Any] = dict(options.get("chat_template_kwargs") or {})
@@ -85,17 +88,28 @@ def prepare_prompts(
     lists: dict[int, list[list[int]]] = {}  # rows with a list input: their texts' ids
     # (row index, position in a list input or None, text), by whether special tokens are added
     groups: dict[bool, list[tuple[int, int | None, str]]] = {True: [], False: []}
+    plain_chats: list[int] = []  # chat rows with no template options, rendered together
     for i, row in enumerate(rows):
+        if row.token_ids is not None:  # tokenized by the job's sizing pass
+            results[i] = row.token_ids
+            continue
         if row.kind == "embed" and row.inputs:
             texts = row.texts()
             lists[i] = [[] for _ in texts]
             groups[True].extend((i, j, text) for j, text in enumerate(texts))
             continue
-        try:
-            # A chat template already holds the special tokens; a plain prompt gets them added.
-            groups[row.kind != "chat"].append((i, None, render(tokenizer, row, chat_template)))
-        except Exception as exc:  # a template can raise on unusual message orders
-            results[i] = f"chat template failed: {exc}"
+        if row.kind == "chat" and not _template_options(row):
+            plain_chats.append(i)
+            continue
+        _render_one(tokenizer, rows, i, chat_template, groups, results)
+    if plain_chats:
+        chats = [rows[i].chat_messages() for i in plain_chats]
+        rendered = render_chats(tokenizer, chats, chat_template)
+        if rendered is None:
+            for i in plain_chats:
+                _render_one(tokenizer, rows, i, chat_template, groups, results)
+        else:
+            groups[False].extend((i, None, text) for i, text in zip(plain_chats, rendered))
     encode = batch_encoder(tokenizer)
     for special, items in groups.items():
         if not items:
@@ -113,6 +127,27 @@ def prepare_prompts(
             if not isinstance(prepared, str):
                 results[i] = _checked(prepared, max_model_len, rows[i].kind == "embed")
     return results
+
+
+def _template_options(row: InputRow) -> bool:
+    options = row.overrides()
+    return any(name in options for name in _TEMPLATE_OPTIONS)
+
+
+def _render_one(
+    tokenizer: Any,
+    rows: list[InputRow],
+    i: int,
+    chat_template: str | None,
+    groups: dict[bool, list[tuple[int, int | None, str]]],
+    results: list[Prepared],
+) -> None:
+    row = rows[i]
+    try:
+        # A chat template already holds the special tokens; a plain prompt gets them added.
+        groups[row.kind != "chat"].append((i, None, render(tokenizer, row, chat_template)))
+    except Exception as exc:  # a template can raise on unusual message orders
+        results[i] = f"chat template failed: {exc}"
 
 
 def _checked(prepared: list[Any], max_model_len: int, embed: bool) -> Prepared:

@@ -1,13 +1,16 @@
 """Size a job's max_model_len from its real prompts: longest prompt plus its max_tokens.
 
 An oversized context only costs KV cache and concurrency; an undersized one turns rows into
-errors. The longest request decides, capped by what the model supports.
+errors. The longest request decides, capped by what the model supports. The sizing pass
+tokenizes every prompt; it hands the ids on (jobs/token_store.py) so the feed does not
+tokenize them again.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from batchllm.engine.prompts import prepare_prompts
@@ -19,7 +22,12 @@ log = logging.getLogger(__name__)
 _BATCH = 2048
 _ROUND = 64  # so jobs of similar size share one warm engine
 
+# What a sized batch hands on: its rows' line numbers and each one's prompt ids (None where
+# the feed must prepare the row itself: invalid, failed, or a list embedding input).
+OnPrepared = Callable[[list[int], list[list[int] | None]], None]
 
+
+@functools.lru_cache(maxsize=8)
 def model_limit(model: str) -> int:
     from transformers import AutoConfig
 
@@ -28,10 +36,67 @@ def model_limit(model: str) -> int:
     return int(getattr(text, "max_position_embeddings", 2048))
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer, loaded once per process: a warm worker sizes each new job with
+    it (loading takes seconds; the first job on a warm worker should start in well under one).
+    Tokenizing is read-only, so sharing one is safe."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model)
+
+
+class ContextSizer:
+    """Feeds rows through prepare_prompts in batches and keeps the longest request."""
+
+    def __init__(
+        self, model: str, defaults: SamplingDefaults, chat_template: str | None = None
+    ) -> None:
+        self.limit = model_limit(model)
+        self.tokenizer = load_tokenizer(model)
+        self.defaults, self.chat_template = defaults, chat_template
+        self.longest = 1
+
+    def add(self, rows: Iterable[InputRow], on_prepared: OnPrepared | None = None) -> None:
+        batch: list[InputRow] = []
+        for row in rows:
+            batch.append(row)
+            if len(batch) >= _BATCH:
+                self._flush(batch, on_prepared)
+                batch = []
+        self._flush(batch, on_prepared)
+
+    def _flush(self, batch: list[InputRow], on_prepared: OnPrepared | None) -> None:
+        runnable = [r for r in batch if r.kind != "invalid"]
+        prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template)
+        default_max = self.defaults.max_tokens
+        best = 0
+        kept: dict[int, list[int]] = {}
+        for row, ids in zip(runnable, prepared, strict=True):
+            if isinstance(ids, str) or not ids:
+                continue
+            if row.kind == "embed":  # the longest text, and nothing generated
+                if isinstance(ids[0], list):
+                    best = max(best, max(len(i) for i in ids))
+                    continue
+                best = max(best, len(ids))
+            else:
+                max_tokens = row.overrides().get("max_tokens") if row.sampling else None
+                best = max(best, len(ids) + (default_max if max_tokens is None else max_tokens))
+            kept[row.line] = ids  # type: ignore[assignment]
+        self.longest = max(self.longest, best)
+        if on_prepared is not None:
+            on_prepared([r.line for r in batch], [kept.get(r.line) for r in batch])
+
+    def result(self) -> int:
+        sized = min(self.limit, -(-self.longest // _ROUND) * _ROUND)
+        log.info(
+            "max_model_len sized to %d (longest request %d tokens, model limit %d)",
+            sized,
+            self.longest,
+            self.limit,
+        )
+        return sized
 
 
 def size_max_model_len(
@@ -40,34 +105,6 @@ def size_max_model_len(
     defaults: SamplingDefaults,
     chat_template: str | None = None,
 ) -> int:
-    limit = model_limit(model)
-    tokenizer = load_tokenizer(model)
-    longest = 1
-    batch: list[InputRow] = []
-
-    def flush() -> int:
-        best = 0
-        runnable = [r for r in batch if r.kind != "invalid"]
-        for row, ids in zip(runnable, prepare_prompts(tokenizer, runnable, None, chat_template)):
-            if isinstance(ids, str):
-                continue
-            if row.kind == "embed":  # the longest text, and nothing generated
-                best = max(best, max(len(i) for i in ids) if isinstance(ids[0], list) else len(ids))
-            else:
-                best = max(best, len(ids) + defaults.merged(row.overrides())["max_tokens"])
-        return best
-
-    for row in rows:
-        batch.append(row)
-        if len(batch) >= _BATCH:
-            longest = max(longest, flush())
-            batch = []
-    longest = max(longest, flush())
-    sized = min(limit, -(-longest // _ROUND) * _ROUND)
-    log.info(
-        "max_model_len sized to %d (longest request %d tokens, model limit %d)",
-        sized,
-        longest,
-        limit,
-    )
-    return sized
+    sizer = ContextSizer(model, defaults, chat_template)
+    sizer.add(rows)
+    return sizer.result()

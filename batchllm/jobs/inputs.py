@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
 from batchllm.jobs.reader import read_requests
-from batchllm.jobs.rows import INPUT_SCHEMA, InputRow
+from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow
 from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage, filesystem_for, is_uri
+from batchllm.jobs.token_store import iter_token_batches
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class _ShardWriter:
         except OSError as exc:
             raise _not_writable(storage, exc) from exc
         self.shards: list[ShardInput] = []
-        self._rows: list[dict[str, Any]] = []
+        self._rows: list[tuple[Any, ...]] = []
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
@@ -69,7 +70,7 @@ class _ShardWriter:
             self._current = ShardInput(index, path, 0, row.line, row.line)
             self._sink = io.BytesIO()
             self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
-        self._rows.append(row.to_record())
+        self._rows.append(row.stored_values())
         self._current.rows += 1
         self._current.last_line = row.line
         if len(self._rows) >= _ROW_GROUP:
@@ -79,7 +80,11 @@ class _ShardWriter:
 
     def _flush_rows(self) -> None:
         if self._rows and self._writer is not None:
-            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=INPUT_SCHEMA))
+            columns = [
+                pa.array(list(column), field.type)
+                for column, field in zip(zip(*self._rows), INPUT_SCHEMA, strict=True)
+            ]
+            self._writer.write_table(pa.table(columns, schema=INPUT_SCHEMA))
         self._rows = []
 
     def close_shard(self) -> None:
@@ -188,9 +193,34 @@ def store_input(
     return result
 
 
-def iter_shard_rows(storage: Storage, path: str, batch_rows: int = 4096) -> Iterator[InputRow]:
-    """Stream one stored shard's rows, a row group at a time."""
+def iter_shard_rows(
+    storage: Storage, path: str, batch_rows: int = 4096, *, with_token_ids: bool = False
+) -> Iterator[InputRow]:
+    """Stream one stored shard's rows, a row group at a time; `with_token_ids`: with the ids
+    the job's sizing pass stored for them, where it did (jobs/token_store.py)."""
+    tokens = iter_token_batches(storage, path, batch_rows) if with_token_ids else None
     with storage.fs.open_input_file(path) as src:
-        for batch in pq.ParquetFile(src).iter_batches(batch_size=batch_rows):
-            for record in batch.to_pylist():
-                yield InputRow.from_record(record)
+        parquet = pq.ParquetFile(src)
+        # A shard stored by an older release may lack a later column (it reads as null).
+        names = [name for name in STORED_FIELDS if name in parquet.schema_arrow.names]
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
+            columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+            ids = _token_ids_for(tokens, columns[0]) if tokens is not None else None
+            if ids is None:
+                tokens = None  # missing or out of step: the feed tokenizes these rows itself
+                ids = [None] * batch.num_rows
+            if len(names) < len(STORED_FIELDS):
+                for values, row_ids in zip(zip(*columns, strict=True), ids, strict=True):
+                    yield InputRow(**dict(zip(names, values)), token_ids=row_ids)
+                continue
+            for values, row_ids in zip(zip(*columns, strict=True), ids, strict=True):
+                yield InputRow(*values, token_ids=row_ids)  # type: ignore[misc]  # 8 stored columns
+
+
+def _token_ids_for(tokens: Iterator[Any], lines: list[int]) -> list[Any] | None:
+    """The next token batch's ids when it holds exactly these lines, else None."""
+    batch = next(tokens, None)
+    if batch is None or batch.column(0).to_pylist() != lines:
+        log.warning("stored token ids do not match their shard's rows; tokenizing instead")
+        return None
+    return list(batch.column(1).to_pylist())

@@ -8,8 +8,10 @@ chat template decodes messages once, so no row pays a decode it does not need.
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -42,6 +44,9 @@ class InputRow:
     sampling: str | None = None  # JSON text of the line's sampling overrides, if any
     error: str | None = None  # why the line is invalid (kind "invalid")
     inputs: str | None = None  # JSON text of a list embedding input (kind "embed")
+    # The prompt's token ids from the job's context-sizing pass (jobs/token_store.py), so the
+    # feed does not tokenize the row a second time. Not a column of the input shard.
+    token_ids: list[int] | None = None
 
     @classmethod
     def from_item(cls, item: Request | LineError) -> InputRow:
@@ -65,7 +70,21 @@ class InputRow:
         return cls(**record)
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        return dict(zip(STORED_FIELDS, self.stored_values(), strict=True))
+
+    def stored_values(self) -> tuple[Any, ...]:
+        """The row's input-shard columns, in INPUT_SCHEMA's order (dataclasses.asdict
+        deep-copies every field: a third of storing a validated line)."""
+        return (
+            self.line,
+            self.custom_id,
+            self.kind,
+            self.prompt,
+            self.messages,
+            self.sampling,
+            self.error,
+            self.inputs,
+        )
 
     def texts(self) -> list[str]:
         """The texts of an embedding row: its one input, or its list."""
@@ -74,6 +93,19 @@ class InputRow:
     def chat_messages(self) -> list[dict[str, Any]]:
         return json.loads(self.messages) if self.messages else []
 
-    def overrides(self) -> dict[str, Any]:
-        """The line's own sampling settings (over the job's defaults)."""
-        return json.loads(self.sampling) if self.sampling else {}
+    def overrides(self) -> MappingProxyType[str, Any]:
+        """The line's own sampling settings (over the job's defaults), read-only: the decoded
+        text is shared by every row with the same settings (most rows of a job), and the
+        template, the sizing pass and the sampling cache each ask for it."""
+        return _decoded(self.sampling) if self.sampling else _EMPTY
+
+
+_EMPTY: MappingProxyType[str, Any] = MappingProxyType({})
+
+
+@functools.lru_cache(maxsize=4096)
+def _decoded(text: str) -> MappingProxyType[str, Any]:
+    return MappingProxyType(json.loads(text))
+
+
+STORED_FIELDS = tuple(INPUT_SCHEMA.names)

@@ -9,6 +9,7 @@ Sampling overrides sit at the top level of the first two forms and inside `body`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -145,7 +146,7 @@ class SamplingDefaults(BaseModel):
         "line's own constraint replaces.",
     )
 
-    def merged(self, overrides: dict[str, Any]) -> dict[str, Any]:
+    def merged(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
         """The full sampling settings for one request: these defaults under its overrides.
         A null override means "not given", except for the settings a line may switch off
         (`"logprobs": false`, `response_format` text): there a stored null wins."""

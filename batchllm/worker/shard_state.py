@@ -52,7 +52,9 @@ class ShardState:
     def rows(self, storage: Storage) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""
         rows = (
-            r for r in iter_shard_rows(storage, self.input_path) if r.line not in self.done_lines
+            r
+            for r in iter_shard_rows(storage, self.input_path, with_token_ids=True)
+            if r.line not in self.done_lines
         )
         if not self.spec.engine.group_prefixes:
             return rows

@@ -1,0 +1,82 @@
+"""Token ids of a job's prompts, kept beside its input shards so each prompt is tokenized once.
+
+The context-sizing pass (engine/sizing.py) has to render and tokenize every prompt to find the
+longest; it stores the ids it computed in `tokens-NNNNN.parquet` next to `shard-NNNNN.parquet`
+(same rows, same order), and the feed reads them back instead of tokenizing the row again.
+Tokenization was more than half of a job's own work; doing it twice was the largest waste.
+
+Only what a plain prompt needs is stored: rows whose preparation failed (the feed prepares
+them again and reports why) and list embedding inputs get a null and are prepared in the feed.
+A job given `--max-model-len` has no sizing pass and no token file: its feed tokenizes, once.
+The ids come from the job's own model tokenizer and chat template, which the engine uses too.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchllm.jobs.storage import Storage
+
+log = logging.getLogger(__name__)
+
+TOKENS_SCHEMA = pa.schema(
+    [
+        pa.field("line", pa.int64(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32())),
+    ]
+)
+
+
+def token_path(input_path: str) -> str:
+    """The token file of an input shard (`.../shard-00003.parquet` -> `.../tokens-00003...`)."""
+    folder, name = posixpath.split(input_path)
+    return posixpath.join(folder, "tokens-" + name.removeprefix("shard-"))
+
+
+class TokenFileWriter:
+    """Collects one shard's token ids, a batch at a time, and stores them whole on close
+    (an object store has no append; a shard is bounded by --shard-size)."""
+
+    def __init__(self, storage: Storage, input_path: str) -> None:
+        self.storage, self.path = storage, token_path(input_path)
+        self._sink = io.BytesIO()
+        # Token ids compress well and are read back once; speed matters more than size here.
+        self._writer = pq.ParquetWriter(self._sink, TOKENS_SCHEMA, compression="lz4")
+
+    def write(self, lines: list[int], token_ids: list[list[int] | None]) -> None:
+        if lines:
+            table = pa.table(
+                [pa.array(lines, pa.int64()), pa.array(token_ids, pa.list_(pa.int32()))],
+                schema=TOKENS_SCHEMA,
+            )
+            self._writer.write_table(table)
+
+    def close(self) -> None:
+        self._writer.close()
+        self.storage.write_bytes(self.path, self._sink.getvalue())
+
+
+def iter_token_batches(storage: Storage, input_path: str, batch_rows: int) -> Iterator[Any] | None:
+    """The shard's token file as record batches of `batch_rows` rows, or None when there is
+    none (no sizing pass) or it cannot be read (then the feed tokenizes, as without one)."""
+    path = token_path(input_path)
+    try:
+        if not storage.exists(path):
+            return None
+        source = storage.fs.open_input_file(path)
+    except OSError as exc:
+        log.warning("token ids of %s unreadable, tokenizing again: %s", input_path, exc)
+        return None
+
+    def batches() -> Iterator[Any]:
+        with source:
+            yield from pq.ParquetFile(source).iter_batches(batch_size=batch_rows)
+
+    return batches()
