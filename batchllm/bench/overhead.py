@@ -206,6 +206,44 @@ def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
     }
 
 
+_REFERENCE_BATCH = 1000
+
+
+def prompt_text(obj: dict[str, Any]) -> str:
+    """The text a line asks to be tokenized, without any chat template: a prompt, or the
+    contents of its messages (OpenAI batch lines carry them in `body`)."""
+    body = obj.get("body", obj)
+    if "messages" in body:
+        return "\n".join(str(m.get("content", "")) for m in body["messages"])
+    return str(body.get("prompt", ""))
+
+
+def tokenization_reference(source: Path, model: str) -> dict:
+    """The floor no pipeline can beat: parse each JSON line and encode its text with the
+    model's fast tokenizer (the Rust backend's batch encoding, as the pipeline uses it) in
+    batches of 1,000. Nothing is validated, rendered, stored or written."""
+    from batchllm.engine.prompts import batch_encoder
+    from batchllm.engine.sizing import load_tokenizer
+
+    encode = batch_encoder(load_tokenizer(model))
+    started = time.perf_counter()
+    rows = tokens = 0
+    batch: list[str] = []
+    with source.open("rb") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            batch.append(prompt_text(json.loads(line)))
+            if len(batch) >= _REFERENCE_BATCH:
+                tokens += sum(len(ids) for ids in encode(batch, True))
+                rows, batch = rows + len(batch), []
+        if batch:
+            tokens += sum(len(ids) for ids in encode(batch, True))
+            rows += len(batch)
+    seconds = time.perf_counter() - started
+    return {"lines": rows, "seconds": seconds, "rows_per_s": rows / seconds, "tokens": tokens}
+
+
 def run_size(
     lines: int,
     workdir: Path,
@@ -251,10 +289,11 @@ def run_size(
 
 if __name__ == "__main__":
     source_arg, home_arg, model_arg, max_tokens_arg = sys.argv[1:5]
-    print(
-        json.dumps(
-            measure(
-                Path(source_arg), Path(home_arg), model=model_arg, max_tokens=int(max_tokens_arg)
-            )
-        )
+    figures = measure(
+        Path(source_arg), Path(home_arg), model=model_arg, max_tokens=int(max_tokens_arg)
     )
+    # Same process, same file, right after: the reference the pipeline is held against.
+    reference = tokenization_reference(Path(source_arg), model_arg)
+    figures["tokenization_reference"] = reference
+    figures["vs_tokenization"] = figures["rows_per_s"] / reference["rows_per_s"]
+    print(json.dumps(figures))

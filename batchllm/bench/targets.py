@@ -42,6 +42,12 @@ def add_ratios_and_targets(result: dict[str, Any]) -> None:
             / prefix["file_order"]["output_tokens_per_s"]["median"]
         )
     overhead = result.get("overhead")
+    if overhead:
+        # Issue 13's pipeline targets, at the largest size run (1M lines in the README).
+        largest = overhead["sizes"][-1]
+        targets["overhead_own_rows_per_s"] = _target(largest["own_rows_per_s"], 50_000.0)
+        if "vs_tokenization" in largest:
+            targets["overhead_vs_tokenization"] = _target(largest["vs_tokenization"], 0.6)
     if overhead and raw:
         engine_per_row = raw["wall_seconds"]["median"] / raw["requests"]
         overhead["engine_seconds_per_row"] = engine_per_row

@@ -131,11 +131,17 @@ def test_prefix_and_overhead_parts_report_their_figures(bench):
     assert size["rows_per_s"] > 0 and size["own_rows_per_s"] >= size["rows_per_s"]
     assert size["peak_rss_bytes"] > 0
     assert size["share_of_engine_time"] > 0
+    # The tokenization-only reference ran on the same lines in the same process.
+    reference = size["tokenization_reference"]
+    assert reference["lines"] == OVERHEAD_LINES and reference["tokens"] > OVERHEAD_LINES
+    assert size["vs_tokenization"] == pytest.approx(size["rows_per_s"] / reference["rows_per_s"])
     assert set(result["targets"]) == {
         "engine_phase_vs_raw",
         "engine_phase_vs_batches_32",
         "run_speedup_over_run_batch",
         "overhead_share_of_engine",
+        "overhead_own_rows_per_s",
+        "overhead_vs_tokenization",
     }
 
 
