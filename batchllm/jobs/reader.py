@@ -37,7 +37,7 @@ from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = set(SamplingOverrides.model_fields)
+_SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text
 _TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _CHUNK = 4096
 _UNKNOWN_FORM = (
@@ -80,9 +80,13 @@ def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
 def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
     """The settings a line stores with its row: sampling overrides, then the normalized
     sample count, log probabilities, constraint and chat template options."""
-    sampling = {
-        k: v for k, v in parsed.model_dump(include=_SAMPLING_FIELDS).items() if v is not None
-    }
+    # The sampling fields are numbers, booleans, strings and lists of strings: reading the
+    # attributes gives what model_dump would, without its serializer (per line, on the hot path).
+    sampling = {}
+    for name in _SAMPLING_FIELDS:
+        value = getattr(parsed, name, None)
+        if value is not None:
+            sampling[name] = value
     max_n = get_settings().max_n
     if sampling.get("n", 1) > max_n:
         raise _LineProblem(
@@ -106,7 +110,7 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
                 sampling[name] = value
     elif isinstance(parsed, CompletionLogprobs) and parsed.logprobs is not None:
         sampling["logprobs"] = parsed.logprobs
-    if isinstance(parsed, ConstraintFields):
+    if isinstance(parsed, ConstraintFields) and _has_constraint(parsed):
         try:
             constraint = constraint_of(parsed.constraint_fields())
         except ConstraintError as exc:
@@ -115,6 +119,16 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
             # response_format text: this line runs unconstrained, whatever the job's default
             sampling["structured"] = constraint
     return sampling
+
+
+def _has_constraint(parsed: ConstraintFields) -> bool:
+    return not (
+        parsed.response_format is None
+        and parsed.json_schema_ is None
+        and parsed.choice is None
+        and parsed.regex is None
+        and parsed.grammar is None
+    )
 
 
 def _pick_adapter(name: str | None, adapters: frozenset[str]) -> dict[str, str]:
