@@ -83,6 +83,8 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
         "overhead without generation",
         "rows/s own",
         "rows/s all",
+        "tokenize-only rows/s",
+        "all / tokenize-only",
         "peak RSS",
     )
     header += ("own / engine time", "all / engine time") if shares else ()
@@ -93,6 +95,10 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
             f"{size['lines']:,} lines",
             f"{size['own_rows_per_s']:,.0f}",
             f"{size['rows_per_s']:,.0f}",
+            f"{size['tokenization_reference']['rows_per_s']:,.0f}"
+            if "tokenization_reference" in size
+            else "-",
+            f"{size['vs_tokenization']:.2f}x" if "vs_tokenization" in size else "-",
             f"{size['peak_rss_bytes'] / _MIB:,.0f} MiB",
         )
         if shares:
@@ -247,6 +253,62 @@ def embed_text(embed: dict[str, Any]) -> str:
     )
 
 
+def warm_text(warm: dict[str, Any]) -> str:
+    """The warm part: per job on one worker, how long from submit to its first row."""
+
+    def seconds(value: float | None) -> str:
+        return f"{value:.2f} s" if value is not None else ""
+
+    rows: list[tuple[str, ...]] = [
+        (
+            "jobs on one worker",
+            "max_tokens",
+            "context",
+            "engine's",
+            "engine starts",
+            "submit to pickup",
+            "pickup to first row",
+            "submit to first row",
+            "submit to done",
+        )
+    ]
+    for n, job in enumerate(warm["jobs"]):
+        rows.append(
+            (
+                f"{n}: {job['kind']}",
+                str(job["max_tokens"]),
+                str(job["max_model_len"]),
+                str(job["engine_max_model_len"]),
+                str(job["engine_starts"]),
+                seconds(job["submit_to_pickup_seconds"]),
+                seconds(job["pickup_to_first_row_seconds"]),
+                seconds(job["submit_to_first_row_seconds"]),
+                seconds(job["submit_to_done_seconds"]),
+            )
+        )
+    lines = [
+        f"warm worker: one `batchllm worker` process, {len(warm['jobs'])} jobs of "
+        f"{warm['lines']} lines submitted one after another (one shard each)",
+        "",
+        _format(rows),
+        "submit: the job is committed and its task goes to the broker; pickup: the worker "
+        "claims the shard, after it sized the job's context and picked its engine (so an "
+        "engine start lands in submit to pickup); first row: the job's first request goes "
+        "into the engine; from the database's timestamps",
+    ]
+    pickup = warm.get("warm_pickup_to_first_row_seconds")
+    if pickup:
+        first = warm["warm_submit_to_first_row_seconds"]
+        mark = "met" if warm["target_met"] else "NOT met"
+        lines.append(
+            f"shorter jobs on the warm engine ({warm['shorter_jobs_rebuilt']} rebuilt it): "
+            f"pickup to first row median {pickup['median']:.2f} s, max {pickup['max']:.2f} s "
+            f"(target {warm['target_seconds']:.0f} s: {mark}); submit to first row median "
+            f"{first['median']:.2f} s"
+        )
+    return "\n".join(lines)
+
+
 def summary_text(result: dict[str, Any]) -> str:
     """The whole report: contender table, prefix grouping, overhead, and the targets."""
     config = result["config"]
@@ -258,7 +320,7 @@ def summary_text(result: dict[str, Any]) -> str:
             f"({config.get('output_shape', 'uniform')}, ignore_eos), "
             f"model {config['model']}"
         ]
-    else:  # only the features and embed parts, which describe their own work
+    else:  # only the features, embed and warm parts, which describe their own work
         parts = [f"batchllm bench: model {config['model']}"]
     engine = result.get("engine")
     if engine:
@@ -316,6 +378,9 @@ def summary_text(result: dict[str, Any]) -> str:
     if result.get("embed"):
         parts.append("")
         parts.append(embed_text(result["embed"]))
+    if result.get("warm"):
+        parts.append("")
+        parts.append(warm_text(result["warm"]))
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")
@@ -333,7 +398,7 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
 
     panels = [
         p
-        for p in ("contenders", "prefix", "overhead", "features", "embed")
+        for p in ("contenders", "prefix", "overhead", "features", "embed", "warm")
         if result.get(p) and (p != "contenders" or result[p])
     ]
     widths = [{"contenders": 3, "features": 2.2}.get(p, 1.4) for p in panels]
@@ -351,12 +416,14 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
             "overhead": _overhead_panel,
             "features": _features_panel,
             "embed": _embed_panel,
+            "warm": _warm_panel,
         }[panel](ax, result)
     config = result["config"]
     engine = (
         result.get("engine")
         or (result.get("features") or {}).get("engine")
         or (result.get("embed") or {}).get("engine")
+        or (result.get("warm") or {}).get("engine")
         or {}
     )
     machine = f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}"
@@ -514,3 +581,28 @@ def _embed_panel(ax, result: dict[str, Any]) -> None:
     )
     ax.set_ylabel("rows/s")
     ax.set_title("embeddings", fontsize=9)
+
+
+def _warm_panel(ax, result: dict[str, Any]) -> None:
+    jobs = result["warm"]["jobs"]
+    x = range(len(jobs))
+    for offset, key, color, label in (
+        (-0.2, "pickup_to_first_row_seconds", "tab:green", "pickup to first row"),
+        (0.2, "submit_to_first_row_seconds", "tab:gray", "submit to first row"),
+    ):
+        ax.bar(
+            [i + offset for i in x],
+            [j[key] or 0 for j in jobs],
+            width=0.4,
+            color=color,
+            label=label,
+        )
+    ax.set_yscale("log")
+    ax.set_xticks(
+        list(x),
+        [f"{j['kind']}\n{j['engine_starts']} start(s)" for j in jobs],
+        fontsize=6,
+    )
+    ax.set_ylabel("seconds (log)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7)
+    ax.set_title("jobs on a warm worker", fontsize=9)

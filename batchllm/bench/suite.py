@@ -3,8 +3,9 @@
 Order matters for honesty: the in-process contenders share one warm engine and take turns
 repeat by repeat (so drift on a busy machine hits all of them alike); the shared engine is
 shut down before the end-to-end contenders start their own; the features and embed parts then
-each start an engine of their own (other engine settings), one after the other; the overhead
-part runs last, each size in its own process.
+each start an engine of their own (other engine settings), one after the other, and the warm
+part a worker process with its engine; the overhead part runs last, each size in its own
+process.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from batchllm.bench.processes import EngineLimits
 from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
 
-PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed")
+PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed", "warm")
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
 # engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
 # (7 jobs and their raw twins per repeat, then 3 embedding contenders), which would make the
-# default run (~8.5 minutes) about 70% longer to answer other questions than its own.
+# default run (~8.5 minutes) about 70% longer to answer other questions than its own. warm is
+# opt-in too: it needs Redis on 127.0.0.1:6379 and starts a worker (two engine starts).
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -58,6 +60,9 @@ class BenchConfig:
     feature_requests: int = 400
     feature_max_tokens: int = 64
     embed_texts: int = 2_000
+    # The warm part: jobs after the warm-up on one worker, and lines per job.
+    warm_jobs: int = 5
+    warm_lines: int = 50
     seed: int = 0
 
     @property
@@ -140,6 +145,17 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
         result["features"] = _features(config, model, workdir, say)
     if "embed" in parts:
         result["embed"] = _embed(config, model, workdir, say)
+    if "warm" in parts:
+        from batchllm.bench.warm import run_warm
+
+        result["warm"] = run_warm(
+            model=model,
+            workdir=workdir / "warm",
+            jobs=config.warm_jobs,
+            lines=config.warm_lines,
+            seed=config.seed,
+            say=say,
+        )
     if "overhead" in parts:
         result["overhead"] = _overhead(config, model, workdir, say)
     add_ratios_and_targets(result)
@@ -387,7 +403,9 @@ def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[
         )
         say(
             f"[overhead] {lines:,} lines: {figures['own_rows_per_s']:,.0f} rows/s own work, "
-            f"{figures['rows_per_s']:,.0f} with tokenization and sizing, peak RSS "
+            f"{figures['rows_per_s']:,.0f} with tokenization and sizing "
+            f"({figures['vs_tokenization']:.2f}x tokenization alone, "
+            f"{figures['tokenization_reference']['rows_per_s']:,.0f} rows/s), peak RSS "
             f"{figures['peak_rss_bytes'] / 2**20:,.0f} MiB"
         )
         sizes.append(figures)

@@ -125,7 +125,7 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     "--parts",
     type=click.Choice(PARTS),
     multiple=True,
-    help="Run only these parts (repeatable) [default: all but features and embed].",
+    help="Run only these parts (repeatable) [default: all but features, embed and warm].",
 )
 @click.option(
     "--skip", type=click.Choice(PARTS), multiple=True, help="Leave these parts out (repeatable)."
@@ -180,6 +180,20 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     show_default=True,
     help="Texts the embed part embeds per contender.",
 )
+@click.option(
+    "--warm-jobs",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_jobs,
+    show_default=True,
+    help="Jobs the warm part submits to its warm worker after the warm-up.",
+)
+@click.option(
+    "--warm-lines",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_lines,
+    show_default=True,
+    help="Lines per job of the warm part.",
+)
 @click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
 def bench(
     output: Path,
@@ -200,6 +214,8 @@ def bench(
     feature_requests: int,
     feature_max_tokens: int,
     embed_texts: int,
+    warm_jobs: int,
+    warm_lines: int,
     seed: int,
 ) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
@@ -209,8 +225,9 @@ def bench(
     Parts: engine (in-process contenders on one shared engine), run-batch and run (end to
     end, each its own process), prefix (prefix grouping on/off), overhead (everything but
     generation, on an instant engine); opt-in with --parts: features (plain, JSON schema,
-    choice, logprobs, n=4 and a mixed job on one engine) and embed (embedding jobs against
-    raw LLM.embed). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
+    choice, logprobs, n=4 and a mixed job on one engine), embed (embedding jobs against
+    raw LLM.embed) and warm (how soon jobs start on a warm `batchllm worker`; needs Redis on
+    127.0.0.1:6379). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
     from batchllm.bench.suite import BenchConfig, run_bench, write_results
@@ -238,6 +255,8 @@ def bench(
         feature_requests=feature_requests,
         feature_max_tokens=feature_max_tokens,
         embed_texts=embed_texts,
+        warm_jobs=warm_jobs,
+        warm_lines=warm_lines,
         seed=seed,
     )
     result = run_bench(config, say=lambda line: click.echo(line, err=True))

@@ -1,20 +1,20 @@
-"""One warm engine per process, rebuilt only when a shard needs other engine settings."""
+"""One warm engine per process, rebuilt only when a shard needs other engine settings or a
+longer context than it has."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from batchllm.jobs import service
 from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Job
 from batchllm.jobs.schemas import JobSpec
 from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
 from batchllm.worker import metrics
+from batchllm.worker.sizing_pass import size_shards
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
     from batchllm.engine.vllm_engine import VllmEngine
@@ -30,10 +30,8 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
             return job.max_model_len
         spec = JobSpec.model_validate(job.spec)
         paths = [s.input_path for s in job.shards]
-    from batchllm.engine.sizing import size_max_model_len
-
-    rows = itertools.chain.from_iterable(iter_shard_rows(storage, p) for p in paths)
-    sized = size_max_model_len(spec.model, rows, spec.sampling, spec.chat_template)
+    # The ids go beside each shard, so the feed does not tokenize its rows again.
+    sized = size_shards(spec, storage, paths)
     with session_scope(settings) as session:
         return service.set_max_model_len(session, job_id, sized)
 
@@ -51,19 +49,62 @@ def with_min_lora_rank(spec: JobSpec, floor: int | None) -> JobSpec:
     return spec.model_copy(update={"engine": engine})
 
 
+def _context_free_key(spec: JobSpec) -> str:
+    """The engine key without the context length, which a longer warm engine covers."""
+    return spec.engine.model_copy(update={"max_model_len": None}).engine_key(spec.model)
+
+
+def _differences(old: JobSpec, new: JobSpec) -> str:
+    """The engine settings that make `new` need another engine than `old`, for the log."""
+    changes = [f"model {old.model} -> {new.model}"] if old.model != new.model else []
+    before, after = old.engine.model_dump(), new.engine.model_dump()
+    changes += [
+        f"{name} {before[name]!r} -> {after[name]!r}"
+        for name in after
+        if name not in ("max_model_len", "group_prefixes") and before[name] != after[name]
+    ]
+    return ", ".join(changes)
+
+
 class EngineCache:
-    """The warm engine of this process (an EngineSource)."""
+    """The warm engine of this process (an EngineSource).
+
+    A warm engine serves every job with its settings whose context fits in its own: the
+    runner checks rows against the engine's max_model_len, so a longer-context engine runs a
+    shorter job's rows exactly as one sized for it would, and rebuilding it (tens of seconds
+    here, minutes on a GPU) would only delay the job. It is rebuilt when a job needs other
+    settings or a longer context than it has.
+    """
 
     def __init__(self) -> None:
         self._key: str | None = None
-        self._model: str | None = None
+        self._spec: JobSpec | None = None  # what the warm engine was built for
         self.engine: VllmEngine | None = None
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
         spec = with_min_lora_rank(spec, get_settings().min_lora_rank)
-        key = spec.engine.engine_key(spec.model) + f"|{max_model_len}"
-        if self.engine is not None and key == self._key:
-            return self.engine
+        key = _context_free_key(spec)
+        warm, built_for = self.engine, self._spec
+        if warm is not None and key == self._key:
+            if max_model_len <= warm.max_model_len:
+                if max_model_len < warm.max_model_len:
+                    log.info(
+                        "reusing the warm engine (max_model_len %d) for a job that needs "
+                        "max_model_len %d",
+                        warm.max_model_len,
+                        max_model_len,
+                    )
+                return warm
+            log.info(
+                "rebuilding the engine: the job needs max_model_len %d, the warm engine has %d",
+                max_model_len,
+                warm.max_model_len,
+            )
+        elif warm is not None and built_for is not None:
+            log.info(
+                "rebuilding the engine: the job needs other engine settings (%s)",
+                _differences(built_for, spec),
+            )
         self.close()
         from batchllm.engine.vllm_engine import VllmEngine
 
@@ -74,13 +115,13 @@ class EngineCache:
             metrics.engine_start_failed(spec.model)
             raise
         metrics.engine_started(spec.model, time.monotonic() - started)
-        self.engine, self._key, self._model = engine, key, spec.model
+        self.engine, self._key, self._spec = engine, key, spec
         return engine
 
     def close(self) -> None:
         engine, self.engine, self._key = self.engine, None, None
-        model, self._model = self._model, None
-        if model is not None:
-            metrics.engine_stopped(model)
+        built_for, self._spec = self._spec, None
+        if built_for is not None:
+            metrics.engine_stopped(built_for.model)
         if engine is not None:
             engine.shutdown()

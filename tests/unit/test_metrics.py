@@ -250,6 +250,7 @@ class _FakeVllmEngine:
         if self.fail:
             raise RuntimeError("does not fit")
         self.model = model
+        self.max_model_len = max_model_len
 
     def shutdown(self) -> None:
         pass
