@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,14 @@ class StoredInput:
 
 
 class _ShardWriter:
-    def __init__(self, storage: Storage, job_id: str, shard_size: int) -> None:
-        self.storage, self.shard_size = storage, shard_size
+    def __init__(
+        self,
+        storage: Storage,
+        job_id: str,
+        shard_size: int,
+        on_shard: Callable[[str], None] | None = None,
+    ) -> None:
+        self.storage, self.shard_size, self.on_shard = storage, shard_size, on_shard
         self.dir = storage.input_dir(job_id)
         try:
             storage.makedirs(self.dir)
@@ -98,6 +104,8 @@ class _ShardWriter:
         except OSError as exc:
             raise _not_writable(self.storage, exc) from exc
         self.shards.append(self._current)
+        if self.on_shard is not None:
+            self.on_shard(self._current.path)
         self._current, self._writer, self._sink = None, None, None
 
     def discard(self) -> None:
@@ -152,17 +160,19 @@ def store_input(
     strict: bool = False,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
+    on_shard: Callable[[str], None] | None = None,
 ) -> StoredInput:
     """Validate `source` (a local path or a URI, streamed) line by line and store it as
     Parquet shards of `shard_size` rows.
 
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
     InputError lists the problems. Raises InputError when the file cannot be read or holds
-    no request at all, StorageError when the shards cannot be written.
+    no request at all, StorageError when the shards cannot be written. `on_shard` is called
+    with each shard's path once it is stored (a `run` sizes it meanwhile).
     """
     source = readable_input(source)
     result = StoredInput()
-    writer = _ShardWriter(storage, job_id, shard_size)
+    writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
         for item in read_requests(source, adapters=adapters, task=task):
             result.total += 1

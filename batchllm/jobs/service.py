@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +46,7 @@ def create_job(
     settings: Settings | None = None,
     local_run: bool = False,
     expires_at: datetime | None = None,
+    on_shard: Callable[[str], None] | None = None,
 ) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
@@ -83,6 +85,7 @@ def create_job(
             strict=strict,
             adapters=frozenset(spec.adapters),
             task=spec.engine.task,
+            on_shard=on_shard,
         )
         storage.makedirs(storage.output_dir(job_id))
     except (InputError, StorageError, OSError) as exc:

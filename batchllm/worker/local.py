@@ -21,6 +21,7 @@ from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings, get_settings
 from batchllm.worker.engines import EngineCache, resolve_max_model_len
 from batchllm.worker.runner import ProgressFn, ShardRunner
+from batchllm.worker.sizing_pass import BackgroundSizer
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ def _create(
     on_created: Callable[[Job], None] | None,
 ) -> tuple[str, BaseException | None]:
     """Create the job; when the context length is given, start the engine meanwhile.
-    Returns the job id and the engine start's error, if it failed after the job was created.
+    Returns the job id and the error of the engine start or of the sizing pass, if one failed
+    after the job was created (the caller fails the job with it).
 
     Starting the engine (~20-30 s on the tiny model, minutes for a large one) and validating and
     storing the file need nothing from each other once max_model_len is known, so they overlap:
@@ -124,7 +126,7 @@ def _create(
     once, not after an engine start it did not need.
     """
 
-    def create() -> str:
+    def create(on_shard: Callable[[str], None] | None = None) -> str:
         created = service.create_job(
             source,
             spec,
@@ -132,6 +134,7 @@ def _create(
             strict=strict,
             settings=settings,
             local_run=True,
+            on_shard=on_shard,
         )
         if on_created:
             on_created(created.job)
@@ -139,7 +142,9 @@ def _create(
 
     readable_input(source)  # a missing file is reported before any engine starts
     early = spec.engine.max_model_len
-    if not early or strict:
+    if not early:
+        return _create_and_size(create, spec, settings)
+    if strict:
         return create(), None
     outcome: dict[str, object] = {}
 
@@ -166,6 +171,27 @@ def _create(
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return str(outcome["job_id"]), engine_error
+
+
+def _create_and_size(
+    create: Callable[[Callable[[str], None]], str], spec: JobSpec, settings: Settings
+) -> tuple[str, BaseException | None]:
+    """Create the job while sizing its context on another thread, shard by shard as they are
+    stored (worker/sizing_pass.py): the two overlap instead of running one after the other.
+    Returns the job id and the sizing pass's error (the job exists then: the caller fails it)."""
+    sizer = BackgroundSizer(spec, Storage.of(settings))
+    try:
+        job_id = create(sizer.shard_stored)
+    except BaseException:
+        sizer.abandon()
+        raise
+    try:
+        sized = sizer.finish()
+    except BaseException as exc:
+        return job_id, exc
+    with session_scope(settings) as session:
+        service.set_max_model_len(session, job_id, sized)
+    return job_id, None
 
 
 @contextlib.contextmanager

@@ -168,3 +168,83 @@ def test_a_token_file_out_of_step_with_its_shard_is_ignored(
         pq.write_table(shifted, out)
     rows = list(iter_shard_rows(storage, path, with_token_ids=True))
     assert len(rows) == 50 and all(r.token_ids is None for r in rows)
+
+
+def write_chat_lines(path: Path, count: int, bad: int = 0) -> Path:
+    rng = random.Random(5)
+    with path.open("w") as out:
+        for i in range(count):
+            words = " ".join(rng.choice(WORDS) for _w in range(rng.randint(1, 20)))
+            out.write(json.dumps({"custom_id": f"r{i}", "prompt": words}) + "\n")
+        for _ in range(bad):
+            out.write('{"prompt": 5}\n')
+    return path
+
+
+def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
+    tiny_model, settings, tmp_path
+):
+    from batchllm.bench.overhead import _InstantEngines
+    from batchllm.jobs.models import JobStatus
+    from batchllm.jobs.output import read_output
+    from batchllm.worker.local import run_job
+    from batchllm.worker.sizing_pass import size_shards
+
+    settings = settings.model_copy(update={"shard_size": 40})
+    source = write_chat_lines(tmp_path / "in.jsonl", 150, bad=2)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    engines = _InstantEngines(load_tokenizer(str(tiny_model)))
+    job = run_job(source, spec, settings=settings, engines=engines)
+
+    assert job.status is JobStatus.COMPLETED
+    assert (job.request_completed, job.request_failed) == (150, 2)
+    storage = Storage.of(settings)
+    with session_scope(settings) as session:
+        paths = [s.input_path for s in session.get(Job, job.id).shards]
+    assert len(paths) == 4
+    for path in paths:
+        assert storage.exists(token_path(path)), path
+    # The overlapped pass sized exactly what the one after validation would have.
+    assert job.max_model_len == size_shards(spec, storage, paths)
+    # The feed took the stored ids: the instant engine never tokenized a row.
+    assert engines.engine is not None and engines.engine.prepare_seconds < 1.0
+    output = read_output(storage, storage.output_dir(job.id))
+    assert sorted(output.column("custom_id").to_pylist())[:3] == ["line-151", "line-152", "r0"]
+    assert output.num_rows == 152
+
+
+def test_a_refused_file_leaves_no_token_ids_behind(tiny_model, settings, tmp_path):
+    from batchllm.errors import InputError
+    from batchllm.worker.local import run_job
+
+    settings = settings.model_copy(update={"shard_size": 40})
+    source = write_chat_lines(tmp_path / "in.jsonl", 100, bad=1)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    with pytest.raises(InputError, match="--strict refuses the file"):
+        run_job(source, spec, settings=settings, strict=True)
+    stored = [p.name for p in Path(settings.resolved_storage).rglob("*.parquet")]
+    assert not [name for name in stored if name.startswith("tokens-")], stored
+
+
+def test_a_failed_sizing_pass_fails_the_created_job_with_the_reason(settings, tmp_path):
+    from batchllm.errors import BatchLLMError
+    from batchllm.jobs.models import JobStatus
+    from batchllm.worker.local import run_job
+
+    source = write_chat_lines(tmp_path / "in.jsonl", 10)
+    missing = tmp_path / "no-such-model"
+    spec = JobSpec(model=str(missing), sampling=SamplingDefaults(max_tokens=8))
+    with pytest.raises(BatchLLMError, match="failed"):
+        run_job(source, spec, settings=settings, engines=_NeverEngines())
+    with session_scope(settings) as session:
+        (job,) = session.query(Job).all()
+        assert job.status is JobStatus.FAILED
+        assert str(missing) in (job.error or ""), job.error
+
+
+class _NeverEngines:
+    def get(self, spec, max_model_len):
+        raise AssertionError("no engine may start for a job whose sizing failed")
+
+    def close(self) -> None:
+        pass
