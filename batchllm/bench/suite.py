@@ -404,8 +404,10 @@ def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[
         say(
             f"[overhead] {lines:,} lines: {figures['own_rows_per_s']:,.0f} rows/s own work, "
             f"{figures['rows_per_s']:,.0f} with tokenization and sizing "
-            f"({figures['vs_tokenization']:.2f}x tokenization alone, "
-            f"{figures['tokenization_reference']['rows_per_s']:,.0f} rows/s), peak RSS "
+            f"({figures['vs_tokenization']:.2f}x tokenization alone at "
+            f"{figures['tokenization_reference']['rows_per_s']:,.0f} rows/s; "
+            f"{figures['vs_backend_tokenization']:.2f}x its Rust backend called directly at "
+            f"{figures['tokenization_reference']['backend_rows_per_s']:,.0f}), peak RSS "
             f"{figures['peak_rss_bytes'] / 2**20:,.0f} MiB"
         )
         sizes.append(figures)

@@ -24,7 +24,7 @@ from batchllm.jobs.reader import read_requests
 from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow
 from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage, filesystem_for, is_uri
-from batchllm.jobs.token_store import iter_token_batches
+from batchllm.jobs.token_store import iter_token_batches, token_lists
 
 log = logging.getLogger(__name__)
 
@@ -233,4 +233,4 @@ def _token_ids_for(tokens: Iterator[Any], lines: list[int]) -> list[Any] | None:
     if batch is None or batch.column(0).to_pylist() != lines:
         log.warning("stored token ids do not match their shard's rows; tokenizing instead")
         return None
-    return list(batch.column(1).to_pylist())
+    return token_lists(batch.column(1))

@@ -14,11 +14,13 @@ The ids come from the job's own model tokenizer and chat template, which the eng
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import posixpath
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -53,14 +55,39 @@ class TokenFileWriter:
     def write(self, lines: list[int], token_ids: list[list[int] | None]) -> None:
         if lines:
             table = pa.table(
-                [pa.array(lines, pa.int64()), pa.array(token_ids, pa.list_(pa.int32()))],
-                schema=TOKENS_SCHEMA,
+                [pa.array(lines, pa.int64()), _list_array(token_ids)], schema=TOKENS_SCHEMA
             )
             self._writer.write_table(table)
 
     def close(self) -> None:
         self._writer.close()
         self.storage.write_bytes(self.path, self._sink.getvalue())
+
+
+def _list_array(token_ids: list[list[int] | None]) -> pa.Array:
+    """A list<int32> array built from one flat buffer: pyarrow converting the nested lists
+    element by element cost four times as much."""
+    lengths = [len(ids) if ids is not None else 0 for ids in token_ids]
+    offsets = np.zeros(len(token_ids) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(
+        itertools.chain.from_iterable(ids for ids in token_ids if ids is not None),
+        dtype=np.int32,
+        count=int(offsets[-1]),
+    )
+    missing = [ids is None for ids in token_ids]
+    mask = pa.array(missing, pa.bool_()) if any(missing) else None
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
+
+
+def token_lists(column: Any) -> list[list[int] | None]:
+    """A batch's token ids as Python lists (what the engine takes), sliced from the flat
+    buffer: to_pylist builds each int object through pyarrow's scalar path, slower."""
+    if column.null_count:
+        return list(column.to_pylist())
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy()
+    return [values[a:b].tolist() for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
 
 
 def iter_token_batches(storage: Storage, input_path: str, batch_rows: int) -> Iterator[Any] | None:

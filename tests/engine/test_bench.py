@@ -135,6 +135,9 @@ def test_prefix_and_overhead_parts_report_their_figures(bench):
     reference = size["tokenization_reference"]
     assert reference["lines"] == OVERHEAD_LINES and reference["tokens"] > OVERHEAD_LINES
     assert size["vs_tokenization"] == pytest.approx(size["rows_per_s"] / reference["rows_per_s"])
+    assert size["vs_backend_tokenization"] == pytest.approx(
+        size["rows_per_s"] / reference["backend_rows_per_s"]
+    )
     assert set(result["targets"]) == {
         "engine_phase_vs_raw",
         "engine_phase_vs_batches_32",
