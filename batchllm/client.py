@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ class Job:
     output_dir: str
     error: str | None = None
     throughput: dict[str, Any] = field(default_factory=dict)
+    shards: int = 0
 
     @property
     def done(self) -> bool:
@@ -71,6 +72,7 @@ class Job:
                 "output_tokens_per_s": row.output_tokens_per_s,
                 "wall_seconds": row.wall_seconds,
             },
+            shards=row.shards_total,
         )
 
 
@@ -136,15 +138,36 @@ class Client:
         self.close()
 
     def submit(
-        self, requests: Requests, *, model: str, strict: bool = False, **options: Any
+        self,
+        requests: Requests,
+        *,
+        model: str,
+        strict: bool = False,
+        shard_size: int | None = None,
+        **options: Any,
     ) -> Job:
         """Validate and store the requests (a JSONL path, or request dicts in any line form)
         and queue the job for the fleet; returns at once."""
+        with _as_file(requests) as path:
+            spec = _with_task(job_spec(model, **options), path, options)
+            return self.submit_spec(path, spec, strict=strict, shard_size=shard_size)
+
+    def submit_spec(
+        self,
+        requests: Requests,
+        spec: JobSpec,
+        *,
+        strict: bool = False,
+        shard_size: int | None = None,
+    ) -> Job:
+        """`submit` with a ready JobSpec (the CLI builds one from its flags). `shard_size`:
+        rows per shard, default BATCHLLM_SHARD_SIZE."""
         from batchllm.worker.dispatch import submit_job
 
         with _as_file(requests) as path:
-            spec = _with_task(job_spec(model, **options), path, options)
-            row = submit_job(path, spec, strict=strict, settings=self.settings)
+            row = submit_job(
+                path, spec, strict=strict, shard_size=shard_size, settings=self.settings
+            )
         return Job.of(row)
 
     def run(
@@ -158,12 +181,37 @@ class Client:
     ) -> Job:
         """Run the job to its end in this process (vLLM here, no broker); returns it ended.
         `engines` hands it an engine source of the caller's (tests use a fake one)."""
-        from batchllm.worker.local import run_job
-
         with _as_file(requests) as path:
             spec = _with_task(job_spec(model, **options), path, options)
+            return self.run_spec(path, spec, strict=strict, engines=engines)
+
+    def run_spec(
+        self,
+        requests: Requests,
+        spec: JobSpec,
+        *,
+        strict: bool = False,
+        engines: EngineSource | None = None,
+        on_created: Callable[[Job], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Job:
+        """`run` with a ready JobSpec. `on_created(job)` once the job is stored (before the
+        engine is up); `on_progress(rows, completion_tokens)` as rows finish."""
+        from batchllm.worker.local import run_job
+
+        def created(row: JobRow) -> None:
+            if on_created is not None:
+                on_created(Job.of(row))
+
+        with _as_file(requests) as path:
             row = run_job(
-                path, spec, strict=strict, settings=self.settings, engines=engines or self._engines
+                path,
+                spec,
+                strict=strict,
+                settings=self.settings,
+                engines=engines or self._engines,
+                on_created=created,
+                on_progress=on_progress,
             )
         return Job.of(row)
 
@@ -174,11 +222,20 @@ class Client:
         with session_scope(self.settings) as session:
             return Job.of(service.get_job(session, _id(job)))
 
-    def wait(self, job: Job | str, timeout: float | None = None, poll: float = 2.0) -> Job:
-        """Poll until the job ends; TimeoutError after `timeout` seconds."""
+    def wait(
+        self,
+        job: Job | str,
+        timeout: float | None = None,
+        poll: float = 2.0,
+        on_poll: Callable[[Job], None] | None = None,
+    ) -> Job:
+        """Poll until the job ends; TimeoutError after `timeout` seconds. `on_poll(job)` sees
+        every state read, the last (ended) one too: a progress display follows it."""
         deadline = time.monotonic() + timeout if timeout is not None else None
         while True:
             current = self.status(job)
+            if on_poll is not None:
+                on_poll(current)
             if current.done:
                 return current
             if deadline is not None and time.monotonic() >= deadline:
@@ -201,12 +258,17 @@ class Client:
 
         import pyarrow.dataset as pads
 
+        from batchllm.jobs import service
+        from batchllm.jobs.db import session_scope
         from batchllm.jobs.output import OUTPUT_SCHEMA
         from batchllm.jobs.storage import Storage
 
-        current = self.status(job)
-        storage = Storage.of(self.settings)
-        out_dir = storage.output_dir(current.id)
+        with session_scope(self.settings) as session:
+            row = service.get_job(session, _id(job))
+            job_id, root = row.id, row.storage_root
+        # The storage the job was created in, which settings changed since do not move.
+        storage = Storage(root, s3_endpoint=self.settings.s3_endpoint or "")
+        out_dir = storage.output_dir(job_id)
         parts = [
             posixpath.join(out_dir, n)
             for n in storage.listdir(out_dir)

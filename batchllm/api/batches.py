@@ -5,12 +5,12 @@ files are written once it ends."""
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
-from batchllm.jobs import service
+from batchllm.jobs import files, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.lines import iter_lines
 from batchllm.jobs.models import Batch, Job, StoredFile, utcnow
@@ -32,14 +32,16 @@ def window_seconds(window: str) -> int | None:
     return int(match[1]) * _UNITS[match[2]]
 
 
-def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[list[str], list[dict]]:
+def scan_batch_file(
+    storage: Storage, path: str, endpoint: str, max_line_bytes: int
+) -> tuple[list[str], list[dict]]:
     """The models the file's lines name, in the order they first appear (the batch's model is
     the first), and batch-level errors (OpenAI's BatchError shape): lines for another
     endpoint. Lines that do not parse are left to per-line validation, which turns them into
     error lines of the batch's error file."""
     models: dict[str, None] = {}  # insertion-ordered
     errors: list[dict[str, Any]] = []
-    with open(path, "rb") as handle:
+    with files.open_stored(storage, path) as handle:
         for line in iter_lines(handle, max_line_bytes):
             if line.raw is None:
                 continue
@@ -67,11 +69,13 @@ def scan_batch_file(path: str, endpoint: str, max_line_bytes: int) -> tuple[list
     return list(models), errors
 
 
-def mixed_model_errors(path: str, models: list[str], max_line_bytes: int) -> list[dict]:
+def mixed_model_errors(
+    storage: Storage, path: str, models: list[str], max_line_bytes: int
+) -> list[dict]:
     """The lines naming another model than the first one the file names."""
     first: str | None = None
     errors: list[dict[str, Any]] = []
-    with open(path, "rb") as handle:
+    with files.open_stored(storage, path) as handle:
         for line in iter_lines(handle, max_line_bytes):
             if line.raw is None:
                 continue
@@ -150,7 +154,10 @@ def refuse_batch(
         + (errors[0]["message"])
     )
     job_id = service.record_refused_job(
-        file.path, spec_for(model, endpoint, metadata), summary, settings=settings
+        Storage.of(settings).display(file.path),
+        spec_for(model, endpoint, metadata),
+        summary,
+        settings=settings,
     )
     record_batch(
         settings,
@@ -165,29 +172,29 @@ def refuse_batch(
 
 
 def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str, str]:
-    """Export an ended batch's output and error files (once: the ids are derived from the
-    batch id, so a second caller finds them) and record them as files of its owner."""
-    from batchllm.jobs.openai_files import export_openai
+    """Export an ended batch's output and error files into the job storage (a directory or a
+    bucket) under files/, once: the ids are derived from the batch id, so a second caller finds
+    them; and record them as files of its owner."""
+    from batchllm.jobs.openai_files import export_openai_to
 
-    storage = Storage(settings.resolved_storage)
-    directory = Path(storage.root) / "files" / f"{job.id}-results"
-    counts = export_openai(job, directory)
-    made = []
-    for kind, name in (("output", "output.jsonl"), ("errors", "errors.jsonl")):
-        path = directory / name
-        file_id = f"file-{job.id.removeprefix('job_')}-{kind}"
-        made.append(
-            StoredFile(
-                id=file_id,
-                owner=batch.owner,
-                filename=f"{job.id}_{name}",
-                purpose="batch_output",
-                bytes=path.stat().st_size,
-                lines=_count_lines(path),
-                path=str(path),
-            )
+    storage = Storage.of(settings)
+    directory = posixpath.join(storage.root, "files", f"{job.id}-results")
+    counts = export_openai_to(job, storage, directory)
+    made = [
+        StoredFile(
+            id=f"file-{job.id.removeprefix('job_')}-{kind}",
+            owner=batch.owner,
+            filename=f"{job.id}_{posixpath.basename(path)}",
+            purpose="batch_output",
+            bytes=storage.fs.get_file_info(path).size,
+            lines=lines,  # one JSON object per line
+            path=path,
         )
-    del counts
+        for kind, path, lines in (
+            ("output", str(counts.output_path), counts.output),
+            ("errors", str(counts.errors_path), counts.errors),
+        )
+    ]
     with session_scope(settings) as session:
         for row in made:
             session.merge(row)
@@ -195,8 +202,3 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
         if stored is not None:
             stored.output_file_id, stored.error_file_id = made[0].id, made[1].id
     return made[0].id, made[1].id
-
-
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as handle:
-        return sum(1 for _ in handle)

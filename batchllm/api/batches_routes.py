@@ -16,6 +16,7 @@ from batchllm.errors import BatchLLMError, JobStateError
 from batchllm.jobs import files, service
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import Batch
+from batchllm.jobs.storage import Storage
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
 
@@ -71,7 +72,10 @@ def create_batch(
         if stored is None:
             raise not_found("file", body.input_file_id)
         session.expunge(stored)
-    models, errors = batches.scan_batch_file(stored.path, body.endpoint, settings.max_line_bytes)
+    storage = Storage.of(settings)
+    models, errors = batches.scan_batch_file(
+        storage, stored.path, body.endpoint, settings.max_line_bytes
+    )
     if not models:
         raise ApiError(
             400,
@@ -80,7 +84,7 @@ def create_batch(
             code="missing_model",
         )
     if len(models) > 1:
-        errors += batches.mixed_model_errors(stored.path, models, settings.max_line_bytes)
+        errors += batches.mixed_model_errors(storage, stored.path, models, settings.max_line_bytes)
     # The first model the file names: the one the model_mismatch errors hold the others to.
     model = models[0]
     if errors:
@@ -115,7 +119,7 @@ def create_batch(
 
     try:
         job = submit_job(
-            stored.path,
+            storage.display(stored.path),  # a URI on an object store, which the reader opens
             batches.spec_for(model, body.endpoint, metadata),
             settings=settings,
             expires_at=batches.expiry(body.completion_window),

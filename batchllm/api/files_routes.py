@@ -36,7 +36,7 @@ def upload(
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > settings.api_max_file_bytes + _FRAMING:
         raise ApiError(413, _too_large(settings.api_max_file_bytes), code="file_too_large")
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
 
     def chunks():
         while True:
@@ -101,7 +101,7 @@ def file_content(
         if row is None:
             raise not_found("file", file_id)
         path = row.path
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     return StreamingResponse(
         files.read_chunks(storage, path), media_type="application/octet-stream"
     )
@@ -118,5 +118,5 @@ def delete_file(
             raise not_found("file", file_id)
         path = row.path
         session.delete(row)
-    Storage(settings.resolved_storage).delete(path)
+    Storage.of(settings).delete(path)
     return {"id": file_id, "object": "file", "deleted": True}

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _ACTIVE: Path | None = None
@@ -25,17 +26,36 @@ def active_log() -> Path | None:
     return _ACTIVE
 
 
-class _OwnLines(logging.Filter):
-    """What the console shows while quiet: batchllm's warnings and errors only."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name.startswith("batchllm") and record.levelno >= logging.WARNING
+def own_warnings(record: logging.LogRecord) -> bool:
+    """`run`'s console: batchllm's warnings and errors only (it prints its progress itself)."""
+    return _is_batchllm(record) and record.levelno >= logging.WARNING
 
 
-def quiet(log_dir: Path, name: str) -> Path | None:
-    """Send everything but batchllm's own console lines to LOG_DIR/NAME-<time>-<pid>.log;
-    returns its path. None, and nothing changed, when the console is not a pair of real file
-    descriptors (e.g. click's test runner)."""
+def worker_lines(record: logging.LogRecord) -> bool:
+    """`worker`'s console: batchllm's lines (engine builds, resumes, hand-backs, finished jobs)
+    and Celery's own (connected, `NODE ready.`, task received/succeeded/failed with its
+    traceback, broker connection lost): together they say what the worker is doing, and
+    supervisors and tests wait for the ready line. Not `celery.redirected`: that is stray
+    print() output of libraries (vLLM's among them) that Celery turns into log lines."""
+    if _is_batchllm(record):
+        return True
+    return record.name.split(".")[0] == "celery" and record.name != "celery.redirected"
+
+
+def _is_batchllm(record: logging.LogRecord) -> bool:
+    return record.name.split(".")[0] == "batchllm"
+
+
+def quiet(
+    log_dir: Path,
+    name: str,
+    *,
+    shows: Callable[[logging.LogRecord], bool] = own_warnings,
+    console_format: str = "%(levelname)s: %(message)s",
+) -> Path | None:
+    """Send everything but the log records that SHOWS accepts to LOG_DIR/NAME-<time>-<pid>.log
+    (they go there too); returns its path. None, and nothing changed, when the console is not
+    a pair of real file descriptors (e.g. click's test runner)."""
     global _ACTIVE
     try:
         sys.stdout.fileno()
@@ -53,9 +73,10 @@ def quiet(log_dir: Path, name: str) -> Path | None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     sys.stdout, sys.stderr = console_out, console_err
-    # vLLM then logs through the root logger (below) instead of its own stdout handler; its
-    # engine processes, with no handler, write warnings to their stderr: the log file.
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"
+    # vLLM's own handler (here and in its engine processes, which inherit the environment)
+    # writes to the original stderr, fd 2: the log file, with its process tags, at
+    # VLLM_LOGGING_LEVEL. Its default, sys.stdout, would be the console copy above.
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.__stderr__"
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -64,8 +85,8 @@ def quiet(log_dir: Path, name: str) -> Path | None:
     )
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     to_console = logging.StreamHandler(console_err)
-    to_console.addFilter(_OwnLines())
-    to_console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    to_console.addFilter(shows)
+    to_console.setFormatter(logging.Formatter(console_format))
     root.addHandler(to_file)
     root.addHandler(to_console)
     root.setLevel(logging.INFO)

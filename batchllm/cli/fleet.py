@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -33,13 +32,13 @@ def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, 
     Example:
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
     """
-    from batchllm.worker.dispatch import submit_job
+    from batchllm.client import Client
 
     spec = spec_from_flags(flags, file)
     require_requests(file)
-    job = submit_job(file, spec, shard_size=shard_size, strict=strict)
+    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
     click.echo(job.id)
-    click.echo(f"{job.request_total:,} requests in {job.shards_total} shard(s), queued", err=True)
+    click.echo(f"{job.total:,} requests in {job.shards} shard(s), queued", err=True)
     if wait_:
         _follow(job.id)
 
@@ -54,28 +53,25 @@ def wait(job_id: str, timeout: float | None) -> None:
 
 def _follow(job_ref: str, timeout: float | None = None) -> None:
     from batchllm.cli.progress import Progress
-    from batchllm.cli.render import echo_job
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.models import JobStatus
+    from batchllm.cli.render import echo_job, job_row
+    from batchllm.client import Client, Job
 
-    deadline = time.monotonic() + timeout if timeout else None
-    progress = None
-    while True:
-        with session_scope() as session:
-            job = service.get_job(session, job_ref)
-        if progress is None:
-            progress = Progress(job.request_total)
-        progress.set(job.request_completed + job.request_failed, job.completion_tokens)
-        if job.status.is_final:
-            break
-        if deadline and time.monotonic() > deadline:
-            progress.close()
-            raise click.ClickException(f"{job.id} is still {job.status.value} after {timeout}s")
-        time.sleep(1.0)
-    progress.close()
-    echo_job(job)
-    if job.status is not JobStatus.COMPLETED:
+    progress: list[Progress] = []
+
+    def show(job: Job) -> None:
+        if not progress:
+            progress.append(Progress(job.total))
+        progress[0].set(job.completed + job.failed, job.throughput["completion_tokens"])
+
+    try:
+        ended = Client().wait(job_ref, timeout=timeout, poll=1.0, on_poll=show)
+    except TimeoutError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if progress:
+            progress[0].close()
+    echo_job(job_row(ended.id))
+    if ended.status != "completed":
         raise SystemExit(1)
 
 
@@ -83,12 +79,10 @@ def _follow(job_ref: str, timeout: float | None = None) -> None:
 @click.argument("job_id")
 def cancel(job_id: str) -> None:
     """Cancel a job: in-flight requests are aborted within seconds, finished rows are kept."""
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
+    from batchllm.client import Client
 
-    with session_scope() as session:
-        job = service.cancel_job(session, job_id)
-        click.echo(f"{job.id}: {job.status.value}")
+    job = Client().cancel(job_id)
+    click.echo(f"{job.id}: {job.status}")
 
 
 @cli.command()
@@ -159,12 +153,17 @@ def worker(
     Example:
       batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --concurrency 8 --metrics-port 9400
     """
+    if not models and not (queues or "").strip(","):
+        raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    verbose = click.get_current_context().find_root().params.get("verbose") or 0
+    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
+    if concurrency == 1 and not verbose:
+        # Before Celery and vLLM are imported, so their import-time warnings go to the file
+        # too. With --concurrency N each worker process names its own file.
+        _quiet_console(log_format)
     from batchllm.worker.celery_app import queue_for_model
 
     names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
-    if not names:
-        raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
-    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
     # The models this worker announces to `batchllm serve` (GET /v1/models); children inherit.
     os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps(list(models))
     if max_lora_rank is not None:  # read by this process's settings and its children's
@@ -182,7 +181,7 @@ def worker(
         on_cpu = runs_on_cpu()
         gpus = [] if on_cpu else visible_gpus()
         check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
-        _supervise(concurrency, models, queues, name, loglevel, metrics_port)
+        _supervise(concurrency, models, queues, name, loglevel, metrics_port, verbose)
         return
     if metrics_port is not None:
         _serve_metrics(metrics_port)
@@ -220,7 +219,33 @@ def _serve_metrics(port: int) -> None:
     click.echo(f"Prometheus metrics on http://0.0.0.0:{port}/metrics", err=True)
 
 
-def _supervise(count: int, models, queues, name, loglevel, metrics_port: int | None) -> None:
+def _quiet_console(log_format: str) -> None:
+    """The console keeps batchllm's and Celery's lines; vLLM's output, its engine processes'
+    output and the interpreter's warnings go to $BATCHLLM_HOME/logs/worker-<time>-<pid>.log."""
+    import logging
+
+    from batchllm.cli.console import quiet, worker_lines
+    from batchllm.settings import get_settings
+
+    log = quiet(
+        get_settings().home / "logs",
+        "worker",
+        shows=worker_lines,
+        console_format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if log is None:
+        return
+    if log_format == "json":
+        from batchllm.worker.log_format import use_json
+
+        use_json()  # already for the line below; Celery's logging setup keeps the handlers
+    # Logged, not echoed, so that --log-format json keeps the console one object per line.
+    logging.getLogger(__name__).info("vLLM's output goes to %s (-v shows it here)", log)
+
+
+def _supervise(
+    count: int, models, queues, name, loglevel, metrics_port: int | None, verbose: int
+) -> None:
     """Run `count` single-process workers, GPU i visible to process i, restarting any that
     dies, and forward SIGTERM/SIGINT to them. Each child has its own metrics registry, served
     on metrics_port + i."""
@@ -228,7 +253,8 @@ def _supervise(count: int, models, queues, name, loglevel, metrics_port: int | N
 
     commands = []
     for i in range(count):
-        argv = [sys.executable, "-m", "batchllm", "worker", "--loglevel", loglevel]
+        argv = [sys.executable, "-m", "batchllm", *["-v"] * verbose, "worker"]
+        argv += ["--loglevel", loglevel]
         for model in models:
             argv += ["--model", model]
         if queues:

@@ -93,19 +93,14 @@ def jobs(status_filter: str | None, limit: int) -> None:
 def results(job_id: str, head: int | None) -> None:
     """Print where a job's Parquet results are, or show its first rows. Rows committed so
     far are readable while the job still runs."""
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.output import read_output
-    from batchllm.jobs.storage import Storage
-
-    with session_scope() as session:
-        job = service.get_job(session, job_id)
-    if head is None:
-        click.echo(job.output_dir)
-        return
-    storage = Storage(job.storage_root)
-    table = read_output(storage, storage.output_dir(job.id)).sort_by("line").slice(0, head)
     from batchllm.cli.render import table as render_table
+    from batchllm.client import Client
+
+    client = Client()
+    if head is None:
+        click.echo(client.status(job_id).output_dir)
+        return
+    table = client.results(job_id).to_table().sort_by("line").slice(0, head)
 
     rows = []
     for row in table.to_pylist():

@@ -91,6 +91,16 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def job_row(job_ref: str) -> Job:
+    """The job's database row, which the renderers here show in full (the Client's Job holds
+    what a program needs: state, counts, output, throughput)."""
+    from batchllm.jobs import service
+    from batchllm.jobs.db import session_scope
+
+    with session_scope() as session:
+        return service.get_job(session, job_ref)
+
+
 def echo_job(job: Job) -> None:
     done = job.request_completed + job.request_failed
     click.echo(f"job        {job.id}")

@@ -37,9 +37,8 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
       batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
     """
     from batchllm.cli.progress import Progress
-    from batchllm.cli.render import echo_job
-    from batchllm.jobs.models import JobStatus
-    from batchllm.worker.local import run_job
+    from batchllm.cli.render import echo_job, job_row
+    from batchllm.client import Client, Job
 
     spec = spec_from_flags(flags, file)
     require_local_model(spec.model)
@@ -56,13 +55,11 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
             click.echo(f"vLLM's output goes to {log} (-v shows it here)", err=True)
     progress: list[Progress] = []
 
-    def created(job) -> None:
-        click.echo(
-            f"job {job.id}: {job.request_total:,} requests, loading {spec.model} ...", err=True
-        )
-        progress.append(Progress(job.request_total))
+    def created(job: Job) -> None:
+        click.echo(f"job {job.id}: {job.total:,} requests, loading {spec.model} ...", err=True)
+        progress.append(Progress(job.total))
 
-    job = run_job(
+    ended = Client().run_spec(
         file,
         spec,
         strict=strict,
@@ -71,13 +68,14 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
     )
     if progress:
         progress[0].close()
-    if output is not None and job.status is JobStatus.COMPLETED:
+    row = job_row(ended.id)
+    if output is not None and ended.status == "completed":
         from batchllm.jobs.export import copy_output
 
-        copy_output(job, output)
+        copy_output(row, output)
         click.echo(f"copied the output to {output}", err=True)
-    echo_job(job)
-    if job.status is not JobStatus.COMPLETED:
+    echo_job(row)
+    if ended.status != "completed":
         raise SystemExit(1)
 
 

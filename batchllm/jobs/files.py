@@ -1,12 +1,16 @@
 """Files of the Batch API (`/v1/files`): uploads streamed into the job storage under
 `files/<id>`, and the output and error files batches write there. Rows in the `files` table
-say who owns each one."""
+say who owns each one and where it is: a path in the job storage's filesystem (a local path,
+or `bucket/key` on S3), which `Storage.display` turns into what a reader opens."""
 
 from __future__ import annotations
 
+import io
 import posixpath
 import secrets
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -66,6 +70,17 @@ def store_upload(
         storage.delete(path)
         raise
     return file_id, path, size, lines
+
+
+@contextmanager
+def open_stored(storage: Storage, path: str) -> Iterator[BinaryIO]:
+    """A stored file opened for reading, buffered: reading it line by line stays cheap on an
+    object store too (ranged reads of _CHUNK bytes)."""
+    with (
+        storage.fs.open_input_stream(path, compression=None) as stream,
+        io.BufferedReader(stream, _CHUNK) as handle,
+    ):
+        yield handle
 
 
 def read_chunks(storage: Storage, path: str) -> Iterator[bytes]:

@@ -16,11 +16,13 @@ size; the JSON goes straight to the files.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import posixpath
 import re
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -40,6 +42,7 @@ OUTPUT_NAME = "output.jsonl"
 ERRORS_NAME = "errors.jsonl"
 
 _BATCH_ROWS = 1024  # rows turned into Python objects at a time
+_WRITE_BUFFER = 1 << 20
 _SHARD_NAME = re.compile(r"shard-(\d+)\.parquet$")
 _PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet$")
 _FIELD_PREFIX = re.compile(r"field '(.+?)': ", re.DOTALL)  # InputRow.from_item's wording
@@ -70,8 +73,8 @@ _NOT_RUN = "not_run"  # the status of a line without an output row (never ran)
 
 @dataclass
 class ExportCounts:
-    output_path: Path
-    errors_path: Path
+    output_path: Path | str  # a local Path, or the path in the storage written to
+    errors_path: Path | str
     output: int = 0  # lines written to output.jsonl (ok rows)
     errors: int = 0  # lines written to errors.jsonl (error rows)
     not_run: int = 0  # input lines without a row: a cancelled or failed job never ran them
@@ -81,6 +84,28 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
     """Write the job's rows as OpenAI batch output and error files into `out_dir` (created if
     missing). JobStateError when the job is not finished or has no output; FileExistsError
     when either file exists and not `overwrite`. Both files appear only when complete."""
+    storage, shards = _exportable(job)
+    counts = ExportCounts(out_dir / OUTPUT_NAME, out_dir / ERRORS_NAME)
+    existing = [p for p in (counts.output_path, counts.errors_path) if Path(p).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{existing[0]} exists")
+    target = Storage(str(out_dir))
+    _write_files(job, storage, shards, target, target.root, counts)
+    return counts
+
+
+def export_openai_to(job: Job, target: Storage, directory: str) -> ExportCounts:
+    """The same two files into `directory`, a path in the storage `target` (e.g. a prefix in
+    a bucket), replacing any there; their paths in `target` are in the counts."""
+    storage, shards = _exportable(job)
+    counts = ExportCounts(
+        posixpath.join(directory, OUTPUT_NAME), posixpath.join(directory, ERRORS_NAME)
+    )
+    _write_files(job, storage, shards, target, directory, counts)
+    return counts
+
+
+def _exportable(job: Job) -> tuple[Storage, list[_Shard]]:
     if not job.status.is_final:
         raise JobStateError(
             f"job {job.id} is {job.status.value}; only a finished job (completed, cancelled "
@@ -92,22 +117,32 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
         raise JobStateError(
             f"job {job.id} {job.status.value} before it stored any input; it has no output"
         )
-    counts = ExportCounts(out_dir / OUTPUT_NAME, out_dir / ERRORS_NAME)
-    existing = [p for p in (counts.output_path, counts.errors_path) if p.exists()]
-    if existing and not overwrite:
-        raise FileExistsError(f"{existing[0]} exists")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Temporary names in the same directory, renamed once complete: a reader never sees, and
-    # a crashed export never leaves, a truncated file under the final name.
-    tmp_output = out_dir / f".{OUTPUT_NAME}.{os.getpid()}.tmp"
-    tmp_errors = out_dir / f".{ERRORS_NAME}.{os.getpid()}.tmp"
+    return storage, shards
+
+
+def _write_files(
+    job: Job,
+    storage: Storage,
+    shards: list[_Shard],
+    target: Storage,
+    directory: str,
+    counts: ExportCounts,
+) -> None:
+    """A reader never sees, and a failed export never leaves, a truncated file under a final
+    name: on a filesystem the files are written under temporary names (unique, for exports
+    running side by side) and renamed once complete; on an object store, which cannot rename,
+    each is uploaded under its final name, where it appears whole when the upload completes,
+    and deleted again when the export fails."""
+    final = [posixpath.join(directory, name) for name in (OUTPUT_NAME, ERRORS_NAME)]
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    names = final
+    if not target.is_object_store:
+        names = [posixpath.join(directory, f".{posixpath.basename(p)}.{token}.tmp") for p in final]
+    target.makedirs(directory)
     lines = _LineMaker(job)
+    expired = job.status is JobStatus.EXPIRED
     try:
-        with (
-            tmp_output.open("w", encoding="utf-8") as output,
-            tmp_errors.open("w", encoding="utf-8") as errors,
-        ):
-            expired = job.status is JobStatus.EXPIRED
+        with _text_output(target, names[0]) as output, _text_output(target, names[1]) as errors:
             for kind, row in _job_rows(storage, shards):
                 if row["status"] == _NOT_RUN:
                     counts.not_run += 1
@@ -120,12 +155,18 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
                 else:
                     _write(errors, lines.error(kind, row))
                     counts.errors += 1
-        tmp_output.replace(counts.output_path)
-        tmp_errors.replace(counts.errors_path)
-    finally:
-        tmp_output.unlink(missing_ok=True)
-        tmp_errors.unlink(missing_ok=True)
-    return counts
+        for name, path in zip(names, final):
+            if name != path:
+                target.fs.move(name, path)
+    except BaseException:
+        for name in names:
+            target.delete(name)
+        raise
+
+
+def _text_output(target: Storage, path: str) -> TextIO:
+    stream = target.fs.open_output_stream(path, compression=None, buffer_size=_WRITE_BUFFER)
+    return io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
 
 
 def _write(out: TextIO, line: dict[str, Any]) -> None:

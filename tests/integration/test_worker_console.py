@@ -1,0 +1,181 @@
+"""`batchllm worker`'s quiet console: a real worker process (real Redis, PostgreSQL and vLLM on
+the tiny model) runs a job; its console (stdout and stderr together, as a terminal shows them)
+holds batchllm's and Celery's lines only, while vLLM's output, its engine processes' output and
+the interpreter's warnings are in the log file the console names. `-v` keeps everything on the
+console.
+
+The workers get VLLM_LOGGING_LEVEL=INFO, so vLLM has much to say (its engine processes too):
+all of it must reach the file and none the console."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchllm.jobs.models import JobStatus
+from batchllm.jobs.workload import write_workload
+from tests.integration.conftest import REPO, Worker
+from tests.integration.test_fleet import (
+    assert_exactly_once,
+    expected_rows,
+    output_rows,
+    wait_for,
+    wait_until_final,
+)
+
+pytestmark = pytest.mark.integration
+
+# A whole console line in the text format: time, level, and a batchllm or Celery logger.
+TEXT_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"(batchllm|celery)(\.[\w.]+)?: "
+)
+NOTICE = re.compile(r"vLLM's output goes to (\S+\.log) \(-v shows it here\)")
+# What vLLM and the interpreter write, which the console must not show and the file must hold.
+ENGINE_PROCESS_LINE = "(EngineCore pid="
+VLLM_OWN_LINE = re.compile(r"\((MainProcess|EngineCore) pid=\d+\) (INFO|WARNING) ")
+JOB_SECONDS = 420  # the engine starts in 20-90 s on two loaded cores; the job takes seconds
+
+
+@pytest.fixture
+def own_queue_model(tiny_model: Path, tmp_path: Path) -> Path:
+    """The tiny model under a path of its own: the worker under test gets its own queue, so no
+    other test's worker can take its job."""
+    link = tmp_path / "console-model"
+    link.symlink_to(tiny_model, target_is_directory=True)
+    return link
+
+
+def run_job_through(worker: Worker, fleet_env, model: Path, tmp_path: Path):
+    source = write_workload(tmp_path / "prompts.jsonl", requests=6, bad_lines=1, seed=11)
+    submitted = fleet_env.submit(source, model, shard_size=10, max_tokens=8)
+    job = wait_until_final(fleet_env, submitted.id, timeout=JOB_SECONDS)
+    assert job.status is JobStatus.COMPLETED, f"{job.status.value}: {job.error}\n{worker.tail()}"
+    assert (job.request_completed, job.request_failed) == (5, 1)
+    assert_exactly_once(output_rows(fleet_env, job.id), expected_rows(source))
+    return job
+
+
+def named_log(console: str, fleet_env, worker: Worker) -> Path:
+    found = NOTICE.search(console)
+    assert found, console
+    log = Path(found.group(1))
+    assert log.parent == fleet_env.settings.home / "logs"
+    assert re.fullmatch(rf"worker-\d{{8}}-\d{{6}}-{worker.proc.pid}\.log", log.name), log.name
+    return log
+
+
+def assert_vllm_output_in(log: Path) -> str:
+    text = log.read_text(errors="replace")
+    assert VLLM_OWN_LINE.search(text), text[-3000:]
+    assert ENGINE_PROCESS_LINE in text, text[-3000:]
+    assert "Loading safetensors checkpoint shards" in text  # an engine process's stderr
+    if os.geteuid() == 0:  # Celery warns about running as root: an interpreter warning
+        assert "py.warnings" in text and "SecurityWarning" in text
+    assert "[queues]" in text  # Celery's banner: sys.__stdout__, fd 1
+    return text
+
+
+def test_the_console_shows_batchllm_and_celery_lines_and_the_file_has_vllms_output(
+    fleet_env, own_queue_model: Path, tmp_path: Path
+):
+    worker = Worker(
+        "quiet@test",
+        model=own_queue_model,
+        env=fleet_env.worker_env(VLLM_LOGGING_LEVEL="INFO"),
+        log_path=tmp_path / "console.txt",
+    )
+    try:
+        worker.wait_ready()
+        job = run_job_through(worker, fleet_env, own_queue_model, tmp_path)
+        finished = f"batchllm.worker.finalize: job {job.id} completed: 5 ok, 1 failed"
+        wait_for(lambda: finished in worker.log(), timeout=30, what="the job's line on the console")
+    finally:
+        worker.stop()
+    console = worker.log()
+    strays = [line for line in console.splitlines() if not TEXT_LINE.match(line)]
+    assert strays == [], "\n".join(strays)
+    assert "batchllm.engine.vllm_engine: building vLLM" in console
+    assert "celery.apps.worker: quiet@test ready." in console
+    assert "succeeded in" in console  # Celery's line for the task
+    assert ENGINE_PROCESS_LINE not in console and not VLLM_OWN_LINE.search(console)
+
+    log_text = assert_vllm_output_in(named_log(console, fleet_env, worker))
+    assert finished in log_text  # batchllm's lines are in the file too, in order with vLLM's
+
+
+def test_log_format_json_keeps_the_console_one_object_per_line(
+    fleet_env, own_queue_model: Path, tmp_path: Path
+):
+    worker = Worker(
+        "quiet-json@test",
+        model=own_queue_model,
+        env=fleet_env.worker_env(VLLM_LOGGING_LEVEL="INFO", BATCHLLM_LOG_FORMAT="json"),
+        log_path=tmp_path / "console.txt",
+    )
+    try:
+        worker.wait_ready()
+        job = run_job_through(worker, fleet_env, own_queue_model, tmp_path)
+        wait_for(
+            lambda: f"job {job.id} completed" in worker.log(),
+            timeout=30,
+            what="the job's line on the console",
+        )
+    finally:
+        worker.stop()
+    entries = [json.loads(line) for line in worker.log().splitlines()]
+    assert {e["logger"].split(".")[0] for e in entries} == {"batchllm", "celery"}
+    finished = [e for e in entries if e["logger"] == "batchllm.worker.finalize"]
+    assert [(e["job_id"], e["level"]) for e in finished] == [(job.id, "INFO")]
+    assert finished[0]["message"].startswith(f"job {job.id} completed: 5 ok, 1 failed")
+    notice = next(e["message"] for e in entries if NOTICE.search(e["message"]))
+    assert_vllm_output_in(named_log(notice, fleet_env, worker))
+
+
+def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(
+    fleet_env, own_queue_model: Path, tmp_path: Path
+):
+    """`batchllm -v worker`: today's console (Celery's banner, warnings), no file. Ends at
+    `ready.`, before any engine, so it stays quick."""
+    console_path = tmp_path / "console.txt"
+    with console_path.open("wb") as console:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "-v", "worker", "--model", str(own_queue_model)]
+            + ["--name", "loud@test"],
+            env=fleet_env.worker_env(),
+            cwd=REPO,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for(
+                lambda: (
+                    "loud@test ready." in console_path.read_text(errors="replace")
+                    or proc.poll() is not None
+                ),
+                timeout=90,
+                what="the verbose worker to be ready",
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = console_path.read_text(errors="replace")
+    assert "loud@test ready." in text, text
+    assert "[queues]" in text  # Celery's banner
+    if os.geteuid() == 0:
+        assert "SecurityWarning" in text  # an interpreter warning
+    assert NOTICE.search(text) is None
+    logs = fleet_env.settings.home / "logs"
+    assert not list(logs.glob(f"worker-*-{proc.pid}.log"))
