@@ -37,7 +37,7 @@ def test_the_cpu_profile_is_the_fleet_and_one_cpu_worker_without_a_gpu():
     worker = cpu["worker-cpu"]
     assert worker["build"]["args"]["EXTRA"] == "cpu"
     assert "demo-model /data/model" in worker["command"][0]
-    assert "batchllm worker --model /data/model" in worker["command"][0]
+    assert "batchllm -v worker --model /data/model" in worker["command"][0]
 
 
 def test_the_gpu_profile_runs_the_gpu_worker():
