@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -145,7 +146,10 @@ class Storage:
             with self.fs.open_output_stream(path) as out:
                 out.write(data)
             return
-        tmp = posixpath.join(posixpath.dirname(path), "." + posixpath.basename(path) + ".tmp")
+        # A name of its own per write: two workers may write the same file at once (both
+        # sizing one job's prompts); each rename is whole, the last one wins.
+        unique = f".{posixpath.basename(path)}.{uuid.uuid4().hex[:12]}.tmp"
+        tmp = posixpath.join(posixpath.dirname(path), unique)
         with self.fs.open_output_stream(tmp) as out:
             out.write(data)
         self.fs.move(tmp, path)

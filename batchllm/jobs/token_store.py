@@ -98,12 +98,17 @@ def iter_token_batches(storage: Storage, input_path: str, batch_rows: int) -> It
         if not storage.exists(path):
             return None
         source = storage.fs.open_input_file(path)
-    except OSError as exc:
-        log.warning("token ids of %s unreadable, tokenizing again: %s", input_path, exc)
+        parquet = pq.ParquetFile(source)
+    except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid (not Parquet)
+        log.warning("token ids of %s unreadable, tokenizing instead: %s", input_path, exc)
         return None
 
     def batches() -> Iterator[Any]:
         with source:
-            yield from pq.ParquetFile(source).iter_batches(batch_size=batch_rows)
+            try:
+                yield from parquet.iter_batches(batch_size=batch_rows)
+            except (OSError, ValueError) as exc:
+                # The caller finds the batch missing and tokenizes the rest of the shard.
+                log.warning("token ids of %s unreadable, tokenizing instead: %s", input_path, exc)
 
     return batches()

@@ -171,13 +171,17 @@ def test_a_local_file_is_written_under_a_temporary_name_and_renamed(tmp_path):
 
     storage.write_bytes(target, b"rows")
 
-    tmp = posixpath.join(storage.root, ".part-1.parquet.tmp")
-    assert [c for c in recording.calls if c[0] in ("open_output_stream", "move")] == [
-        ("open_output_stream", (tmp,)),
-        ("move", (tmp, target)),
-    ]
-    assert (tmp_path / "store" / "part-1.parquet").read_bytes() == b"rows"
-    assert not (tmp_path / "store" / ".part-1.parquet.tmp").exists()
+    calls = [c for c in recording.calls if c[0] in ("open_output_stream", "move")]
+    assert [name for name, _ in calls] == ["open_output_stream", "move"]
+    (tmp,) = calls[0][1]
+    assert calls[1][1] == (tmp, target)
+    # A hidden name of its own beside the target (two writers never share one).
+    assert posixpath.dirname(tmp) == storage.root
+    assert posixpath.basename(tmp).startswith(".part-1.parquet.") and tmp.endswith(".tmp")
+    storage.write_bytes(target, b"rows again")
+    assert recording.calls[-1][1][0] != tmp
+    assert (tmp_path / "store" / "part-1.parquet").read_bytes() == b"rows again"
+    assert [p.name for p in (tmp_path / "store").iterdir()] == ["part-1.parquet"]
 
 
 # -- against a real S3-compatible server ------------------------------------------------------

@@ -248,3 +248,20 @@ class _NeverEngines:
 
     def close(self) -> None:
         pass
+
+
+def test_an_unreadable_token_file_means_tokenizing_not_a_failed_shard(
+    tiny_model, settings, tmp_path
+):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(30)))
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    created = service.create_job(source, spec, shard_size=100, settings=settings)
+    storage = Storage.of(settings)
+    resolve_max_model_len(created.job.id, storage=storage, settings=settings)
+    with session_scope(settings) as session:
+        (path,) = [s.input_path for s in session.get(Job, created.job.id).shards]
+    storage.write_bytes(token_path(path), b"PAR1 half a file")
+    rows = list(iter_shard_rows(storage, path, with_token_ids=True))
+    assert [r.line for r in rows] == list(range(1, 31))
+    assert all(r.token_ids is None for r in rows)
