@@ -11,11 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from batchllm.engine.chat_batch import render_chats
-from batchllm.jobs.rows import InputRow
+from batchllm.jobs.rows import TEMPLATE_OPTIONS, InputRow
 
 Encode = Callable[[list[str], bool], list[list[int]]]
-# A line's settings that change how its conversation renders (reader.py stores them).
-_TEMPLATE_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 
 
 def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> str:
@@ -131,7 +129,7 @@ def prepare_prompts(
 
 def _template_options(row: InputRow) -> bool:
     options = row.overrides()
-    return any(name in options for name in _TEMPLATE_OPTIONS)
+    return any(name in options for name in TEMPLATE_OPTIONS)
 
 
 def _render_one(

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from batchllm.jobs.custom_ids import CustomIds, default_custom_id, given_id
 from batchllm.jobs.lines import Line, iter_lines, open_input
+from batchllm.jobs.rows import TEMPLATE_OPTIONS
 from batchllm.jobs.schemas import (
     ChatLine,
     ChatOptions,
@@ -38,7 +39,6 @@ from batchllm.settings import get_settings
 log = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text
-_TEMPLATE_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 _CHUNK = 4096
 _UNKNOWN_FORM = (
     "unknown line form: expected a 'prompt' string, a 'messages' list, "
@@ -104,7 +104,7 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
                 prefix + "continue_final_message",
                 "continue_final_message and add_generation_prompt cannot both be true",
             )
-        for name in _TEMPLATE_FIELDS:
+        for name in TEMPLATE_OPTIONS:
             value = getattr(parsed, name)
             if value is not None:
                 sampling[name] = value

@@ -148,19 +148,25 @@ def test_the_sizing_pass_stores_the_ids_and_the_feed_reads_them_back(
     assert seen == 250
 
 
-def test_a_token_file_out_of_step_with_its_shard_is_ignored(
-    tokenizer, tiny_model, settings, tmp_path
-):
+def one_sized_shard(tiny_model, settings, tmp_path, prompts: list[str]) -> tuple[Storage, str]:
+    """A one-shard job of these prompts, sized (so its token file is written); its shard."""
     source = tmp_path / "in.jsonl"
-    source.write_text(
-        "".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(50))
-    )
+    source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     created = service.create_job(source, spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     resolve_max_model_len(created.job.id, storage=storage, settings=settings)
     with session_scope(settings) as session:
         (path,) = [s.input_path for s in session.get(Job, created.job.id).shards]
+    return storage, path
+
+
+def test_a_token_file_out_of_step_with_its_shard_is_ignored(
+    tokenizer, tiny_model, settings, tmp_path
+):
+    storage, path = one_sized_shard(
+        tiny_model, settings, tmp_path, [f"prompt number {i}" for i in range(50)]
+    )
     # Another file's ids under this shard's name: the lines do not match, so none are used.
     table = pq.read_table(storage.fs.open_input_file(token_path(path)))
     shifted = table.set_column(0, "line", [[n + 1000 for n in table.column("line").to_pylist()]])
@@ -253,14 +259,9 @@ class _NeverEngines:
 def test_an_unreadable_token_file_means_tokenizing_not_a_failed_shard(
     tiny_model, settings, tmp_path
 ):
-    source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(30)))
-    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    created = service.create_job(source, spec, shard_size=100, settings=settings)
-    storage = Storage.of(settings)
-    resolve_max_model_len(created.job.id, storage=storage, settings=settings)
-    with session_scope(settings) as session:
-        (path,) = [s.input_path for s in session.get(Job, created.job.id).shards]
+    storage, path = one_sized_shard(
+        tiny_model, settings, tmp_path, [f"prompt {i}" for i in range(30)]
+    )
     storage.write_bytes(token_path(path), b"PAR1 half a file")
     rows = list(iter_shard_rows(storage, path, with_token_ids=True))
     assert [r.line for r in rows] == list(range(1, 31))
