@@ -56,6 +56,10 @@ SHARD_SIZE = 250  # 8 shards: with two workers, six wait in the queue at first
 # Per-line max_tokens spread over a range: rows of a shard finish over its whole run (not all
 # at the same step), so a shard is caught with some rows committed and many still to go.
 TOKENS = (24, 80)
+# Longer rows for the case that must catch one of the job's last two shards part-way (the queue
+# is empty only then): a warm pair runs a 250-row shard of TOKENS in ~3 s, too short a window
+# for a poll of the database to land in reliably on a busy machine; these make it ~8 s.
+LONG_TOKENS = (60, 200)
 JOB_TIMEOUT = 400  # the longest any case may take from its fault to the job's end
 STALL = 120  # ... and the longest it may make no progress at all (an engine start is 20-90 s)
 
@@ -326,8 +330,8 @@ class TestServiceOutages:
         self, pool, fault_env, tmp_path, recovery
     ):
         pair = pool.ensure(2)
-        source = workload(tmp_path, seed=12)
-        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
+        source = workload(tmp_path, seed=12, tokens=LONG_TOKENS)
+        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(LONG_TOKENS))
 
         def running_with_empty_queue():
             shard = running_shard(fault_env, job.id, pair, min_done=1, min_left=60)
