@@ -40,12 +40,17 @@ def given_id(obj: Any) -> str | None:
     return None
 
 
+def may_give_default_id(raw: bytes) -> bool:
+    r"""Whether these bytes (a line or a run of lines) may give a default-shaped id: only text
+    holding `line-`, literally or with some of it as \u escapes of ASCII characters, can; the
+    byte test spares decoding every other line a second time (escaped non-ASCII text,
+    \u0080 and up, does not count)."""
+    return b"line-" in raw or _ASCII_ESCAPE.search(raw) is not None
+
+
 def _default_shaped_ids(lines: Iterable[Line]) -> Iterator[str]:
     for line in lines:
-        # Only a line holding `line-`, literally or with some of it as \u escapes of ASCII
-        # characters, can give such an id; the byte test spares decoding every other line a
-        # second time (escaped non-ASCII text, \u0080 and up, does not count).
-        if line.raw is None or (b"line-" not in line.raw and not _ASCII_ESCAPE.search(line.raw)):
+        if line.raw is None or not may_give_default_id(line.raw):
             continue
         try:
             found = given_id(json.loads(line.raw.decode("utf-8")))

@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
-from batchllm.jobs.reader import read_requests
+from batchllm.jobs.reader import read_rows
 from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow
 from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage, filesystem_for, is_uri
@@ -69,16 +69,18 @@ class _ShardWriter:
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
 
-    def add(self, row: InputRow) -> None:
+    def add(self, values: tuple[Any, ...]) -> None:
+        """One row's INPUT_SCHEMA values (its line number first)."""
+        line = values[0]
         if self._current is None:
             index = len(self.shards)
             path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
-            self._current = ShardInput(index, path, 0, row.line, row.line)
+            self._current = ShardInput(index, path, 0, line, line)
             self._sink = io.BytesIO()
             self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
-        self._rows.append(row.stored_values())
+        self._rows.append(values)
         self._current.rows += 1
-        self._current.last_line = row.line
+        self._current.last_line = line
         if len(self._rows) >= _ROW_GROUP:
             self._flush_rows()
         if self._current.rows >= self.shard_size:
@@ -174,13 +176,13 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
-        for item in read_requests(source, adapters=adapters, task=task):
+        for values, problem in read_rows(source, adapters=adapters, task=task):
             result.total += 1
-            if isinstance(item, LineError):
+            if problem is not None:
                 result.invalid += 1
                 if len(result.problems) < _PREVIEW:
-                    result.problems.append(item)
-            writer.add(InputRow.from_item(item))
+                    result.problems.append(problem)
+            writer.add(values)
         writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()

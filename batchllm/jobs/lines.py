@@ -11,7 +11,7 @@ pyarrow's filesystem a buffer at a time (ranged reads), never copied whole into 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -22,6 +22,7 @@ from batchllm.jobs.storage import filesystem_for, is_uri
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
 _STREAM_BUFFER = 4 << 20  # bytes per ranged read of an input URI
+_CHUNK_BYTES = 4 << 20  # bytes split into lines at once
 
 
 class Line(NamedTuple):
@@ -39,12 +40,7 @@ def iter_lines(handle: BinaryIO, max_line_bytes: int) -> Iterator[Line]:
     A line's size counts its bytes without the final newline. Blank means only ASCII
     whitespace, the same test as `bytes.strip()`, also for an over-long line.
     """
-    peek = getattr(handle, "peek", None)
-    if peek is None:
-        if handle.read(len(_BOM)) != _BOM:
-            handle.seek(0)
-    elif peek(len(_BOM))[: len(_BOM)] == _BOM:  # a stream (a URI's) cannot seek back
-        handle.read(len(_BOM))
+    _skip_bom(handle)
     number = 0
     while True:
         raw = handle.readline(max_line_bytes + 1)
@@ -68,6 +64,94 @@ def iter_lines(handle: BinaryIO, max_line_bytes: int) -> Iterator[Line]:
                 break
         if not blank:
             yield Line(number, None, size)
+
+
+def iter_line_chunks(
+    handle: BinaryIO,
+    max_line_bytes: int,
+    chunk_bytes: int = _CHUNK_BYTES,
+    *,
+    wanted: Callable[[bytes], object] | None = None,
+) -> Iterator[list[Line]]:
+    """iter_lines' lines, a list per `chunk_bytes` read: the same lines, numbers and sizes,
+    split a chunk at a time instead of a readline per line (a fifth of the cost). A line
+    longer than the limit is still never held whole: once the unfinished line passes it, the
+    rest is counted and dropped up to its newline.
+
+    `wanted`: a test of a run of whole lines; a run it fails is counted, not split (a caller
+    looking for a few lines skips the rest at the cost of a byte search)."""
+    _skip_bom(handle)
+    number = 0
+    carry = b""  # the unfinished line at the end of the last chunk
+    long: tuple[int, bool] | None = None  # (size so far, blank so far) of an over-long line
+    while True:
+        data = handle.read(chunk_bytes)
+        lines: list[Line] = []
+        if long is not None:
+            size, blank = long
+            end = data.find(b"\n")
+            piece = data if end < 0 else data[:end]
+            size, blank = size + len(piece), blank and (not piece or piece.isspace())
+            if end < 0 and data:
+                long = (size, blank)
+                continue
+            number += 1
+            if not blank:
+                lines.append(Line(number, None, size))
+            long, data = None, (data[end + 1 :] if end >= 0 else b"")
+            if end < 0:  # the file ended inside the long line
+                if lines:
+                    yield lines
+                return
+        elif not data:
+            if carry:
+                number += 1
+                number = _add_line(lines, carry, number, max_line_bytes)
+            if lines:
+                yield lines
+            return
+        else:
+            data = carry + data
+        cut = data.rfind(b"\n")
+        whole = data[:cut] if cut >= 0 else None
+        carry = data[cut + 1 :] if cut >= 0 else data
+        if whole is not None and wanted is not None and not wanted(whole):
+            number += whole.count(b"\n") + 1
+        elif whole is not None:
+            pieces = whole.split(b"\n")
+            if max(map(len, pieces)) <= max_line_bytes:  # the common case, in one comprehension
+                lines += [
+                    Line(n, raw, len(raw))
+                    for n, raw in enumerate(pieces, number + 1)
+                    if raw.strip()
+                ]
+                number += len(pieces)
+            else:
+                for raw in pieces:
+                    number = _add_line(lines, raw, number + 1, max_line_bytes)
+        if len(carry) > max_line_bytes:  # over the limit before its newline: count the rest
+            long, carry = (len(carry), carry.isspace()), b""
+        if lines:
+            yield lines
+
+
+def _add_line(lines: list[Line], raw: bytes, number: int, max_line_bytes: int) -> int:
+    """Append line `number` unless blank; returns the number."""
+    if len(raw) > max_line_bytes:
+        if not raw.isspace():
+            lines.append(Line(number, None, len(raw)))
+    elif raw.strip():
+        lines.append(Line(number, raw, len(raw)))
+    return number
+
+
+def _skip_bom(handle: BinaryIO) -> None:
+    peek = getattr(handle, "peek", None)
+    if peek is None:
+        if handle.read(len(_BOM)) != _BOM:
+            handle.seek(0)
+    elif peek(len(_BOM))[: len(_BOM)] == _BOM:  # a stream (a URI's) cannot seek back
+        handle.read(len(_BOM))
 
 
 @contextmanager

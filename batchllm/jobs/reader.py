@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from batchllm.jobs.custom_ids import CustomIds, default_custom_id, given_id
-from batchllm.jobs.lines import Line, iter_lines, open_input
-from batchllm.jobs.rows import TEMPLATE_OPTIONS
+from batchllm.jobs import columnar
+from batchllm.jobs.columnar import Verdict
+from batchllm.jobs.custom_ids import (
+    CustomIds,
+    default_custom_id,
+    given_id,
+    may_give_default_id,
+)
+from batchllm.jobs.lines import Line, iter_line_chunks, iter_lines, open_input
+from batchllm.jobs.rows import TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.jobs.schemas import (
     ChatLine,
     ChatOptions,
@@ -39,7 +46,6 @@ from batchllm.settings import get_settings
 log = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text
-_CHUNK = 4096
 _UNKNOWN_FORM = (
     "unknown line form: expected a 'prompt' string, a 'messages' list, "
     "or an OpenAI batch line with 'custom_id', 'method', 'url' and 'body'"
@@ -53,8 +59,9 @@ class _LineProblem(Exception):
         self.message = message
 
 
-# (line number, the custom_id the line gives, its Request or the problem that stops it)
-_Checked = tuple[int, str | None, Request | _LineProblem]
+# (line number, the custom_id the line gives, its Request (or stored payload) or the problem
+# that stops it)
+_Checked = tuple[int, str | None, Any]
 
 
 def _from_validation(exc: ValidationError, prefix: str = "") -> _LineProblem:
@@ -310,28 +317,76 @@ def read_requests(
     task: str = "generate",
 ) -> Iterator[Request | LineError]:
     """Yield one Request or LineError per non-blank line of `path` (a local path or a URI
-    such as s3://bucket/key, streamed), in line order.
+    such as s3://bucket/key, streamed), in line order, validating line by line.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
     A line over `max_line_bytes` (default: the setting) is an error without being parsed.
     The file is read twice (custom_ids.py), each time from its start.
     """
+    limit = max_line_bytes or get_settings().max_line_bytes
+
+    def checked(lines: list[Line]) -> list[_Checked]:
+        return [_check(line, limit, adapters, task) for line in lines]
+
+    for _, custom_id, item in _resolved_lines(path, limit, checked):
+        if isinstance(item, Request):
+            item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
+        yield item
+
+
+def read_rows(
+    path: str | Path,
+    *,
+    max_line_bytes: int | None = None,
+    adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
+) -> Iterator[tuple[tuple[Any, ...], LineError | None]]:
+    """Per non-blank line of `path`, in line order: its input-shard values (INPUT_SCHEMA's
+    columns, jobs/rows.py) and, for a line that cannot run, its LineError. The same rows as
+    read_requests gives, validated a block at a time (jobs/columnar.py)."""
+    limit = max_line_bytes or get_settings().max_line_bytes
+
+    def one(line: Line) -> tuple[str | None, Any]:
+        _, given, item = _check(line, limit, adapters, task)
+        return given, item if isinstance(item, _LineProblem) else request_payload(item)
+
+    def judge(obj: Any, number: int) -> Verdict | None:
+        try:
+            request = parse_line(obj, number, adapters, task)
+        except _LineProblem:
+            return None
+        if request.inputs is not None:
+            return None  # a list of texts to embed: not a shape columnar.py reads
+        _, _, _, sampling, _ = request_payload(request)
+        return request.kind, "body" if "body" in obj else "top", sampling
+
+    def checked(lines: list[Line]) -> list[_Checked]:
+        return columnar.check_block(lines, one, judge)
+
+    for number, custom_id, item in _resolved_lines(path, limit, checked):
+        if isinstance(item, LineError):
+            yield InputRow.from_item(item).stored_values(), item
+        else:
+            kind, prompt, messages, sampling, inputs = item
+            yield (number, custom_id, kind, prompt, messages, sampling, None, inputs), None
+
+
+def _resolved_lines(
+    path: str | Path, limit: int, checked: Callable[[list[Line]], list[_Checked]]
+) -> Iterator[tuple[int, str, Any]]:
+    """(line number, final custom_id, the checked item or the LineError refusing the line)
+    per non-blank line, `checked` a chunk of lines at a time."""
     if not is_uri(path):
         path = Path(path)
     name = str(path)
-    limit = max_line_bytes or get_settings().max_line_bytes
     ids = CustomIds()
     try:
         with open_input(path) as handle:
-            ids.collect_given(iter_lines(handle, limit))
+            chunks = iter_line_chunks(handle, limit, wanted=may_give_default_id)
+            ids.collect_given(line for chunk in chunks for line in chunk)
         with open_input(path) as handle:
-            chunk: list[_Checked] = []
-            for line in iter_lines(handle, limit):
-                chunk.append(_check(line, limit, adapters, task))
-                if len(chunk) >= _CHUNK:
-                    yield from _resolve_chunk(chunk, ids, name)
-                    chunk = []
-            yield from _resolve_chunk(chunk, ids, name)
+            for chunk in iter_line_chunks(handle, limit):
+                yield from _resolve_chunk(checked(chunk), ids, name)
     finally:
         ids.close()
 
@@ -340,32 +395,43 @@ def _resolve_chunk(
     chunk: list[_Checked],
     ids: CustomIds,
     name: str,
-) -> Iterator[Request | LineError]:
+) -> Iterator[tuple[int, str, Any]]:
     defaults = ids.defaults([number for number, given, _ in chunk if given is None])
     final = {number: given if given is not None else defaults[number] for number, given, _ in chunk}
     earlier = ids.first_lines(
-        list({final[number] for number, _, item in chunk if isinstance(item, Request)})
+        list({final[number] for number, _, item in chunk if not isinstance(item, _LineProblem)})
     )
     new: list[tuple[str, int]] = []
     for number, _, item in chunk:
         custom_id = final[number]
         if isinstance(item, _LineProblem):
-            yield LineError(
-                file=name, line=number, custom_id=custom_id, field=item.field, message=item.message
+            yield (
+                number,
+                custom_id,
+                LineError(
+                    file=name,
+                    line=number,
+                    custom_id=custom_id,
+                    field=item.field,
+                    message=item.message,
+                ),
             )
             continue
-        item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on (custom_ids.py)
         first = earlier.get(custom_id)
         if first is not None:
-            yield LineError(
-                file=name,
-                line=number,
-                custom_id=custom_id,
-                field="custom_id",
-                message=f"duplicate custom_id {custom_id!r} (first on line {first})",
+            yield (
+                number,
+                custom_id,
+                LineError(
+                    file=name,
+                    line=number,
+                    custom_id=custom_id,
+                    field="custom_id",
+                    message=f"duplicate custom_id {custom_id!r} (first on line {first})",
+                ),
             )
             continue
         earlier[custom_id] = number
         new.append((custom_id, number))
-        yield item
+        yield number, custom_id, item
     ids.add_seen(new)

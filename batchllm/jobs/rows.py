@@ -38,6 +38,18 @@ INPUT_SCHEMA = pa.schema(
 )
 
 
+def request_payload(item: Request) -> tuple[str, str | None, str | None, str | None, str | None]:
+    """A request's stored columns after line and custom_id: kind, prompt, messages, sampling,
+    inputs (the JSON texts as INPUT_SCHEMA holds them; jobs/columnar.py builds the same)."""
+    return (
+        item.kind,
+        item.prompt,
+        json.dumps(item.messages) if item.messages is not None else None,
+        json.dumps(item.sampling) if item.sampling else None,
+        json.dumps(item.inputs) if item.inputs is not None else None,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class InputRow:
     line: int  # 1-based line number in the input file
@@ -58,14 +70,15 @@ class InputRow:
         if isinstance(item, LineError):
             reason = (f"field '{item.field}': " if item.field else "") + item.message
             return cls(line=item.line, custom_id=item.custom_id, kind="invalid", error=reason)
+        kind, prompt, messages, sampling, inputs = request_payload(item)
         return cls(
             line=item.line,
             custom_id=item.custom_id,
-            kind=item.kind,
-            prompt=item.prompt,
-            messages=json.dumps(item.messages) if item.messages is not None else None,
-            sampling=json.dumps(item.sampling) if item.sampling else None,
-            inputs=json.dumps(item.inputs) if item.inputs is not None else None,
+            kind=kind,  # type: ignore[arg-type]  # a Request's kind
+            prompt=prompt,
+            messages=messages,
+            sampling=sampling,
+            inputs=inputs,
         )
 
     @classmethod
