@@ -362,6 +362,8 @@ def _messages_json(column: pa.Array | None, rows: int) -> list[str | None]:
         for role, text in zip(roles, contents, strict=True)
     ]
     lengths = pc.list_value_length(column).to_pylist()
+    if len(messages) == rows and lengths.count(1) == rows and None not in messages:
+        return ["[" + message + "]" for message in messages]  # type: ignore[operator]  # one each
     out: list[str | None] = []
     at = 0
     for length in lengths:

@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
-from batchllm.jobs.reader import read_rows
+from batchllm.jobs.reader import read_row_chunks
 from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow
 from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage, filesystem_for, is_uri
@@ -69,22 +69,24 @@ class _ShardWriter:
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
 
-    def add(self, values: tuple[Any, ...]) -> None:
-        """One row's INPUT_SCHEMA values (its line number first)."""
-        line = values[0]
-        if self._current is None:
-            index = len(self.shards)
-            path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
-            self._current = ShardInput(index, path, 0, line, line)
-            self._sink = io.BytesIO()
-            self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
-        self._rows.append(values)
-        self._current.rows += 1
-        self._current.last_line = line
-        if len(self._rows) >= _ROW_GROUP:
-            self._flush_rows()
-        if self._current.rows >= self.shard_size:
-            self.close_shard()
+    def add(self, rows: list[tuple[Any, ...]]) -> None:
+        """Rows' INPUT_SCHEMA values (each its line number first), in line order."""
+        while rows:
+            if self._current is None:
+                index = len(self.shards)
+                path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
+                self._current = ShardInput(index, path, 0, rows[0][0], rows[0][0])
+                self._sink = io.BytesIO()
+                self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
+            room = min(self.shard_size - self._current.rows, _ROW_GROUP - len(self._rows))
+            taken, rows = rows[:room], rows[room:]
+            self._rows += taken
+            self._current.rows += len(taken)
+            self._current.last_line = taken[-1][0]
+            if len(self._rows) >= _ROW_GROUP:
+                self._flush_rows()
+            if self._current.rows >= self.shard_size:
+                self.close_shard()
 
     def _flush_rows(self) -> None:
         if self._rows and self._writer is not None:
@@ -176,13 +178,11 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
-        for values, problem in read_rows(source, adapters=adapters, task=task):
-            result.total += 1
-            if problem is not None:
-                result.invalid += 1
-                if len(result.problems) < _PREVIEW:
-                    result.problems.append(problem)
-            writer.add(values)
+        for rows, problems in read_row_chunks(source, adapters=adapters, task=task):
+            result.total += len(rows)
+            result.invalid += len(problems)
+            result.problems += problems[: _PREVIEW - len(result.problems)]
+            writer.add(rows)
         writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()

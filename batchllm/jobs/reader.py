@@ -328,22 +328,24 @@ def read_requests(
     def checked(lines: list[Line]) -> list[_Checked]:
         return [_check(line, limit, adapters, task) for line in lines]
 
-    for _, custom_id, item in _resolved_lines(path, limit, checked):
-        if isinstance(item, Request):
-            item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
-        yield item
+    for resolved in _resolved_chunks(path, limit, checked):
+        for _, custom_id, item in resolved:
+            if isinstance(item, Request):
+                item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
+            yield item
 
 
-def read_rows(
+def read_row_chunks(
     path: str | Path,
     *,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
-) -> Iterator[tuple[tuple[Any, ...], LineError | None]]:
-    """Per non-blank line of `path`, in line order: its input-shard values (INPUT_SCHEMA's
-    columns, jobs/rows.py) and, for a line that cannot run, its LineError. The same rows as
-    read_requests gives, validated a block at a time (jobs/columnar.py)."""
+) -> Iterator[tuple[list[tuple[Any, ...]], list[LineError]]]:
+    """The non-blank lines of `path` as rows to store, a chunk of the file at a time: each
+    line's input-shard values (INPUT_SCHEMA's columns, jobs/rows.py) in line order, and the
+    LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
+    validated a block at a time (jobs/columnar.py)."""
     limit = max_line_bytes or get_settings().max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:
@@ -363,19 +365,26 @@ def read_rows(
     def checked(lines: list[Line]) -> list[_Checked]:
         return columnar.check_block(lines, one, judge)
 
-    for number, custom_id, item in _resolved_lines(path, limit, checked):
-        if isinstance(item, LineError):
-            yield InputRow.from_item(item).stored_values(), item
-        else:
-            kind, prompt, messages, sampling, inputs = item
-            yield (number, custom_id, kind, prompt, messages, sampling, None, inputs), None
+    for resolved in _resolved_chunks(path, limit, checked):
+        problems = [item for _, _, item in resolved if isinstance(item, LineError)]
+        if not problems:  # the common chunk, in one comprehension
+            yield [(n, cid, k, p, m, s, None, i) for n, cid, (k, p, m, s, i) in resolved], []
+            continue
+        rows: list[tuple[Any, ...]] = []
+        for number, custom_id, item in resolved:
+            if isinstance(item, LineError):
+                rows.append(InputRow.from_item(item).stored_values())
+            else:
+                kind, prompt, messages, sampling, inputs = item
+                rows.append((number, custom_id, kind, prompt, messages, sampling, None, inputs))
+        yield rows, problems
 
 
-def _resolved_lines(
+def _resolved_chunks(
     path: str | Path, limit: int, checked: Callable[[list[Line]], list[_Checked]]
-) -> Iterator[tuple[int, str, Any]]:
+) -> Iterator[list[tuple[int, str, Any]]]:
     """(line number, final custom_id, the checked item or the LineError refusing the line)
-    per non-blank line, `checked` a chunk of lines at a time."""
+    per non-blank line, a list per chunk of lines that `checked` checks at once."""
     if not is_uri(path):
         path = Path(path)
     name = str(path)
@@ -386,7 +395,7 @@ def _resolved_lines(
             ids.collect_given(line for chunk in chunks for line in chunk)
         with open_input(path) as handle:
             for chunk in iter_line_chunks(handle, limit):
-                yield from _resolve_chunk(checked(chunk), ids, name)
+                yield _resolve_chunk(checked(chunk), ids, name)
     finally:
         ids.close()
 
@@ -395,43 +404,41 @@ def _resolve_chunk(
     chunk: list[_Checked],
     ids: CustomIds,
     name: str,
-) -> Iterator[tuple[int, str, Any]]:
-    defaults = ids.defaults([number for number, given, _ in chunk if given is None])
-    final = {number: given if given is not None else defaults[number] for number, given, _ in chunk}
-    earlier = ids.first_lines(
-        list({final[number] for number, _, item in chunk if not isinstance(item, _LineProblem)})
-    )
+) -> list[tuple[int, str, Any]]:
+    missing = [number for number, given, _ in chunk if given is None]
+    defaults = ids.defaults(missing) if missing else {}
+    final = [given if given is not None else defaults[number] for number, given, _ in chunk]
+    runnable = {
+        custom_id
+        for custom_id, (_, _, item) in zip(final, chunk, strict=True)
+        if not isinstance(item, _LineProblem)
+    }
+    earlier = ids.first_lines(list(runnable))
+    if not earlier and len(runnable) == len(chunk):  # the common chunk: every line runs
+        ids.add_seen([(custom_id, number) for custom_id, (number, _, _) in zip(final, chunk)])
+        return [(number, custom_id, item) for custom_id, (number, _, item) in zip(final, chunk)]
+    resolved: list[tuple[int, str, Any]] = []
     new: list[tuple[str, int]] = []
-    for number, _, item in chunk:
-        custom_id = final[number]
+    for custom_id, (number, _, item) in zip(final, chunk, strict=True):
         if isinstance(item, _LineProblem):
-            yield (
-                number,
-                custom_id,
-                LineError(
-                    file=name,
-                    line=number,
-                    custom_id=custom_id,
-                    field=item.field,
-                    message=item.message,
-                ),
+            problem = LineError(
+                file=name, line=number, custom_id=custom_id, field=item.field, message=item.message
             )
+            resolved.append((number, custom_id, problem))
             continue
         first = earlier.get(custom_id)
         if first is not None:
-            yield (
-                number,
-                custom_id,
-                LineError(
-                    file=name,
-                    line=number,
-                    custom_id=custom_id,
-                    field="custom_id",
-                    message=f"duplicate custom_id {custom_id!r} (first on line {first})",
-                ),
+            duplicate = LineError(
+                file=name,
+                line=number,
+                custom_id=custom_id,
+                field="custom_id",
+                message=f"duplicate custom_id {custom_id!r} (first on line {first})",
             )
+            resolved.append((number, custom_id, duplicate))
             continue
         earlier[custom_id] = number
         new.append((custom_id, number))
-        yield number, custom_id, item
+        resolved.append((number, custom_id, item))
     ids.add_seen(new)
+    return resolved

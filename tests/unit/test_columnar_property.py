@@ -165,7 +165,7 @@ def test_block_validation_stores_what_line_validation_gives(lines, task, slow_be
         path = Path(tmp) / "in.jsonl"
         path.write_bytes(b"\n".join(lines) + b"\n")
         with mock.patch.object(columnar, "_SLOW_BELOW", slow_below):
-            got = list(reader.read_rows(path, max_line_bytes=LIMIT, adapters=adapters, task=task))
+            got = got_rows(path, adapters, task)
         assert got == expected_rows(path, adapters, task)
 
 
@@ -225,5 +225,13 @@ def test_common_lines_are_decided_by_the_block_not_line_by_line(tmp_path):
     assert got_rows(path) == expected_rows(path, frozenset(), "generate")
 
 
-def got_rows(path: Path) -> list[tuple]:
-    return list(reader.read_rows(path, max_line_bytes=LIMIT))
+def got_rows(path: Path, adapters: frozenset[str] = frozenset(), task: str = "generate"):
+    """read_row_chunks' rows, each with its LineError or None, as expected_rows gives them."""
+    got = []
+    for rows, problems in reader.read_row_chunks(
+        path, max_line_bytes=LIMIT, adapters=adapters, task=task
+    ):
+        errors = {problem.line: problem for problem in problems}
+        assert len(errors) == len(problems) == sum(row[2] == "invalid" for row in rows)
+        got += [(row, errors.get(row[0])) for row in rows]
+    return got
