@@ -126,6 +126,12 @@ odd_lines = st.sampled_from(
         b'"text"',
         b'{"prompt": "a"} {"prompt": "b"}',
         b'{"prompt": "a", "prompt": "b"}',
+        b'{"custom_id": "d", "method": "POST", "url": "/v1/completions", '
+        b'"body": {"prompt": "a", "max_tokens": 1, "max_tokens": 2}}',
+        b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}',
+        b'{"messages": [{"content": "x", "role": "user"}], "seed": 9007199254740993}',
+        b'{"prompt": "a", "seed": 2.0}',
+        b'{"prompt": "2024-01-01", "stop": "2024-01-01"}',
         b'{"prompt": "a", "max_tokens": NaN}',
         b'{"prompt": "a", "temperature": 1e999}',
         b'{"prompt": "\\ud800"}',
