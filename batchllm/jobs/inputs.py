@@ -12,6 +12,7 @@ import logging
 import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
+from batchllm.heap import frozen_heap
 from batchllm.jobs.reader import read_row_chunks
-from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow
+from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
 from batchllm.jobs.schemas import LineError
 from batchllm.jobs.storage import Storage, filesystem_for, is_uri
 from batchllm.jobs.token_store import iter_token_batches, token_lists
@@ -178,12 +180,13 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
-        for rows, problems in read_row_chunks(source, adapters=adapters, task=task):
-            result.total += len(rows)
-            result.invalid += len(problems)
-            result.problems += problems[: _PREVIEW - len(result.problems)]
-            writer.add(rows)
-        writer.close_shard()
+        with frozen_heap():  # a million rows pass through: keep the heap out of the GC's scans
+            for rows, problems in read_row_chunks(source, adapters=adapters, task=task):
+                result.total += len(rows)
+                result.invalid += len(problems)
+                result.problems += problems[: _PREVIEW - len(result.problems)]
+                writer.add(rows)
+            writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()
         raise InputError(f"{source}: cannot read: {exc}") from exc
@@ -210,29 +213,33 @@ def iter_shard_rows(
 ) -> Iterator[InputRow]:
     """Stream one stored shard's rows, a row group at a time; `with_token_ids`: with the ids
     the job's sizing pass stored for them, where it did (jobs/token_store.py)."""
-    tokens = iter_token_batches(storage, path, batch_rows) if with_token_ids else None
-    with storage.fs.open_input_file(path) as src:
-        parquet = pq.ParquetFile(src)
-        # A shard stored by an older release may lack a later column (it reads as null).
-        names = [name for name in STORED_FIELDS if name in parquet.schema_arrow.names]
-        for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
-            columns = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
-            ids = _token_ids_for(tokens, columns[0]) if tokens is not None else None
-            if ids is None:
-                tokens = None  # missing or out of step: the feed tokenizes these rows itself
-                ids = [None] * batch.num_rows
-            if len(names) < len(STORED_FIELDS):
-                for values, row_ids in zip(zip(*columns, strict=True), ids, strict=True):
-                    yield InputRow(**dict(zip(names, values)), token_ids=row_ids)
-                continue
-            for values, row_ids in zip(zip(*columns, strict=True), ids, strict=True):
-                yield InputRow(*values, token_ids=row_ids)  # type: ignore[misc]  # 8 stored columns
+
+    def batches() -> Iterator[Iterator[InputRow]]:
+        tokens = iter_token_batches(storage, path, batch_rows) if with_token_ids else None
+        with storage.fs.open_input_file(path) as src:
+            parquet = pq.ParquetFile(src)
+            # A shard stored by an older release may lack a later column (it reads as null).
+            names = [name for name in STORED_FIELDS if name in parquet.schema_arrow.names]
+            for batch in parquet.iter_batches(batch_size=batch_rows, columns=names):
+                stored = dict(zip(names, batch.columns, strict=True))
+                ids = _token_ids_for(tokens, stored["line"]) if tokens is not None else None
+                if ids is None:
+                    tokens = None  # missing or out of step: the feed tokenizes these rows itself
+                columns = [
+                    stored[name].to_pylist() if name in stored else repeat(None)
+                    for name in STORED_FIELDS
+                ]
+                yield map(stored_row, *columns, ids if ids is not None else repeat(None))
+
+    # Rows are made from whole columns and handed on in C (map, chain): no tuple or dict per
+    # row, and no generator resumed per row.
+    return chain.from_iterable(batches())
 
 
-def _token_ids_for(tokens: Iterator[Any], lines: list[int]) -> list[Any] | None:
+def _token_ids_for(tokens: Iterator[Any], lines: pa.Array) -> list[Any] | None:
     """The next token batch's ids when it holds exactly these lines, else None."""
     batch = next(tokens, None)
-    if batch is None or batch.column(0).to_pylist() != lines:
+    if batch is None or not batch.column(0).equals(lines):
         log.warning("stored token ids do not match their shard's rows; tokenizing instead")
         return None
     return token_lists(batch.column(1))

@@ -8,6 +8,7 @@ chat template decodes messages once, so no row pays a decode it does not need.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -118,6 +119,47 @@ class InputRow:
 
 
 _EMPTY: MappingProxyType[str, Any] = MappingProxyType({})
+
+# Each field's slot, set directly by stored_row.
+_new_row = object.__new__
+(
+    _set_line,
+    _set_custom_id,
+    _set_kind,
+    _set_prompt,
+    _set_messages,
+    _set_sampling,
+    _set_error,
+    _set_inputs,
+    _set_token_ids,
+) = (getattr(InputRow, f.name).__set__ for f in dataclasses.fields(InputRow))
+
+
+def stored_row(
+    line: int,
+    custom_id: str,
+    kind: RowKind,
+    prompt: str | None,
+    messages: str | None,
+    sampling: str | None,
+    error: str | None,
+    inputs: str | None,
+    token_ids: list[int] | None,
+) -> InputRow:
+    """InputRow(...) for a row read back from a shard, every field given in order: the frozen
+    dataclass's __init__ sets each field through object.__setattr__, which was half the cost
+    of reading a shard's rows back; the row is the same."""
+    row = _new_row(InputRow)
+    _set_line(row, line)
+    _set_custom_id(row, custom_id)
+    _set_kind(row, kind)
+    _set_prompt(row, prompt)
+    _set_messages(row, messages)
+    _set_sampling(row, sampling)
+    _set_error(row, error)
+    _set_inputs(row, inputs)
+    _set_token_ids(row, token_ids)
+    return row
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
@@ -156,24 +156,16 @@ class ModelMetrics:
         self.rate = TokenRate()
         OUTPUT_TOKENS_PER_SECOND.labels(model).set_function(self.rate.per_second)
 
-    def committed(self, rows: Iterable[Any]) -> None:
-        """Rows (OutputRow) just committed: one pass over them, four increments."""
-        ok = error = prompt = completion = 0
-        for row in rows:
-            if row.status == "ok":
-                ok += 1
-            else:
-                error += 1
-            prompt += row.prompt_tokens or 0
-            completion += row.generated_tokens
+    def committed(self, ok: int, error: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """A committed part's totals: its rows by status and their tokens."""
         if ok:
             self.rows_ok.inc(ok)
         if error:
             self.rows_error.inc(error)
-        if prompt:
-            self.prompt_tokens.inc(prompt)
-        if completion:
-            self.completion_tokens.inc(completion)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.inc(completion_tokens)
 
     def step(self, generated_tokens: int, in_flight: int) -> None:
         """After an engine step: tokens it generated, requests still in the engine."""
@@ -226,10 +218,6 @@ def for_model(model: str) -> ModelMetrics:
 
 
 # -- the functions other modules call --------------------------------------------------------
-
-
-def rows_committed(model: str, rows: Iterable[Any]) -> None:
-    for_model(model).committed(rows)
 
 
 def engine_started(model: str, seconds: float) -> None:

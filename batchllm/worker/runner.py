@@ -17,14 +17,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.engine.prompts import Prepared, token_count
+from batchllm.engine.prompts import token_count
 from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
+from batchllm.heap import frozen_heap
 from batchllm.jobs import leases, lifecycle, service
 from batchllm.jobs.adapters import local_adapter_path
 from batchllm.jobs.db import session_scope
 from batchllm.jobs.models import JobStatus, ShardStatus
-from batchllm.jobs.output import OutputRow
+from batchllm.jobs.output import OutputBuffer, Part
 from batchllm.jobs.rows import InputRow
 from batchllm.jobs.storage import Storage
 from batchllm.jobs.structured import field_of, satisfies
@@ -57,14 +58,21 @@ class Outcome(str, enum.Enum):
     LOST = "lost"  # this worker's lease ran out and another worker took the shard over
 
 
-@dataclass
-class _Pending:
-    state: ShardState
-    line: int
-    custom_id: str
-    constraint: dict[str, Any] | None  # the structured output constraint the row ran under
-    adapter: str | None  # the LoRA adapter it ran through
+@dataclass(frozen=True, slots=True)
+class _Sampling:
+    """What rows with the same job and per-line override text run under (built once)."""
 
+    params: Any  # the engine's sampling parameters
+    constraint: dict[str, Any] | None  # the structured output constraint
+    adapter: Adapter | None  # what the engine runs the row through
+    adapter_name: str | None  # the LoRA adapter the output names; None for the base model
+
+
+# A request in the engine: its shard, its row and what it runs under (a plain tuple: one is
+# made per row).
+_Pending = tuple[ShardState, InputRow, _Sampling]
+# One batch of a shard's rows to feed.
+_Batch = tuple[ShardState, list[InputRow]]
 
 ProgressFn = Callable[[int, int], None]
 
@@ -93,8 +101,8 @@ class ShardRunner:
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
-        # (job, the line's override text) -> (engine sampling params, the row's constraint)
-        self._sampling_cache: dict[tuple[str, str | None], tuple[Any, Any, Adapter | None]] = {}
+        # (job, the line's override text) -> what its rows run under
+        self._sampling_cache: dict[tuple[str, str | None], _Sampling] = {}
         self._stopping = False
         # Prometheus (worker/metrics.py). The engine serves one model, so the per-step gauges
         # go to the model of the shard claimed last; commits and shard ends to their own.
@@ -106,7 +114,12 @@ class ShardRunner:
     def run(self, shard_ids: list[int]) -> dict[int, Outcome]:
         """Run these shards to an end; returns each shard's outcome."""
         self._outcomes = {}
-        source = self._rows(shard_ids)
+        with frozen_heap():
+            self._run(shard_ids)
+        return self._outcomes
+
+    def _run(self, shard_ids: list[int]) -> None:
+        source = self._batches(shard_ids)
         exhausted = False
         last_control = time.monotonic()
         try:
@@ -129,11 +142,12 @@ class ShardRunner:
         finally:
             if self._metrics is not None:
                 self._metrics.step(0, len(self._pending))
-        return self._outcomes
 
     # -- feeding --------------------------------------------------------------------------
 
-    def _rows(self, shard_ids: list[int]) -> Iterator[tuple[ShardState, InputRow]]:
+    def _batches(self, shard_ids: list[int]) -> Iterator[_Batch]:
+        """Each shard's rows still to do, claimed in turn, a batch of a shard at a time (one
+        chat template and one tokenizer call per batch)."""
         for shard_id in shard_ids:
             if self._stopping:
                 return
@@ -154,51 +168,38 @@ class ShardRunner:
             self._metrics = metrics.for_model(state.spec.model)
             self._metrics.shard_started(resumed=bool(state.done_lines))
             self._shard_started[shard_id] = time.monotonic()
-            for row in state.rows(self.storage):
-                if self._stopping or state.fed_all:  # fed_all early: the job was cancelled
+            rows = state.rows(self.storage)
+            while not (self._stopping or state.fed_all):  # fed_all early: the job was cancelled
+                batch = list(itertools.islice(rows, _PREPARE_BATCH))
+                if batch:
+                    yield state, batch
+                if len(batch) < _PREPARE_BATCH:
                     break
-                yield state, row
             state.fed_all = True
 
-    def _feed(self, source: Iterator[tuple[ShardState, InputRow]]) -> bool:
-        """Feed up to one batch of rows; True when the source is exhausted."""
-        batch: list[tuple[ShardState, InputRow]] = []
-        for item in source:
-            batch.append(item)
-            if len(batch) >= _PREPARE_BATCH:
-                break
-        runnable = [(s, r) for s, r in batch if r.kind != "invalid"]
-        errors = 0
-        for state, row in batch:
-            if row.kind == "invalid":
-                state.buffer.append(
-                    OutputRow.failed(row.custom_id, row.line, row.error or "invalid line")
-                )
-                errors += 1
-        for (state, row), ids in zip(runnable, self._prepare(runnable)):
-            if isinstance(ids, str):
-                state.buffer.append(OutputRow.failed(row.custom_id, row.line, ids))
-                errors += 1
-            elif not self._add(state, row, ids):
-                errors += 1
+    def _feed(self, source: Iterator[_Batch]) -> bool:
+        """Feed one batch of rows; True when the source is exhausted."""
+        item = next(source, None)
+        if item is None:
+            return True
+        state, batch = item
+        runnable = [row for row in batch if row.kind != "invalid"]
+        errors = len(batch) - len(runnable)
+        if errors:
+            for row in batch:
+                if row.kind == "invalid":
+                    state.buffer.failed(row.custom_id, row.line, row.error or "invalid line")
+        if runnable:
+            prepared = self.engine.prepare(runnable, state.spec.chat_template)
+            for row, ids in zip(runnable, prepared, strict=True):
+                if isinstance(ids, str):
+                    state.buffer.failed(row.custom_id, row.line, ids)
+                    errors += 1
+                elif not self._add(state, row, ids):
+                    errors += 1
         if errors:
             self.on_progress(errors, 0)
-        return len(batch) < _PREPARE_BATCH
-
-    def _prepare(self, runnable: list[tuple[ShardState, InputRow]]) -> list[Prepared]:
-        """Token ids (or the reason a row cannot run) per row, each through its job's chat
-        template (a batch spans jobs only where shards of several jobs run together)."""
-        templates = {state.spec.chat_template for state, _ in runnable}
-        if len(templates) <= 1:
-            template = next(iter(templates), None)
-            return self.engine.prepare([r for _, r in runnable], template)
-        prepared: list[Prepared] = [""] * len(runnable)
-        for template in templates:
-            picked = [i for i, (s, _) in enumerate(runnable) if s.spec.chat_template == template]
-            results = self.engine.prepare([runnable[i][1] for i in picked], template)
-            for i, result in zip(picked, results):
-                prepared[i] = result
-        return prepared
+        return False
 
     def _add(self, state: ShardState, row: InputRow, ids: list[Any]) -> bool:
         if state.job_id not in self._started_jobs:
@@ -213,51 +214,48 @@ class ShardRunner:
         # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
         # benchmark drives generate and this runner on one engine.
         request_id = f"r{next(_request_ids)}"
-        params, constraint, adapter = self._sampling(state, row)
+        sampling = self._sampling_cache.get((state.job_id, row.sampling)) or self._sampling(
+            state, row
+        )
         try:
-            self.engine.add(request_id, ids, params, adapter)
+            self.engine.add(request_id, ids, sampling.params, sampling.adapter)
         except EngineDied:
             raise
         except BatchLLMError as exc:  # vLLM refused this one request, not the job
             # A constraint the engine cannot compile, or embedding dimensions the model does
             # not have, is the usual cause: name the field.
+            constraint = sampling.constraint
             where = f"field '{field_of(constraint)}': " if constraint else ""
-            if not where and getattr(params, "dimensions", None) is not None:
+            if not where and getattr(sampling.params, "dimensions", None) is not None:
                 where = "field 'dimensions': "
-            state.buffer.append(
-                OutputRow.failed(
-                    row.custom_id,
-                    row.line,
-                    f"{where}rejected by vLLM: {exc}",
-                    prompt_tokens=token_count(ids),
-                )
+            state.buffer.failed(
+                row.custom_id,
+                row.line,
+                f"{where}rejected by vLLM: {exc}",
+                prompt_tokens=token_count(ids),
             )
             return False
-        self._pending[request_id] = _Pending(
-            state,
-            row.line,
-            row.custom_id,
-            constraint,
-            adapter.name if adapter is not None and not adapter.base else None,
-        )
+        self._pending[request_id] = (state, row, sampling)
         state.inflight += 1
         return True
 
-    def _sampling(self, state: ShardState, row: InputRow) -> tuple[Any, Any, Adapter | None]:
-        """The row's engine sampling parameters, constraint and adapter, built once per job
-        and distinct per-line override text: a job's lines share few of them, and decoding,
-        merging and keying them again for every row was a third of the feed's own per-row
-        work."""
-        key = (state.job_id, row.sampling)
-        cached = self._sampling_cache.get(key)
-        if cached is None:
-            if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
-                self._sampling_cache.clear()
-            merged = sampling_for(state.spec, row)
-            adapter = self._adapter_of(state, merged.get("adapter"))
-            cached = (self.engine.sampling_params(merged), merged.get("structured"), adapter)
-            self._sampling_cache[key] = cached
-        return cached
+    def _sampling(self, state: ShardState, row: InputRow) -> _Sampling:
+        """The row's engine sampling parameters, constraint and adapter, built on a miss of
+        the cache `_add` looks in first: once per job and distinct per-line override text. A
+        job's lines share few of them, and decoding, merging and keying them again for every
+        row was a third of the feed's own per-row work."""
+        if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
+            self._sampling_cache.clear()
+        merged = sampling_for(state.spec, row)
+        adapter = self._adapter_of(state, merged.get("adapter"))
+        built = _Sampling(
+            params=self.engine.sampling_params(merged),
+            constraint=merged.get("structured"),
+            adapter=adapter,
+            adapter_name=adapter.name if adapter is not None and not adapter.base else None,
+        )
+        self._sampling_cache[(state.job_id, row.sampling)] = built
+        return built
 
     def _adapter_of(self, state: ShardState, name: str | None) -> Adapter | None:
         """The row's LoRA adapter; for a base row of a job with adapters, a marker naming
@@ -287,44 +285,32 @@ class ShardRunner:
                 raise EngineDied(
                     f"vLLM aborted request {out.request_id} itself: the engine is stopping"
                 )
-            pending.state.inflight -= 1
+            state, row, sampling = pending
+            state.inflight -= 1
             if out.is_embedding:
-                pending.state.buffer.append(
-                    OutputRow(
-                        custom_id=pending.custom_id,
-                        line=pending.line,
-                        status="ok",
-                        prompt_tokens=out.prompt_tokens,
-                        embedding=out.embedding,
-                        embeddings=out.embeddings,
-                    )
+                state.buffer.embedding(
+                    row.custom_id, row.line, out.prompt_tokens, out.embedding, out.embeddings
                 )
             elif out.finish_reason in _RESULT_REASONS:
-                pending.state.buffer.append(
-                    OutputRow(
-                        custom_id=pending.custom_id,
-                        line=pending.line,
-                        status="ok",
-                        text=out.text,
-                        finish_reason=out.finish_reason,
-                        prompt_tokens=out.prompt_tokens,
-                        completion_tokens=out.completion_tokens,
-                        structured_ok=satisfies(pending.constraint, out.text)
-                        if pending.constraint
-                        else None,
-                        logprobs=out.logprobs,
-                        choices=out.choices,
-                        adapter=pending.adapter,
-                    )
+                constraint = sampling.constraint
+                state.buffer.answer(
+                    row.custom_id,
+                    row.line,
+                    out.text,
+                    out.finish_reason,
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    satisfies(constraint, out.text) if constraint else None,
+                    out.logprobs,
+                    out.choices,
+                    sampling.adapter_name,
                 )
             else:
-                pending.state.buffer.append(
-                    OutputRow.failed(
-                        pending.custom_id,
-                        pending.line,
-                        f"vLLM ended the request with finish reason {out.finish_reason!r}",
-                        prompt_tokens=out.prompt_tokens,
-                    )
+                state.buffer.failed(
+                    row.custom_id,
+                    row.line,
+                    f"vLLM ended the request with finish reason {out.finish_reason!r}",
+                    prompt_tokens=out.prompt_tokens,
                 )
             tokens += out.generated_tokens
         if finished:
@@ -347,20 +333,19 @@ class ShardRunner:
 
     def _commit(self, state: ShardState) -> bool:
         """Commit the state's finished rows; False (and the shard dropped) if it was lost."""
-        rows = state.buffer
         try:
-            state.commit(self.storage, self.settings)
+            part = state.commit(self.storage, self.settings)
         except ShardLost as exc:
             self._drop(state, exc)
             return False
-        if rows:
-            metrics.rows_committed(state.spec.model, rows)
+        if part is not None:
+            _count_committed(state.spec.model, part)
         return True
 
     def _drop(self, state: ShardState, reason: Exception) -> None:
         log.warning("shard %d: %s; dropping this worker's run of it", state.index, reason)
         self._abort(state)
-        state.buffer = []
+        state.buffer = OutputBuffer()
         if state in self._active:
             self._active.remove(state)
         self._outcomes[state.shard_id] = Outcome.LOST
@@ -386,7 +371,7 @@ class ShardRunner:
             )
 
     def _abort(self, state: ShardState) -> None:
-        ids = [rid for rid, p in self._pending.items() if p.state is state]
+        ids = [rid for rid, (owner, _, _) in self._pending.items() if owner is state]
         self.engine.abort(ids)
         for rid in ids:
             del self._pending[rid]
@@ -479,3 +464,10 @@ class ShardRunner:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).
                 log.exception("shard %d: could not record its end", state.index)
+
+
+def _count_committed(model: str, part: Part) -> None:
+    """Add a committed part's rows and tokens to the model's counters."""
+    metrics.for_model(model).committed(
+        part.rows_ok, part.rows_failed, part.prompt_tokens, part.completion_tokens
+    )

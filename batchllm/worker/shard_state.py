@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from batchllm.errors import ShardLost
@@ -14,11 +15,13 @@ from batchllm.jobs.db import get_one, session_scope
 from batchllm.jobs.inputs import iter_shard_rows
 from batchllm.jobs.models import Shard
 from batchllm.jobs.output import (
-    OutputRow,
+    OutputBuffer,
+    Part,
     part_name,
+    part_of,
     read_lines,
     remove_unrecorded_parts,
-    write_part,
+    write_table,
 )
 from batchllm.jobs.rows import InputRow
 from batchllm.jobs.schemas import JobSpec
@@ -39,7 +42,7 @@ class ShardState:
     attempt: int  # this run's claim; fences every write against a worker that took over
     next_seq: int
     done_lines: set[int]
-    buffer: list[OutputRow] = field(default_factory=list)
+    buffer: OutputBuffer = field(default_factory=OutputBuffer)
     inflight: int = 0
     fed_all: bool = False
     last_commit: float = field(default_factory=time.monotonic)
@@ -51,26 +54,28 @@ class ShardState:
 
     def rows(self, storage: Storage) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""
-        rows = (
-            r
-            for r in iter_shard_rows(storage, self.input_path, with_token_ids=True)
-            if r.line not in self.done_lines
-        )
+        rows = iter_shard_rows(storage, self.input_path, with_token_ids=True)
+        if self.done_lines:  # resumed: skip the rows its checkpoints hold
+            rows = (r for r in rows if r.line not in self.done_lines)
         if not self.spec.engine.group_prefixes:
             return rows
         # Sorting by the prompt text puts requests sharing a prefix (a system prompt, a few-shot
         # header) next to each other, so vLLM's prefix cache still holds it for the next one.
         # The shard is bounded by --shard-size, so holding it in memory is bounded too.
-        return iter(sorted(rows, key=lambda r: (r.kind, r.messages or r.prompt or "")))
+        # Two stable sorts, by text then by kind, order the rows as one by (kind, text) would,
+        # without a key tuple per row and with CPython's fast path for all-str keys.
+        ordered = sorted(rows, key=_prompt_text)
+        ordered.sort(key=attrgetter("kind"))
+        return iter(ordered)
 
-    def commit(self, storage: Storage, settings: Settings) -> int:
-        """Write buffered rows as one part file, then record the checkpoint. Returns rows."""
+    def commit(self, storage: Storage, settings: Settings) -> Part | None:
+        """Write buffered rows as one part file, then record the checkpoint. Returns the part
+        committed, None when there was nothing to commit."""
         if not self.buffer:
-            return 0
-        rows, self.buffer = self.buffer, []
+            return None
+        part = part_of(self.buffer.take())
         name = part_name(self.index, self.next_seq, self.attempt)
-        path = write_part(storage, self.out_dir, name, rows)
-        ok = sum(1 for r in rows if r.status == "ok")
+        path = write_table(storage, self.out_dir, name, part.table)
         try:
             with session_scope(settings) as session:
                 checkpoints.record_checkpoint(
@@ -79,12 +84,12 @@ class ShardState:
                     job_id=self.job_id,
                     seq=self.next_seq,
                     path=path,
-                    rows_ok=ok,
-                    rows_failed=len(rows) - ok,
-                    prompt_tokens=sum(r.prompt_tokens or 0 for r in rows),
-                    completion_tokens=sum(r.generated_tokens for r in rows),
-                    structured_rows=sum(1 for r in rows if r.structured_ok is not None),
-                    structured_valid=sum(1 for r in rows if r.structured_ok),
+                    rows_ok=part.rows_ok,
+                    rows_failed=part.rows_failed,
+                    prompt_tokens=part.prompt_tokens,
+                    completion_tokens=part.completion_tokens,
+                    structured_rows=part.structured_rows,
+                    structured_valid=part.structured_valid,
                     engine_seconds=self.step_seconds,
                     attempt=self.attempt,
                 )
@@ -94,7 +99,7 @@ class ShardState:
         self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()
-        return len(rows)
+        return part
 
 
 def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> ShardState:
@@ -131,6 +136,10 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         next_seq=next_seq,
         done_lines=done,
     )
+
+
+def _prompt_text(row: InputRow) -> str:
+    return row.messages or row.prompt or ""
 
 
 def sampling_for(spec: JobSpec, row: InputRow) -> dict[str, Any]:
