@@ -11,8 +11,12 @@ checks are vectorized.
 
 Whatever this path is unsure of goes to the line-by-line path, which stays the definition of
 validity (the two are compared by tests/unit/test_columnar_property.py):
-- a block pyarrow refuses (malformed JSON, a value of another type than the field's, a key given
-  twice, two objects on one line) is halved until the parts parse, down to _SLOW_BELOW lines;
+- a block pyarrow refuses (malformed JSON, values of two types in one field, a key given twice,
+  two objects on one line, invalid UTF-8) is halved until the parts parse, down to _SLOW_BELOW
+  lines;
+- a line whose known field pyarrow read as another type than the field's (a list stop, a
+  date-like string read as a timestamp, a float for an int field unless integral and below
+  2**53);
 - a line holding `null`, `NaN` or `Infinity` (pyarrow reads null as absent, where pydantic may
   tell them apart) or starting with a byte order mark;
 - a line with a field whose value is a list or an object other than the messages (stop lists,
@@ -23,6 +27,7 @@ validity (the two are compared by tests/unit/test_columnar_property.py):
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from collections.abc import Callable
@@ -89,9 +94,15 @@ Name = tuple[str, ...]
 _TEXT_FIELDS = ("custom_id", "prompt", "input")
 _MESSAGES_NAMES = (("messages",), ("body", "messages"))
 
-# What Python's str.strip() removes: a prompt of only these is blank (reader.parse_line).
-_PY_SPACE = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
-_NOT_SPACE = "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in _PY_SPACE) + "]"
+
+@functools.cache
+def _not_space() -> str:
+    """A regex for one character Python's str.strip() keeps: a prompt without one is blank
+    (reader.parse_line). Built on first use: the scan of every code point costs ~70 ms, too
+    much for the import of every CLI command."""
+    spaces = (chr(c) for c in range(0x110000) if chr(c).isspace())
+    return "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in spaces) + "]"
+
 
 LineCheck = Callable[[Line], tuple[str | None, Any]]
 # A representative line's verdict for its group: (kind, "body" or "top": where its texts are,
@@ -264,7 +275,7 @@ def _unsure_rows(columns: _Columns) -> np.ndarray:
     for name in (("prompt",), ("body", "prompt"), ("input",), ("body", "input")):
         column = columns.columns.get(name)
         if column is not None:
-            columns.mark(pc.invert(pc.match_substring_regex(column, _NOT_SPACE)))
+            columns.mark(pc.invert(pc.match_substring_regex(column, _not_space())))
     for name in _MESSAGES_NAMES:
         column = columns.columns.get(name)
         if column is None:
