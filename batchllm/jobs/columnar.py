@@ -31,6 +31,7 @@ import functools
 import io
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
@@ -43,7 +44,6 @@ from batchllm.jobs.lines import Line
 
 _SLOW_BELOW = 64  # a part of a refused block this small goes line by line
 _BOM = b"\xef\xbb\xbf"
-_UNSURE = (b"null", b"NaN", b"Infinity")
 
 # A stored row's values other than its line and custom_id: (kind, prompt, messages, sampling,
 # inputs), in INPUT_SCHEMA's terms (jobs/rows.py).
@@ -110,74 +110,124 @@ LineCheck = Callable[[Line], tuple[str | None, Any]]
 Verdict = tuple[str, str, str | None]
 Judge = Callable[[Any, int], Verdict | None]
 
+# The columns of a CheckedBlock: the custom_id a line gives (null: none) and the stored values
+# after it (INPUT_SCHEMA's kind, prompt, messages, sampling, inputs; jobs/rows.py).
+BLOCK_COLUMNS = ("given", "kind", "prompt", "messages", "sampling", "inputs")
 
-def check_block(
-    lines: list[Line], check_line: LineCheck, judge: Judge
-) -> list[tuple[int, str | None, Any]]:
-    """(line number, the custom_id the line gives, its Payload or what check_line returns for
-    it) per line, in order. `check_line` is the line-by-line path: (given id, a Payload or the
-    problem) for one line; `judge` gives a representative line's Verdict from its decoded JSON
-    and line number."""
-    results: dict[int, tuple[str | None, Any]] = {}
-    sure = [line for line in lines if line.raw is not None]
-    for line in lines:
-        if line.raw is None:  # over the size limit
-            results[line.number] = check_line(line)
-    joined: bytes | None = b"\n".join(line.raw for line in sure)  # type: ignore[misc]
-    assert joined is not None
-    if joined.startswith(_BOM) or b"\n" + _BOM in joined or any(w in joined for w in _UNSURE):
-        unsure = [line for line in sure if _is_unsure(line.raw)]  # type: ignore[arg-type]
-        for line in unsure:
-            results[line.number] = check_line(line)
-        if unsure:
-            sure, joined = [line for line in sure if line.number not in results], None
-    for part, table in _parsed_parts(sure, joined):
+
+@dataclass
+class CheckedBlock:
+    """check_block's verdicts on a list of lines, as columns in line order (BLOCK_COLUMNS,
+    strings). A refused line has a null kind and what check_line returned for it in
+    `problems`, by its position in the list."""
+
+    numbers: list[int]
+    columns: dict[str, pa.Array]
+    problems: dict[int, Any]
+
+
+class _Pieces:
+    """The verdicts of a block's lines as they are made: columns for runs of rows the block
+    decided, Python values for the rows checked line by line; merged into line order once."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.decided: list[tuple[np.ndarray, dict[str, pa.Array]]] = []
+        self.line_by_line: dict[int, tuple[str | None, Any]] = {}
+
+    def merged(self, numbers: list[int]) -> CheckedBlock:
+        slow = sorted(self.line_by_line)
+        problems: dict[int, Any] = {}
+        values: dict[str, list[Any]] = {name: [] for name in BLOCK_COLUMNS}
+        for at in slow:
+            given, item = self.line_by_line[at]
+            values["given"].append(given)
+            if isinstance(item, tuple):  # a Payload
+                for name, value in zip(BLOCK_COLUMNS[1:], item, strict=True):
+                    values[name].append(value)
+            else:
+                problems[at] = item
+                for name in BLOCK_COLUMNS[1:]:
+                    values[name].append(None)
+        if not slow and len(self.decided) == 1:  # the common block: one run, every row
+            return CheckedBlock(numbers, self.decided[0][1], problems)
+        positions = np.concatenate(
+            [at for at, _ in self.decided] + [np.asarray(slow, dtype=np.int64)]
+        )
+        order = pa.array(np.argsort(positions, kind="stable"))
+        columns = {
+            name: pa.concat_arrays(
+                [part[name] for _, part in self.decided] + [pa.array(values[name], pa.string())]
+            ).take(order)
+            for name in BLOCK_COLUMNS
+        }
+        return CheckedBlock(numbers, columns, problems)
+
+
+def check_block(lines: list[Line], check_line: LineCheck, judge: Judge) -> CheckedBlock:
+    """The verdict on each line. `check_line` is the line-by-line path: (given id, a Payload
+    or the problem) for one line; `judge` gives a representative line's Verdict from its
+    decoded JSON and line number."""
+    pieces = _Pieces(len(lines))
+    sure = [at for at, line in enumerate(lines) if line.raw is not None]
+    if len(sure) < len(lines):
+        for at, line in enumerate(lines):
+            if line.raw is None:  # over the size limit
+                pieces.line_by_line[at] = check_line(line)
+    for start, stop, table in _parsed_parts([lines[at] for at in sure]):
+        part = [lines[at] for at in sure[start:stop]]
+        positions = np.asarray(sure[start:stop], dtype=np.int64)
         if table is None:
-            for line in part:
-                results[line.number] = check_line(line)
-        else:
-            _check_table(part, table, check_line, judge, results)
-    return [(line.number, *results[line.number]) for line in lines]
+            for at, line in zip(positions.tolist(), part, strict=True):
+                pieces.line_by_line[at] = check_line(line)
+            continue
+        decided, columns = _check_table(part, table, judge)
+        for at, line in zip(positions[~decided].tolist(), np.flatnonzero(~decided).tolist()):
+            pieces.line_by_line[at] = check_line(part[line])
+        if decided.all():
+            pieces.decided.append((positions, columns))
+        elif decided.any():
+            mask = pa.array(decided)
+            pieces.decided.append(
+                (positions[decided], {name: col.filter(mask) for name, col in columns.items()})
+            )
+    return pieces.merged([line.number for line in lines])
 
 
-def _is_unsure(raw: bytes) -> bool:
-    return raw.startswith(_BOM) or any(word in raw for word in _UNSURE)
-
-
-def _parsed_parts(
-    lines: list[Line], joined: bytes | None = None
-) -> list[tuple[list[Line], pa.Table | None]]:
-    """The lines in parts pyarrow parses to one row per line (None: a part to check line by
-    line). `joined`: the lines' bytes joined by newlines, where the caller has them."""
+def _parsed_parts(lines: list[Line], offset: int = 0) -> list[tuple[int, int, pa.Table | None]]:
+    """The lines in parts pyarrow parses to one row per line, as (start, stop, table) over
+    the list (None: a part to check line by line)."""
     if not lines:
         return []
-    if joined is None:
-        joined = b"\n".join(line.raw or b"" for line in lines)  # none is None: check_block
+    joined = b"\n".join(line.raw or b"" for line in lines)  # none is None: check_block
     try:
         table = pajson.read_json(io.BytesIO(joined), parse_options=_PARSE)
         table.validate(full=True)  # the reader lets invalid UTF-8 through into strings
         if table.num_rows == len(lines):
-            return [(lines, table)]
+            return [(offset, offset + len(lines), table)]
     except pa.ArrowInvalid:
         pass
     if len(lines) == 1 or len(lines) < _SLOW_BELOW:
-        return [(lines, None)]
+        return [(offset, offset + len(lines), None)]
     middle = len(lines) // 2
-    return _parsed_parts(lines[:middle]) + _parsed_parts(lines[middle:])
+    return _parsed_parts(lines[:middle], offset) + _parsed_parts(lines[middle:], offset + middle)
 
 
 class _Columns:
     """A parsed part's columns, flattened (("body", "max_tokens") beside ("max_tokens",)) and
-    brought to the known fields' types; `unsure` marks the rows a column could not be."""
+    brought to the known fields' types; `unsure` marks the rows a column could not be, and
+    `has_null` the rows holding a null value or lacking a field (pyarrow reads both as null)."""
 
     def __init__(self, table: pa.Table) -> None:
         self.rows = table.num_rows
         self.columns: dict[Name, pa.Array] = {}
         self.unsure = np.zeros(self.rows, dtype=bool)
+        self.has_null = np.zeros(self.rows, dtype=bool)
         for name in table.column_names:
             column = table.column(name).combine_chunks()
             if name == "body" and pa.types.is_struct(column.type):
                 self.columns[("body",)] = column
+                self._note_nulls(column)
                 for i in range(column.type.num_fields):
                     child = column.type.field(i).name
                     self._add(("body", child), pc.struct_field(column, [i]))
@@ -185,6 +235,9 @@ class _Columns:
                 self._add((name,), column)
 
     def _add(self, name: Name, column: pa.Array) -> None:
+        self._note_nulls(column)
+        if pa.types.is_floating(column.type):  # NaN and Infinity parse as floats here
+            self.mark(pc.or_(pc.is_nan(column), pc.is_inf(column)))
         if name in _MESSAGES_NAMES:
             conformed = column if _is_messages(column.type) else None
         elif name == ("body",):
@@ -197,11 +250,19 @@ class _Columns:
         else:
             self.columns[name] = conformed
 
+    def _note_nulls(self, column: pa.Array) -> None:
+        if column.null_count:
+            self.has_null |= _bools(pc.is_null(column))
+
     def mark(self, mask: pa.Array) -> None:
-        self.unsure[np.asarray(mask.fill_null(False).to_numpy(zero_copy_only=False))] = True
+        self.unsure |= _bools(mask)
 
     def get(self, *name: str) -> pa.Array | None:
         return self.columns.get(name)
+
+
+def _bools(mask: pa.Array) -> np.ndarray:
+    return np.asarray(mask.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
 
 
 def _is_messages(kind: pa.DataType) -> bool:
@@ -232,40 +293,57 @@ def _as_type(column: pa.Array, expected: pa.DataType) -> pa.Array | None:
 
 
 def _check_table(
-    lines: list[Line],
-    table: pa.Table,
-    check_line: LineCheck,
-    judge: Judge,
-    results: dict[int, tuple[str | None, Any]],
-) -> None:
+    lines: list[Line], table: pa.Table, judge: Judge
+) -> tuple[np.ndarray, dict[str, pa.Array]]:
+    """Which of the part's rows the block decides, and BLOCK_COLUMNS for them (the other rows'
+    values are to be ignored: the caller checks them line by line)."""
     columns = _Columns(table)
-    unsure = _unsure_rows(columns)
+    unsure = _unsure_rows(columns, lines)
     keys = _group_keys(columns)
     order = np.flatnonzero(~unsure)
     groups, first = np.unique(keys[order], return_index=True)
-    verdicts: dict[int, Verdict | None] = {}
+    verdicts: list[Verdict] = []
+    verdict_of_key = np.full(int(keys.max(initial=0)) + 1, -1, dtype=np.int64)
     for group, at in zip(groups.tolist(), order[first].tolist(), strict=True):
         line = lines[at]
-        verdicts[group] = judge(json.loads(line.raw or b""), line.number)
+        verdict = judge(json.loads(line.raw or b""), line.number)
+        if verdict is not None:
+            verdict_of_key[group] = len(verdicts)
+            verdicts.append(verdict)
+    row_verdict = verdict_of_key[keys]
+    decided = ~unsure & (row_verdict >= 0)
+    which = pa.array(row_verdict, mask=~decided)  # null: not decided here
     texts = _Texts(columns)
-    stored = {group: texts.source(verdict) for group, verdict in verdicts.items() if verdict}
-    custom_ids = texts.custom_id
-    for row, (line, doubt, key) in enumerate(zip(lines, unsure.tolist(), keys.tolist())):
-        found = None if doubt else stored.get(key)
-        if found is None:
-            results[line.number] = check_line(line)
-            continue
-        kind, column, sampling, chat = found
-        text = column[row]
-        results[line.number] = (
-            custom_ids[row],
-            (kind, None, text, sampling, None) if chat else (kind, text, None, sampling, None),
-        )
+    prompt_from: list[int | None] = []
+    messages_from: list[int | None] = []
+    for kind, where, _ in verdicts:
+        source = texts.index(kind, where)
+        prompt_from.append(None if kind == "chat" else source)
+        messages_from.append(source if kind == "chat" else None)
+    prompt = texts.pick(prompt_from, row_verdict, decided)
+    messages = texts.pick(messages_from, row_verdict, decided)
+    # A row the verdict reads its text from must have one (else: line by line).
+    text = pc.coalesce(prompt, messages)
+    decided &= ~_bools(pc.is_null(text))
+    return decided, {
+        "given": _string_column(columns.get("custom_id"), columns.rows),
+        "kind": pa.array([kind for kind, _, _ in verdicts], pa.string()).take(which),
+        "prompt": prompt,
+        "messages": messages,
+        "sampling": pa.array([sampling for _, _, sampling in verdicts], pa.string()).take(which),
+        "inputs": pa.nulls(columns.rows, pa.string()),
+    }
 
 
-def _unsure_rows(columns: _Columns) -> np.ndarray:
+def _string_column(column: pa.Array | None, rows: int) -> pa.Array:
+    return column if column is not None else pa.nulls(rows, pa.string())
+
+
+def _unsure_rows(columns: _Columns, lines: list[Line]) -> np.ndarray:
     """Rows to check line by line: those marked while reading the columns, a list or object
-    value other than the messages, or a text that fails its check."""
+    value other than the messages, a text that fails its check, a null written as such (not
+    an absent field; pydantic may tell them apart) and a first line starting with a byte order
+    mark (pyarrow skips one there)."""
     for name, column in columns.columns.items():
         if name not in _MESSAGES_NAMES and name != ("body",) and pa.types.is_nested(column.type):
             columns.mark(pc.is_valid(column))
@@ -283,15 +361,26 @@ def _unsure_rows(columns: _Columns) -> np.ndarray:
         items = pc.list_flatten(column)
         parents = pc.list_parent_indices(column).to_numpy()
         bad = pc.is_null(items.field("content"))
+        if items.null_count:  # a message written as null
+            columns.has_null[parents[_bools(pc.is_null(items))]] = True
         for field in items.type:  # message fields beyond role and content
             if field.name not in ("role", "content"):
                 bad = pc.or_(bad, pc.is_valid(items.field(field.name)))
-        columns.unsure[parents[np.asarray(bad.to_numpy(zero_copy_only=False))]] = True
-    return columns.unsure
+            if items.field(field.name).null_count:
+                columns.has_null[parents[_bools(pc.is_null(items.field(field.name)))]] = True
+        columns.unsure[parents[_bools(bad)]] = True
+    unsure = columns.unsure
+    for at in np.flatnonzero(columns.has_null & ~unsure).tolist():
+        if b"null" in (lines[at].raw or b""):
+            unsure[at] = True
+    if lines and (lines[0].raw or b"").startswith(_BOM):
+        unsure[0] = True
+    return unsure
 
 
 def _group_keys(columns: _Columns) -> np.ndarray:
-    """One integer per row, equal for rows whose fields other than texts are equal."""
+    """One integer per row, equal for rows whose fields other than texts are equal; the
+    integers are 0..n-1 for n distinct groups."""
     keys = np.zeros(columns.rows, dtype=np.int64)
     for name, column in sorted(columns.columns.items()):
         if name[-1] in _TEXT_FIELDS or name == ("body",):
@@ -325,63 +414,88 @@ def _list_of(column: pa.Array, values: pa.Array) -> pa.ListArray:
 
 
 class _Texts:
-    """A parsed part's texts as Python values, and the stored payload of one of its rows."""
+    """A parsed part's text columns as stored: the prompts and inputs as they are, the
+    messages as their JSON text."""
+
+    _SOURCES = (("prompt",), ("body", "prompt"), ("input",), ("body", "input"))
 
     def __init__(self, columns: _Columns) -> None:
-        self.custom_id = _text_list(columns, "custom_id")
-        self.prompt = _text_list(columns, "prompt")
-        self.body_prompt = _text_list(columns, "body", "prompt")
-        self.input = _text_list(columns, "input")
-        self.body_input = _text_list(columns, "body", "input")
-        self.messages = _messages_json(columns.get("messages"), columns.rows)
-        self.body_messages = _messages_json(columns.get("body", "messages"), columns.rows)
+        self.columns = columns
+        self.built: dict[int, pa.Array] = {}
 
-    def source(self, verdict: Verdict) -> tuple[str, list[str | None], str | None, bool]:
-        """For the rows of a group with this verdict: their kind, the column holding their
-        text, their sampling text, and whether the text is the messages."""
-        kind, where, sampling = verdict
+    def index(self, kind: str, where: str) -> int:
+        """Which text column rows of this kind and form take their text from."""
         body = where == "body"
         if kind == "chat":
-            return kind, self.body_messages if body else self.messages, sampling, True
-        if kind == "embed":
-            return kind, self.body_input if body else self.input, sampling, False
-        return kind, self.body_prompt if body else self.prompt, sampling, False
+            return 4 + body
+        return (2 if kind == "embed" else 0) + body
+
+    def column(self, index: int) -> pa.Array:
+        if index not in self.built:
+            rows = self.columns.rows
+            if index >= 4:
+                name = _MESSAGES_NAMES[index - 4]
+                found = self.columns.columns.get(name)
+                self.built[index] = (
+                    pa.nulls(rows, pa.string()) if found is None else _messages_json(found)
+                )
+            else:
+                found = self.columns.columns.get(self._SOURCES[index])
+                self.built[index] = _string_column(found, rows)
+        return self.built[index]
+
+    def pick(
+        self, source_of: list[int | None], row_verdict: np.ndarray, decided: np.ndarray
+    ) -> pa.Array:
+        """Each decided row's text from the column its verdict names (null elsewhere)."""
+        rows = self.columns.rows
+        used = sorted({source for source in source_of if source is not None})
+        if not used:
+            return pa.nulls(rows, pa.string())
+        slot = np.full(len(source_of), -1, dtype=np.int64)
+        for verdict, source in enumerate(source_of):
+            if source is not None:
+                slot[verdict] = used.index(source)
+        chosen = slot[np.where(decided, row_verdict, 0)]
+        take = chosen * rows + np.arange(rows)
+        mask = ~decided | (chosen < 0)
+        if len(used) == 1:
+            return self.column(used[0]).take(pa.array(np.where(mask, 0, take), mask=mask))
+        stacked = pa.concat_arrays([self.column(source) for source in used])
+        return stacked.take(pa.array(np.where(mask, 0, take), mask=mask))
 
 
-def _text_list(columns: _Columns, *name: str) -> list[str | None]:
-    column = columns.get(*name)
-    return column.to_pylist() if column is not None else [None] * columns.rows
+# A JSON string json.dumps writes as the text between quotes, unchanged: printable ASCII
+# other than the quote and the backslash.
+_PLAIN_JSON = r"^[ !#-\[\]-~]*$"
 
 
-def _messages_json(column: pa.Array | None, rows: int) -> list[str | None]:
+def _json_strings(values: pa.Array) -> pa.Array:
+    """Each string as json.dumps encodes it (ASCII, quoted); the rare ones needing escapes
+    through json's own encoder."""
+    plain = pc.match_substring_regex(values, _PLAIN_JSON).fill_null(True)
+    quoted = pc.binary_join_element_wise('"', values, '"', "")
+    if pc.all(plain).as_py():
+        return quoted
+    escaped = pc.invert(plain)
+    texts = values.filter(escaped).to_pylist()
+    return pc.replace_with_mask(
+        quoted, escaped, pa.array([encode_basestring_ascii(text) for text in texts], pa.string())
+    )
+
+
+def _messages_json(column: pa.Array) -> pa.Array:
     """Each row's messages as the JSON text validation stores (json.dumps of role/content
-    objects, byte for byte)."""
-    if column is None:
-        return [None] * rows
+    objects, byte for byte); null for a row without messages or with a message lacking its
+    role or content (those rows are checked line by line)."""
     items = pc.list_flatten(column)
-    known_roles: dict[str, str] = {}
-    roles = [
-        None if role is None else known_roles.setdefault(role, encode_basestring_ascii(role))
-        for role in items.field("role").to_pylist()
-    ]
-    contents = [
-        None if text is None else encode_basestring_ascii(text)
-        for text in items.field("content").to_pylist()
-    ]
-    messages = [
-        None if role is None or text is None else '{"role": ' + role + ', "content": ' + text + "}"
-        for role, text in zip(roles, contents, strict=True)
-    ]
-    lengths = pc.list_value_length(column).to_pylist()
-    if len(messages) == rows and lengths.count(1) == rows and None not in messages:
-        return ["[" + message + "]" for message in messages]  # type: ignore[operator]  # one each
-    out: list[str | None] = []
-    at = 0
-    for length in lengths:
-        row = [m for m in messages[at : at + (length or 0)] if m is not None]
-        if length is None or len(row) < length:
-            out.append(None)  # no messages, or a message without role or content: unsure rows
-        else:
-            out.append("[" + ", ".join(row) + "]")
-        at += length or 0
-    return out
+    item_json = pc.binary_join_element_wise(
+        '{"role": ',
+        _json_strings(items.field("role")),
+        ', "content": ',
+        _json_strings(items.field("content")),
+        "}",
+        "",
+    )
+    listed = pc.binary_join(_list_of(column, item_json), ", ")
+    return pc.binary_join_element_wise("[", listed, "]", "")

@@ -115,12 +115,18 @@ class CustomIds:
             suffix += 1
         return f"line-{line}-{suffix}"
 
-    def first_lines(self, ids: list[str]) -> dict[str, int]:
-        """The line each of these ids was first accepted on, for those seen before."""
-        return dict(self._rows("SELECT custom_id, line FROM seen WHERE custom_id IN ({})", ids))
-
-    def add_seen(self, pairs: list[tuple[str, int]]) -> None:
-        self._db.executemany("INSERT INTO seen VALUES (?, ?)", pairs)
+    def add_first(self, ids: list[str], lines: list[int]) -> list[tuple[str, int, int]]:
+        """Accept each of these runnable lines' ids (line numbers in order) unless an earlier
+        line holds it; returns the lines refused as duplicates: (id, line, the line it was
+        first accepted on). The insert alone tells whether any is a duplicate (the common
+        answer: none), so a chunk costs one statement per id."""
+        before = self._db.total_changes
+        self._db.executemany("INSERT OR IGNORE INTO seen VALUES (?, ?)", zip(ids, lines))
+        if self._db.total_changes - before == len(ids):
+            return []
+        query = "SELECT custom_id, line FROM seen WHERE custom_id IN ({})"
+        first = dict(self._rows(query, list(set(ids))))
+        return [(i, line, first[i]) for i, line in zip(ids, lines, strict=True) if first[i] != line]
 
     def _rows(self, query: str, values: list[str]) -> Iterator[tuple[Any, ...]]:
         """Rows of `query`, whose `{}` takes the values' placeholders, a batch at a time

@@ -31,6 +31,7 @@ from batchllm.jobs.token_store import iter_token_batches, token_lists
 log = logging.getLogger(__name__)
 
 _ROW_GROUP = 8192
+_REPEATING = ["kind", "sampling", "error"]
 _PREVIEW = 20
 
 
@@ -66,38 +67,44 @@ class _ShardWriter:
         except OSError as exc:
             raise _not_writable(storage, exc) from exc
         self.shards: list[ShardInput] = []
-        self._rows: list[tuple[Any, ...]] = []
+        self._tables: list[pa.Table] = []  # rows of the row group being gathered
+        self._gathered = 0
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
 
-    def add(self, rows: list[tuple[Any, ...]]) -> None:
-        """Rows' INPUT_SCHEMA values (each its line number first), in line order."""
-        while rows:
+    def add(self, rows: pa.Table) -> None:
+        """Rows in INPUT_SCHEMA, in line order."""
+        while rows.num_rows:
             if self._current is None:
                 index = len(self.shards)
                 path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
-                self._current = ShardInput(index, path, 0, rows[0][0], rows[0][0])
+                first = rows.column(0)[0].as_py()
+                self._current = ShardInput(index, path, 0, first, first)
                 self._sink = io.BytesIO()
-                self._writer = pq.ParquetWriter(self._sink, INPUT_SCHEMA, compression="zstd")
-            room = min(self.shard_size - self._current.rows, _ROW_GROUP - len(self._rows))
-            taken, rows = rows[:room], rows[room:]
-            self._rows += taken
-            self._current.rows += len(taken)
-            self._current.last_line = taken[-1][0]
-            if len(self._rows) >= _ROW_GROUP:
+                self._writer = pq.ParquetWriter(
+                    self._sink,
+                    INPUT_SCHEMA,
+                    compression="zstd",
+                    # Dictionaries only where values repeat: trying them on the texts and ids
+                    # costs time and falls back to plain anyway.
+                    use_dictionary=_REPEATING,
+                )
+            room = min(self.shard_size - self._current.rows, _ROW_GROUP - self._gathered)
+            taken, rows = rows.slice(0, room), rows.slice(room)
+            self._tables.append(taken)
+            self._gathered += taken.num_rows
+            self._current.rows += taken.num_rows
+            self._current.last_line = taken.column(0)[-1].as_py()
+            if self._gathered >= _ROW_GROUP:
                 self._flush_rows()
             if self._current.rows >= self.shard_size:
                 self.close_shard()
 
     def _flush_rows(self) -> None:
-        if self._rows and self._writer is not None:
-            columns = [
-                pa.array(list(column), field.type)
-                for column, field in zip(zip(*self._rows), INPUT_SCHEMA, strict=True)
-            ]
-            self._writer.write_table(pa.table(columns, schema=INPUT_SCHEMA))
-        self._rows = []
+        if self._tables and self._writer is not None:
+            self._writer.write_table(pa.concat_tables(self._tables))
+        self._tables, self._gathered = [], 0
 
     def close_shard(self) -> None:
         if self._current is None:

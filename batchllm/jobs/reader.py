@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ValidationError
 
 from batchllm.jobs import columnar
@@ -23,7 +26,7 @@ from batchllm.jobs.custom_ids import (
     may_give_default_id,
 )
 from batchllm.jobs.lines import Line, iter_line_chunks, iter_lines, open_input
-from batchllm.jobs.rows import TEMPLATE_OPTIONS, InputRow, request_payload
+from batchllm.jobs.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.jobs.schemas import (
     ChatLine,
     ChatOptions,
@@ -44,6 +47,9 @@ from batchllm.jobs.structured import ConstraintError, constraint_of
 from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
+
+# INPUT_SCHEMA's columns after line and custom_id.
+_STORED_AFTER_ID = ("kind", "prompt", "messages", "sampling", "error", "inputs")
 
 _SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text
 _UNKNOWN_FORM = (
@@ -341,11 +347,11 @@ def read_row_chunks(
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
-) -> Iterator[tuple[list[tuple[Any, ...]], list[LineError]]]:
-    """The non-blank lines of `path` as rows to store, a chunk of the file at a time: each
-    line's input-shard values (INPUT_SCHEMA's columns, jobs/rows.py) in line order, and the
+) -> Iterator[tuple[pa.Table, list[LineError]]]:
+    """The non-blank lines of `path` as rows to store, a chunk of the file at a time: a table
+    of the lines' input-shard values (INPUT_SCHEMA, jobs/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
-    validated a block at a time (jobs/columnar.py)."""
+    validated a block at a time (jobs/columnar.py) and kept in columns to the stored shard."""
     limit = max_line_bytes or get_settings().max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:
@@ -362,22 +368,88 @@ def read_row_chunks(
         _, _, _, sampling, _ = request_payload(request)
         return request.kind, "body" if "body" in obj else "top", sampling
 
-    def checked(lines: list[Line]) -> list[_Checked]:
-        return columnar.check_block(lines, one, judge)
+    ids = CustomIds()
+    try:
+        for chunk in _line_chunks(path, limit, ids):
+            yield _stored_block(columnar.check_block(chunk, one, judge), ids, _name(path))
+    finally:
+        ids.close()
 
-    for resolved in _resolved_chunks(path, limit, checked):
-        problems = [item for _, _, item in resolved if isinstance(item, LineError)]
-        if not problems:  # the common chunk, in one comprehension
-            yield [(n, cid, k, p, m, s, None, i) for n, cid, (k, p, m, s, i) in resolved], []
-            continue
-        rows: list[tuple[Any, ...]] = []
-        for number, custom_id, item in resolved:
-            if isinstance(item, LineError):
-                rows.append(InputRow.from_item(item).stored_values())
-            else:
-                kind, prompt, messages, sampling, inputs = item
-                rows.append((number, custom_id, kind, prompt, messages, sampling, None, inputs))
-        yield rows, problems
+
+def _stored_block(
+    block: columnar.CheckedBlock, ids: CustomIds, name: str
+) -> tuple[pa.Table, list[LineError]]:
+    """A checked block's rows as stored (INPUT_SCHEMA), with final custom_ids (defaults for
+    lines that give none, duplicates refused), and the LineErrors of its refused lines."""
+    columns = block.columns
+    numbers = pa.array(block.numbers, pa.int64())
+    custom_ids = columns["given"]
+    if custom_ids.null_count:
+        missing = pc.is_null(custom_ids)
+        defaults = ids.defaults(numbers.filter(missing).to_pylist())
+        custom_ids = pc.replace_with_mask(
+            custom_ids, missing, pa.array(list(defaults.values()), pa.string())
+        )
+    runnable = pc.is_valid(columns["kind"])
+    accepted = runnable if block.problems else None  # None: every line
+    candidates = custom_ids.filter(accepted) if accepted is not None else custom_ids
+    lines = numbers.filter(accepted) if accepted is not None else numbers
+    duplicates = ids.add_first(candidates.to_pylist(), lines.to_pylist())
+    if not block.problems and not duplicates:  # the common block: every line runs
+        stored = {**columns, "error": pa.nulls(len(numbers), pa.string())}
+        return pa.table(
+            [numbers, custom_ids, *(stored[n] for n in _STORED_AFTER_ID)], schema=INPUT_SCHEMA
+        ), []
+    errors: dict[int, str] = {}  # position -> why the line is refused
+    problems: list[LineError] = []
+    at_of_line = {number: at for at, number in enumerate(block.numbers)}
+    refused = [(at, block.problems[at]) for at in sorted(block.problems)]
+    refused += [
+        (at_of_line[line], _duplicate(custom_id, first)) for custom_id, line, first in duplicates
+    ]
+    for at, problem in sorted(refused, key=lambda item: item[0]):
+        error = LineError(
+            file=name,
+            line=block.numbers[at],
+            custom_id=custom_ids[at].as_py(),
+            field=problem.field,
+            message=problem.message,
+        )
+        problems.append(error)
+        errors[at] = InputRow.from_item(error).error or ""
+    invalid = np.zeros(len(block.numbers), dtype=bool)
+    invalid[list(errors)] = True
+    mask = pa.array(invalid)
+    kept = {
+        name: pc.if_else(mask, pa.scalar(None, pa.string()), columns[name])
+        for name in ("prompt", "messages", "sampling", "inputs")
+    }
+    kept["kind"] = pc.if_else(mask, "invalid", columns["kind"])
+    kept["error"] = pa.array([errors.get(at) for at in range(len(block.numbers))], pa.string())
+    return pa.table(
+        [numbers, custom_ids, *(kept[n] for n in _STORED_AFTER_ID)], schema=INPUT_SCHEMA
+    ), problems
+
+
+def _name(path: str | Path) -> str:
+    """How LineErrors name the input file."""
+    return str(path) if is_uri(path) else str(Path(path))
+
+
+def _duplicate(custom_id: str, first: int) -> _LineProblem:
+    return _LineProblem("custom_id", f"duplicate custom_id {custom_id!r} (first on line {first})")
+
+
+def _line_chunks(path: str | Path, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
+    """The file's non-blank lines, a list per chunk, after a first pass has collected the
+    default-shaped custom_ids it gives (custom_ids.py)."""
+    if not is_uri(path):
+        path = Path(path)
+    with open_input(path) as handle:
+        chunks = iter_line_chunks(handle, limit, wanted=may_give_default_id)
+        ids.collect_given(line for chunk in chunks for line in chunk)
+    with open_input(path) as handle:
+        yield from iter_line_chunks(handle, limit)
 
 
 def _resolved_chunks(
@@ -385,17 +457,10 @@ def _resolved_chunks(
 ) -> Iterator[list[tuple[int, str, Any]]]:
     """(line number, final custom_id, the checked item or the LineError refusing the line)
     per non-blank line, a list per chunk of lines that `checked` checks at once."""
-    if not is_uri(path):
-        path = Path(path)
-    name = str(path)
     ids = CustomIds()
     try:
-        with open_input(path) as handle:
-            chunks = iter_line_chunks(handle, limit, wanted=may_give_default_id)
-            ids.collect_given(line for chunk in chunks for line in chunk)
-        with open_input(path) as handle:
-            for chunk in iter_line_chunks(handle, limit):
-                yield _resolve_chunk(checked(chunk), ids, name)
+        for chunk in _line_chunks(path, limit, ids):
+            yield _resolve_chunk(checked(chunk), ids, _name(path))
     finally:
         ids.close()
 
@@ -408,37 +473,32 @@ def _resolve_chunk(
     missing = [number for number, given, _ in chunk if given is None]
     defaults = ids.defaults(missing) if missing else {}
     final = [given if given is not None else defaults[number] for number, given, _ in chunk]
-    runnable = {
-        custom_id
-        for custom_id, (_, _, item) in zip(final, chunk, strict=True)
+    runnable = [
+        (custom_id, number)
+        for custom_id, (number, _, item) in zip(final, chunk, strict=True)
         if not isinstance(item, _LineProblem)
+    ]
+    duplicates = {
+        line: first
+        for _, line, first in ids.add_first([i for i, _ in runnable], [n for _, n in runnable])
     }
-    earlier = ids.first_lines(list(runnable))
-    if not earlier and len(runnable) == len(chunk):  # the common chunk: every line runs
-        ids.add_seen([(custom_id, number) for custom_id, (number, _, _) in zip(final, chunk)])
+    if not duplicates and len(runnable) == len(chunk):  # the common chunk: every line runs
         return [(number, custom_id, item) for custom_id, (number, _, item) in zip(final, chunk)]
     resolved: list[tuple[int, str, Any]] = []
-    new: list[tuple[str, int]] = []
     for custom_id, (number, _, item) in zip(final, chunk, strict=True):
         if isinstance(item, _LineProblem):
-            problem = LineError(
-                file=name, line=number, custom_id=custom_id, field=item.field, message=item.message
-            )
-            resolved.append((number, custom_id, problem))
+            problem = item
+        elif number in duplicates:
+            problem = _duplicate(custom_id, duplicates[number])
+        else:
+            resolved.append((number, custom_id, item))
             continue
-        first = earlier.get(custom_id)
-        if first is not None:
-            duplicate = LineError(
-                file=name,
-                line=number,
-                custom_id=custom_id,
-                field="custom_id",
-                message=f"duplicate custom_id {custom_id!r} (first on line {first})",
-            )
-            resolved.append((number, custom_id, duplicate))
-            continue
-        earlier[custom_id] = number
-        new.append((custom_id, number))
-        resolved.append((number, custom_id, item))
-    ids.add_seen(new)
+        error = LineError(
+            file=name,
+            line=number,
+            custom_id=custom_id,
+            field=problem.field,
+            message=problem.message,
+        )
+        resolved.append((number, custom_id, error))
     return resolved

@@ -9,12 +9,14 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
+import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchllm.jobs import columnar, reader
+from batchllm.jobs.custom_ids import CustomIds
 from batchllm.jobs.lines import iter_lines
-from batchllm.jobs.rows import InputRow
+from batchllm.jobs.rows import INPUT_SCHEMA, InputRow
 from batchllm.jobs.schemas import LineError
 
 LIMIT = 400
@@ -142,6 +144,14 @@ odd_lines = st.sampled_from(
         b'{"prompt": "a", "max_tokens": "3"}',
         b'{"pr\\u006fmpt": "escaped key"}',
         b'{"prompt": null}',
+        b'{"custom_id": null, "prompt": "a"}',
+        b'{"prompt": "a", "stop": null}',
+        b'{"prompt": "a", "temperature": NaN}',
+        b'{"prompt": "a", "temperature": -Infinity}',
+        b'{"messages": [null]}',
+        b'{"messages": [{"role": "user", "content": "x"}, null]}',
+        b'{"messages": [{"role": null, "content": "x"}]}',
+        b'{"messages": [{"role": "user", "content": "a\\u007fb\\u0000"}]}',
         b'{"prompt": "' + b"x" * (LIMIT + 5) + b'"}',
     ]
 )
@@ -215,19 +225,25 @@ def test_common_lines_are_decided_by_the_block_not_line_by_line(tmp_path):
     checked = columnar.check_block(lines, check_line, judge)
     assert line_by_line == []
     assert judged == [1, 2, 3, 1001]
-    assert [number for number, _, _ in checked] == list(range(1, 1101))
-    assert checked[4] == (
-        5,
-        "r4",
-        (
-            "chat",
-            None,
-            '[{"role": "user", "content": "question 4 \\u00e9"}]',
-            "{}",
-            None,
-        ),
-    )
-    assert checked[1000] == (1001, None, ("prompt", "say 0", None, "{}", None))
+    assert checked.numbers == list(range(1, 1101))
+    assert checked.problems == {}
+    rows = pa.table(checked.columns).to_pylist()
+    assert rows[4] == {
+        "given": "r4",
+        "kind": "chat",
+        "prompt": None,
+        "messages": '[{"role": "user", "content": "question 4 \\u00e9"}]',
+        "sampling": "{}",
+        "inputs": None,
+    }
+    assert rows[1000] == {
+        "given": None,
+        "kind": "prompt",
+        "prompt": "say 0",
+        "messages": None,
+        "sampling": "{}",
+        "inputs": None,
+    }
     assert got_rows(path) == expected_rows(path, frozenset(), "generate")
 
 
@@ -237,7 +253,19 @@ def got_rows(path: Path, adapters: frozenset[str] = frozenset(), task: str = "ge
     for rows, problems in reader.read_row_chunks(
         path, max_line_bytes=LIMIT, adapters=adapters, task=task
     ):
+        assert rows.schema == INPUT_SCHEMA
+        tuples = list(zip(*(column.to_pylist() for column in rows.columns)))
         errors = {problem.line: problem for problem in problems}
-        assert len(errors) == len(problems) == sum(row[2] == "invalid" for row in rows)
-        got += [(row, errors.get(row[0])) for row in rows]
+        assert len(errors) == len(problems) == sum(row[2] == "invalid" for row in tuples)
+        got += [(row, errors.get(row[0])) for row in tuples]
     return got
+
+
+def test_custom_ids_refuse_a_duplicate_within_and_across_chunks():
+    ids = CustomIds()
+    try:
+        assert ids.add_first(["a", "b"], [1, 2]) == []
+        assert ids.add_first(["c", "a", "c", "d"], [3, 4, 5, 6]) == [("a", 4, 1), ("c", 5, 3)]
+        assert ids.add_first(["d", "e"], [7, 8]) == [("d", 7, 6)]
+    finally:
+        ids.close()
