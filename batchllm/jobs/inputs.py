@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _ROW_GROUP = 8192
 _REPEATING = ["kind", "sampling", "error"]
+_WITH_STATISTICS = ["line", "custom_id", "kind"]
 _PREVIEW = 20
 
 
@@ -86,9 +87,11 @@ class _ShardWriter:
                     self._sink,
                     INPUT_SCHEMA,
                     compression="zstd",
-                    # Dictionaries only where values repeat: trying them on the texts and ids
-                    # costs time and falls back to plain anyway.
+                    # Dictionaries only where values repeat (trying them on the texts and ids
+                    # costs time and falls back to plain anyway); min/max statistics only of
+                    # short columns: those of the texts cost half the write and serve no one.
                     use_dictionary=_REPEATING,
+                    write_statistics=_WITH_STATISTICS,
                 )
             room = min(self.shard_size - self._current.rows, _ROW_GROUP - self._gathered)
             taken, rows = rows.slice(0, room), rows.slice(room)

@@ -191,18 +191,18 @@ class ShardRunner:
                     state.buffer.failed(row.custom_id, row.line, row.error or "invalid line")
         if runnable:
             prepared = self.engine.prepare(runnable, state.spec.chat_template)
-            for row, ids in zip(runnable, prepared, strict=True):
-                if isinstance(ids, str):
-                    state.buffer.failed(row.custom_id, row.line, ids)
-                    errors += 1
-                elif not self._add(state, row, ids):
-                    errors += 1
+            errors += self._add_all(state, runnable, prepared)
         if errors:
             self.on_progress(errors, 0)
         return False
 
-    def _add(self, state: ShardState, row: InputRow, ids: list[Any]) -> bool:
-        if state.job_id not in self._started_jobs:
+    def _add_all(self, state: ShardState, rows: list[InputRow], prepared: list[Any]) -> int:
+        """Add a batch's prepared rows to the engine; returns how many were refused (each
+        gets its error row). One loop with everything it calls bound once: this runs for every
+        row of a job."""
+        if state.job_id not in self._started_jobs and any(
+            not isinstance(ids, str) for ids in prepared
+        ):
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
                 service.mark_generation_started(
@@ -211,38 +211,57 @@ class ShardRunner:
                     hardware=self.engine.hardware,
                     vllm_version=self.engine.version,
                 )
-        # Not a bare number: LLM.generate sorts its own outputs by int(request_id), and the
-        # benchmark drives generate and this runner on one engine.
-        request_id = f"r{next(_request_ids)}"
-        sampling = self._sampling_cache.get((state.job_id, row.sampling)) or self._sampling(
-            state, row
+        refused = added = 0
+        cache, job, add, pending = (
+            self._sampling_cache,
+            state.job_id,
+            self.engine.add,
+            self._pending,
         )
         try:
-            self.engine.add(request_id, ids, sampling.params, sampling.adapter)
-        except EngineDied:
-            raise
-        except BatchLLMError as exc:  # vLLM refused this one request, not the job
-            # A constraint the engine cannot compile, or embedding dimensions the model does
-            # not have, is the usual cause: name the field.
-            constraint = sampling.constraint
-            where = f"field '{field_of(constraint)}': " if constraint else ""
-            if not where and getattr(sampling.params, "dimensions", None) is not None:
-                where = "field 'dimensions': "
-            state.buffer.failed(
-                row.custom_id,
-                row.line,
-                f"{where}rejected by vLLM: {exc}",
-                prompt_tokens=token_count(ids),
-            )
-            return False
-        self._pending[request_id] = (state, row, sampling)
-        state.inflight += 1
-        return True
+            for row, ids in zip(rows, prepared, strict=True):
+                if isinstance(ids, str):  # tokenization refused it (e.g. over the context)
+                    state.buffer.failed(row.custom_id, row.line, ids)
+                    refused += 1
+                    continue
+                sampling = cache.get((job, row.sampling)) or self._sampling(state, row)
+                # Not a bare number: LLM.generate sorts its own outputs by int(request_id),
+                # and the benchmark drives generate and this runner on one engine.
+                request_id = f"r{next(_request_ids)}"
+                try:
+                    add(request_id, ids, sampling.params, sampling.adapter)
+                except EngineDied:
+                    raise
+                except BatchLLMError as exc:  # vLLM refused this one request, not the job
+                    self._refused(state, row, ids, sampling, exc)
+                    refused += 1
+                    continue
+                pending[request_id] = (state, row, sampling)
+                added += 1
+        finally:
+            state.inflight += added
+        return refused
+
+    def _refused(
+        self, state: ShardState, row: InputRow, ids: list[Any], sampling: _Sampling, exc: Exception
+    ) -> None:
+        # A constraint the engine cannot compile, or embedding dimensions the model does not
+        # have, is the usual cause: name the field.
+        constraint = sampling.constraint
+        where = f"field '{field_of(constraint)}': " if constraint else ""
+        if not where and getattr(sampling.params, "dimensions", None) is not None:
+            where = "field 'dimensions': "
+        state.buffer.failed(
+            row.custom_id,
+            row.line,
+            f"{where}rejected by vLLM: {exc}",
+            prompt_tokens=token_count(ids),
+        )
 
     def _sampling(self, state: ShardState, row: InputRow) -> _Sampling:
         """The row's engine sampling parameters, constraint and adapter, built on a miss of
-        the cache `_add` looks in first: once per job and distinct per-line override text. A
-        job's lines share few of them, and decoding, merging and keying them again for every
+        the cache `_add_all` looks in first: once per job and distinct per-line override text.
+        A job's lines share few of them, and decoding, merging and keying them again for every
         row was a third of the feed's own per-row work."""
         if len(self._sampling_cache) >= _SAMPLING_CACHE:  # e.g. a distinct seed per line
             self._sampling_cache.clear()
