@@ -7,7 +7,9 @@ model) take few distinct values. So a block of lines is parsed at once by pyarro
 (C++, both cores), the lines are grouped by everything except their texts, and one line of each
 group goes through the line-by-line validation (reader.parse_line), whose verdict and
 normalized settings then hold for the whole group; only the texts are checked per row, and those
-checks are vectorized.
+checks are vectorized. The rows stay in Arrow columns (the texts as parsed, the messages' JSON
+built column-wise, kinds and settings taken by group) all the way to the stored shard: no Python
+object per row.
 
 Whatever this path is unsure of goes to the line-by-line path, which stays the definition of
 validity (the two are compared by tests/unit/test_columnar_property.py):
@@ -17,8 +19,10 @@ validity (the two are compared by tests/unit/test_columnar_property.py):
 - a line whose known field pyarrow read as another type than the field's (a list stop, a
   date-like string read as a timestamp, a float for an int field unless integral and below
   2**53);
-- a line holding `null`, `NaN` or `Infinity` (pyarrow reads null as absent, where pydantic may
-  tell them apart) or starting with a byte order mark;
+- a line holding `null` (pyarrow reads null as absent, where pydantic may tell them apart; only
+  lines with a null or absent field are searched for the word), a NaN or infinite number, or a
+  block's first line starting with a byte order mark (pyarrow skips one there, and refuses one
+  elsewhere);
 - a line with a field whose value is a list or an object other than the messages (stop lists,
   response_format, chat_template_kwargs, message fields beyond role and content);
 - a line whose texts fail a check (an empty custom_id, a blank prompt, a message without content);
@@ -130,8 +134,7 @@ class _Pieces:
     """The verdicts of a block's lines as they are made: columns for runs of rows the block
     decided, Python values for the rows checked line by line; merged into line order once."""
 
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+    def __init__(self) -> None:
         self.decided: list[tuple[np.ndarray, dict[str, pa.Array]]] = []
         self.line_by_line: dict[int, tuple[str | None, Any]] = {}
 
@@ -168,7 +171,7 @@ def check_block(lines: list[Line], check_line: LineCheck, judge: Judge) -> Check
     """The verdict on each line. `check_line` is the line-by-line path: (given id, a Payload
     or the problem) for one line; `judge` gives a representative line's Verdict from its
     decoded JSON and line number."""
-    pieces = _Pieces(len(lines))
+    pieces = _Pieces()
     sure = [at for at, line in enumerate(lines) if line.raw is not None]
     if len(sure) < len(lines):
         for at, line in enumerate(lines):
