@@ -315,8 +315,8 @@ def write_table(storage: Storage, out_dir: str, name: str, table: pa.Table) -> s
         sink,
         compression="zstd",
         # Dictionaries where values repeat, min/max statistics of the short columns (readers
-        # filter on line, custom_id and status); the answers' statistics cost a fifth of the
-        # write and no reader uses them.
+        # filter on line, custom_id and status); the answers' statistics cost write time and
+        # no reader uses them.
         use_dictionary=_REPEATING,
         write_statistics=_WITH_STATISTICS,
     )
