@@ -26,6 +26,7 @@ import psutil
 from batchllm.jobs.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.integration.test_fleet import wait_for
+from tests.worker_logs import named_log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -477,7 +478,11 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
     def tail(self, lines: int = 60) -> str:
-        return tail(self.log_path, lines)
+        try:
+            named = named_log_tail(self.log())
+        except FileNotFoundError:
+            named = ""
+        return tail(self.log_path, lines) + named
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

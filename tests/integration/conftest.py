@@ -28,6 +28,7 @@ import redis
 from batchllm.jobs.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.conftest import require
+from tests.worker_logs import named_log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -222,7 +223,8 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
     def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
+        console = self.log()
+        return "\n".join(console.splitlines()[-lines:]) + named_log_tail(console)
 
     def wait_ready(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
