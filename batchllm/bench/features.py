@@ -145,6 +145,7 @@ class _TimedEngine:
         self.version = engine.version
         self.hardware = engine.hardware
         self.max_num_seqs = engine.max_num_seqs
+        self.max_model_len = engine.max_model_len
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         return self._engine.prepare(rows, chat_template)

@@ -121,10 +121,19 @@ def prepare_prompts(
     for i, per_text in lists.items():
         results[i] = per_text
     if max_model_len is not None:
-        for i, prepared in enumerate(results):
-            if not isinstance(prepared, str):
-                results[i] = _checked(prepared, max_model_len, rows[i].kind == "embed")
+        return within_context(rows, results, max_model_len, "the engine's max_model_len")
     return results
+
+
+def within_context(
+    rows: list[InputRow], prepared: list[Prepared], max_model_len: int, limit: str
+) -> list[Prepared]:
+    """The prepared ids of rows that fit a context of `max_model_len` tokens; for the others,
+    why they cannot run, naming the `limit` they break."""
+    return [
+        ids if isinstance(ids, str) else _checked(ids, max_model_len, row.kind == "embed", limit)
+        for row, ids in zip(rows, prepared, strict=True)
+    ]
 
 
 def _template_options(row: InputRow) -> bool:
@@ -148,7 +157,7 @@ def _render_one(
         results[i] = f"chat template failed: {exc}"
 
 
-def _checked(prepared: list[Any], max_model_len: int, embed: bool) -> Prepared:
+def _checked(prepared: list[Any], max_model_len: int, embed: bool, limit: str) -> Prepared:
     """The ids, or why they cannot run: a generation prompt needs room for one output token,
     an embedding input only for itself."""
     sequences = prepared if prepared and isinstance(prepared[0], list) else [prepared]
@@ -156,10 +165,10 @@ def _checked(prepared: list[Any], max_model_len: int, embed: bool) -> Prepared:
         if not ids:
             return "prompt is empty after tokenization"
         if embed and len(ids) > max_model_len:
-            return f"input is {len(ids)} tokens; the engine's max_model_len is {max_model_len}"
+            return f"input is {len(ids)} tokens; {limit} is {max_model_len}"
         if not embed and len(ids) >= max_model_len:
             return (
-                f"prompt is {len(ids)} tokens; the engine's max_model_len is "
-                f"{max_model_len} (prompt plus at least one output token must fit)"
+                f"prompt is {len(ids)} tokens; {limit} is {max_model_len} "
+                "(prompt plus at least one output token must fit)"
             )
     return prepared

@@ -58,6 +58,7 @@ class Engine(Protocol):
     version: str  # recorded per job, e.g. vLLM's version
     hardware: str  # recorded per job: throughput depends on it
     max_num_seqs: int  # requests per step; the runner keeps a few times this many in flight
+    max_model_len: int  # the context `prepare` checks rows against
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run. `chat_template`

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.engine.prompts import token_count
+from batchllm.engine.prompts import token_count, within_context
 from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.heap import frozen_heap
@@ -191,6 +191,11 @@ class ShardRunner:
                     state.buffer.failed(row.custom_id, row.line, row.error or "invalid line")
         if runnable:
             prepared = self.engine.prepare(runnable, state.spec.chat_template)
+            limit = state.spec.engine.max_model_len
+            if limit is not None and limit < self.engine.max_model_len:
+                # A warm engine with a longer context serves the job (worker/engines.py); the
+                # context the user gave still bounds its rows, as on an engine of its own.
+                prepared = within_context(runnable, prepared, limit, "the job's --max-model-len")
             errors += self._add_all(state, runnable, prepared)
         if errors:
             self.on_progress(errors, 0)

@@ -266,6 +266,38 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
     assert by_id["item-6"]["text"] == "echo word word"
 
 
+class WarmEngines(FakeEngines):
+    """Hands out an engine that keeps its own longer context, as a worker's warm engine does
+    for a job that fits in it (worker/engines.py EngineCache)."""
+
+    def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
+        assert max_model_len <= self.engine.max_model_len
+        return self.engine
+
+
+def test_a_warm_engine_with_a_longer_context_still_refuses_rows_over_the_jobs_max_model_len(
+    small_commits, tmp_path
+):
+    settings = small_commits
+    too_long = " ".join(["long"] * (MAX_MODEL_LEN + 3))  # fits the engine, not the job
+    source = write_items(
+        tmp_path / "in.jsonl", 6, extra=[json.dumps({"custom_id": "too-long", "prompt": too_long})]
+    )
+    engine = FakeEngine(max_model_len=4 * MAX_MODEL_LEN)
+
+    job = run_job(source, make_spec(), settings=settings, engines=WarmEngines(engine))
+
+    by_id = {r["custom_id"]: r for r in output_rows(settings, job.id)}
+    assert len(by_id) == 7
+    assert by_id["too-long"]["status"] == "error"
+    assert by_id["too-long"]["error"] == (
+        "prompt is 28 tokens; the job's --max-model-len is 24 "
+        "(prompt plus at least one output token must fit)"
+    )
+    assert [r["status"] for i, r in by_id.items() if i != "too-long"] == ["ok"] * 6
+    assert sorted(item_of(p) for p in engine.prompts_added) == [f"item-{i}" for i in range(6)]
+
+
 def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small_commits, tmp_path):
     settings = small_commits
     source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
