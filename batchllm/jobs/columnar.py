@@ -462,9 +462,8 @@ class _Texts:
         chosen = slot[np.where(decided, row_verdict, 0)]
         take = chosen * rows + np.arange(rows)
         mask = ~decided | (chosen < 0)
-        if len(used) == 1:
-            return self.column(used[0]).take(pa.array(np.where(mask, 0, take), mask=mask))
-        stacked = pa.concat_arrays([self.column(source) for source in used])
+        columns = [self.column(source) for source in used]
+        stacked = columns[0] if len(columns) == 1 else pa.concat_arrays(columns)
         return stacked.take(pa.array(np.where(mask, 0, take), mask=mask))
 
 

@@ -64,6 +64,12 @@ class _LineProblem(Exception):
         self.field = field
         self.message = message
 
+    def error(self, file: str, line: int, custom_id: str) -> LineError:
+        """The LineError refusing this line."""
+        return LineError(
+            file=file, line=line, custom_id=custom_id, field=self.field, message=self.message
+        )
+
 
 # (line number, the custom_id the line gives, its Request (or stored payload) or the problem
 # that stops it)
@@ -408,13 +414,7 @@ def _stored_block(
         (at_of_line[line], _duplicate(custom_id, first)) for custom_id, line, first in duplicates
     ]
     for at, problem in sorted(refused, key=lambda item: item[0]):
-        error = LineError(
-            file=name,
-            line=block.numbers[at],
-            custom_id=custom_ids[at].as_py(),
-            field=problem.field,
-            message=problem.message,
-        )
+        error = problem.error(name, block.numbers[at], custom_ids[at].as_py())
         problems.append(error)
         errors[at] = InputRow.from_item(error).error or ""
     invalid = np.zeros(len(block.numbers), dtype=bool)
@@ -493,12 +493,5 @@ def _resolve_chunk(
         else:
             resolved.append((number, custom_id, item))
             continue
-        error = LineError(
-            file=name,
-            line=number,
-            custom_id=custom_id,
-            field=problem.field,
-            message=problem.message,
-        )
-        resolved.append((number, custom_id, error))
+        resolved.append((number, custom_id, problem.error(name, number, custom_id)))
     return resolved
