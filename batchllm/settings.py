@@ -102,6 +102,29 @@ class Settings(BaseSettings):
         ge=1,
         description="Most lines of an upload to `batchllm serve` (413 above it), as OpenAI.",
     )
+    api_header_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        description="Seconds `batchllm serve` waits for a request's headers, from a new "
+        "connection or the end of the previous response; a slower or idle connection is "
+        "closed, so slow clients cannot hold the server's sockets.",
+    )
+    api_max_header_bytes: int = Field(
+        default=16 * 1024,
+        ge=1024,
+        description="Largest request line plus headers `batchllm serve` reads (431 above it).",
+    )
+    api_max_active_batches: int = Field(
+        default=100,
+        ge=1,
+        description="Most batches one API key may have unfinished at once (429 above it).",
+    )
+    api_max_stored_bytes: int = Field(
+        default=10 * 1024**3,
+        ge=1,
+        description="Most bytes of uploaded files one API key may keep stored (429 above it; "
+        "deleting files frees room).",
+    )
     allow_unsupported_vllm: bool = Field(
         default=False,
         description="Run engines on a vLLM release other than the one batchllm supports "

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from starlette.concurrency import run_in_threadpool
 
 from batchllm.api import batches_routes, files_routes
 from batchllm.api.errors import install_handlers
+from batchllm.api.guard import RequestGuard
+from batchllm.jobs import recovery
+from batchllm.jobs.db import session_scope
 from batchllm.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 # GET /metrics: these, and prometheus_client's process metrics (CPU, memory, open files).
 API_REQUESTS = Counter(
@@ -55,14 +65,43 @@ class _CountRequests:
                 BATCHES_CREATED.inc()
 
 
+def expire_due_batches(settings: Settings) -> None:
+    with session_scope(settings) as session:
+        ended = recovery.expire_jobs(session, settings.lease_seconds)
+    for job_id in ended:
+        log.warning("batch %s: its completion window passed; it expired", job_id)
+
+
+async def _expire_periodically(settings: Settings) -> None:
+    # serve may run with no worker, and so no reconciler: batches still end on time.
+    while True:
+        await asyncio.sleep(settings.reconcile_seconds)
+        try:
+            await run_in_threadpool(expire_due_batches, settings)
+        except Exception:  # the database away for a moment: the next round retries
+            log.exception("expiring due batches failed")
+
+
 def create_app(
     settings: Settings | None = None, *, auth: bool = True, require_served_model: bool = False
 ) -> FastAPI:
-    app = FastAPI(title="batchllm Batch API", version="1", docs_url="/docs")
-    app.state.settings = settings or get_settings()
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_expire_periodically(settings))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="batchllm Batch API", version="1", docs_url="/docs", lifespan=lifespan)
+    app.state.settings = settings
     app.state.auth = auth
     app.state.require_served_model = require_served_model
     install_handlers(app)
+    # Middleware added last runs first: requests are counted, then guarded.
+    app.add_middleware(RequestGuard, settings=settings, auth=auth)
     app.add_middleware(_CountRequests)
     app.include_router(files_routes.router)
     app.include_router(batches_routes.router)

@@ -51,12 +51,13 @@ def end_stale_shards_of_cancelled_jobs(
     return ended
 
 
-def expire_overdue_jobs(session: Session) -> list[str]:
+def expire_overdue_jobs(session: Session, job_id: str | None = None) -> list[str]:
     """Jobs whose completion window has passed stop like a cancel (running shards abort and
     keep their finished rows, queued ones end) and then end `expired` (lifecycle)."""
-    overdue = session.scalars(
-        select(Job.id).where(Job.expires_at < utcnow(), Job.status.in_(RUNNABLE_JOBS))
-    ).all()
+    query = select(Job.id).where(Job.expires_at < utcnow(), Job.status.in_(RUNNABLE_JOBS))
+    if job_id is not None:
+        query = query.where(Job.id == job_id)
+    overdue = session.scalars(query).all()
     moved = []
     for job_id in overdue:
         if changed(
@@ -67,6 +68,21 @@ def expire_overdue_jobs(session: Session) -> list[str]:
         ):
             moved.append(job_id)
     return moved
+
+
+def expire_jobs(session: Session, lease_seconds: float, job_id: str | None = None) -> list[str]:
+    """The expiry part of a reconciler pass, for `batchllm serve`, which may run with no worker
+    and so no reconciler: a batch must still end when its window passes. Overdue jobs stop;
+    those whose shards no live worker holds end `expired` now (a running shard's worker ends
+    it itself). Returns the ids of the jobs this ended."""
+    expire_overdue_jobs(session, job_id)
+    stopping = select(Job.id).where(Job.status == JobStatus.CANCELLING, Job.expires_at < utcnow())
+    if job_id is not None:
+        stopping = stopping.where(Job.id == job_id)
+    ended = []
+    for stopping_id in session.scalars(stopping).all():
+        ended += end_stale_shards_of_cancelled_jobs(session, lease_seconds, stopping_id)
+    return ended + end_cancelling_jobs_without_shards(session)
 
 
 def end_cancelling_jobs_without_shards(session: Session) -> list[str]:

@@ -1,0 +1,116 @@
+"""The first thing a request meets: its key and its body size are checked before a byte of the
+body is read.
+
+FastAPI reads an UploadFile or Form parameter (spooling it to temp files) before the route's
+code and its dependencies run, so a key or size check there comes after the client's bytes were
+taken: a gigabyte sent without a key would be written to disk first. This ASGI middleware runs
+before that: a request without a live key is answered 401 unread, a declared Content-Length over
+the limit 413 unread, and a body streamed (chunked) past the limit is cut off there, so the temp
+space a refused upload takes is bounded by the limit, not by what the client sends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from batchllm.api.auth import owner_for
+from batchllm.api.errors import ApiError, error_body
+from batchllm.settings import Settings
+
+UPLOAD = ("POST", "/v1/files")
+# Multipart framing around the uploaded file (boundaries, part headers, the purpose field).
+FRAMING = 64 * 1024
+# Every other body is a small JSON object (create batch): a megabyte is far over any of them.
+OTHER_BODY_LIMIT = 1 << 20
+
+
+class _BodyTooLarge(Exception):
+    """Raised out of `receive` to stop whatever is reading the body."""
+
+
+class RequestGuard:
+    def __init__(self, app: Any, *, settings: Settings, auth: bool) -> None:
+        self.app = app
+        self.settings = settings
+        self.auth = auth
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.auth and scope["path"].startswith("/v1/"):
+            try:
+                owner = await run_in_threadpool(
+                    owner_for, self.settings, headers.get("authorization", "")
+                )
+            except ApiError as exc:
+                await _refuse(exc, scope, receive, send)
+                return
+            # The route's dependency takes it from here instead of looking the key up again.
+            scope.setdefault("state", {})["owner"] = owner
+        limit = self._body_limit(scope)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await _refuse(self._too_large(scope), scope, receive, send)
+            return
+        await self._capped(scope, receive, send, limit)
+
+    def _body_limit(self, scope: dict[str, Any]) -> int:
+        if (scope["method"], scope["path"]) == UPLOAD:
+            return self.settings.api_max_file_bytes + FRAMING
+        return OTHER_BODY_LIMIT
+
+    def _too_large(self, scope: dict[str, Any]) -> ApiError:
+        if (scope["method"], scope["path"]) == UPLOAD:
+            return ApiError(413, too_large(self.settings.api_max_file_bytes), code="file_too_large")
+        return ApiError(
+            413, f"the request body is over {OTHER_BODY_LIMIT:,} bytes", code="request_too_large"
+        )
+
+    async def _capped(self, scope: dict[str, Any], receive: Any, send: Any, limit: int) -> None:
+        received = 0
+        over = False
+
+        async def capped_receive() -> dict[str, Any]:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    raise _BodyTooLarge
+            return message
+
+        async def quiet_once_over(message: dict[str, Any]) -> None:
+            # FastAPI answers a body it could not finish reading with its own 400; the 413
+            # below replaces it.
+            if not over:
+                await send(message)
+
+        try:
+            await self.app(scope, capped_receive, quiet_once_over)
+        except Exception:
+            if not over:
+                raise
+        if over:
+            await _refuse(self._too_large(scope), scope, receive, send)
+
+
+def too_large(limit: int) -> str:
+    return f"the file is over the limit of {limit:,} bytes (BATCHLLM_API_MAX_FILE_BYTES)"
+
+
+async def _refuse(exc: ApiError, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    # The body may be unread: closing the connection after the answer keeps the server from
+    # waiting on (or reading) the rest of it.
+    response = JSONResponse(
+        error_body(exc.status, exc.message, exc.param, exc.code),
+        exc.status,
+        headers={"connection": "close"},
+    )
+    await response(scope, receive, send)
