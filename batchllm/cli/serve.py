@@ -62,6 +62,7 @@ def serve(
     import uvicorn
 
     from batchllm.api.app import create_app
+    from batchllm.api.http import server_options
     from batchllm.jobs.db import get_engine
 
     get_engine()  # refuse an unreachable or old database now, in one line
@@ -76,6 +77,8 @@ def serve(
         click.echo(f"worker started (pid {worker.pid}) for {', '.join(worker_models)}", err=True)
     auth = "no API keys (--no-auth)" if no_auth else "API keys required"
     click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
+    for warning in exposure_warnings(host, no_auth=no_auth):
+        click.echo(f"warning: {warning}", err=True)
     log_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
     if log_format == "json":
         from batchllm.worker.log_format import use_json
@@ -83,7 +86,14 @@ def serve(
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", log_config=log_config)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            log_config=log_config,
+            **server_options(app.state.settings),
+        )
     finally:
         if worker is not None and worker.poll() is None:
             worker.terminate()  # a warm shutdown: its shard goes back to the queue
@@ -91,6 +101,21 @@ def serve(
                 worker.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 worker.kill()
+
+
+def exposure_warnings(host: str, *, no_auth: bool) -> list[str]:
+    """What an operator must hear before the server takes requests: who can reach it."""
+    local = host == "localhost" or host.startswith("127.") or host == "::1"
+    warnings = []
+    if no_auth:
+        who = "anyone on this machine" if local else f"anyone who can reach {host}"
+        warnings.append(f"--no-auth: {who} can read, create and delete every file and batch")
+    if not local:
+        warnings.append(
+            f"listening on {host}, not only this machine: the API is plain HTTP; put a TLS "
+            "proxy in front of it when it is reachable from other machines"
+        )
+    return warnings
 
 
 @cli.group()
