@@ -19,17 +19,27 @@ from batchllm.jobs.storage import Storage
 from batchllm.settings import Settings
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-_WINDOW = re.compile(r"^(\d+)([hms])$")
+# OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
+# only worth running soon; the tests expire batches in seconds), longer ones are not: a batch
+# holds its input and the fleet's attention for at most a day, as on OpenAI. ASCII digits only
+# (\d would take Arabic-Indic digits), and fullmatch (a "$" would take "24h\n").
+_WINDOW = re.compile(r"([1-9][0-9]{0,4})([hms])", re.ASCII)
 _UNITS = {"h": 3600, "m": 60, "s": 1}
+MAX_WINDOW_SECONDS = 24 * 3600
 _MAX_LISTED = 100  # batch-level validation errors listed, as lines
+# custom_ids are echoed in every output line and kept in the error file: a bounded length, as
+# for the other strings the API stores.
+MAX_CUSTOM_ID = 512
 
 
 def window_seconds(window: str) -> int | None:
-    """'24h', '1h', '30m' or '90s' in seconds; None when it is not such a window."""
-    match = _WINDOW.match(window)
-    if not match or int(match[1]) == 0:
+    """'24h', '1h', '30m' or '90s' in seconds; None when it is not such a window, or one over
+    24 hours."""
+    match = _WINDOW.fullmatch(window)
+    if not match:
         return None
-    return int(match[1]) * _UNITS[match[2]]
+    seconds = int(match[1]) * _UNITS[match[2]]
+    return seconds if seconds <= MAX_WINDOW_SECONDS else None
 
 
 def scan_batch_file(
@@ -43,14 +53,24 @@ def scan_batch_file(
     errors: list[dict[str, Any]] = []
     with files.open_stored(storage, path) as handle:
         for line in iter_lines(handle, max_line_bytes):
-            if line.raw is None:
-                continue
-            try:
-                obj = json.loads(line.raw)
-            except ValueError:
-                continue
+            obj = _decoded(line.raw)
             if not isinstance(obj, dict):
                 continue
+            custom_id = obj.get("custom_id")
+            if (
+                isinstance(custom_id, str)
+                and len(custom_id) > MAX_CUSTOM_ID
+                and len(errors) < _MAX_LISTED
+            ):
+                errors.append(
+                    {
+                        "code": "invalid_custom_id",
+                        "message": f"the line's custom_id is {len(custom_id):,} characters "
+                        f"long; at most {MAX_CUSTOM_ID}",
+                        "param": "custom_id",
+                        "line": line.number,
+                    }
+                )
             url = obj.get("url")
             if url is not None and url != endpoint and len(errors) < _MAX_LISTED:
                 errors.append(
@@ -77,12 +97,7 @@ def mixed_model_errors(
     errors: list[dict[str, Any]] = []
     with files.open_stored(storage, path) as handle:
         for line in iter_lines(handle, max_line_bytes):
-            if line.raw is None:
-                continue
-            try:
-                obj = json.loads(line.raw)
-            except ValueError:
-                continue
+            obj = _decoded(line.raw)
             body = obj.get("body") if isinstance(obj, dict) else None
             model = body.get("model") if isinstance(body, dict) else None
             if not isinstance(model, str) or not model:
@@ -100,6 +115,18 @@ def mixed_model_errors(
                     }
                 )
     return errors
+
+
+def _decoded(raw: bytes | None) -> Any:
+    """A line's JSON, or None when it does not parse: per-line validation makes such lines
+    error lines. RecursionError: JSON nested deeper than Python's stack (a line of 100,000
+    `[`)."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:

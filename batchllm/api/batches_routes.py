@@ -6,16 +6,18 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from batchllm.api import batches
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
+from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobStateError
-from batchllm.jobs import files, service
+from batchllm.jobs import files, recovery, service
 from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Batch
+from batchllm.jobs.models import Batch, Job
+from batchllm.jobs.states import JobStatus
 from batchllm.jobs.storage import Storage
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
@@ -44,7 +46,8 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
     if batches.window_seconds(body.completion_window) is None:
         raise ApiError(
             400,
-            f"completion_window {body.completion_window!r}: e.g. 24h, 1h, 30m",
+            f"completion_window {body.completion_window!r}: 24h, or a shorter window such "
+            "as 1h, 30m, 90s",
             param="completion_window",
             code="invalid_value",
         )
@@ -72,10 +75,14 @@ def create_batch(
         if stored is None:
             raise not_found("file", body.input_file_id)
         session.expunge(stored)
+        _check_active_batches(session, owner, settings.api_max_active_batches)
     storage = Storage.of(settings)
-    models, errors = batches.scan_batch_file(
-        storage, stored.path, body.endpoint, settings.max_line_bytes
-    )
+    try:
+        models, errors = batches.scan_batch_file(
+            storage, stored.path, body.endpoint, settings.max_line_bytes
+        )
+    except FileNotFoundError:
+        raise content_missing(stored.id) from None
     if not models:
         raise ApiError(
             400,
@@ -130,7 +137,30 @@ def create_batch(
     return _render(settings, owner, job.id)
 
 
+def _check_active_batches(session, owner: str, limit: int) -> None:
+    active = session.scalar(
+        select(func.count())
+        .select_from(Batch)
+        .join(Job)
+        .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
+    )
+    if active >= limit:
+        raise ApiError(
+            429,
+            f"this API key has {active:,} unfinished batches, the most it may have "
+            "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",
+            code="batch_quota_exceeded",
+        )
+
+
+_UNFINISHED = [status for status in JobStatus if not status.is_final]
+
+
 def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
+    with session_scope(settings) as session:
+        # Read at the moment it is asked for: a batch past its window is expired now, whether
+        # or not a reconciler has run since (the server's own round comes every few seconds).
+        recovery.expire_jobs(session, settings.lease_seconds, job_id)
     with session_scope(settings) as session:
         batch = session.get(Batch, job_id)
         if batch is None or batch.owner != owner:
@@ -159,7 +189,10 @@ def list_batches(
 ) -> dict[str, Any]:
     if not 1 <= limit <= 100:
         raise ApiError(400, "limit: 1 to 100", param="limit", code="invalid_value")
-    with session_scope(request.app.state.settings) as session:
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        recovery.expire_jobs(session, settings.lease_seconds)
+    with session_scope(settings) as session:
         query = (
             select(Batch)
             .where(Batch.owner == owner)

@@ -17,6 +17,8 @@ _TYPES = {
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    # A per-key limit (batches unfinished, bytes stored): OpenAI's type for a quota.
+    429: "insufficient_quota",
 }
 
 
@@ -80,6 +82,17 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (an unknown path, a malformed multipart body): a code too,
+        # which clients switch on.
+        code = _HTTP_CODES.get(exc.status_code)
         return JSONResponse(
-            error_body(exc.status_code, str(exc.detail), None, None), exc.status_code
+            error_body(exc.status_code, str(exc.detail), None, code), exc.status_code
         )
+
+
+_HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}

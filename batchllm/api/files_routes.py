@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
+from sqlalchemy import func, select
 
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
@@ -18,12 +19,19 @@ from batchllm.jobs.storage import Storage
 
 router = APIRouter()
 _CHUNK = 1 << 20
-# Multipart framing around the file: a Content-Length this far over the limit is refused
-# before a byte is read.
-_FRAMING = 64 * 1024
+_MAX_FILENAME = 512  # the files.filename column: PostgreSQL refuses a longer one
+# Control characters in a name end up in logs, terminals and Content-Disposition headers.
+_CONTROL = {chr(c) for c in range(32)} | {"\x7f"}
 
 
-@router.post("/v1/files")
+async def one_file_part(request: Request) -> None:
+    """FastAPI dependency: an upload with two `file` parts would keep the last one silently."""
+    form = await request.form()  # already parsed (and cached) for the route's parameters
+    if len(form.getlist("file")) > 1:
+        raise ApiError(400, "one `file` part per upload", param="file", code="invalid_value")
+
+
+@router.post("/v1/files", dependencies=[Depends(one_file_part)])
 def upload(
     request: Request,
     file: UploadFile,
@@ -32,10 +40,22 @@ def upload(
 ) -> dict[str, Any]:
     settings = request.app.state.settings
     if purpose != "batch":
-        raise ApiError(400, f"purpose {purpose!r}: only 'batch' is supported", param="purpose")
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > settings.api_max_file_bytes + _FRAMING:
-        raise ApiError(413, _too_large(settings.api_max_file_bytes), code="file_too_large")
+        raise ApiError(
+            400,
+            f"purpose {purpose!r}: only 'batch' is supported",
+            param="purpose",
+            code="invalid_value",
+        )
+    filename = _checked_filename(file.filename)
+    with session_scope(settings) as session:
+        stored = session.scalar(
+            select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(
+                StoredFile.owner == owner, StoredFile.purpose == "batch"
+            )
+        )
+    room = settings.api_max_stored_bytes - stored
+    if room <= 0:
+        raise _storage_full(settings.api_max_stored_bytes)
     storage = Storage.of(settings)
 
     def chunks():
@@ -49,15 +69,17 @@ def upload(
         file_id, path, size, lines = files.store_upload(
             storage,
             chunks(),
-            max_bytes=settings.api_max_file_bytes,
+            max_bytes=min(settings.api_max_file_bytes, room),
             max_lines=settings.api_max_file_lines,
         )
     except files.FileTooLarge as exc:
+        if exc.over_bytes and room < settings.api_max_file_bytes:
+            raise _storage_full(settings.api_max_stored_bytes) from None
         raise ApiError(413, f"{exc}; nothing was kept", code="file_too_large") from None
     row = StoredFile(
         id=file_id,
         owner=owner,
-        filename=file.filename or "upload.jsonl",
+        filename=filename,
         purpose=purpose,
         bytes=size,
         lines=lines,
@@ -69,17 +91,47 @@ def upload(
         return file_object(row)
 
 
-def _too_large(limit: int) -> str:
-    return f"the file is over the limit of {limit:,} bytes (BATCHLLM_API_MAX_FILE_BYTES)"
+def _checked_filename(name: str | None) -> str:
+    if not name:
+        return "upload.jsonl"
+    if len(name) > _MAX_FILENAME or _CONTROL.intersection(name):
+        raise ApiError(
+            400,
+            f"the file name must be at most {_MAX_FILENAME} characters, without control characters",
+            param="file",
+            code="invalid_value",
+        )
+    return name
+
+
+def _storage_full(limit: int) -> ApiError:
+    return ApiError(
+        429,
+        f"this API key's uploaded files would take over {limit:,} bytes "
+        "(BATCHLLM_API_MAX_STORED_BYTES): delete files to make room; nothing was kept",
+        code="storage_quota_exceeded",
+    )
 
 
 @router.get("/v1/files")
 def list_files(
-    request: Request, purpose: str | None = None, owner: str = Depends(current_owner)
+    request: Request,
+    purpose: str | None = None,
+    limit: int = 10_000,
+    after: str | None = None,
+    owner: str = Depends(current_owner),
 ) -> dict[str, Any]:
+    """Newest first, in cursor pages as OpenAI's (`limit` up to 10,000, `after` an id)."""
+    if not 1 <= limit <= 10_000:
+        raise ApiError(400, "limit: 1 to 10,000", param="limit", code="invalid_value")
     with session_scope(request.app.state.settings) as session:
-        rows = files.list_files(session, owner, purpose)
-        return page([file_object(r) for r in rows], has_more=False)
+        cursor = None
+        if after is not None:
+            cursor = files.get_file(session, owner, after)
+            if cursor is None:
+                raise not_found("file", after)
+        rows = files.list_files(session, owner, purpose, after=cursor, limit=limit + 1)
+        return page([file_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
 
 @router.get("/v1/files/{file_id}")
@@ -101,9 +153,20 @@ def file_content(
         if row is None:
             raise not_found("file", file_id)
         path = row.path
-    storage = Storage.of(settings)
-    return StreamingResponse(
-        files.read_chunks(storage, path), media_type="application/octet-stream"
+    try:
+        # Opened before the answer starts: a stored copy gone missing is an error status, not
+        # a 200 whose body breaks off.
+        chunks = files.read_chunks(Storage.of(settings), path)
+    except FileNotFoundError:
+        raise content_missing(file_id) from None
+    return StreamingResponse(chunks, media_type="application/octet-stream")
+
+
+def content_missing(file_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The stored content of file '{file_id}' is missing; upload it again.",
+        code="file_content_missing",
     )
 
 

@@ -25,6 +25,10 @@ _CHUNK = 1 << 20
 class FileTooLarge(BatchLLMError):
     """An upload over the byte or line limit; nothing of it is kept."""
 
+    def __init__(self, message: str, *, over_bytes: bool) -> None:
+        super().__init__(message)
+        self.over_bytes = over_bytes
+
 
 def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
@@ -58,14 +62,16 @@ def store_upload(
                 lines += chunk.count(b"\n")
                 last = chunk[-1:]
                 if size > max_bytes:
-                    raise FileTooLarge(f"the file is over the limit of {max_bytes:,} bytes")
+                    raise FileTooLarge(
+                        f"the file is over the limit of {max_bytes:,} bytes", over_bytes=True
+                    )
                 if lines > max_lines:
-                    raise FileTooLarge(f"the file has over {max_lines:,} lines")
+                    raise FileTooLarge(f"the file has over {max_lines:,} lines", over_bytes=False)
                 out.write(chunk)
         if last != b"\n":  # a last line without its newline still counts
             lines += 1
             if lines > max_lines:
-                raise FileTooLarge(f"the file has over {max_lines:,} lines")
+                raise FileTooLarge(f"the file has over {max_lines:,} lines", over_bytes=False)
     except BaseException:
         storage.delete(path)
         raise
@@ -84,13 +90,19 @@ def open_stored(storage: Storage, path: str) -> Iterator[BinaryIO]:
 
 
 def read_chunks(storage: Storage, path: str) -> Iterator[bytes]:
-    """A stored file's bytes, a chunk at a time (for a streamed download)."""
-    with storage.fs.open_input_stream(path) as src:
-        while True:
-            chunk = src.read(_CHUNK)
-            if not chunk:
-                return
-            yield bytes(chunk)
+    """A stored file's bytes, a chunk at a time (for a streamed download). The file is opened
+    now, so a missing one raises FileNotFoundError here rather than once the bytes flow."""
+    src = storage.fs.open_input_stream(path)
+
+    def chunks() -> Iterator[bytes]:
+        with src:
+            while True:
+                chunk = src.read(_CHUNK)
+                if not chunk:
+                    return
+                yield bytes(chunk)
+
+    return chunks()
 
 
 def get_file(session: Session, owner: str, file_id: str) -> StoredFile | None:
@@ -99,8 +111,22 @@ def get_file(session: Session, owner: str, file_id: str) -> StoredFile | None:
     return row if row is not None and row.owner == owner else None
 
 
-def list_files(session: Session, owner: str, purpose: str | None = None) -> list[StoredFile]:
+def list_files(
+    session: Session,
+    owner: str,
+    purpose: str | None = None,
+    *,
+    after: StoredFile | None = None,
+    limit: int | None = None,
+) -> list[StoredFile]:
+    """The owner's files, newest first; `after` one of them: those listed after it."""
     query = select(StoredFile).where(StoredFile.owner == owner)
     if purpose:
         query = query.where(StoredFile.purpose == purpose)
-    return list(session.scalars(query.order_by(StoredFile.created_at.desc())))
+    if after is not None:
+        query = query.where(
+            (StoredFile.created_at < after.created_at)
+            | ((StoredFile.created_at == after.created_at) & (StoredFile.id < after.id))
+        )
+    query = query.order_by(StoredFile.created_at.desc(), StoredFile.id.desc()).limit(limit)
+    return list(session.scalars(query))
