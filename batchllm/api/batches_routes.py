@@ -24,6 +24,7 @@ from batchllm.worker.registry import served_models
 
 router = APIRouter()
 _MAX_METADATA = 16
+_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 class CreateBatch(BaseModel):
@@ -151,9 +152,6 @@ def _check_active_batches(session, owner: str, limit: int) -> None:
             "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",
             code="batch_quota_exceeded",
         )
-
-
-_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
