@@ -43,7 +43,17 @@ class InputFile(click.ParamType):
                 return readable_input(value)
             except BatchLLMError as exc:
                 self.fail(str(exc), param, ctx)
-        return self._local.convert(value, param, ctx)
+        path = self._local.convert(value, param, ctx)
+        if not path.is_file():
+            # The file is read more than once (to find a request, then to validate and store
+            # it): a named pipe would block the second read forever.
+            self.fail(
+                f"{path} is not a regular file (a pipe or device is read only once); "
+                "save the input to a file first",
+                param,
+                ctx,
+            )
+        return path
 
     def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str):
         return self._local.shell_complete(ctx, param, incomplete)

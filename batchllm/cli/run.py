@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -72,7 +73,13 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
     if output is not None and ended.status == "completed":
         from batchllm.jobs.export import copy_output
 
-        copy_output(row, output)
+        try:
+            copy_output(row, output)
+        except OSError as exc:  # the destination changed since the check before the job
+            raise click.ClickException(
+                f"job {row.id} completed (its results are in {row.output_dir}), but copying "
+                f"them to --output {output} failed: {exc}"
+            ) from None
         click.echo(f"copied the output to {output}", err=True)
     echo_job(row)
     if ended.status != "completed":
@@ -92,3 +99,28 @@ def _require_usable_output(output: Path) -> None:
     parent = next(p for p in output.absolute().parents if p.exists())
     if not parent.is_dir():
         raise click.ClickException(f"--output {output}: {parent} is not a directory")
+    _require_writable(output)
+
+
+def _require_writable(output: Path) -> None:
+    """Create the directory and a file in it now, as the copy will once the job is done.
+    Permission bits do not tell: root ignores them, while a read-only mount or an immutable
+    directory refuses root too. What the probe created is removed again, so a job that fails
+    leaves nothing behind."""
+    created = [p for p in (output.absolute(), *output.absolute().parents) if not p.exists()]
+    probe = output / f".batchllm-write-probe-{os.getpid()}"
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        where = exc.filename or output
+        raise click.ClickException(
+            f"--output {output}: cannot write {where}: {exc.strerror or exc}"
+        ) from None
+    finally:
+        for directory in created:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                break

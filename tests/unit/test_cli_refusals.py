@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -72,6 +78,77 @@ def test_run_output_under_a_file_is_refused(settings, prompts, model_dir):
     assert result.output.strip() == (
         f"Error: --output {prompts / 'out'}: {prompts} is not a directory"
     )
+
+
+@contextmanager
+def unwritable(directory: Path) -> Iterator[None]:
+    """Make `directory` refuse new entries to this process: permission bits for a regular
+    user; for root, which ignores them, the immutable attribute (chattr +i). Skips when neither
+    holds here (the probe must fail, or the test would prove nothing)."""
+    directory.chmod(0o555)
+    immutable = False
+    try:
+        if os.geteuid() == 0 and shutil.which("chattr"):
+            immutable = subprocess.run(["chattr", "+i", str(directory)]).returncode == 0
+        try:
+            (directory / "probe").mkdir()
+        except OSError:
+            yield
+            return
+        (directory / "probe").rmdir()
+        pytest.skip("cannot make a directory unwritable here (root without chattr +i)")
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+        directory.chmod(0o755)
+
+
+def test_run_output_in_an_unwritable_directory_is_refused_before_the_job(
+    settings, prompts, model_dir, tmp_path
+):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    output = locked / "new" / "out"
+
+    with unwritable(locked):
+        result = invoke("run", str(prompts), "--model", str(model_dir), "--output", str(output))
+
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"Error: --output {output}: cannot write {locked / 'new'}: ")
+    assert no_jobs(settings)
+    assert list(locked.iterdir()) == []
+
+
+def test_run_output_check_leaves_no_trace_of_its_probe(settings, prompts, model_dir, tmp_path):
+    from batchllm.cli.run import _require_usable_output
+
+    output = tmp_path / "new" / "out"
+    _require_usable_output(output)
+
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_named_pipe_as_file_is_refused_at_once(settings, tmp_path, model_dir, command):
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env["BATCHLLM_HOME"] = str(settings.home)
+
+    # A subprocess with a deadline: before the fix the command blocked forever opening the pipe.
+    result = subprocess.run(
+        [sys.executable, "-m", "batchllm", command, str(fifo), "--model", str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert result.returncode == 2
+    assert f"{fifo} is not a regular file" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert no_jobs(settings)
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])
