@@ -15,6 +15,8 @@ from batchllm.jobs.models import ApiKey, utcnow
 KEY_PREFIX = "sk-batchllm-"
 # The owner of everything a server started with --no-auth creates.
 LOCAL_OWNER = "local"
+MAX_NAME = 128  # the column's length
+_ID_PREFIX = "key_"
 
 
 def _digest(key: str) -> str:
@@ -22,9 +24,11 @@ def _digest(key: str) -> str:
 
 
 def create_key(session: Session, name: str) -> tuple[ApiKey, str]:
-    """A new key: its row and the key itself, which is not stored."""
+    """A new key: its row and the key itself, which is not stored. BatchLLMError for a name
+    that is not 1..MAX_NAME printable characters, or that starts like a key id."""
+    _check_name(name)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(id="key_" + secrets.token_hex(8), name=name, key_hash=_digest(key))
+    row = ApiKey(id=_ID_PREFIX + secrets.token_hex(8), name=name, key_hash=_digest(key))
     session.add(row)
     session.flush()
     return row, key
@@ -35,14 +39,37 @@ def list_keys(session: Session) -> list[ApiKey]:
 
 
 def revoke_key(session: Session, ref: str) -> ApiKey:
-    """Revoke a key by id or name; BatchLLMError when there is no such live key."""
-    row = session.scalar(
-        select(ApiKey).where((ApiKey.id == ref) | (ApiKey.name == ref), ApiKey.revoked_at.is_(None))
-    )
-    if row is None:
+    """Revoke the one live key with this id or name. BatchLLMError when there is none, or when
+    several match (keys of one name, or a name equal to another key's id, from before names
+    were checked): revoking a guess could leave the key meant running."""
+    rows = session.scalars(
+        select(ApiKey)
+        .where((ApiKey.id == ref) | (ApiKey.name == ref), ApiKey.revoked_at.is_(None))
+        .order_by(ApiKey.created_at)
+    ).all()
+    if not rows:
         raise BatchLLMError(f"no live API key with id or name {ref!r}")
+    if len(rows) > 1:
+        ids = ", ".join(row.id for row in rows)
+        raise BatchLLMError(f"{len(rows)} live API keys match {ref!r} ({ids}); revoke by id")
+    row = rows[0]
     row.revoked_at = utcnow()
     return row
+
+
+def _check_name(name: str) -> None:
+    # Names are shown in `keys list` and logs, and `keys revoke` takes a name or an id.
+    if not 1 <= len(name) <= MAX_NAME:
+        raise BatchLLMError(f"a key name has 1 to {MAX_NAME} characters, not {len(name)}")
+    if not name.isprintable() or not name.strip():
+        raise BatchLLMError(
+            f"key name {name!r}: only printable characters (no control characters), not only spaces"
+        )
+    if name.startswith(_ID_PREFIX):
+        raise BatchLLMError(
+            f"key name {name!r}: must not start with {_ID_PREFIX!r}, as key ids do "
+            "(`keys revoke` takes either)"
+        )
 
 
 def owner_of(session: Session, key: str) -> str | None:

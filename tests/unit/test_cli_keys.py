@@ -1,0 +1,83 @@
+"""`batchllm keys`: revoking never guesses between keys, and key names are bounded."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from batchllm.cli import cli
+from batchllm.jobs.db import session_scope
+from batchllm.jobs.keys import create_key, list_keys
+from batchllm.jobs.models import ApiKey
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
+
+
+def live(settings) -> dict[str, str]:
+    """id -> name of the keys not revoked."""
+    with session_scope(settings) as session:
+        return {row.id: row.name for row in list_keys(session) if row.revoked_at is None}
+
+
+def new_key(settings, name: str) -> str:
+    with session_scope(settings) as session:
+        row, _ = create_key(session, name)
+        return row.id
+
+
+def test_revoking_a_name_two_keys_share_is_refused_naming_both(settings):
+    first, second = new_key(settings, "alice"), new_key(settings, "alice")
+
+    result = invoke("keys", "revoke", "alice")
+
+    assert result.exit_code != 0
+    (line,) = result.output.strip().splitlines()
+    assert f"2 live API keys match 'alice' ({first}, {second}); revoke by id" in line
+    assert live(settings) == {first: "alice", second: "alice"}
+
+    assert invoke("keys", "revoke", second).output.strip() == f"key {second} revoked"
+    assert live(settings) == {first: "alice"}
+    assert invoke("keys", "revoke", "alice").output.strip() == f"key {first} revoked"
+
+
+def test_a_key_named_like_another_keys_id_does_not_revoke_the_other(settings):
+    target = new_key(settings, "bob")
+    with session_scope(settings) as session:  # a name from before names were checked
+        session.add(ApiKey(id="key_00000000000000aa", name=target, key_hash="0" * 64))
+
+    result = invoke("keys", "revoke", target)
+
+    assert result.exit_code != 0
+    assert f"({target}, key_00000000000000aa)" in result.output
+    assert set(live(settings)) == {target, "key_00000000000000aa"}
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("key_0123456789abcdef", "must not start with 'key_'"),
+        ("", "1 to 128 characters, not 0"),
+        ("x" * 129, "1 to 128 characters, not 129"),
+        ("alice\nbob", "only printable characters"),
+        ("al\x1b[31mice", "only printable characters"),
+        ("   ", "not only spaces"),
+    ],
+)
+def test_key_names_are_bounded_at_create(settings, name, says):
+    result = invoke("keys", "create", name)
+
+    assert result.exit_code != 0
+    (line,) = result.output.strip().splitlines()
+    assert says in line
+    assert "sk-batchllm-" not in result.output
+    assert live(settings) == {}
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 128, "team search (prod)", "équipe-données"])
+def test_printable_names_up_to_128_characters_are_kept(settings, name):
+    result = invoke("keys", "create", name)
+
+    assert result.exit_code == 0, result.output
+    assert list(live(settings).values()) == [name]
