@@ -13,6 +13,7 @@ vllm and torch are imported only by `run` (which builds an engine here).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -48,6 +49,9 @@ class Job:
     error: str | None = None
     throughput: dict[str, Any] = field(default_factory=dict)
     shards: int = 0
+    # Lines refused by validation, which become error rows: known on the Job `submit` returns
+    # (before any row ran, `failed` is 0), None on a Job read later.
+    invalid: int | None = None
 
     @property
     def done(self) -> bool:
@@ -164,11 +168,17 @@ class Client:
         rows per shard, default BATCHLLM_SHARD_SIZE."""
         from batchllm.worker.dispatch import submit_job
 
+        invalid: list[int] = []
         with _as_file(requests) as path:
             row = submit_job(
-                path, spec, strict=strict, shard_size=shard_size, settings=self.settings
+                path,
+                spec,
+                strict=strict,
+                shard_size=shard_size,
+                settings=self.settings,
+                on_stored=lambda stored: invalid.append(stored.invalid),
             )
-        return Job.of(row)
+        return dataclasses.replace(Job.of(row), invalid=invalid[0])
 
     def run(
         self,

@@ -38,9 +38,18 @@ def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, 
     require_requests(file)
     job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
     click.echo(job.id)
-    click.echo(f"{job.total:,} requests in {job.shards} shard(s), queued", err=True)
+    click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)
     if wait_:
         _follow(job.id)
+
+
+def _counts(total: int, invalid: int) -> str:
+    if not invalid:
+        return f"{total:,} requests"
+    return (
+        f"{total:,} requests: {total - invalid:,} valid, {invalid:,} invalid "
+        "(they become error rows)"
+    )
 
 
 @cli.command()

@@ -12,6 +12,7 @@ from sqlalchemy import select
 from batchllm.errors import BatchLLMError
 from batchllm.jobs import lifecycle, recovery, service
 from batchllm.jobs.db import get_one, session_scope
+from batchllm.jobs.inputs import StoredInput
 from batchllm.jobs.models import Job, Shard
 from batchllm.jobs.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
@@ -29,13 +30,15 @@ def submit_job(
     settings: Settings | None = None,
     expires_at: datetime | None = None,
     before_dispatch: Callable[[str], None] | None = None,
+    on_stored: Callable[[StoredInput], None] | None = None,
 ) -> Job:
     """Create the job and its shards, then enqueue one task per shard on the model's queue.
 
     Tasks go out only after the database commit, so a worker never sees a shard that is not
     there yet. If the broker cannot be reached, the job is marked failed and the error says so.
     `expires_at` ends the job `expired` when it passes; `before_dispatch(job_id)` runs between
-    the commit and the first task (the Batch API records its batch there).
+    the commit and the first task (the Batch API records its batch there); `on_stored(stored)`
+    once the input is stored (its counts: lines, invalid lines, shards).
     """
     settings = settings or get_settings()
     created = service.create_job(
@@ -47,6 +50,8 @@ def submit_job(
         expires_at=expires_at,
     )
     job_id = created.job.id
+    if on_stored is not None:
+        on_stored(created.stored)
     if before_dispatch is not None:
         before_dispatch(job_id)
     with session_scope(settings) as session:

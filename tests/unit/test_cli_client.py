@@ -68,7 +68,9 @@ def test_submit_queues_the_shards_and_wait_gives_up_at_its_timeout(settings, pro
 
     assert submitted.exit_code == 0, submitted.output
     job_id = submitted.stdout.strip()
-    assert "6 requests in 2 shard(s), queued" in submitted.stderr
+    assert "6 requests: 5 valid, 1 invalid (they become error rows) in 2 shard(s), queued" in (
+        submitted.stderr
+    )
     job = Client(get_settings()).status(job_id)
     assert (job.status, job.total, job.shards) == ("queued", 6, 2)
 
@@ -80,6 +82,29 @@ def test_submit_queues_the_shards_and_wait_gives_up_at_its_timeout(settings, pro
     assert cancelled.exit_code == 0, cancelled.output
     assert cancelled.stdout.strip() == f"{job_id}: cancelled"  # queued shards end at once
     assert Client(get_settings()).status(job_id).status == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "says"),
+    [
+        (0, 30, "30 requests: 0 valid, 30 invalid (they become error rows) in 1 shard(s)"),
+        (7, 3, "10 requests: 7 valid, 3 invalid (they become error rows) in 1 shard(s)"),
+        (4, 0, "4 requests in 1 shard(s), queued"),
+    ],
+)
+def test_submit_says_how_many_lines_are_invalid(settings, tmp_path, monkeypatch, good, bad, says):
+    monkeypatch.setenv("BATCHLLM_BROKER_URL", "memory://")
+    get_settings.cache_clear()
+    source = tmp_path / "mixed.jsonl"
+    lines = [f'{{"prompt": "item {i}"}}' for i in range(good)]
+    lines += [f'{{"prompt": "item {i}"' for i in range(bad)]  # malformed JSON
+    source.write_text("\n".join(lines) + "\n")
+
+    submitted = invoke("submit", str(source), "--model", "/models/fake")
+
+    assert submitted.exit_code == 0, submitted.output
+    assert says in submitted.stderr
+    assert Client(get_settings()).status(submitted.stdout.strip()).total == good + bad
 
 
 def test_wait_on_an_ended_job_prints_it_and_exits_by_its_state(settings, prompts):
