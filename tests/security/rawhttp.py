@@ -77,9 +77,7 @@ def closed_by_server(sock: socket.socket, timeout: float) -> float | None:
     return None
 
 
-def upload_head(
-    port: int, headers: dict[str, str], *, content_length: int | None = None
-) -> bytes:
+def upload_head(port: int, headers: dict[str, str], *, content_length: int | None = None) -> bytes:
     """The request head of a multipart POST /v1/files: chunked unless a length is given."""
     lines = [
         "POST /v1/files HTTP/1.1",
