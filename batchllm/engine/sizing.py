@@ -75,12 +75,16 @@ class ContextSizer:
         for row, ids in zip(runnable, prepared, strict=True):
             if isinstance(ids, str) or not ids:
                 continue
+            # A prompt over the model's own context becomes an error row; sizing the engine for
+            # it would give every other row the model's whole context (found on an 8k model).
             if row.kind == "embed":  # the longest text, and nothing generated
                 if isinstance(ids[0], list):
-                    best = max(best, max(len(i) for i in ids))
+                    fitting = [len(i) for i in ids if len(i) <= self.limit]
+                    best = max(best, max(fitting, default=0))
                     continue
-                best = max(best, len(ids))
-            else:
+                if len(ids) <= self.limit:
+                    best = max(best, len(ids))
+            elif len(ids) < self.limit:
                 max_tokens = row.overrides().get("max_tokens") if row.sampling else None
                 best = max(best, len(ids) + (default_max if max_tokens is None else max_tokens))
             kept[row.line] = ids  # type: ignore[assignment]

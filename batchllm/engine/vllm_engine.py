@@ -19,7 +19,7 @@ from typing import Any
 from batchllm.engine.hardware import cpu_has_native_bf16, visible_gpus
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
-from batchllm.engine.prompts import Prepared, prepare_prompts
+from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
@@ -227,6 +227,12 @@ class VllmEngine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.engine.model_config.max_model_len
+        # The model's own context: a prompt over it is refused naming it, not the smaller
+        # context the engine was sized to for the job's other rows.
+        text_config = self.engine.model_config.hf_text_config
+        self.model_context = max(
+            self.max_model_len, int(getattr(text_config, "max_position_embeddings", 0) or 0)
+        )
         self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         self.hardware += f", {self.dtype}"  # recorded per job: throughput depends on it
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
@@ -266,7 +272,10 @@ class VllmEngine:
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run."""
-        return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
+        prepared = prepare_prompts(self.tokenizer, rows, None, chat_template)
+        if self.model_context > self.max_model_len:
+            prepared = within_context(rows, prepared, self.model_context, "the model's context")
+        return within_context(rows, prepared, self.max_model_len, "the engine's max_model_len")
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
         """SamplingParams (PoolingParams in an embedding engine) for merged settings. The
