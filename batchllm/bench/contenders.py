@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
-from batchllm.bench.workload import TEMPERATURE, Workload, iter_requests
+from batchllm.bench.workload import Workload, iter_requests
 from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from batchllm.worker.engines import EngineCache
@@ -30,7 +30,9 @@ def job_spec(
     return JobSpec(
         model=model,
         sampling=SamplingDefaults(
-            max_tokens=workload.max_output, temperature=TEMPERATURE, ignore_eos=True
+            max_tokens=workload.max_output,
+            temperature=workload.temperature,
+            ignore_eos=workload.ignore_eos,
         ),
         engine=EngineOptions(
             max_model_len=max_model_len,
@@ -84,7 +86,9 @@ class Prompts:
             raise BenchFailed(f"a bench prompt cannot run: {bad[0]}")
         self.prompts = [{"prompt_token_ids": i} for i in ids]
         self.params = [
-            SamplingParams(max_tokens=r.max_tokens, temperature=TEMPERATURE, ignore_eos=True)
+            SamplingParams(
+                max_tokens=r.max_tokens, temperature=r.temperature, ignore_eos=r.ignore_eos
+            )
             for r in requests
         ]
 

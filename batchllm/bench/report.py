@@ -322,11 +322,19 @@ def summary_text(result: dict[str, Any]) -> str:
     config = result["config"]
     if _ran_workload(result):
         parts = [
-            f"batchllm bench: {config['requests']:,} requests, prompts "
-            f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
-            f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
-            f"({config.get('output_shape', 'uniform')}, ignore_eos), "
-            f"model {config['model']}"
+            (
+                f"batchllm bench: {config['requests']:,} real questions answered greedily, each "
+                f"ending on its own or at {config['output_tokens'][1]} tokens (no ignore_eos), "
+                f"model {config['model']}"
+            )
+            if config.get("natural_outputs")
+            else (
+                f"batchllm bench: {config['requests']:,} requests, prompts "
+                f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
+                f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
+                f"({config.get('output_shape', 'uniform')}, ignore_eos), "
+                f"model {config['model']}"
+            )
         ]
     else:  # only the features, embed and warm parts, which describe their own work
         parts = [f"batchllm bench: model {config['model']}"]

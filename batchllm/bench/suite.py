@@ -46,6 +46,8 @@ class BenchConfig:
     prompt_words: tuple[int, int] = (8, 64)
     output_tokens: tuple[int, int] = (16, 128)
     output_shape: str = "uniform"
+    # Real questions answered greedily, each ending on its own (for a real instruct model).
+    natural_outputs: bool = False
     repeats: int = 3
     process_repeats: int = 1
     batch_sizes: tuple[int, ...] = (32, 64)
@@ -73,6 +75,7 @@ class BenchConfig:
             output_tokens=self.output_tokens,
             output_shape=self.output_shape,
             seed=self.seed,
+            natural=self.natural_outputs,
         )
 
     @property

@@ -4,6 +4,11 @@ Lengths (prompt words, output tokens, system prompt choice) come from the worklo
 every contender gets the same shape of work; the words come from a per-run `variant`, so no run
 finds another run's prompts in vLLM's prefix cache. Outputs run to their exact length
 (`ignore_eos`), so every contender generates the same number of tokens.
+
+A `natural` workload is for a real instruct model: real questions answered greedily, each row
+ending on its own (the end-of-turn token) or at its cap, as a production job's rows do. Greedy
+decoding gives every contender the same prompts' same answers, so they still generate about
+the same tokens; they are compared by output tokens/s.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ class Workload:
     system_prompts: int = 0  # how many distinct shared system prompts; 0 for none
     system_words: int = 0
     seed: int = 0
+    natural: bool = False
+
+    @property
+    def temperature(self) -> float:
+        return 0.0 if self.natural else TEMPERATURE
+
+    @property
+    def ignore_eos(self) -> bool:
+        return not self.natural
 
     @property
     def max_output(self) -> int:
@@ -51,6 +65,16 @@ class Request:
     custom_id: str
     messages: list[dict[str, str]]
     max_tokens: int
+    temperature: float = TEMPERATURE
+    ignore_eos: bool = True
+
+    @property
+    def sampling(self) -> dict[str, object]:
+        return {
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "temperature": self.temperature,
+        }
 
     def row(self, line: int) -> InputRow:
         """The stored input row batchllm's engine path sees for this request."""
@@ -59,10 +83,33 @@ class Request:
             custom_id=self.custom_id,
             kind="chat",
             messages=json.dumps(self.messages),
-            sampling=json.dumps(
-                {"max_tokens": self.max_tokens, "ignore_eos": True, "temperature": TEMPERATURE}
-            ),
+            sampling=json.dumps(self.sampling),
         )
+
+
+# Natural questions: topics x asks, distinct per request; answers run from a word to a paragraph.
+_TOPICS = (
+    "the moon", "volcanoes", "honey bees", "the Roman empire", "photosynthesis", "rainbows",
+    "the piano", "coffee", "glaciers", "the internet", "whales", "bicycles", "the pyramids",
+    "electricity", "tea", "sharks", "the Olympic games", "chess", "deserts", "vaccines",
+    "the printing press", "penguins", "earthquakes", "bread", "the violin", "tigers", "Mars",
+    "recycling", "the heart", "clouds",
+)  # fmt: skip
+_ASKS = (
+    "What is {t}? Answer in one sentence.",
+    "Give me three short facts about {t}.",
+    "Explain {t} to a child.",
+    "Why is {t} important?",
+    "Write a haiku about {t}.",
+    "Describe {t} in two sentences.",
+    "What is one surprising thing about {t}?",
+    "Summarize the history of {t} briefly.",
+)
+
+
+def natural_question(i: int, variant: int) -> str:
+    ask = _ASKS[(i // len(_TOPICS) + variant) % len(_ASKS)]
+    return ask.format(t=_TOPICS[i % len(_TOPICS)])
 
 
 def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
@@ -72,6 +119,18 @@ def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
     for i in range(workload.requests):
         prompt_words = shape.randint(*workload.prompt_words)
         max_tokens = workload.draw_output(shape)
+        if workload.natural:
+            # The model's default system prompt is shared by every request, as in real traffic;
+            # the request number keeps prompts distinct within and across variants.
+            text = f"({variant}.{i}) {natural_question(i, variant)}"
+            yield Request(
+                custom_id=f"req-{i}",
+                messages=[{"role": "user", "content": text}],
+                max_tokens=workload.max_output,
+                temperature=workload.temperature,
+                ignore_eos=False,
+            )
+            continue
         messages = [{"role": "user", "content": f"{i}: {sentence(words, prompt_words)}"}]
         if systems:
             system = systems[shape.randrange(len(systems))]
@@ -84,13 +143,7 @@ def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: st
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for request in iter_requests(workload, variant):
-            body = {
-                "model": model,
-                "messages": request.messages,
-                "max_tokens": request.max_tokens,
-                "temperature": TEMPERATURE,
-                "ignore_eos": True,
-            }
+            body = {"model": model, "messages": request.messages, **request.sampling}
             out.write(
                 json.dumps(
                     {
