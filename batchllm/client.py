@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
-    from batchllm.jobs.models import Job as JobRow
+    from batchllm.store.models import Job as JobRow
 
 Requests = str | Path | Iterable[Mapping[str, Any]]
 
@@ -97,7 +97,7 @@ def job_spec(
 ) -> JobSpec:
     """A JobSpec from the CLI's job options as keyword arguments (max_tokens, temperature,
     top_p, n, logprobs, task, max_model_len, dtype, ...); unknown names are refused."""
-    from batchllm.jobs.structured import constraint_of
+    from batchllm.input.structured import constraint_of
 
     unknown = set(options) - _SAMPLING - _ENGINE
     if unknown:
@@ -226,8 +226,8 @@ class Client:
         return Job.of(row)
 
     def status(self, job: Job | str) -> Job:
-        from batchllm.jobs import service
-        from batchllm.jobs.db import session_scope
+        from batchllm.store import service
+        from batchllm.store.db import session_scope
 
         with session_scope(self.settings) as session:
             return Job.of(service.get_job(session, _id(job)))
@@ -253,13 +253,16 @@ class Client:
             time.sleep(poll)
 
     def cancel(self, job: Job | str) -> Job:
-        from batchllm.jobs import service
-        from batchllm.jobs.db import session_scope
+        from batchllm.output import commit
+        from batchllm.store import service
+        from batchllm.store.db import session_scope
 
         with session_scope(self.settings) as session:
-            return Job.of(
-                service.cancel_job(session, _id(job), lease_seconds=self.settings.lease_seconds)
+            cancelled = service.cancel_job(
+                session, _id(job), lease_seconds=self.settings.lease_seconds
             )
+            commit.tidy_ended_jobs(session)
+            return Job.of(cancelled)
 
     def results(self, job: Job | str) -> ds.Dataset:
         """The job's output (committed rows so far, all of them once it completed) as a
@@ -268,10 +271,10 @@ class Client:
 
         import pyarrow.dataset as pads
 
-        from batchllm.jobs import service
-        from batchllm.jobs.db import session_scope
-        from batchllm.jobs.output import OUTPUT_SCHEMA
-        from batchllm.jobs.storage import Storage
+        from batchllm.output.parts import OUTPUT_SCHEMA
+        from batchllm.storage import Storage
+        from batchllm.store import service
+        from batchllm.store.db import session_scope
 
         with session_scope(self.settings) as session:
             row = service.get_job(session, _id(job))
@@ -295,7 +298,7 @@ def _with_task(spec: JobSpec, path: str | Path, options: Mapping[str, Any]) -> J
     """Infer the task from the requests when the caller did not give one, as the CLI does."""
     if "task" in options:
         return spec
-    from batchllm.jobs.reader import infer_task
+    from batchllm.input.validate import infer_task
 
     if infer_task(path) == "embed":
         return spec.model_copy(update={"engine": spec.engine.model_copy(update={"task": "embed"})})

@@ -3,8 +3,8 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from batchllm.jobs.models import Base
 from batchllm.settings import get_settings
+from batchllm.store.models import Base
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url

@@ -135,7 +135,7 @@ fi
 "$BIN/batchllm" doctor --json ${doctor_flags[@]+"${doctor_flags[@]}"} >"$OUT/doctor.json"
 
 step "prompts: $LINES lines, $BAD_LINES of them invalid"
-"$BIN/python" -m batchllm.jobs.workload "$OUT/prompts.jsonl" --requests "$LINES" \
+"$BIN/python" -m batchllm.demo.workload "$OUT/prompts.jsonl" --requests "$LINES" \
     --bad-lines "$BAD_LINES"
 
 step "batchllm run: $LINES lines on $MODEL"

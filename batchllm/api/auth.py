@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import Request
 
 from batchllm.api.errors import ApiError
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.keys import LOCAL_OWNER, owner_of
+from batchllm.api.keys import LOCAL_OWNER, owner_of
 from batchllm.settings import Settings
+from batchllm.store.db import session_scope
 
 
 def owner_for(settings: Settings, authorization: str) -> str:

@@ -10,13 +10,14 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-from batchllm.jobs import files, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.lines import iter_lines
-from batchllm.jobs.models import Batch, Job, StoredFile, utcnow
-from batchllm.jobs.schemas import EngineOptions, JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.api import files
+from batchllm.input.lines import iter_lines
+from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Batch, Job, StoredFile, utcnow
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
@@ -202,7 +203,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
     """Export an ended batch's output and error files into the job storage (a directory or a
     bucket) under files/, once: the ids are derived from the batch id, so a second caller finds
     them; and record them as files of its owner."""
-    from batchllm.jobs.openai_files import export_openai_to
+    from batchllm.output.openai_files import export_openai_to
 
     storage = Storage.of(settings)
     directory = posixpath.join(storage.root, "files", f"{job.id}-results")

@@ -8,17 +8,18 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
-from batchllm.api import batches
+from batchllm.api import batches, files
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
 from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobStateError
-from batchllm.jobs import files, recovery, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Batch, Job
-from batchllm.jobs.states import JobStatus
-from batchllm.jobs.storage import Storage
+from batchllm.output import commit
+from batchllm.storage import Storage
+from batchllm.store import recovery, service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Batch, Job
+from batchllm.store.states import JobStatus
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
 
@@ -159,6 +160,7 @@ def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
         # Read at the moment it is asked for: a batch past its window is expired now, whether
         # or not a reconciler has run since (the server's own round comes every few seconds).
         recovery.expire_jobs(session, settings.lease_seconds, job_id)
+        commit.tidy_ended_jobs(session)
     with session_scope(settings) as session:
         batch = session.get(Batch, job_id)
         if batch is None or batch.owner != owner:
@@ -190,6 +192,7 @@ def list_batches(
     settings = request.app.state.settings
     with session_scope(settings) as session:
         recovery.expire_jobs(session, settings.lease_seconds)
+        commit.tidy_ended_jobs(session)
     with session_scope(settings) as session:
         query = (
             select(Batch)
@@ -220,6 +223,7 @@ def cancel_batch(
             raise not_found("batch", batch_id)
         try:
             service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
+            commit.tidy_ended_jobs(session)
         except JobStateError as exc:
             raise ApiError(409, str(exc), code="batch_not_cancellable") from None
     return _render(settings, owner, batch_id)

@@ -9,13 +9,13 @@ from fastapi import APIRouter, Depends, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import func, select
 
+from batchllm.api import files
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
 from batchllm.api.objects import file_object, page
-from batchllm.jobs import files
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import StoredFile
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
+from batchllm.store.db import session_scope
+from batchllm.store.models import StoredFile
 
 router = APIRouter()
 _CHUNK = 1 << 20

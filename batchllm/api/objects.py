@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from batchllm.jobs.models import Batch, Job, StoredFile
-from batchllm.jobs.states import JobStatus
+from batchllm.store.models import Batch, Job, StoredFile
+from batchllm.store.states import JobStatus
 
 # batchllm's `queued` (validated, waiting for a worker) is in progress to an API client.
 _STATUS = {JobStatus.QUEUED: "in_progress"}

@@ -20,9 +20,9 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed, Contender, Run
 from batchllm.bench.memory import PeakRss
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
-from batchllm.jobs.workload import sentence
+from batchllm.demo.workload import sentence
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from batchllm.worker.engines import EngineCache
 
@@ -66,10 +66,10 @@ def _job(
     """The embedding job, timed from the end of validation to the finished job (as the engine
     part times batchllm); its run and its vectors in line order."""
     from batchllm.bench.contenders import run_job_phase
-    from batchllm.jobs.db import get_one, session_scope
-    from batchllm.jobs.models import Job
-    from batchllm.jobs.output import read_output
-    from batchllm.jobs.storage import Storage
+    from batchllm.output.parts import read_output
+    from batchllm.storage import Storage
+    from batchllm.store.db import get_one, session_scope
+    from batchllm.store.models import Job
 
     run = run_job_phase(engines, spec, source, settings)
     if run.failed:

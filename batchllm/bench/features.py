@@ -40,10 +40,10 @@ from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import TEMPERATURE, Request, Workload, iter_requests
 from batchllm.engine.prompts import Prepared
 from batchllm.engine.protocol import Adapter, Engine, Finished
-from batchllm.jobs.models import Job
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.store.models import Job
 from batchllm.worker.engines import EngineCache
 
 SCHEMA = {
@@ -77,7 +77,7 @@ HALVES = {
     "control": "control job: the same rows",
     "plain": "plain job: the same rows",
 }
-# The settings batchllm stores for each kind of line (jobs/reader.py): what raw vLLM's twin of
+# The settings batchllm stores for each kind of line (input/validate.py): what raw vLLM's twin of
 # each job is given, through batchllm's own SamplingParams construction.
 _RAW: dict[str, dict[str, Any]] = {
     "plain": {"ignore_eos": True},
@@ -205,9 +205,9 @@ class _Done:
 def _run_job(engines: _TimedEngines, spec: JobSpec, source: Path, settings: Settings) -> _Done:
     """The whole `run_job`, timed like the engine part's batchllm contender: from the end of
     validation and storage to the finished job. Error rows would make the figures meaningless."""
-    from batchllm.jobs.models import JobStatus
-    from batchllm.jobs.output import read_output
-    from batchllm.jobs.storage import Storage
+    from batchllm.output.parts import read_output
+    from batchllm.storage import Storage
+    from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
 
     engines.timeline = timeline = Timeline()

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.bench.figures import BenchFailed
+from batchllm.demo.workload import sentence
 from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Finished
 from batchllm.engine.vllm_engine import sampling_values
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.workload import sentence
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import JobSpec
 
 _FILLER = (
     "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
@@ -185,8 +185,8 @@ def _run_once(
 ) -> dict[str, Any]:
     from batchllm.bench.contenders import bench_settings
     from batchllm.engine.sizing import load_tokenizer
-    from batchllm.jobs.models import JobStatus
-    from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
+    from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+    from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
 
     engines = _InstantEngines(load_tokenizer(model))

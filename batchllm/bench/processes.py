@@ -143,8 +143,8 @@ def run_batchllm(
     source: Path, workdir: Path, *, model: str, limits: EngineLimits, max_tokens: int
 ) -> Run:
     from batchllm.bench.contenders import bench_settings
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
+    from batchllm.store import service
+    from batchllm.store.db import session_scope
 
     home = workdir / "batchllm-home"
     command = [

@@ -110,7 +110,7 @@ def size_context(model: str, runs: list[tuple[Workload, int]]) -> int:
     """One max_model_len for every contender: the longest request among the (workload, variant)
     pairs that will run, sized the way batchllm sizes a job."""
     from batchllm.engine.sizing import size_max_model_len
-    from batchllm.jobs.schemas import SamplingDefaults
+    from batchllm.input.schemas import SamplingDefaults
 
     rows = (row for workload, variant in runs for row in stored_rows(workload, variant))
     return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1))

@@ -198,9 +198,9 @@ def time_job(
     job: WarmJob, *, source: Path, model: str, lines: int, settings: Settings, timeout: float
 ) -> dict[str, Any]:
     """Submit one single-shard job, wait for it to end and read its timestamps."""
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.models import Job, JobStatus
-    from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+    from batchllm.input.schemas import JobSpec, SamplingDefaults
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job, JobStatus
     from batchllm.worker.dispatch import submit_job
 
     spec = JobSpec(model=model, sampling=SamplingDefaults(max_tokens=job.max_tokens))
@@ -264,8 +264,8 @@ def run_warm(
     """Start a worker, run the warm-up, `jobs` shorter jobs and (with `rebuild`) one longer
     job on it one after another; the figures of each, and the worker ended."""
     from batchllm.bench.contenders import bench_settings
-    from batchllm.jobs.db import get_engine
-    from batchllm.jobs.workload import write_workload
+    from batchllm.demo.workload import write_workload
+    from batchllm.store.db import get_engine
 
     workdir.mkdir(parents=True, exist_ok=True)
     # The worker and this process must name the model alike: it is the queue and the metric label.

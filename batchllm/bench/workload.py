@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.workload import sentence
+from batchllm.demo.workload import sentence
+from batchllm.input.rows import InputRow
 
 TEMPERATURE = 1.0
 # How output lengths are drawn within the range. `uniform`: every length alike. `log-uniform`:

@@ -17,8 +17,8 @@ def db() -> None:
 @db.command()
 def upgrade() -> None:
     """Apply all migrations to BATCHLLM_DATABASE_URL (SQLite does this by itself)."""
-    from batchllm.jobs.db import upgrade as run_upgrade
     from batchllm.settings import get_settings
+    from batchllm.store.db import upgrade as run_upgrade
 
     url = get_settings().resolved_database_url
     run_upgrade(url)

@@ -38,9 +38,9 @@ def export(job_id: str, out_dir: Path, fmt: str, force: bool) -> None:
     Example:
       batchllm export job_3f2a -o results/
     """
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.openai_files import export_openai
+    from batchllm.output.openai_files import export_openai
+    from batchllm.store import service
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         job = service.get_job(session, job_id)

@@ -7,7 +7,7 @@ import json
 import click
 
 from batchllm.cli import cli
-from batchllm.jobs.states import JobStatus
+from batchllm.store.states import JobStatus
 
 _STATUSES = [status.value for status in JobStatus]
 
@@ -18,8 +18,8 @@ _STATUSES = [status.value for status in JobStatus]
 def status(job_id: str, as_json: bool) -> None:
     """Show a job: state, request counts, throughput, shards (JOB_ID may be a unique prefix)."""
     from batchllm.cli.render import echo_job, job_dict, table
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
+    from batchllm.store import service
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         job = service.get_job(session, job_id)
@@ -54,8 +54,8 @@ def status(job_id: str, as_json: bool) -> None:
 def jobs(status_filter: str | None, limit: int) -> None:
     """List recent jobs with their throughput."""
     from batchllm.cli.render import fmt, table
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
+    from batchllm.store import service
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         found = service.list_jobs(

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from batchllm.jobs.schemas import (
+from batchllm.input.schemas import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
     EngineOptions,
@@ -37,7 +37,7 @@ class InputFile(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and "://" in value:
             from batchllm.errors import BatchLLMError
-            from batchllm.jobs.inputs import readable_input
+            from batchllm.input.shards import readable_input
 
             try:
                 return readable_input(value)
@@ -263,7 +263,7 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     )
     task = flags.pop("task")
     if task is None:
-        from batchllm.jobs.reader import infer_task
+        from batchllm.input.validate import infer_task
 
         task = infer_task(file) if file is not None else "generate"
     if task == "embed":
@@ -313,7 +313,7 @@ def _job_constraint(
     schema_file: Path | None, choice: str | None, regex: str | None
 ) -> dict[str, Any] | None:
     """The job's structured output constraint from --json-schema/--choice/--regex (one)."""
-    from batchllm.jobs.structured import ConstraintError, constraint_of
+    from batchllm.input.structured import ConstraintError, constraint_of
 
     given = [
         f
@@ -347,7 +347,7 @@ def _job_constraint(
 
 def require_requests(file: str | Path) -> None:
     """Refuse a file without a request before a job is created for it."""
-    from batchllm.jobs.lines import has_requests
+    from batchllm.input.lines import has_requests
     from batchllm.settings import get_settings
 
     if not has_requests(file, get_settings().max_line_bytes):

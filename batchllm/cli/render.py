@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from batchllm.jobs.models import Job
+from batchllm.store.models import Job
 
 THROUGHPUT_FIELDS = (
     "prompt_tokens",
@@ -94,8 +94,8 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def job_row(job_ref: str) -> Job:
     """The job's database row, which the renderers here show in full (the Client's Job holds
     what a program needs: state, counts, output, throughput)."""
-    from batchllm.jobs import service
-    from batchllm.jobs.db import session_scope
+    from batchllm.store import service
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         return service.get_job(session, job_ref)

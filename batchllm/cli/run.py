@@ -71,7 +71,7 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
         progress[0].close()
     row = job_row(ended.id)
     if output is not None and ended.status == "completed":
-        from batchllm.jobs.export import copy_output
+        from batchllm.output.export import copy_output
 
         try:
             copy_output(row, output)

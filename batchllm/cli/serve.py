@@ -63,7 +63,7 @@ def serve(
 
     from batchllm.api.app import create_app
     from batchllm.api.http import server_options
-    from batchllm.jobs.db import get_engine
+    from batchllm.store.db import get_engine
 
     get_engine()  # refuse an unreachable or old database now, in one line
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
@@ -127,8 +127,8 @@ def keys() -> None:
 @click.argument("name")
 def create_key(name: str) -> None:
     """Create a key named NAME and print it (once: only its hash is stored)."""
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.keys import create_key as make
+    from batchllm.api.keys import create_key as make
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         row, key = make(session, name)
@@ -140,9 +140,9 @@ def create_key(name: str) -> None:
 @keys.command("list")
 def list_keys() -> None:
     """Keys by id, name, creation and revocation time (never the keys themselves)."""
+    from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.keys import list_keys as rows
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         lines = [
@@ -161,8 +161,8 @@ def list_keys() -> None:
 @click.argument("key")
 def revoke_key(key: str) -> None:
     """Revoke the key with this id or name: its requests get 401 from now on."""
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.keys import revoke_key as revoke
+    from batchllm.api.keys import revoke_key as revoke
+    from batchllm.store.db import session_scope
 
     with session_scope() as session:
         row = revoke(session, key)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchllm.engine.hardware import Gpu
 from batchllm.errors import EngineSettingsError
-from batchllm.jobs.schemas import EngineOptions
+from batchllm.input.schemas import EngineOptions
 
 
 def _gpu_word(count: int) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchllm.engine.chat_batch import render_chats
-from batchllm.jobs.rows import TEMPLATE_OPTIONS, InputRow
+from batchllm.input.rows import TEMPLATE_OPTIONS, InputRow
 
 Encode = Callable[[list[str], bool], list[list[int]]]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batchllm.engine.prompts import Prepared
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import JobSpec
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import JobSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 An oversized context only costs KV cache and concurrency; an undersized one turns rows into
 errors. The longest request decides, capped by what the model supports. The sizing pass
-tokenizes every prompt; it hands the ids on (jobs/token_store.py) so the feed does not
+tokenizes every prompt; it hands the ids on (input/token_store.py) so the feed does not
 tokenize them again.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import SamplingDefaults
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import SamplingDefaults
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import EngineOptions
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import EngineOptions
 from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)

@@ -8,13 +8,14 @@ from collections.abc import Callable
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied, EngineSettingsError
-from batchllm.jobs import leases
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.lifecycle import fail_job
-from batchllm.jobs.models import JobStatus, Shard
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import JobSpec
+from batchllm.output import commit
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store import leases
+from batchllm.store.db import session_scope
+from batchllm.store.models import JobStatus, Shard
+from batchllm.store.state_machine import fail_job
 from batchllm.worker.engines import resolve_max_model_len
 from batchllm.worker.finalize import finalize_job
 from batchllm.worker.log_format import note_job, shard_context
@@ -58,6 +59,7 @@ def _process_shard(
         # No engine needed: the claim itself ends a shard of a cancelling job as cancelled.
         with session_scope(settings) as session:
             leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
+            commit.tidy_ended_jobs(session)
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.

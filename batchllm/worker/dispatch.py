@@ -10,12 +10,12 @@ from pathlib import Path
 from sqlalchemy import select
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs import lifecycle, recovery, service
-from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import StoredInput
-from batchllm.jobs.models import Job, Shard
-from batchllm.jobs.schemas import JobSpec
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import StoredInput
 from batchllm.settings import Settings, get_settings
+from batchllm.store import recovery, service, state_machine
+from batchllm.store.db import get_one, session_scope
+from batchllm.store.models import Job, Shard
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def submit_job(
     except Exception as exc:
         message = f"could not reach the broker at {_without_password(settings.broker_url)}: {exc}"
         with session_scope(settings) as session:
-            lifecycle.fail_job(session, job_id, message)
+            state_machine.fail_job(session, job_id, message)
         raise BatchLLMError(message) from exc
     log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
     with session_scope(settings) as session:

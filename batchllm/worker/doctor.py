@@ -191,7 +191,7 @@ def _sqlite_to_be_created(section: Section, file: Path) -> None:
 def _schema(section: Section, url: str, backend: str, current: str | None) -> None:
     from alembic.script import ScriptDirectory
 
-    from batchllm.jobs.db import alembic_config
+    from batchllm.store.db import alembic_config
 
     scripts = ScriptDirectory.from_config(alembic_config(url))
     head = scripts.get_current_head()
@@ -278,7 +278,7 @@ def check_storage(root: str) -> Section:
     """Writable: a probe file is written (as part files are: through a temporary name and a
     rename, or on an object store under its name), read back and deleted. Directories the
     probe needed are removed again."""
-    from batchllm.jobs.storage import Storage
+    from batchllm.storage import Storage
 
     shown = hide_password(root)
     section = Section("storage", "Storage")

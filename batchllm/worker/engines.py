@@ -7,12 +7,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from batchllm.jobs import service
-from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.models import Job
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import get_one, session_scope
+from batchllm.store.models import Job
 from batchllm.worker import metrics
 from batchllm.worker.sizing_pass import size_shards
 

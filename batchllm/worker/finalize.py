@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from batchllm.jobs import lifecycle
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Checkpoint, Job, Shard
-from batchllm.jobs.output import OUTPUT_SCHEMA, remove_unrecorded_parts, write_manifest
-from batchllm.jobs.storage import Storage
+from batchllm.output import commit
+from batchllm.output.parts import OUTPUT_SCHEMA, write_manifest
 from batchllm.settings import Settings
+from batchllm.storage import Storage
+from batchllm.store import state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +27,12 @@ def finalize_job(
     """Complete a `finalizing` job; False when it was not (another worker finished it).
     hardware/vllm_version None: keep what the job recorded at its first engine step."""
     with session_scope(settings) as session:
-        job = lifecycle.complete_job(session, job_id, hardware=hardware, vllm_version=vllm_version)
+        job = state_machine.complete_job(
+            session, job_id, hardware=hardware, vllm_version=vllm_version
+        )
         if job is None:
             return False
-        _remove_unrecorded_parts(session, storage, job_id)
+        commit.tidy_unrecorded_parts(session, storage, job_id)
         # The manifest is written before the commit: a crash in between leaves the job
         # `finalizing` and the redelivered shard task finalizes it again.
         write_manifest(storage, storage.output_dir(job_id), manifest_of(job))
@@ -76,11 +76,3 @@ def manifest_of(job: Job) -> dict:
         "created_at": job.created_at,
         "finished_at": job.finished_at,
     }
-
-
-def _remove_unrecorded_parts(session: Session, storage: Storage, job_id: str) -> None:
-    """Delete part files no checkpoint records: left by a worker that died between writing a
-    file and its commit, or that lost its shard. Their rows were produced again elsewhere."""
-    recorded = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
-    for name in remove_unrecorded_parts(storage, storage.output_dir(job_id), recorded):
-        log.warning("job %s: removed unrecorded part file %s", job_id, name)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
-from batchllm.jobs import lifecycle, recovery, service
-from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import readable_input
-from batchllm.jobs.models import Job, JobStatus
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import readable_input
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store import recovery, service, state_machine
+from batchllm.store.db import get_one, session_scope
+from batchllm.store.models import Job, JobStatus
 from batchllm.worker.engines import EngineCache, resolve_max_model_len
 from batchllm.worker.runner import ProgressFn, ShardRunner
 from batchllm.worker.sizing_pass import BackgroundSizer
@@ -85,7 +85,7 @@ def run_job(
         was_interrupted = interrupted.is_set() or isinstance(exc, KeyboardInterrupt)
         reason = "interrupted" if was_interrupted else f"{type(exc).__name__}: {exc}"
         with session_scope(settings) as session:
-            lifecycle.fail_job(session, job_id, reason)
+            state_machine.fail_job(session, job_id, reason)
         if was_interrupted:
             raise JobInterrupted(
                 f"job {job_id} interrupted: it ended failed; the rows "

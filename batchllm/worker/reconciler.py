@@ -18,10 +18,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchllm.jobs import leases, recovery
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.storage import Storage
+from batchllm.output import commit
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store import leases, recovery
+from batchllm.store.db import session_scope
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
 from batchllm.worker.finalize import finalize_job
@@ -77,6 +78,7 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         done.cancelled_jobs = recovery.end_stale_shards_of_cancelled_jobs(
             session, settings.lease_seconds
         ) + recovery.end_cancelling_jobs_without_shards(session)
+        commit.tidy_ended_jobs(session)
     for job_id in done.cancelled_jobs:
         log.warning(
             "job %s ended (cancelled, or expired): its remaining shards had no live worker",

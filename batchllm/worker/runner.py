@@ -21,15 +21,16 @@ from batchllm.engine.prompts import token_count, within_context
 from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.heap import frozen_heap
-from batchllm.jobs import leases, lifecycle, service
-from batchllm.jobs.adapters import local_adapter_path
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import JobStatus, ShardStatus
-from batchllm.jobs.output import OutputBuffer, Part
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.structured import field_of, satisfies
+from batchllm.input.adapters import local_adapter_path
+from batchllm.input.rows import InputRow
+from batchllm.input.structured import field_of, satisfies
+from batchllm.output import commit
+from batchllm.output.parts import OutputBuffer, Part
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store import leases, service, state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker import metrics
 from batchllm.worker.finalize import finalize_job
 from batchllm.worker.shard_state import ShardState, load_shard_state, sampling_for
@@ -156,6 +157,7 @@ class ShardRunner:
                     claimed = leases.claim_shard(
                         session, shard_id, self.worker, self.settings.lease_seconds
                     )
+                    commit.tidy_ended_jobs(session)  # the claim may end a cancelling job
             except ShardBusy as exc:
                 log.info("%s", exc)
                 self._outcomes[shard_id] = Outcome.BUSY
@@ -381,9 +383,10 @@ class ShardRunner:
         self._active.remove(state)
         self._outcomes[state.shard_id] = outcome
         with session_scope(self.settings) as session:
-            next_step = lifecycle.end_shard(
+            next_step = state_machine.end_shard(
                 session, state.shard_id, status, error, attempt=state.attempt
             )
+            commit.tidy_ended_jobs(session)
         self._shard_ended(state, outcome)
         if next_step is JobStatus.FINALIZING:
             finalize_job(

@@ -9,24 +9,15 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from batchllm.errors import ShardLost
-from batchllm.jobs import checkpoints
-from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import iter_shard_rows
-from batchllm.jobs.models import Shard
-from batchllm.jobs.output import (
-    OutputBuffer,
-    Part,
-    part_name,
-    part_of,
-    read_lines,
-    remove_unrecorded_parts,
-    write_table,
-)
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import iter_shard_rows
+from batchllm.output import commit
+from batchllm.output.parts import OutputBuffer, Part, part_of
 from batchllm.settings import Settings
+from batchllm.storage import Storage
+from batchllm.store.db import get_one, session_scope
+from batchllm.store.models import Shard
 
 log = logging.getLogger(__name__)
 
@@ -74,28 +65,18 @@ class ShardState:
         if not self.buffer:
             return None
         part = part_of(self.buffer.take())
-        name = part_name(self.index, self.next_seq, self.attempt)
-        path = write_table(storage, self.out_dir, name, part.table)
-        try:
-            with session_scope(settings) as session:
-                checkpoints.record_checkpoint(
-                    session,
-                    shard_id=self.shard_id,
-                    job_id=self.job_id,
-                    seq=self.next_seq,
-                    path=path,
-                    rows_ok=part.rows_ok,
-                    rows_failed=part.rows_failed,
-                    prompt_tokens=part.prompt_tokens,
-                    completion_tokens=part.completion_tokens,
-                    structured_rows=part.structured_rows,
-                    structured_valid=part.structured_valid,
-                    engine_seconds=self.step_seconds,
-                    attempt=self.attempt,
-                )
-        except ShardLost:
-            storage.delete(path)  # its rows belong to the worker that took the shard over
-            raise
+        commit.commit_part(
+            storage,
+            settings,
+            part,
+            shard_id=self.shard_id,
+            shard=self.index,
+            job_id=self.job_id,
+            out_dir=self.out_dir,
+            seq=self.next_seq,
+            attempt=self.attempt,
+            engine_seconds=self.step_seconds,
+        )
         self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()
@@ -103,26 +84,16 @@ class ShardState:
 
 
 def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> ShardState:
-    """State of a claimed shard, resuming from its checkpoints.
-
-    Part files of this shard that no checkpoint records were written by a worker that died
-    between the file and the database commit: they are deleted, and their rows run again.
-    """
+    """State of a claimed shard, resuming from its checkpoints (commit.resume_shard)."""
     with session_scope(settings) as session:
         shard = get_one(session, Shard, shard_id)
         job = shard.job
-        committed = checkpoints.checkpoints_of(session, shard_id)
+        committed = commit.checkpoints_of(session, shard_id)
         spec = JobSpec.model_validate(job.spec)
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
         attempt = shard.attempts
     out_dir = storage.output_dir(job_id)
-    for name in remove_unrecorded_parts(
-        storage, out_dir, (c.path for c in committed), prefix=f"part-s{index:05d}-"
-    ):
-        log.warning("shard %d: removed uncommitted part file %s", index, name)
-    done: set[int] = set()
-    for checkpoint in committed:
-        done.update(read_lines(storage, checkpoint.path))
+    done = commit.resume_shard(storage, out_dir, index, committed)
     if done:
         log.info("shard %d: resuming, %d rows already committed", index, len(done))
     return ShardState(

@@ -13,10 +13,10 @@ import queue
 import threading
 from typing import TYPE_CHECKING
 
-from batchllm.jobs.inputs import iter_shard_rows
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.token_store import TokenFileWriter, token_path
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import iter_shard_rows
+from batchllm.input.token_store import TokenFileWriter, token_path
+from batchllm.storage import Storage
 
 if TYPE_CHECKING:
     from batchllm.engine.sizing import ContextSizer

@@ -162,7 +162,7 @@ def test_direct_tokenization_gives_the_ids_of_the_tokenizer_call(tiny_model):
     from transformers import AutoTokenizer
 
     from batchllm.engine.prompts import prepare_prompts
-    from batchllm.jobs.rows import InputRow
+    from batchllm.input.rows import InputRow
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     rows = [

@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 import pytest
 from conftest import require
 
-from batchllm.jobs.schemas import LineError, Request
+from batchllm.input.schemas import LineError, Request
 
 pytestmark = pytest.mark.engine
 
@@ -384,7 +384,7 @@ def test_generation_lines_and_dimensions_are_error_rows_in_an_embedding_job(embe
 
 
 def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp_path, settings):
-    from batchllm.jobs.reader import infer_task, read_requests
+    from batchllm.input.validate import infer_task, read_requests
 
     source = write_jsonl(tmp_path / "embed.jsonl", EMBED_LINES)
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import require
 
-from batchllm.jobs.output import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
+from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 
 pytestmark = pytest.mark.engine
 

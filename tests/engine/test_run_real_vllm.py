@@ -19,14 +19,15 @@ import pyarrow.dataset as ds
 import pytest
 from conftest import require
 
-from batchllm.jobs import checkpoints, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, ShardStatus
-from batchllm.jobs.output import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.output import commit
+from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
 
@@ -350,9 +351,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
         recorded = [
-            posixpath.basename(c.path)
-            for s in shards
-            for c in checkpoints.checkpoints_of(session, s.id)
+            posixpath.basename(c.path) for s in shards for c in commit.checkpoints_of(session, s.id)
         ]
         assert sorted(recorded) == parts
         assert len(parts) > len(shards)

@@ -60,7 +60,7 @@ def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         postgres.init()
         postgres.start()
         postgres.create_database()
-        from batchllm.jobs.db import get_engine, upgrade
+        from batchllm.store.db import get_engine, upgrade
 
         upgrade(postgres.url)
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}

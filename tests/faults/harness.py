@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from batchllm.jobs.schemas import EngineOptions
+from batchllm.input.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.integration.test_fleet import wait_for
 from tests.worker_logs import named_log_tail
@@ -391,7 +391,7 @@ class FaultEnv:
         model: Path | str | None = None,
     ):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
-        from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+        from batchllm.input.schemas import JobSpec, SamplingDefaults
         from batchllm.worker.dispatch import submit_job
 
         spec = JobSpec(
@@ -649,9 +649,9 @@ class Pool:
 
 def run_probe_job(env: FaultEnv, count: int, *, timeout: float, workers: list[Worker]) -> set[str]:
     """Run a small job of 2*count two-row shards; returns the workers that ran its shards."""
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.models import Job, JobStatus
-    from batchllm.jobs.workload import write_workload
+    from batchllm.demo.workload import write_workload
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job, JobStatus
 
     source = write_workload(
         env.work_dir / f"probe-{time.monotonic_ns()}.jsonl", requests=4 * count, prompt_words=(4, 8)

@@ -25,12 +25,12 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.exc import DBAPIError
 
-from batchllm.jobs import lifecycle, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.storage import Storage
+from batchllm.store import service, state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from tests.faults.harness import (
     FaultEnv,
     Pool,
@@ -215,7 +215,7 @@ def assert_completed_exactly_once(
 
 
 def committed_lines(env: FaultEnv, shard_id: int) -> set[int]:
-    from batchllm.jobs.output import read_lines
+    from batchllm.output.parts import read_lines
 
     storage = Storage(env.settings.resolved_storage)
     lines: set[int] = set()
@@ -229,7 +229,9 @@ def end_active_jobs(env: FaultEnv) -> None:
     abort within a second), then end by hand whatever is left."""
     try:
         with session_scope(env.settings) as session:
-            active = list(session.scalars(select(Job.id).where(Job.status.in_(lifecycle.ACTIVE))))
+            active = list(
+                session.scalars(select(Job.id).where(Job.status.in_(state_machine.ACTIVE)))
+            )
         for job_id in active:
             try:
                 with session_scope(env.settings) as session:
@@ -240,7 +242,7 @@ def end_active_jobs(env: FaultEnv) -> None:
         while active and time.monotonic() < deadline:
             with session_scope(env.settings) as session:
                 active = list(
-                    session.scalars(select(Job.id).where(Job.status.in_(lifecycle.ACTIVE)))
+                    session.scalars(select(Job.id).where(Job.status.in_(state_machine.ACTIVE)))
                 )
             time.sleep(0.5)
         with session_scope(env.settings) as session:
@@ -251,7 +253,7 @@ def end_active_jobs(env: FaultEnv) -> None:
             )
             session.execute(
                 update(Job)
-                .where(Job.status.in_(lifecycle.ACTIVE))
+                .where(Job.status.in_(state_machine.ACTIVE))
                 .values(status=JobStatus.CANCELLED, error="ended by the fault suite's clean-up")
             )
     except DBAPIError:

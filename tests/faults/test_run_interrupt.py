@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.jobs.output import SUCCESS_NAME, read_output
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.output.parts import SUCCESS_NAME, read_output
+from batchllm.storage import Storage
 from tests.conftest import require
 from tests.faults.harness import REPO, alive_of, descendants, kill_recorded, tail
 from tests.integration.test_fleet import assert_each_line_at_most_once, expected_rows

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchllm.jobs.schemas import EngineOptions
+from batchllm.input.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.conftest import require
 from tests.worker_logs import named_log_tail
@@ -126,7 +126,7 @@ class FleetEnv:
 
     def submit(self, source: Path, model: Path | str, *, shard_size: int, max_tokens: int = 64):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
-        from batchllm.jobs.schemas import JobSpec, SamplingDefaults
+        from batchllm.input.schemas import JobSpec, SamplingDefaults
         from batchllm.worker.dispatch import submit_job
 
         spec = JobSpec(
@@ -154,7 +154,7 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
         _redis_database(token) as (broker, broker_url),
         _postgres_database(f"batchllm_it_{token}") as url,
     ):
-        from batchllm.jobs.db import get_engine, upgrade
+        from batchllm.store.db import get_engine, upgrade
 
         upgrade(url)
         root = tmp_path_factory.mktemp("fleet")
@@ -305,9 +305,9 @@ def tails(workers: list[Worker]) -> str:
 def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir: Path) -> None:
     """One small shard per worker, so each builds its engine (the slow part, and slower for one
     worker than the other) before the tests time or balance anything."""
-    from batchllm.jobs.db import session_scope
-    from batchllm.jobs.models import Job, JobStatus
-    from batchllm.jobs.workload import write_workload
+    from batchllm.demo.workload import write_workload
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job, JobStatus
 
     source = write_workload(work_dir / "warm-up.jsonl", requests=4 * len(workers))
     job_id = fleet_env.submit(source, model, shard_size=4, max_tokens=8).id

@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, StoredFile
 from batchllm.settings import Settings
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, StoredFile
 from tests.integration.conftest import FleetEnv, Worker, stop_workers
 from tests.integration.test_batch_api import (
     CHAT,

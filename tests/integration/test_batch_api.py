@@ -25,8 +25,8 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import StoredFile
+from batchllm.store.db import session_scope
+from batchllm.store.models import StoredFile
 from tests.integration.conftest import HOST, REPO, FleetEnv, Worker, stop_workers
 
 openai = pytest.importorskip("openai")

@@ -17,11 +17,11 @@ from typing import TypeVar
 import pytest
 from sqlalchemy import select
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
-from batchllm.jobs.output import SUCCESS_NAME, read_output
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.output.parts import SUCCESS_NAME, read_output
+from batchllm.storage import Storage
+from batchllm.store.db import session_scope
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_model
 
 T = TypeVar("T")

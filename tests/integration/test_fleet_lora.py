@@ -13,10 +13,10 @@ import time
 
 from sqlalchemy import select
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
-from batchllm.jobs.output import read_output
-from batchllm.jobs.storage import Storage
+from batchllm.output.parts import read_output
+from batchllm.storage import Storage
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).

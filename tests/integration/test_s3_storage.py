@@ -26,11 +26,11 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pytest
 
-from batchllm.jobs.models import JobStatus, ShardStatus
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME, OutputRow, part_name, write_part
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, OutputRow, part_name, write_part
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store.models import JobStatus, ShardStatus
 from tests.conftest import require
 from tests.integration.conftest import (
     REPO,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.jobs.models import JobStatus
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.store.models import JobStatus
 from tests.integration.conftest import REPO, Worker
 from tests.integration.test_fleet import (
     assert_exactly_once,

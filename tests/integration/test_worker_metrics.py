@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchllm.jobs.models import JobStatus
-from batchllm.jobs.workload import write_workload
+from batchllm.demo.workload import write_workload
+from batchllm.store.models import JobStatus
 from tests.integration.conftest import Worker
 from tests.integration.test_fleet import load_job, wait_for, wait_until_final
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from batchllm.jobs import keys
-from batchllm.jobs.db import session_scope
+from batchllm.api import keys
 from batchllm.settings import Settings
+from batchllm.store.db import session_scope
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job
 from tests.security.conftest import MAX_ACTIVE_BATCHES, MAX_STORED_BYTES, Served
 
 pytestmark = pytest.mark.security

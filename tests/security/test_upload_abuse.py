@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import StoredFile
+from batchllm.store.db import session_scope
+from batchllm.store.models import StoredFile
 from tests.security.conftest import MAX_FILE_BYTES, Served
 from tests.security.rawhttp import (
     TempProbe,

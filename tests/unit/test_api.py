@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from batchllm.api import keys
 from batchllm.api.app import create_app
-from batchllm.jobs import keys
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Batch as BatchRow
-from batchllm.jobs.models import Job, StoredFile
 from batchllm.settings import Settings
+from batchllm.store.db import session_scope
+from batchllm.store.models import Batch as BatchRow
+from batchllm.store.models import Job, StoredFile
 
 pytest.importorskip("fastapi.testclient")
 openai_types = pytest.importorskip("openai.types")

@@ -13,12 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from batchllm.cli import cli
-from batchllm.jobs import checkpoints, leases, lifecycle, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, ShardStatus
-from batchllm.jobs.output import OutputRow, part_name, write_part
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import JobSpec
+from batchllm.output import commit
+from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.storage import Storage
+from batchllm.store import leases, service, state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, ShardStatus
 from batchllm.worker.finalize import finalize_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def finished_job(settings, tmp_path) -> str:
         leases.claim_shard(session, shard.id, "test-worker")
         service.mark_generation_started(session, job_id)
         path = write_part(storage, storage.output_dir(job_id), part_name(0, 0), rows)
-        checkpoints.record_checkpoint(
+        commit.record_checkpoint(
             session,
             shard_id=shard.id,
             job_id=job_id,
@@ -105,7 +106,10 @@ def finished_job(settings, tmp_path) -> str:
             completion_tokens=10,
             engine_seconds=0.5,
         )
-        assert lifecycle.end_shard(session, shard.id, ShardStatus.COMPLETED) is JobStatus.FINALIZING
+        assert (
+            state_machine.end_shard(session, shard.id, ShardStatus.COMPLETED)
+            is JobStatus.FINALIZING
+        )
     finalize_job(
         job_id, storage=storage, settings=settings, hardware="fake CPU", vllm_version="0.0-test"
     )

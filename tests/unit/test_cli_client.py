@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from batchllm import Client
 from batchllm.cli import cli
-from batchllm.jobs import service
-from batchllm.jobs.schemas import JobSpec
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import get_settings
+from batchllm.store import service
 from tests.unit.test_runner_fake_engine import FakeEngine, FakeEngines
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from batchllm.api.keys import create_key, list_keys
 from batchllm.cli import cli
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.keys import create_key, list_keys
-from batchllm.jobs.models import ApiKey
+from batchllm.store.db import session_scope
+from batchllm.store.models import ApiKey
 
 
 def invoke(*args: str):

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.cli.options import require_local_model
 from batchllm.errors import JobNotFound
-from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.schemas import JobSpec
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import get_settings
+from batchllm.store import service
+from batchllm.store.db import session_scope
 
 
 def invoke(*args: str):

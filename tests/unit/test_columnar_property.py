@@ -1,5 +1,5 @@
-"""Block validation (jobs/columnar.py) stores exactly the rows that line-by-line validation
-(reader.read_requests, the definition of validity) gives, whatever the lines hold; and for the
+"""Block validation (input/columnar.py) stores exactly the rows that line-by-line validation
+(validate.read_requests, the definition of validity) gives, whatever the lines hold; and for the
 common line shapes it does decide the lines itself, without the line-by-line path."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchllm.jobs import columnar, reader
-from batchllm.jobs.custom_ids import CustomIds
-from batchllm.jobs.lines import iter_lines
-from batchllm.jobs.rows import INPUT_SCHEMA, InputRow
-from batchllm.jobs.schemas import LineError
+from batchllm.input import columnar, validate
+from batchllm.input.custom_ids import CustomIds
+from batchllm.input.lines import iter_lines
+from batchllm.input.rows import INPUT_SCHEMA, InputRow
+from batchllm.input.schemas import LineError
 
 LIMIT = 400
 
@@ -165,7 +165,7 @@ line_bytes = st.one_of(
 def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple]:
     return [
         (InputRow.from_item(item).stored_values(), item if isinstance(item, LineError) else None)
-        for item in reader.read_requests(path, max_line_bytes=LIMIT, adapters=adapters, task=task)
+        for item in validate.read_requests(path, max_line_bytes=LIMIT, adapters=adapters, task=task)
     ]
 
 
@@ -250,7 +250,7 @@ def test_common_lines_are_decided_by_the_block_not_line_by_line(tmp_path):
 def got_rows(path: Path, adapters: frozenset[str] = frozenset(), task: str = "generate"):
     """read_row_chunks' rows, each with its LineError or None, as expected_rows gives them."""
     got = []
-    for rows, problems in reader.read_row_chunks(
+    for rows, problems in validate.read_row_chunks(
         path, max_line_bytes=LIMIT, adapters=adapters, task=task
     ):
         assert rows.schema == INPUT_SCHEMA

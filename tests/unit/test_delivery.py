@@ -10,11 +10,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
-from batchllm.jobs import leases, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
-from batchllm.jobs.storage import Storage
+from batchllm.output import commit
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.storage import Storage
+from batchllm.store import leases, service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.runner import Outcome, ShardRunner
 from tests.unit.test_runner_fake_engine import (
@@ -222,7 +223,8 @@ def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job
 
 def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_path):
     """A part file no checkpoint records (its worker died before the commit) is not output of
-    a job that ends cancelled either: readers of the directory see committed rows only."""
+    a job that ends cancelled either: readers of the directory see committed rows only. The
+    state machine only ends the job; the commit protocol's owner deletes the file."""
     settings = small_commits
     job_id, _ = create(settings, tmp_path, 20, shard_size=12)
     storage = Storage(settings.resolved_storage)
@@ -232,5 +234,7 @@ def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_
     with session_scope(settings) as session:
         job = service.cancel_job(session, job_id)
         assert job.status is JobStatus.CANCELLED
+        assert storage.exists(orphan)
+        commit.tidy_ended_jobs(session)
 
     assert not storage.exists(orphan)

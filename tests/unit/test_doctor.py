@@ -16,8 +16,8 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.engine import hardware, versions
 from batchllm.engine.hardware import EngineProcess, Gpu
-from batchllm.jobs.db import upgrade
 from batchllm.settings import Settings
+from batchllm.store.db import upgrade
 from batchllm.worker import doctor
 from batchllm.worker.doctor import (
     Report,

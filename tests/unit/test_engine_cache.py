@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 
-from batchllm.jobs.schemas import EngineOptions, JobSpec
+from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.worker import engines as engines_module
 from batchllm.worker.engines import EngineCache
 

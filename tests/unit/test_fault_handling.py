@@ -13,11 +13,11 @@ import signal
 import pytest
 
 from batchllm.errors import EngineDied, JobInterrupted
-from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
-from batchllm.jobs.storage import Storage
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner

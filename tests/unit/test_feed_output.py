@@ -13,11 +13,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchllm.jobs.inputs import iter_shard_rows, store_input
-from batchllm.jobs.output import OUTPUT_SCHEMA, OutputBuffer, OutputRow, part_of, rows_to_table
-from batchllm.jobs.rows import INPUT_SCHEMA, InputRow, stored_row
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.rows import INPUT_SCHEMA, InputRow, stored_row
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import iter_shard_rows, store_input
+from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, OutputRow, part_of, rows_to_table
+from batchllm.storage import Storage
 from batchllm.worker.shard_state import ShardState
 
 CHOICES = [

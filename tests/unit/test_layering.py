@@ -1,4 +1,11 @@
-"""The package's layers import only downwards: cli -> api -> bench -> worker -> engine -> jobs."""
+"""The package's layers import only downwards:
+cli -> api -> bench -> worker -> engine -> output -> store -> input.
+
+The last three are the pipeline's stages, each knowing only the ones before it: the input
+(read, validate, shard) knows no SQL; the store (jobs, shards, states, leases) reads and writes
+no part files; the output (the Parquet contract and the commit protocol) records its
+checkpoints in the store. The top-level modules (settings, errors, storage, heap, client, demo)
+sit outside the order: the foundation below every layer, or entry points above them."""
 
 from __future__ import annotations
 
@@ -7,8 +14,18 @@ from pathlib import Path
 
 import batchllm
 
-LAYERS = ["cli", "api", "bench", "worker", "engine", "jobs"]  # each may import the ones after it
+LAYERS = [
+    "cli",
+    "api",
+    "bench",
+    "worker",
+    "engine",
+    "output",
+    "store",
+    "input",
+]  # each may import the ones after it
 PACKAGE = Path(batchllm.__file__).parent
+FOUNDATION = ["settings", "errors", "storage", "heap"]  # may import no layer
 
 
 def imported_layers(path: Path) -> set[str]:
@@ -34,6 +51,12 @@ def test_no_module_imports_a_layer_above_its_own():
             for other in imported_layers(path) - allowed:
                 upward.append(f"{path.relative_to(PACKAGE)} imports batchllm.{other}")
     assert upward == []
+
+
+def test_the_foundation_imports_no_layer():
+    assert {m: imported_layers(PACKAGE / f"{m}.py") for m in FOUNDATION} == {
+        m: set() for m in FOUNDATION
+    }
 
 
 def test_the_walk_sees_every_layer_and_catches_an_upward_import(tmp_path):

@@ -10,12 +10,13 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy, ShardLost
-from batchllm.jobs import checkpoints, leases, lifecycle, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import OutputRow, part_name, write_part
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import JobSpec
+from batchllm.output import commit
+from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.storage import Storage
+from batchllm.store import leases, service, state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.finalize import finalize_job
 
 
@@ -37,7 +38,7 @@ def age_heartbeat(settings, shard_id: int, seconds: float) -> None:
 
 
 def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> None:
-    checkpoints.record_checkpoint(
+    commit.record_checkpoint(
         session,
         shard_id=shard_id,
         job_id=job_id,
@@ -68,12 +69,14 @@ def test_a_worker_whose_shard_was_taken_over_cannot_record_checkpoints(settings,
         assert leases.heartbeat(session, {shard_id: first}) == {shard_id}
         assert leases.heartbeat(session, {shard_id: second}) == set()
         # The stale attempt cannot end the shard either; the owner can.
-        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=first) is None
+        assert (
+            state_machine.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=first) is None
+        )
         assert session.get(Shard, shard_id).status is ShardStatus.RUNNING
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         assert (job.request_completed, job.completion_tokens) == (1, 3)
-        assert len(checkpoints.checkpoints_of(session, shard_id)) == 1
+        assert len(commit.checkpoints_of(session, shard_id)) == 1
 
 
 def test_a_fresh_heartbeat_keeps_a_redelivered_shard_with_its_worker(settings, tmp_path):
@@ -117,7 +120,7 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
     with session_scope(settings) as session:
         attempt = leases.claim_shard(session, shard_id, "w1").attempts
         kept = write_part(storage, out_dir, part_name(0, 0, attempt), rows)
-        checkpoints.record_checkpoint(
+        commit.record_checkpoint(
             session,
             shard_id=shard_id,
             job_id=job_id,
@@ -133,7 +136,7 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
         # A zombie's file with the same rows, never checkpointed.
         write_part(storage, out_dir, part_name(0, 0, attempt + 5), rows)
         assert (
-            lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=attempt)
+            state_machine.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=attempt)
             is JobStatus.FINALIZING
         )
 

@@ -21,9 +21,9 @@ from prometheus_client import REGISTRY
 from sqlalchemy import update
 
 from batchllm.cli import cli
-from batchllm.jobs import leases, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, utcnow
+from batchllm.store import leases, service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from batchllm.worker import metrics
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.runner import Outcome, ShardRunner

@@ -18,13 +18,13 @@ from sqlalchemy import update
 from batchllm.cli import cli
 from batchllm.engine.protocol import Finished
 from batchllm.errors import JobStateError
-from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, utcnow
-from batchllm.jobs.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
-from batchllm.jobs.output import OutputRow, part_name, write_part
-from batchllm.jobs.schemas import EngineOptions, JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
+from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, utcnow
 from batchllm.worker.local import run_job
 from tests.unit.test_runner_fake_engine import (
     MAX_MODEL_LEN,

@@ -11,10 +11,9 @@ import pytest
 from sqlalchemy import create_engine, inspect, select
 
 from batchllm.errors import JobNotFound, JobStateError
-from batchllm.jobs import checkpoints, leases, lifecycle, service
-from batchllm.jobs.db import session_scope, upgrade
-from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
-from batchllm.jobs.output import (
+from batchllm.input.schemas import JobSpec
+from batchllm.output import commit
+from batchllm.output.parts import (
     MANIFEST_NAME,
     OUTPUT_SCHEMA,
     SUCCESS_NAME,
@@ -25,8 +24,10 @@ from batchllm.jobs.output import (
     write_manifest,
     write_part,
 )
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
+from batchllm.store import leases, service, state_machine
+from batchllm.store.db import session_scope, upgrade
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 
 # -- Parquet output --------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         assert service.job_status(session, job_id) is JobStatus.IN_PROGRESS
         service.mark_generation_started(session, job_id)
     with session_scope(settings) as session:
-        checkpoints.record_checkpoint(
+        commit.record_checkpoint(
             session,
             shard_id=shard_ids[0],
             job_id=job_id,
@@ -300,7 +301,7 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
             completion_tokens=20,
             engine_seconds=0.5,
         )
-        checkpoints.record_checkpoint(
+        commit.record_checkpoint(
             session,
             shard_id=shard_ids[0],
             job_id=job_id,
@@ -313,11 +314,11 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
             engine_seconds=0.25,
         )
     with session_scope(settings) as session:
-        assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
-        assert lifecycle.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
+        assert state_machine.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
+        assert state_machine.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
         assert leases.claim_shard(session, shard_ids[0], "w2") is None
         assert leases.claim_shard(session, shard_ids[1], "w2") is not None
-        checkpoints.record_checkpoint(
+        commit.record_checkpoint(
             session,
             shard_id=shard_ids[1],
             job_id=job_id,
@@ -331,11 +332,11 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         )
     with session_scope(settings) as session:
         assert (
-            lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED)
+            state_machine.end_shard(session, shard_ids[1], ShardStatus.COMPLETED)
             is JobStatus.FINALIZING
         )
     with session_scope(settings) as session:
-        assert lifecycle.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is None
+        assert state_machine.end_shard(session, shard_ids[1], ShardStatus.COMPLETED) is None
 
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
@@ -345,12 +346,14 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         assert job.engine_seconds == pytest.approx(1.75)
         first = session.get(Shard, shard_ids[0])
         assert (first.rows_ok, first.rows_failed, first.next_seq) == (2, 1, 2)
-        assert [c.rows for c in checkpoints.checkpoints_of(session, shard_ids[0])] == [2, 1]
+        assert [c.rows for c in commit.checkpoints_of(session, shard_ids[0])] == [2, 1]
         assert (
             session.scalar(select(Checkpoint.path).where(Checkpoint.shard_id == shard_ids[1]))
             == "p2"
         )
-        done = lifecycle.complete_job(session, job_id, hardware="CPU (test)", vllm_version="0.0")
+        done = state_machine.complete_job(
+            session, job_id, hardware="CPU (test)", vllm_version="0.0"
+        )
         assert done.status is JobStatus.COMPLETED
         assert done.wall_seconds > 0
         assert done.requests_per_s == pytest.approx(6 / done.wall_seconds)
@@ -363,7 +366,7 @@ def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
         leases.claim_shard(session, shard.id, "w1")
-        result = lifecycle.end_shard(session, shard.id, ShardStatus.FAILED, error="engine died")
+        result = state_machine.end_shard(session, shard.id, ShardStatus.FAILED, error="engine died")
 
     assert result is JobStatus.FAILED
     with session_scope(settings) as session:
@@ -400,7 +403,9 @@ def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_end
         assert job.status is JobStatus.CANCELLING
         assert session.get(Shard, second.id).status is ShardStatus.CANCELLED
     with session_scope(settings) as session:
-        assert lifecycle.end_shard(session, first.id, ShardStatus.CANCELLED) is JobStatus.CANCELLED
+        assert (
+            state_machine.end_shard(session, first.id, ShardStatus.CANCELLED) is JobStatus.CANCELLED
+        )
         assert service.job_status(session, created.job.id) is JobStatus.CANCELLED
 
 

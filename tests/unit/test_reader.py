@@ -9,11 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.errors import InputError
-from batchllm.jobs.inputs import iter_shard_rows, store_input
-from batchllm.jobs.reader import read_requests
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import LineError, Request
-from batchllm.jobs.storage import Storage
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import LineError, Request
+from batchllm.input.shards import iter_shard_rows, store_input
+from batchllm.input.validate import read_requests
+from batchllm.storage import Storage
 
 
 def write_lines(path: Path, lines: list[str | dict | bytes]) -> Path:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from batchllm.jobs.inputs import iter_shard_rows, store_input
-from batchllm.jobs.reader import read_requests
-from batchllm.jobs.schemas import MAX_TOKENS_LIMIT, JobSpec, LineError, Request, SamplingDefaults
-from batchllm.jobs.storage import Storage
+from batchllm.input.schemas import MAX_TOKENS_LIMIT, JobSpec, LineError, Request, SamplingDefaults
+from batchllm.input.shards import iter_shard_rows, store_input
+from batchllm.input.validate import read_requests
 from batchllm.settings import get_settings
+from batchllm.storage import Storage
 
 
 def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchllm.jobs.reader import read_requests
-from batchllm.jobs.schemas import LineError, Request
+from batchllm.input.schemas import LineError, Request
+from batchllm.input.validate import read_requests
 
 LIMIT = 64  # small, so that generated long lines go over it cheaply
 BOM = b"\xef\xbb\xbf"

@@ -12,11 +12,11 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy
-from batchllm.jobs import leases, lifecycle, recovery, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME
-from batchllm.jobs.storage import Storage
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.storage import Storage
+from batchllm.store import leases, recovery, service, state_machine
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
 from batchllm.worker.reconciler import reconcile_once
 from batchllm.worker.runner import ShardRunner
@@ -114,7 +114,7 @@ def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_f
         assert (shard.status, shard.worker, shard.attempts) == (ShardStatus.RUNNING, "w1", 2)
         # The earlier run's attempt is fenced off: it can no longer heartbeat or end the shard.
         assert leases.heartbeat(session, {shard_id: 1}) == {shard_id}
-        assert lifecycle.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=1) is None
+        assert state_machine.end_shard(session, shard_id, ShardStatus.COMPLETED, attempt=1) is None
 
 
 # -- cancel -------------------------------------------------------------------------------------

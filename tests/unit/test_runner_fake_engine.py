@@ -19,13 +19,14 @@ from sqlalchemy import update
 from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Engine, Finished
 from batchllm.errors import EngineUnavailable, InputError
-from batchllm.jobs import checkpoints, leases, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import MANIFEST_NAME, SUCCESS_NAME, read_output
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import EngineOptions, JobSpec, SamplingDefaults
-from batchllm.jobs.storage import Storage
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.output import commit
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output
+from batchllm.storage import Storage
+from batchllm.store import leases, service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
 
@@ -409,7 +410,7 @@ def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_p
 
 def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
     """Kill the 'process' between writing a part file and recording its checkpoint."""
-    real = checkpoints.record_checkpoint
+    real = commit.record_checkpoint
     calls = {"n": 0}
 
     def record(session, **kwargs):
@@ -418,7 +419,7 @@ def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
             raise KeyboardInterrupt("simulated worker death")
         real(session, **kwargs)
 
-    monkeypatch.setattr(checkpoints, "record_checkpoint", record)
+    monkeypatch.setattr(commit, "record_checkpoint", record)
 
 
 def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_once(
@@ -445,7 +446,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     with session_scope(settings) as session:
         job = session.get(Job, job_id)
         committed_paths = [
-            c.path for shard in job.shards for c in checkpoints.checkpoints_of(session, shard.id)
+            c.path for shard in job.shards for c in commit.checkpoints_of(session, shard.id)
         ]
         assert job.status is JobStatus.IN_PROGRESS
     assert len(committed_paths) == 2

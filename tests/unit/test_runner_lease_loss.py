@@ -12,11 +12,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
-from batchllm.jobs import checkpoints, leases, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import part_name
-from batchllm.jobs.storage import Storage
+from batchllm.output import commit
+from batchllm.output.parts import part_name
+from batchllm.storage import Storage
+from batchllm.store import leases, service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.runner import Outcome, ShardRunner
 from tests.unit.test_runner_fake_engine import (
     FakeEngine,
@@ -33,7 +34,7 @@ TAKEOVER_STEP = 7
 
 def recorded_paths(settings, shard_id: int) -> list[str]:
     with session_scope(settings) as session:
-        return [c.path for c in checkpoints.checkpoints_of(session, shard_id)]
+        return [c.path for c in commit.checkpoints_of(session, shard_id)]
 
 
 def take_over(settings, shard_id: int, worker: str) -> int:

@@ -17,12 +17,12 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import BatchLLMError, InputError, StorageError
-from batchllm.jobs import checkpoints, service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.inputs import input_name, readable_input, store_input
-from batchllm.jobs.lines import has_requests, open_input
-from batchllm.jobs.models import Job, JobStatus, Shard, utcnow
-from batchllm.jobs.output import (
+from batchllm.input.lines import has_requests, open_input
+from batchllm.input.schemas import LineError
+from batchllm.input.shards import input_name, readable_input, store_input
+from batchllm.input.validate import infer_task, read_requests
+from batchllm.output import commit
+from batchllm.output.parts import (
     MANIFEST_NAME,
     SUCCESS_NAME,
     OutputRow,
@@ -30,10 +30,11 @@ from batchllm.jobs.output import (
     remove_unrecorded_parts,
     write_part,
 )
-from batchllm.jobs.reader import infer_task, read_requests
-from batchllm.jobs.schemas import LineError
-from batchllm.jobs.storage import Storage, endpoint_options, filesystem_for, is_uri
 from batchllm.settings import get_settings
+from batchllm.storage import Storage, endpoint_options, filesystem_for, is_uri
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
 from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
@@ -259,7 +260,7 @@ def test_unrecorded_parts_are_removed_and_the_output_reads_one_row_per_line_on_s
     write_part(s3, out_dir, "part-s00000-a001-00001.parquet", [OutputRow("a", 1, "ok")])
     other = write_part(s3, out_dir, "part-s00001-a001-00000.parquet", [OutputRow("b", 2, "ok")])
 
-    removed = remove_unrecorded_parts(s3, out_dir, [kept], prefix="part-s00000-")
+    removed = remove_unrecorded_parts(s3, out_dir, [kept], shard=0)
 
     assert removed == ["part-s00000-a001-00001.parquet"]
     assert sorted(read_output(s3, out_dir).column("line").to_pylist()) == [1, 2]
@@ -316,7 +317,7 @@ def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
 def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
     import io
 
-    import batchllm.jobs.lines as lines_module
+    import batchllm.input.lines as lines_module
 
     fetched: list[int] = []
 
@@ -436,7 +437,7 @@ def test_a_crash_between_upload_and_checkpoint_leaves_no_duplicate_rows_in_the_b
         crash_on_checkpoint(patch, crash_at=3)
         ShardRunner(FakeEngine(), worker="dead", settings=settings).run(shard_ids)
     with session_scope(settings) as session:
-        recorded = {c.path for sid in shard_ids for c in checkpoints.checkpoints_of(session, sid)}
+        recorded = {c.path for sid in shard_ids for c in commit.checkpoints_of(session, sid)}
         session.execute(
             update(Shard)
             .where(Shard.job_id == job_id)

@@ -1,5 +1,5 @@
 """Structured output, log probabilities, n and chat template options without an engine: the
-constraint forms of jobs/structured.py, their normalization by the reader in every line form,
+constraint forms of input/structured.py, their normalization by the reader in every line form,
 the job-level CLI flags, and the runner's structured_ok and structured counters on a fake
 engine."""
 
@@ -26,14 +26,9 @@ from batchllm.cli.options import spec_from_flags
 from batchllm.cli.run import run as run_command
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.models import Job, JobStatus
-from batchllm.jobs.output import MANIFEST_NAME
-from batchllm.jobs.reader import read_requests
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import LineError, Request
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.structured import (
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import LineError, Request
+from batchllm.input.structured import (
     ConstraintError,
     check_choice,
     check_regex,
@@ -43,7 +38,12 @@ from batchllm.jobs.structured import (
     from_response_format,
     satisfies,
 )
+from batchllm.input.validate import read_requests
+from batchllm.output.parts import MANIFEST_NAME
 from batchllm.settings import get_settings
+from batchllm.storage import Storage
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus
 from batchllm.worker.shard_state import sampling_for
 
 SCHEMA = {

@@ -13,14 +13,14 @@ import pytest
 from batchllm.engine import chat_batch
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
-from batchllm.jobs import service
-from batchllm.jobs.db import session_scope
-from batchllm.jobs.inputs import iter_shard_rows
-from batchllm.jobs.models import Job
-from batchllm.jobs.rows import InputRow
-from batchllm.jobs.schemas import JobSpec, SamplingDefaults
-from batchllm.jobs.storage import Storage
-from batchllm.jobs.token_store import token_path
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import JobSpec, SamplingDefaults
+from batchllm.input.shards import iter_shard_rows
+from batchllm.input.token_store import token_path
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job
 from batchllm.worker.engines import resolve_max_model_len
 
 WORDS = ["alpha", "beta", "gamma", "ünïcode", "日本語", "tab\there", "new\nline", "{{ x }}", "%"]
@@ -191,8 +191,8 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     tiny_model, settings, tmp_path
 ):
     from batchllm.bench.overhead import _InstantEngines
-    from batchllm.jobs.models import JobStatus
-    from batchllm.jobs.output import read_output
+    from batchllm.output.parts import read_output
+    from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
     from batchllm.worker.sizing_pass import size_shards
 
@@ -234,7 +234,7 @@ def test_a_refused_file_leaves_no_token_ids_behind(tiny_model, settings, tmp_pat
 
 def test_a_failed_sizing_pass_fails_the_created_job_with_the_reason(settings, tmp_path):
     from batchllm.errors import BatchLLMError
-    from batchllm.jobs.models import JobStatus
+    from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
 
     source = write_chat_lines(tmp_path / "in.jsonl", 10)

@@ -12,9 +12,9 @@ from datetime import timedelta
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.jobs import lifecycle
-from batchllm.jobs.db import changed
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store import state_machine
+from batchllm.store.db import changed
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def end_stale_shards_of_cancelled_jobs(
         query = query.where(Job.id == job_id)
     ended = []
     for shard in session.scalars(query).all():
-        if lifecycle.end_shard(
+        if state_machine.end_shard(
             session, shard.id, ShardStatus.CANCELLED, attempt=shard.attempts
         ) in (JobStatus.CANCELLED, JobStatus.EXPIRED):
             ended.append(shard.job_id)
@@ -53,7 +53,7 @@ def end_stale_shards_of_cancelled_jobs(
 
 def expire_overdue_jobs(session: Session, job_id: str | None = None) -> list[str]:
     """Jobs whose completion window has passed stop like a cancel (running shards abort and
-    keep their finished rows, queued ones end) and then end `expired` (lifecycle)."""
+    keep their finished rows, queued ones end) and then end `expired` (state_machine)."""
     query = select(Job.id).where(Job.expires_at < utcnow(), Job.status.in_(RUNNABLE_JOBS))
     if job_id is not None:
         query = query.where(Job.id == job_id)
@@ -94,7 +94,10 @@ def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
             Job.status == JobStatus.CANCELLING, Job.shards_done >= Job.shards_total
         )
     ).all():
-        if lifecycle.after_last_shard(session, job_id) in (JobStatus.CANCELLED, JobStatus.EXPIRED):
+        if state_machine.after_last_shard(session, job_id) in (
+            JobStatus.CANCELLED,
+            JobStatus.EXPIRED,
+        ):
             ended.append(job_id)
     return ended
 
@@ -163,7 +166,7 @@ def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[st
         .distinct()
     ).all()
     for job_id in job_ids:
-        lifecycle.fail_job(
+        state_machine.fail_job(
             session,
             job_id,
             "the `batchllm run` process running it stopped without ending it (killed?)",

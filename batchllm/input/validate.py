@@ -17,17 +17,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ValidationError
 
-from batchllm.jobs import columnar
-from batchllm.jobs.columnar import Verdict
-from batchllm.jobs.custom_ids import (
+from batchllm.input import columnar
+from batchllm.input.columnar import Verdict
+from batchllm.input.custom_ids import (
     CustomIds,
     default_custom_id,
     given_id,
     may_give_default_id,
 )
-from batchllm.jobs.lines import Line, iter_line_chunks, iter_lines, open_input
-from batchllm.jobs.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
-from batchllm.jobs.schemas import (
+from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
+from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
+from batchllm.input.schemas import (
     ChatLine,
     ChatOptions,
     CompletionLogprobs,
@@ -42,9 +42,9 @@ from batchllm.jobs.schemas import (
     Request,
     SamplingOverrides,
 )
-from batchllm.jobs.storage import is_uri
-from batchllm.jobs.structured import ConstraintError, constraint_of
+from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.settings import get_settings
+from batchllm.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -355,9 +355,9 @@ def read_row_chunks(
     task: str = "generate",
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The non-blank lines of `path` as rows to store, a chunk of the file at a time: a table
-    of the lines' input-shard values (INPUT_SCHEMA, jobs/rows.py) in line order, and the
+    of the lines' input-shard values (INPUT_SCHEMA, input/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
-    validated a block at a time (jobs/columnar.py) and kept in columns to the stored shard."""
+    validated a block at a time (input/columnar.py) and kept in columns to the stored shard."""
     limit = max_line_bytes or get_settings().max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:

@@ -76,7 +76,7 @@ MAX_TOP_LOGPROBS = 20
 
 
 class ConstraintFields(BaseModel):
-    """Structured output fields a line may carry (at most one; jobs/structured.py checks and
+    """Structured output fields a line may carry (at most one; input/structured.py checks and
     normalizes them)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -142,7 +142,7 @@ class SamplingDefaults(BaseModel):
     )
     structured: dict[str, Any] | None = Field(
         default=None,
-        description="The job's structured output constraint (jobs/structured.py), which a "
+        description="The job's structured output constraint (input/structured.py), which a "
         "line's own constraint replaces.",
     )
 

@@ -19,12 +19,15 @@ import json
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 # Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
 # embeddings); a reader of version 1 keeps working, since no column of version 1 moved or
@@ -298,6 +301,27 @@ def part_name(shard: int, seq: int, attempt: int | None = None) -> str:
     return f"part-s{shard:05d}-{middle}{seq:05d}.parquet"
 
 
+def part_prefix(shard: int) -> str:
+    """The start every part file name of one shard shares."""
+    return f"part-s{shard:05d}-"
+
+
+def shard_of_part(name: str) -> int:
+    """The shard index a part file name (from `part_name`) carries."""
+    return int(name[len("part-s") :].split("-", 1)[0])
+
+
+def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> list[str]:
+    """The names of the part files in a job's output directory (of one shard, if given), in
+    name order: every reader of parts lists them here, so the naming lives in this module."""
+    prefix = "part-" if shard is None else part_prefix(shard)
+    return sorted(
+        name
+        for name in storage.listdir(out_dir)
+        if name.startswith(prefix) and name.endswith(".parquet")
+    )
+
+
 def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
     return part_of([row.values() for row in rows]).table
 
@@ -326,15 +350,13 @@ def write_table(storage: Storage, out_dir: str, name: str, table: pa.Table) -> s
 
 
 def remove_unrecorded_parts(
-    storage: Storage, out_dir: str, recorded: Iterable[str], *, prefix: str = "part-"
+    storage: Storage, out_dir: str, recorded: Iterable[str], *, shard: int | None = None
 ) -> list[str]:
-    """Delete the part files under `prefix` that no checkpoint records (`recorded`: their paths
-    or names): written by a worker that died between the file and its commit, or that lost its
-    shard; their rows run again (or ran) elsewhere. Returns the names deleted."""
+    """Delete the part files (of one shard, if given) that no checkpoint records (`recorded`:
+    their paths or names): written by a worker that died between the file and its commit, or
+    that lost its shard; their rows run again (or ran) elsewhere. Returns the names deleted."""
     keep = {posixpath.basename(path) for path in recorded}
-    removed = [
-        name for name in storage.listdir(out_dir) if name.startswith(prefix) and name not in keep
-    ]
+    removed = [name for name in list_parts(storage, out_dir, shard=shard) if name not in keep]
     for name in removed:
         storage.delete(posixpath.join(out_dir, name))
     return removed
@@ -357,14 +379,14 @@ def write_manifest(storage: Storage, out_dir: str, manifest: dict[str, Any]) -> 
 
 def read_output(storage: Storage, out_dir: str) -> pa.Table:
     """All committed rows of a job's output as one table."""
+    if not list_parts(storage, out_dir):
+        return OUTPUT_SCHEMA.empty_table()
+    return output_dataset(storage, out_dir).to_table()
+
+
+def output_dataset(storage: Storage, out_dir: str) -> ds.Dataset:
+    """A job's committed part files as one pyarrow dataset with the contract's schema."""
     import pyarrow.dataset as ds
 
-    names = [
-        n for n in storage.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet")
-    ]
-    if not names:
-        return OUTPUT_SCHEMA.empty_table()
-    paths = [posixpath.join(out_dir, n) for n in names]
-    return ds.dataset(
-        paths, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet"
-    ).to_table()
+    paths = [posixpath.join(out_dir, name) for name in list_parts(storage, out_dir)]
+    return ds.dataset(paths, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")

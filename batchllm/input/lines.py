@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from batchllm.jobs.storage import filesystem_for, is_uri
+from batchllm.storage import filesystem_for, is_uri
 
 # Notepad and Excel's "CSV UTF-8" write one at the start of the file; json.loads refuses it.
 _BOM = b"\xef\xbb\xbf"

@@ -16,8 +16,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs.models import StoredFile
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
+from batchllm.store.models import StoredFile
 
 _CHUNK = 1 << 20
 

@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
 from batchllm.heap import frozen_heap
-from batchllm.jobs.reader import read_row_chunks
-from batchllm.jobs.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
-from batchllm.jobs.schemas import LineError
-from batchllm.jobs.storage import Storage, filesystem_for, is_uri
-from batchllm.jobs.token_store import iter_token_batches, token_lists
+from batchllm.input.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
+from batchllm.input.schemas import LineError
+from batchllm.input.token_store import iter_token_batches, token_lists
+from batchllm.input.validate import read_row_chunks
+from batchllm.storage import Storage, filesystem_for, is_uri
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def iter_shard_rows(
     storage: Storage, path: str, batch_rows: int = 4096, *, with_token_ids: bool = False
 ) -> Iterator[InputRow]:
     """Stream one stored shard's rows, a row group at a time; `with_token_ids`: with the ids
-    the job's sizing pass stored for them, where it did (jobs/token_store.py)."""
+    the job's sizing pass stored for them, where it did (input/token_store.py)."""
 
     def batches() -> Iterator[Iterator[InputRow]]:
         tokens = iter_token_batches(storage, path, batch_rows) if with_token_ids else None

@@ -11,9 +11,9 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardBusy
-from batchllm.jobs.db import changed
-from batchllm.jobs.lifecycle import end_shard
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store.db import changed
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store.state_machine import end_shard
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ of batchllm's own work per row. But a file's lines differ mostly in their texts 
 prompt, message contents); their other fields (the form, the sampling settings, the roles, the
 model) take few distinct values. So a block of lines is parsed at once by pyarrow's JSON reader
 (C++, both cores), the lines are grouped by everything except their texts, and one line of each
-group goes through the line-by-line validation (reader.parse_line), whose verdict and
+group goes through the line-by-line validation (validate.parse_line), whose verdict and
 normalized settings then hold for the whole group; only the texts are checked per row, and those
 checks are vectorized. The rows stay in Arrow columns (the texts as parsed, the messages' JSON
 built column-wise, kinds and settings taken by group) all the way to the stored shard: no Python
@@ -44,13 +44,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
-from batchllm.jobs.lines import Line
+from batchllm.input.lines import Line
 
 _SLOW_BELOW = 64  # a part of a refused block this small goes line by line
 _BOM = b"\xef\xbb\xbf"
 
 # A stored row's values other than its line and custom_id: (kind, prompt, messages, sampling,
-# inputs), in INPUT_SCHEMA's terms (jobs/rows.py).
+# inputs), in INPUT_SCHEMA's terms (input/rows.py).
 Payload = tuple[str, str | None, str | None, str | None, str | None]
 
 _SAMPLING_TYPES = {
@@ -102,7 +102,7 @@ _MESSAGES_NAMES = (("messages",), ("body", "messages"))
 @functools.cache
 def _not_space() -> str:
     """A regex for one character Python's str.strip() keeps: a prompt without one is blank
-    (reader.parse_line). Built on first use: the scan of every code point costs ~70 ms, too
+    (validate.parse_line). Built on first use: the scan of every code point costs ~70 ms, too
     much for the import of every CLI command."""
     spaces = (chr(c) for c in range(0x110000) if chr(c).isspace())
     return "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in spaces) + "]"
@@ -115,7 +115,7 @@ Verdict = tuple[str, str, str | None]
 Judge = Callable[[Any, int], Verdict | None]
 
 # The columns of a CheckedBlock: the custom_id a line gives (null: none) and the stored values
-# after it (INPUT_SCHEMA's kind, prompt, messages, sampling, inputs; jobs/rows.py).
+# after it (INPUT_SCHEMA's kind, prompt, messages, sampling, inputs; input/rows.py).
 BLOCK_COLUMNS = ("given", "kind", "prompt", "messages", "sampling", "inputs")
 
 

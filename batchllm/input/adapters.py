@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from batchllm.errors import InputError
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
 
 CONFIG_NAME = "adapter_config.json"
 

@@ -34,9 +34,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
-from batchllm.jobs.models import Job, JobStatus
-from batchllm.jobs.output import OUTPUT_SCHEMA
-from batchllm.jobs.storage import Storage
+from batchllm.output.parts import OUTPUT_SCHEMA
+from batchllm.storage import Storage
+from batchllm.store.models import Job, JobStatus
 
 OUTPUT_NAME = "output.jsonl"
 ERRORS_NAME = "errors.jsonl"

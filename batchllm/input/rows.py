@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from batchllm.jobs.schemas import LineError, Request
+from batchllm.input.schemas import LineError, Request
 
 RowKind = Literal["prompt", "chat", "embed", "invalid"]
 
@@ -41,7 +41,7 @@ INPUT_SCHEMA = pa.schema(
 
 def request_payload(item: Request) -> tuple[str, str | None, str | None, str | None, str | None]:
     """A request's stored columns after line and custom_id: kind, prompt, messages, sampling,
-    inputs (the JSON texts as INPUT_SCHEMA holds them; jobs/columnar.py builds the same)."""
+    inputs (the JSON texts as INPUT_SCHEMA holds them; input/columnar.py builds the same)."""
     return (
         item.kind,
         item.prompt,
@@ -61,7 +61,7 @@ class InputRow:
     sampling: str | None = None  # JSON text of the line's sampling overrides, if any
     error: str | None = None  # why the line is invalid (kind "invalid")
     inputs: str | None = None  # JSON text of a list embedding input (kind "embed")
-    # The prompt's token ids from the job's context-sizing pass (jobs/token_store.py), so the
+    # The prompt's token ids from the job's context-sizing pass (input/token_store.py), so the
     # feed does not tokenize the row a second time. Not a column of the input shard.
     token_ids: list[int] | None = None
 

@@ -14,15 +14,15 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
-from batchllm.jobs.adapters import store_adapters
-from batchllm.jobs.db import get_one, session_scope
-from batchllm.jobs.inputs import StoredInput, input_name, readable_input, store_input
-from batchllm.jobs.lifecycle import ACTIVE, after_last_shard
-from batchllm.jobs.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.recovery import end_stale_shards_of_cancelled_jobs
-from batchllm.jobs.schemas import JobSpec
-from batchllm.jobs.storage import Storage
+from batchllm.input.adapters import store_adapters
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import StoredInput, input_name, readable_input, store_input
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+from batchllm.store.db import get_one, session_scope
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
+from batchllm.store.state_machine import ACTIVE, after_last_shard
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,8 @@ from datetime import datetime, timezone
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.jobs.db import changed
-from batchllm.jobs.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.jobs.output import remove_unrecorded_parts
-from batchllm.jobs.storage import Storage
+from batchllm.store.db import changed
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -70,24 +68,19 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def drop_unrecorded_parts(session: Session, job_id: str) -> list[str]:
-    """Delete the job's part files that no checkpoint records, once no shard of it runs: left
-    by a worker that died between writing a file and its commit, or that lost its shard. The
-    output of an ended job (completed, cancelled, expired or failed) then holds exactly its
-    committed rows. A storage error is logged, not raised: the job's end must not be undone."""
-    root = session.scalar(select(Job.storage_root).where(Job.id == job_id))
-    if root is None:
-        return []
-    recorded = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
-    storage = Storage(root)
-    try:
-        removed = remove_unrecorded_parts(storage, storage.output_dir(job_id), list(recorded))
-    except OSError as exc:
-        log.warning("job %s: could not tidy its output (%s)", job_id, exc)
-        return []
-    for name in removed:
-        log.warning("job %s: removed unrecorded part file %s", job_id, name)
-    return removed
+def note_job_ended(session: Session, job_id: str) -> None:
+    """Remember a job this transaction ended without completing it. Its output still holds the
+    part files no checkpoint records; the output's owner (output/commit.py) tidies them, so the
+    state machine itself never touches storage."""
+    session.info.setdefault(_ENDED_JOBS, set()).add(job_id)
+
+
+def take_ended_jobs(session: Session) -> list[str]:
+    """The jobs this transaction ended without completing them, each handed out once."""
+    return sorted(session.info.pop(_ENDED_JOBS, set()))
+
+
+_ENDED_JOBS = "batchllm.jobs_ended"
 
 
 def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
@@ -115,7 +108,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
         .where(Job.id == job_id, Job.status == JobStatus.CANCELLING)
         .values(status=ended, finished_at=now),
     ):
-        drop_unrecorded_parts(session, job_id)
+        note_job_ended(session, job_id)
         return ended
     if failed:
         errors = session.scalars(
@@ -132,7 +125,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
                 error=f"{failed} shard(s) failed: " + "; ".join(e or "?" for e in errors),
             )
         )
-        drop_unrecorded_parts(session, job_id)
+        note_job_ended(session, job_id)
         return JobStatus.FAILED
     moved = changed(
         session,

@@ -1,15 +1,33 @@
-"""Checkpoints: each committed part file and the counts it adds, recorded in one transaction."""
+"""The exactly-once commit protocol, its one owner: write a part file, then record its checkpoint
+(the part's counts added in the same transaction), and tidy the part files no checkpoint records.
+
+A row counts once because a part file counts only once its checkpoint is committed: a worker
+that dies between the two leaves a file that resume (`resume_shard`) or the job's end
+(`tidy_ended_jobs`, finalize) deletes, and its rows run again. The state machine only notes
+which jobs ended; the storage I/O of tidying is done here."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Table, bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardLost
-from batchllm.jobs.models import Checkpoint, Job, Shard, ShardStatus
+from batchllm.output.parts import (
+    Part,
+    part_name,
+    read_lines,
+    remove_unrecorded_parts,
+    write_table,
+)
+from batchllm.settings import Settings
+from batchllm.storage import Storage
+from batchllm.store.db import session_scope
+from batchllm.store.models import Checkpoint, Job, Shard, ShardStatus
+from batchllm.store.state_machine import take_ended_jobs
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +138,82 @@ def checkpoints_of(session: Session, shard_id: int) -> list[Checkpoint]:
             select(Checkpoint).where(Checkpoint.shard_id == shard_id).order_by(Checkpoint.seq)
         )
     )
+
+
+def commit_part(
+    storage: Storage,
+    settings: Settings,
+    part: Part,
+    *,
+    shard_id: int,
+    shard: int,
+    job_id: str,
+    out_dir: str,
+    seq: int,
+    attempt: int,
+    engine_seconds: float,
+) -> str:
+    """Write one part file, then record its checkpoint; returns the file's path. A worker that
+    lost its shard in between deletes its file and gets ShardLost: the rows belong to the
+    worker that took the shard over."""
+    path = write_table(storage, out_dir, part_name(shard, seq, attempt), part.table)
+    try:
+        with session_scope(settings) as session:
+            record_checkpoint(
+                session,
+                shard_id=shard_id,
+                job_id=job_id,
+                seq=seq,
+                path=path,
+                rows_ok=part.rows_ok,
+                rows_failed=part.rows_failed,
+                prompt_tokens=part.prompt_tokens,
+                completion_tokens=part.completion_tokens,
+                structured_rows=part.structured_rows,
+                structured_valid=part.structured_valid,
+                engine_seconds=engine_seconds,
+                attempt=attempt,
+            )
+    except ShardLost:
+        storage.delete(path)
+        raise
+    return path
+
+
+def resume_shard(
+    storage: Storage, out_dir: str, shard: int, committed: Iterable[Checkpoint]
+) -> set[int]:
+    """The input lines a claimed shard's checkpoints already hold. Its part files no checkpoint
+    records were written by a worker that died between the file and the database commit: they
+    are deleted, and their rows run again."""
+    committed = list(committed)
+    for name in remove_unrecorded_parts(storage, out_dir, (c.path for c in committed), shard=shard):
+        log.warning("shard %d: removed uncommitted part file %s", shard, name)
+    done: set[int] = set()
+    for checkpoint in committed:
+        done.update(read_lines(storage, checkpoint.path))
+    return done
+
+
+def tidy_unrecorded_parts(session: Session, storage: Storage, job_id: str) -> list[str]:
+    """Delete the job's part files that no checkpoint records, once no shard of it runs: left
+    by a worker that died between writing a file and its commit, or that lost its shard. The
+    output of an ended job then holds exactly its committed rows."""
+    recorded = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
+    removed = remove_unrecorded_parts(storage, storage.output_dir(job_id), list(recorded))
+    for name in removed:
+        log.warning("job %s: removed unrecorded part file %s", job_id, name)
+    return removed
+
+
+def tidy_ended_jobs(session: Session) -> None:
+    """Tidy the output of every job this transaction ended without completing it (cancelled,
+    expired, failed). A storage error is logged, not raised: the job's end must not be undone."""
+    for job_id in take_ended_jobs(session):
+        root = session.scalar(select(Job.storage_root).where(Job.id == job_id))
+        if root is None:
+            continue
+        try:
+            tidy_unrecorded_parts(session, Storage(root), job_id)
+        except OSError as exc:
+            log.warning("job %s: could not tidy its output (%s)", job_id, exc)

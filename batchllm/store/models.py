@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from batchllm.jobs.states import JobStatus, ShardStatus
+from batchllm.store.states import JobStatus, ShardStatus
 
 
 def utcnow() -> datetime:

@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.errors import BatchLLMError
-from batchllm.jobs.models import ApiKey, utcnow
+from batchllm.store.models import ApiKey, utcnow
 
 KEY_PREFIX = "sk-batchllm-"
 # The owner of everything a server started with --no-auth creates.

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
 
 log = logging.getLogger(__name__)
 

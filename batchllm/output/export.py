@@ -5,8 +5,8 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
-from batchllm.jobs.models import Job
-from batchllm.jobs.storage import Storage
+from batchllm.storage import Storage
+from batchllm.store.models import Job
 
 
 def copy_output(job: Job, destination: Path) -> None:

@@ -81,7 +81,7 @@ def write_workload(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m batchllm.jobs.workload OUT --requests N`: a mixed demo file, all four forms."""
+    """`python -m batchllm.demo.workload OUT --requests N`: a mixed demo file, all four forms."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

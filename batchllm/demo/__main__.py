@@ -1,0 +1,3 @@
+from batchllm.demo import main
+
+main()

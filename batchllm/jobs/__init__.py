@@ -1,1 +1,0 @@
-"""The domain: input formats, validation, jobs in SQL, the Parquet contract. No celery, no vllm."""
