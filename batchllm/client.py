@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from batchllm.errors import BatchLLMError
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings, get_settings
+from batchllm.store.states import JobStatus
 
 if TYPE_CHECKING:
     import pyarrow.dataset as ds
@@ -56,7 +57,7 @@ class Job:
     @property
     def done(self) -> bool:
         """The job ended (completed, failed, cancelled or expired)."""
-        return self.status in ("completed", "failed", "cancelled", "expired")
+        return JobStatus(self.status).is_final
 
     @classmethod
     def of(cls, row: JobRow) -> Job:
@@ -267,11 +268,7 @@ class Client:
     def results(self, job: Job | str) -> ds.Dataset:
         """The job's output (committed rows so far, all of them once it completed) as a
         pyarrow dataset with the Parquet contract's schema; `.to_table().to_pandas()`."""
-        import posixpath
-
-        import pyarrow.dataset as pads
-
-        from batchllm.output.parts import OUTPUT_SCHEMA
+        from batchllm.output.parts import output_dataset
         from batchllm.storage import Storage
         from batchllm.store import service
         from batchllm.store.db import session_scope
@@ -281,13 +278,7 @@ class Client:
             job_id, root = row.id, row.storage_root
         # The storage the job was created in, which settings changed since do not move.
         storage = Storage(root, s3_endpoint=self.settings.s3_endpoint or "")
-        out_dir = storage.output_dir(job_id)
-        parts = [
-            posixpath.join(out_dir, n)
-            for n in storage.listdir(out_dir)
-            if n.startswith("part-") and n.endswith(".parquet")
-        ]
-        return pads.dataset(parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")
+        return output_dataset(storage, storage.output_dir(job_id))
 
 
 def _id(job: Job | str) -> str:

@@ -7,7 +7,7 @@ so it follows from the stored row kind: chat -> chat.completion, prompt -> text_
 embed -> an embeddings list. Plain `prompt`/`messages` lines export by their form the same way.
 
 Streaming, one shard at a time: a shard holds a contiguous block of input lines
-(inputs._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
+(shards._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
 shard's stored (line, kind) column, give the shard's lines in order. Memory is bounded by one
 shard's output rows as Arrow columns (--shard-size rows, 10,000 by default), whatever the job's
 size; the JSON goes straight to the files.
@@ -34,7 +34,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
-from batchllm.output.parts import OUTPUT_SCHEMA
+from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus
 
@@ -44,7 +44,6 @@ ERRORS_NAME = "errors.jsonl"
 _BATCH_ROWS = 1024  # rows turned into Python objects at a time
 _WRITE_BUFFER = 1 << 20
 _SHARD_NAME = re.compile(r"shard-(\d+)\.parquet$")
-_PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet$")
 _FIELD_PREFIX = re.compile(r"field '(.+?)': ", re.DOTALL)  # InputRow.from_item's wording
 # OpenAI's stand-in for a log probability too small to report; JSON has no -Infinity, and vLLM
 # gives -inf for tokens a constraint or top-k masked.
@@ -187,10 +186,8 @@ def _shards(storage: Storage, job_id: str) -> list[_Shard]:
     """The job's input shards in order, each with its output part files."""
     input_dir, out_dir = storage.input_dir(job_id), storage.output_dir(job_id)
     parts: dict[int, list[str]] = {}
-    for name in storage.listdir(out_dir):
-        match = _PART_NAME.fullmatch(name)
-        if match:
-            parts.setdefault(int(match[1]), []).append(posixpath.join(out_dir, name))
+    for name in list_parts(storage, out_dir):
+        parts.setdefault(shard_of_part(name), []).append(posixpath.join(out_dir, name))
     shards = []
     for name in storage.listdir(input_dir):
         match = _SHARD_NAME.fullmatch(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -308,7 +309,10 @@ def part_prefix(shard: int) -> str:
 
 def shard_of_part(name: str) -> int:
     """The shard index a part file name (from `part_name`) carries."""
-    return int(name[len("part-s") :].split("-", 1)[0])
+    match = _PART_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a part file name: {name}")
+    return int(match[1])
 
 
 def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> list[str]:
@@ -318,8 +322,11 @@ def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> l
     return sorted(
         name
         for name in storage.listdir(out_dir)
-        if name.startswith(prefix) and name.endswith(".parquet")
+        if name.startswith(prefix) and _PART_NAME.fullmatch(name)
     )
+
+
+_PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet")
 
 
 def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:

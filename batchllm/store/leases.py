@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from batchllm.errors import ShardBusy
 from batchllm.store.db import changed
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.store.state_machine import end_shard
+from batchllm.store.state_machine import end_shard, start_job
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,7 @@ def claim_shard(
         if shard.status == ShardStatus.RUNNING:
             raise ShardBusy(f"shard {shard.index} of {shard.job_id} is running on {shard.worker}")
         return None
-    session.execute(
-        update(Job)
-        .where(Job.id == shard.job_id, Job.status == JobStatus.QUEUED)
-        .values(status=JobStatus.IN_PROGRESS)
-    )
+    start_job(session, shard.job_id)
     session.refresh(shard)
     return shard
 

@@ -18,7 +18,7 @@ from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
 
-RUNNABLE_JOBS = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
+RUNNABLE_JOBS = state_machine.RUNNABLE
 
 
 def end_stale_shards_of_cancelled_jobs(
@@ -60,12 +60,7 @@ def expire_overdue_jobs(session: Session, job_id: str | None = None) -> list[str
     overdue = session.scalars(query).all()
     moved = []
     for job_id in overdue:
-        if changed(
-            session,
-            update(Job)
-            .where(Job.id == job_id, Job.status.in_(RUNNABLE_JOBS))
-            .values(status=JobStatus.CANCELLING),
-        ):
+        if state_machine.begin_expiry(session, job_id):
             moved.append(job_id)
     return moved
 

@@ -19,10 +19,10 @@ from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput, input_name, readable_input, store_input
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
+from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
-from batchllm.store.state_machine import ACTIVE, after_last_shard
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +93,7 @@ def create_job(
         if isinstance(exc, OSError):  # the output directory
             error = StorageError(f"job storage {storage.display(storage.root)}: {exc}")
         with session_scope(settings) as session:
-            session.execute(
-                update(Job)
-                .where(Job.id == job_id)
-                .values(status=JobStatus.FAILED, error=str(error), finished_at=utcnow())
-            )
+            state_machine.fail_job(session, job_id, str(error))
         if error is exc:
             raise
         raise error from exc
@@ -117,7 +113,7 @@ def create_job(
             )
         job.request_total = stored.total
         job.shards_total = len(stored.shards)
-        job.status = JobStatus.QUEUED
+        state_machine.queue_job(session, job_id)
     log.info(
         "job %s: %d requests (%d invalid) in %d shards",
         job_id,
@@ -207,16 +203,12 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
     job = get_job(session, job_ref)
     if job.status.is_final:
         raise JobStateError(f"job {job.id} is already {job.status.value}")
-    session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.status.in_(ACTIVE))
-        .values(status=JobStatus.CANCELLING)
-    )
+    state_machine.begin_cancel(session, job.id)
     # Ends the queued shards, and the running ones whose worker is gone.
     end_stale_shards_of_cancelled_jobs(
         session, lease_seconds or get_settings().lease_seconds, job_id=job.id
     )
-    after_last_shard(session, job.id)
+    state_machine.after_last_shard(session, job.id)
     session.flush()
     session.refresh(job)
     return job

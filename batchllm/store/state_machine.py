@@ -23,6 +23,39 @@ ACTIVE = (
     JobStatus.FINALIZING,
     JobStatus.CANCELLING,
 )
+RUNNABLE = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
+
+
+def queue_job(session: Session, job_id: str) -> bool:
+    """validating -> queued, once its input is stored and its shards are recorded."""
+    return _move_job(session, job_id, (JobStatus.VALIDATING,), JobStatus.QUEUED)
+
+
+def start_job(session: Session, job_id: str) -> bool:
+    """queued -> in_progress, when a worker claims its first shard."""
+    return _move_job(session, job_id, (JobStatus.QUEUED,), JobStatus.IN_PROGRESS)
+
+
+def begin_cancel(session: Session, job_id: str) -> bool:
+    """Any active state -> cancelling: its shards end as their workers see it (or are gone)."""
+    return _move_job(session, job_id, ACTIVE, JobStatus.CANCELLING)
+
+
+def begin_expiry(session: Session, job_id: str) -> bool:
+    """queued or in_progress -> cancelling, because its completion window passed: it stops
+    like a cancel and ends `expired` (after_last_shard tells the two apart)."""
+    return _move_job(session, job_id, RUNNABLE, JobStatus.CANCELLING)
+
+
+def _move_job(
+    session: Session, job_id: str, sources: tuple[JobStatus, ...], target: JobStatus
+) -> bool:
+    return bool(
+        changed(
+            session,
+            update(Job).where(Job.id == job_id, Job.status.in_(sources)).values(status=target),
+        )
+    )
 
 
 def end_open_shard(
