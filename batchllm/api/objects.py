@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from batchllm.store.models import Batch, Job, StoredFile
@@ -15,8 +15,7 @@ _STATUS = {JobStatus.QUEUED: "in_progress"}
 def epoch(moment: datetime | None) -> int | None:
     if moment is None:
         return None
-    aware = moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-    return int(aware.timestamp())
+    return int(moment.timestamp())
 
 
 def file_object(row: StoredFile) -> dict[str, Any]:

@@ -184,12 +184,6 @@ class WorkerProcess:
         return [self.proc.pid, *(child.pid for child in tree)]
 
 
-def _utc(stamp: datetime | None) -> datetime | None:
-    if stamp is not None and stamp.tzinfo is None:  # SQLite gives naive UTC
-        return stamp.replace(tzinfo=timezone.utc)
-    return stamp
-
-
 def _seconds(later: datetime | None, earlier: datetime | None) -> float | None:
     return (later - earlier).total_seconds() if later and earlier else None
 
@@ -222,8 +216,8 @@ def time_job(
             assert row is not None  # submit_job committed it
             if row.status.is_final:
                 (shard,) = row.shards
-                picked, first = _utc(shard.started_at), _utc(row.started_at)
-                finished = _utc(row.finished_at)
+                picked, first = shard.started_at, row.started_at
+                finished = row.finished_at
                 status, error = row.status, row.error
                 figures = {
                     "job_id": job_id,

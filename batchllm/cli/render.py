@@ -75,10 +75,7 @@ def live_throughput(job: Job) -> dict[str, float] | None:
     if job.status.is_final or job.started_at is None:
         return None
     now = datetime.now(timezone.utc)
-    started = (
-        job.started_at if job.started_at.tzinfo else job.started_at.replace(tzinfo=timezone.utc)
-    )
-    elapsed = max((now - started).total_seconds(), 1e-9)
+    elapsed = max((now - job.started_at).total_seconds(), 1e-9)
     done = job.request_completed + job.request_failed
     return {
         "elapsed_seconds": elapsed,

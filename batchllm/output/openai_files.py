@@ -25,7 +25,7 @@ import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, TextIO
@@ -315,9 +315,6 @@ class _LineMaker:
 
 
 def _epoch(moment: datetime) -> int:
-    # SQLite hands back naive datetimes; they were stored in UTC (models.utcnow).
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
     return int(moment.timestamp())
 
 

@@ -36,8 +36,6 @@ def claim_shard(
     stale = now - timedelta(seconds=lease_seconds)
     if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
         heartbeat_at = shard.heartbeat_at
-        if heartbeat_at is not None and heartbeat_at.tzinfo is None:  # SQLite: naive UTC
-            heartbeat_at = heartbeat_at.replace(tzinfo=now.tzinfo)
         alive = (
             shard.status is ShardStatus.RUNNING
             and shard.worker != worker
@@ -71,8 +69,7 @@ def claim_shard(
             heartbeat_at=now,
             started_at=func.coalesce(Shard.started_at, now),
         )
-        # SQLite loads naive datetimes: the ORM cannot evaluate `heartbeat_at < stale` in
-        # Python, and the shard is refreshed below anyway.
+        # No need for the ORM to mirror the update in Python: the shard is refreshed below.
         .execution_options(synchronize_session=False),
     )
     if not claimed:

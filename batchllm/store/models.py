@@ -15,12 +15,14 @@ from sqlalchemy import (
     JSON,
     Boolean,
     DateTime,
+    Dialect,
     Enum,
     Float,
     ForeignKey,
     Integer,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -30,6 +32,23 @@ from batchllm.store.states import JobStatus, ShardStatus
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp column that always reads back as an aware UTC datetime.
+
+    Every moment is written in UTC (utcnow). PostgreSQL's `timestamptz` keeps the zone; SQLite
+    has no zone and hands back naive datetimes, which Python refuses to compare with aware ones.
+    The stored format is DateTime(timezone=True)'s, as the migrations create it: only what is
+    read changes."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
 
 
 class Base(DeclarativeBase):
@@ -62,7 +81,7 @@ class Job(Base):
     # Run by one `batchllm run` process, not the fleet: no reconciler re-drives its shards.
     local_run: Mapped[bool] = mapped_column(Boolean, default=False)
     # The end of its completion window (Batch API): the reconciler ends it `expired` then.
-    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -70,9 +89,9 @@ class Job(Base):
     shards_total: Mapped[int] = mapped_column(Integer, default=0)
     shards_done: Mapped[int] = mapped_column(Integer, default=0)
 
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
 
     # Throughput. Counters add up from checkpoints; rates are computed when the job ends.
@@ -118,12 +137,12 @@ class Shard(Base):
     worker: Mapped[str | None] = mapped_column(String(256))
     # Refreshed every second by the worker running the shard: a redelivered shard is taken over
     # only when its heartbeat is older than the lease, so a live worker is never doubled.
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # When a task for this shard was last sent to the broker: the reconciler looks for a
     # queued shard's task in the broker only once it had time to get there.
-    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
 
     job: Mapped[Job] = relationship(back_populates="shards")
@@ -145,7 +164,7 @@ class Checkpoint(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     engine_seconds: Mapped[float] = mapped_column(Float)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class ApiKey(Base):
@@ -156,8 +175,8 @@ class ApiKey(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(128))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class StoredFile(Base):
@@ -173,7 +192,7 @@ class StoredFile(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     lines: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Batch(Base):
@@ -190,6 +209,6 @@ class Batch(Base):
     error_file_id: Mapped[str | None] = mapped_column(String(40))
     # Validation errors of the whole batch (e.g. lines naming other models), OpenAI's shape.
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     job: Mapped[Job] = relationship()

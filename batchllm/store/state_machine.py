@@ -5,7 +5,6 @@ conditional SQL UPDATE, so concurrent workers on PostgreSQL cannot both win it."
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -96,11 +95,6 @@ def end_shard(
     return after_last_shard(session, shard.job_id)
 
 
-def _aware(moment: datetime) -> datetime:
-    """SQLite hands datetimes back without their zone; they were stored in UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
-
-
 def note_job_ended(session: Session, job_id: str) -> None:
     """Remember a job this transaction ended without completing it. Its output still holds the
     part files no checkpoint records; the output's owner (output/commit.py) tidies them, so the
@@ -131,9 +125,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     expires_at = session.scalar(select(Job.expires_at).where(Job.id == job_id))
     # A job moved to cancelling because its completion window passed ends `expired`.
     ended = (
-        JobStatus.EXPIRED
-        if expires_at is not None and _aware(expires_at) <= now
-        else JobStatus.CANCELLED
+        JobStatus.EXPIRED if expires_at is not None and expires_at <= now else JobStatus.CANCELLED
     )
     if changed(
         session,
@@ -179,8 +171,6 @@ def complete_job(
         return None
     finished = utcnow()
     started = job.started_at or job.created_at
-    if started.tzinfo is None:  # SQLite returns naive datetimes
-        started = started.replace(tzinfo=finished.tzinfo)
     wall = max((finished - started).total_seconds(), 1e-9)
     requests = job.request_completed + job.request_failed
     job.status = JobStatus.COMPLETED
