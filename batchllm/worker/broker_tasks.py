@@ -16,11 +16,9 @@ import time
 from typing import cast
 
 from batchllm.worker.holding import held_shard_ids
+from batchllm.worker.redis_broker import UNACKED_INDEX_KEY, UNACKED_KEY, connect, is_redis
 
 log = logging.getLogger(__name__)
-
-_UNACKED_KEY = "unacked"  # kombu's Redis transport default (unacked_key)
-_UNACKED_INDEX_KEY = "unacked_index"  # delivery tag -> time delivered (unacked_index_key)
 
 
 class BrokerNotInspectable(Exception):
@@ -36,13 +34,11 @@ def shard_ids_in_broker(
     worker marks its shard held (worker/holding.py: a worker building its engine has not
     claimed the shard yet); otherwise its worker died before claiming it, and kombu would only
     restore it after the visibility timeout (hours)."""
-    if not broker_url.startswith(("redis://", "rediss://", "unix://")):
+    if not is_redis(broker_url):
         raise BrokerNotInspectable(
             f"cannot inspect a non-Redis broker ({broker_url.split(':')[0]})"
         )
-    import redis
-
-    client = redis.Redis.from_url(broker_url, socket_timeout=10, socket_connect_timeout=5)
+    client = connect(broker_url, timeout=10, connect_timeout=5)
     try:
         found: set[int] = set()
         for queue in queues:
@@ -50,12 +46,12 @@ def shard_ids_in_broker(
                 found.update(_shard_ids(_decode(raw), task_name))
         delivered: dict[object, float] = {}
         if unacked_grace is not None:
-            scored = client.zrange(_UNACKED_INDEX_KEY, 0, -1, withscores=True)
+            scored = client.zrange(UNACKED_INDEX_KEY, 0, -1, withscores=True)
             for member, when in cast("list[tuple[bytes, float]]", scored):
                 delivered[member] = float(when)
         cutoff = time.time() - unacked_grace if unacked_grace is not None else None
         overdue: set[int] = set()
-        for tag, raw in client.hgetall(_UNACKED_KEY).items():
+        for tag, raw in client.hgetall(UNACKED_KEY).items():
             entry = _decode(raw)
             if not (isinstance(entry, list) and entry):  # [message, exchange, routing key]
                 continue

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.settings import Settings, get_settings
+from batchllm.worker import redis_broker
 from batchllm.worker.doctor_checks import (
     Machine,
     Section,
@@ -38,9 +39,6 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 3
 BROKER_TIMEOUT_S = 2
-# kombu's Redis transport keeps a queue's priorities in lists named QUEUE + this + priority.
-_PRIORITY_SEPARATOR = "\x06\x16"
-_UNACKED_KEY = "unacked"
 
 
 @dataclass
@@ -230,18 +228,16 @@ def check_broker(url: str, *, required_by: str | None) -> Section:
     section.data = {"url": shown, "required": required_by is not None, "required_by": required_by}
     section.row("url", shown)
     section.row("needed", f"yes: {required_by}" if required_by else "only for submit/worker")
-    if not url.startswith(("redis://", "rediss://", "unix://")):
+    if not redis_broker.is_redis(url):
         section.warnings.append(f"{shown}: not checked (doctor reads Redis brokers only)")
         return section
     import redis
 
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=BROKER_TIMEOUT_S, socket_timeout=BROKER_TIMEOUT_S
-    )
+    client = redis_broker.connect(url, timeout=BROKER_TIMEOUT_S, connect_timeout=BROKER_TIMEOUT_S)
     try:
         client.ping()
         queues = _queue_depths(client)
-        unacked = int(client.hlen(_UNACKED_KEY))
+        unacked = int(client.hlen(redis_broker.UNACKED_KEY))
     except redis.RedisError as exc:
         section.data["reachable"] = False
         section.row("reachable", "no")
@@ -269,7 +265,7 @@ def _queue_depths(client: Any) -> dict[str, int]:
         if client.type(raw) not in (b"list", "list"):
             continue
         key = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        queue = key.split(_PRIORITY_SEPARATOR, 1)[0]
+        queue = key.split(redis_broker.PRIORITY_SEPARATOR, 1)[0]
         depths[queue] = depths.get(queue, 0) + int(client.llen(raw))
     return depths
 

@@ -15,19 +15,15 @@ import math
 import threading
 from collections.abc import Iterable, Iterator
 
+from batchllm.worker.redis_broker import connect, held_key, is_redis
+
 log = logging.getLogger(__name__)
-
-_PREFIX = "batchllm:held:"
-
-
-def held_key(shard_id: int) -> str:
-    return f"{_PREFIX}{shard_id}"
 
 
 @contextlib.contextmanager
 def holding(broker_url: str, shard_id: int, node: str, lease_seconds: float) -> Iterator[None]:
     """Mark `shard_id` held by `node` while the block runs (a no-op for a non-Redis broker)."""
-    if not broker_url.startswith(("redis://", "rediss://", "unix://")):
+    if not is_redis(broker_url):
         yield
         return
     done = threading.Event()
@@ -49,7 +45,7 @@ def holding(broker_url: str, shard_id: int, node: str, lease_seconds: float) -> 
 def _refresh(broker_url: str, key: str, node: str, ttl: int, done: threading.Event) -> None:
     import redis
 
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
+    client = connect(broker_url)
     try:
         while True:
             try:

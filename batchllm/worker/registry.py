@@ -9,9 +9,10 @@ import logging
 import os
 import socket
 
+from batchllm.worker.redis_broker import WORKER_PREFIX, connect, is_redis, worker_key
+
 log = logging.getLogger(__name__)
 
-_PREFIX = "batchllm:worker:"
 # The `worker` command tells its Celery process which models it serves through this variable.
 MODELS_ENV = "BATCHLLM_WORKER_MODELS"
 
@@ -23,28 +24,24 @@ def worker_models() -> list[str]:
 
 def register(broker_url: str, node: str, models: list[str], ttl_seconds: int) -> None:
     """Announce `node` serving `models` for `ttl_seconds` (call again before it runs out)."""
-    if not models or not broker_url.startswith("redis"):
+    if not models or not is_redis(broker_url):
         return
-    import redis
-
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
+    client = connect(broker_url)
     try:
         value = json.dumps({"models": models, "host": socket.gethostname()})
-        client.set(_PREFIX + node, value, ex=ttl_seconds)
+        client.set(worker_key(node), value, ex=ttl_seconds)
     finally:
         client.close()
 
 
 def served_models(broker_url: str) -> dict[str, int]:
     """Model -> number of live worker processes serving it ({} for a non-Redis broker)."""
-    if not broker_url.startswith("redis"):
+    if not is_redis(broker_url):
         return {}
-    import redis
-
-    client = redis.Redis.from_url(broker_url, socket_connect_timeout=2, socket_timeout=2)
+    client = connect(broker_url)
     served: dict[str, int] = {}
     try:
-        for key in client.scan_iter(match=_PREFIX + "*", count=500):
+        for key in client.scan_iter(match=WORKER_PREFIX + "*", count=500):
             raw = client.get(key)
             if raw is None:
                 continue
