@@ -9,7 +9,6 @@ process (`python -m batchllm.bench.overhead`) so its peak RSS is its own.
 
 from __future__ import annotations
 
-import collections
 import json
 import random
 import resource
@@ -21,96 +20,10 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.demo.workload import sentence
-from batchllm.engine.prompts import Prepared, prepare_prompts
-from batchllm.engine.protocol import Finished
-from batchllm.engine.vllm_engine import sampling_values
-from batchllm.input.rows import InputRow
+from batchllm.engine.testing import InstantEngines
 from batchllm.input.schemas import JobSpec
 
-_FILLER = (
-    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
-    "incididunt ut labore et dolore magna aliqua "
-) * 64
-_CHARS_PER_TOKEN = 4
 _SENTENCES = 4096
-
-
-class _Params:
-    """Stands in for vllm.SamplingParams: keeps the settings, checks nothing."""
-
-    def __init__(self, **values: Any) -> None:
-        self.__dict__.update(values)
-
-
-class InstantEngine:
-    """An Engine (batchllm.engine.protocol) whose generation answers at once: every request
-    finishes at its max_tokens in the step after it was added. Preparation is the real one
-    (the model's tokenizer and chat template, vllm_engine's sampling settings)."""
-
-    version = "instant"
-    hardware = "none (instant engine)"
-
-    def __init__(self, *, tokenizer: Any, max_model_len: int, max_num_seqs: int = 256) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
-        self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
-
-    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
-        started = time.perf_counter()
-        try:
-            return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
-        finally:
-            self.prepare_seconds += time.perf_counter() - started
-
-    def sampling_params(self, merged: dict[str, Any]) -> _Params:
-        return _Params(**sampling_values(merged))
-
-    def add(self, request_id: str, token_ids: list[int], params: Any, adapter: Any = None) -> None:
-        self._queue.append((request_id, len(token_ids), params.max_tokens))
-
-    def step(self) -> list[Finished]:
-        done = []
-        for _ in range(min(self.max_num_seqs, len(self._queue))):
-            request_id, prompt_tokens, max_tokens = self._queue.popleft()
-            done.append(
-                Finished(
-                    request_id=request_id,
-                    finish_reason="length",
-                    text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=max_tokens,
-                )
-            )
-        return done
-
-    def has_unfinished(self) -> bool:
-        return bool(self._queue)
-
-    def abort(self, request_ids: list[str]) -> None:
-        gone = set(request_ids)
-        self._queue = collections.deque(q for q in self._queue if q[0] not in gone)
-
-    def shutdown(self) -> None:
-        pass
-
-
-class _InstantEngines:
-    """An EngineSource that hands out instant engines and notes when the job asked for one."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.asked_at: float | None = None
-        self.engine: InstantEngine | None = None
-
-    def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
-        self.asked_at = time.perf_counter()
-        self.engine = InstantEngine(tokenizer=self.tokenizer, max_model_len=max_model_len)
-        return self.engine
-
-    def close(self) -> None:
-        pass
 
 
 def write_lines(
@@ -185,11 +98,11 @@ def _run_once(
 ) -> dict[str, Any]:
     from batchllm.bench.contenders import bench_settings
     from batchllm.engine.sizing import load_tokenizer
-    from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+    from batchllm.input.schemas import EngineOptions, SamplingDefaults
     from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
 
-    engines = _InstantEngines(load_tokenizer(model))
+    engines = InstantEngines(load_tokenizer(model))
     spec = JobSpec(
         model=model,
         sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=True),

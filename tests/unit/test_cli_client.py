@@ -12,7 +12,7 @@ from batchllm.cli import cli
 from batchllm.input.schemas import JobSpec
 from batchllm.settings import get_settings
 from batchllm.store import service
-from tests.unit.test_runner_fake_engine import FakeEngine, FakeEngines
+from tests.support.fake_runs import FakeEngine, FakeEngines
 
 
 def invoke(*args: str):

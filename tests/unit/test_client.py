@@ -8,7 +8,7 @@ import pytest
 from batchllm import Client, Job
 from batchllm.client import job_spec
 from batchllm.errors import JobStateError
-from tests.unit.test_runner_fake_engine import FakeEngine, FakeEngines, small_commits
+from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits
 
 
 def test_job_options_map_to_the_spec_and_unknown_ones_are_refused():

@@ -18,7 +18,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.runner import Outcome, ShardRunner
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     FakeEngine,
     make_spec,
     output_rows,

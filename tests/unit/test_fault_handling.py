@@ -21,7 +21,7 @@ from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
     item_of,

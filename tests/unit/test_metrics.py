@@ -27,7 +27,7 @@ from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from batchllm.worker import metrics
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.runner import Outcome, ShardRunner
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     FakeEngine,
     crash_on_checkpoint,
     make_spec,

@@ -26,7 +26,7 @@ from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, utcnow
 from batchllm.worker.local import run_job
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     MAX_MODEL_LEN,
     FakeEngine,
     FakeEngines,

@@ -20,7 +20,7 @@ from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
 from batchllm.worker.reconciler import reconcile_once
 from batchllm.worker.runner import ShardRunner
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     FakeEngine,
     make_spec,
     output_rows,

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.engine.prompts import Prepared, prepare_prompts
-from batchllm.engine.protocol import Engine, Finished
+from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
@@ -29,193 +29,18 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
-
-MAX_MODEL_LEN = 24
-DEFAULT_MAX_TOKENS = 5
-
-
-class WordTokenizer:
-    """Tokenizes by splitting on whitespace; a plain prompt gets a BOS token like Llama's."""
-
-    BOS = 1
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.words: dict[int, str] = {}
-
-    def _id(self, word: str) -> int:
-        if word not in self.vocab:
-            self.vocab[word] = len(self.vocab) + 10
-            self.words[self.vocab[word]] = word
-        return self.vocab[word]
-
-    def __call__(self, texts: list[str], add_special_tokens: bool) -> dict:
-        prefix = [self.BOS] if add_special_tokens else []
-        return {"input_ids": [prefix + [self._id(w) for w in t.split()] for t in texts]}
-
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt) -> str:
-        assert tokenize is False and add_generation_prompt is True
-        return "<s> " + " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
-
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(self.words.get(i, "<s>") for i in ids)
-
-
-class FakeEngine:
-    """The VllmEngine interface, deterministic: runs at most `max_num_seqs` requests at a time,
-    each finishes after `steps` steps with `max_tokens` completion tokens and echoes the last
-    words of its prompt. `on_step(step_number)` lets a test act between steps."""
-
-    version = "fake-1.0"
-    hardware = "fake CPU (2 cores)"
-
-    def __init__(
-        self,
-        *,
-        steps: int = 2,
-        max_num_seqs: int = 4,
-        max_model_len: int = MAX_MODEL_LEN,
-        on_step=None,
-    ) -> None:
-        self.tokenizer = WordTokenizer()
-        self.steps, self.max_num_seqs, self.max_model_len = steps, max_num_seqs, max_model_len
-        self.on_step = on_step or (lambda n: None)
-        self.waiting: collections.OrderedDict[str, list] = collections.OrderedDict()
-        self.running: dict[str, list] = {}
-        self.prompts_added: list[str] = []
-        self.aborted: list[str] = []
-        self.step_count = 0
-
-    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
-        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
-
-    def sampling_params(self, merged: dict) -> dict:
-        return dict(merged)
-
-    def add(self, request_id: str, token_ids: list[int], params: dict, adapter: Any = None) -> None:
-        self.prompts_added.append(self.tokenizer.decode(token_ids))
-        self.waiting[request_id] = [token_ids, params, self.steps]
-
-    def step(self) -> list[Finished]:
-        self.step_count += 1
-        self.on_step(self.step_count)
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request_id, state = self.waiting.popitem(last=False)
-            self.running[request_id] = state
-        done = []
-        for request_id, state in list(self.running.items()):
-            state[2] -= 1
-            if state[2] == 0:
-                ids, params, _ = self.running.pop(request_id)
-                echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
-                done.append(
-                    Finished(
-                        request_id=request_id,
-                        text=f"echo {echo}",
-                        finish_reason="length",
-                        prompt_tokens=len(ids),
-                        completion_tokens=params["max_tokens"],
-                    )
-                )
-        return done
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.aborted.extend(request_ids)
-        for request_id in request_ids:
-            self.waiting.pop(request_id, None)
-            self.running.pop(request_id, None)
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _is_an_engine(engine: FakeEngine) -> Engine:
-    """mypy (`make lint`) checks here that the fake satisfies the Engine Protocol."""
-    return engine
-
-
-class FakeEngines:
-    """Stands in for EngineCache: hands run_job the one fake engine."""
-
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-
-    def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
-        self.engine.max_model_len = max_model_len
-        return self.engine
-
-    def close(self) -> None:
-        pass
-
-
-def make_spec() -> JobSpec:
-    return JobSpec(
-        model="/models/fake",
-        sampling=SamplingDefaults(max_tokens=DEFAULT_MAX_TOKENS),
-        engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
-    )
-
-
-def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Path:
-    """`count` valid lines in the three forms (custom_id item-N, prompt words `item-N ...`),
-    then the raw `extra` lines."""
-    lines = []
-    for i in range(count):
-        text = f"item-{i} " + " ".join(["word"] * (i % 4))
-        if i % 3 == 0:
-            lines.append({"custom_id": f"item-{i}", "prompt": text, "max_tokens": 2 + i % 3})
-        elif i % 3 == 1:
-            lines.append(
-                {"custom_id": f"item-{i}", "messages": [{"role": "user", "content": text}]}
-            )
-        else:
-            lines.append(
-                {
-                    "custom_id": f"item-{i}",
-                    "method": "POST",
-                    "url": "/v1/completions",
-                    "body": {"prompt": text},
-                }
-            )
-    with path.open("w") as out:
-        for line in lines:
-            out.write(json.dumps(line) + "\n")
-        for raw in extra or []:
-            out.write(raw + "\n")
-    return path
-
-
-def item_of(prompt: str) -> str:
-    """The `item-N` a prompt the fake engine saw was made from."""
-    return next(word for word in prompt.split() if word.startswith("item-"))
-
-
-def output_rows(settings, job_id: str) -> list[dict]:
-    storage = Storage(settings.resolved_storage)
-    return sorted(
-        read_output(storage, storage.output_dir(job_id)).to_pylist(), key=lambda r: r["line"]
-    )
-
-
-def part_files(settings, job_id: str) -> list[str]:
-    storage = Storage(settings.resolved_storage)
-    return [n for n in storage.listdir(storage.output_dir(job_id)) if n.startswith("part-")]
-
-
-def read_output_file(storage: Storage, path: str) -> list[dict]:
-    with storage.fs.open_input_file(path) as src:
-        return pq.read_table(src).to_pylist()
-
-
-@pytest.fixture
-def small_commits(settings):
-    settings.commit_rows = 5
-    settings.shard_size = 12
-    return settings
-
+from tests.support.fake_runs import (
+    DEFAULT_MAX_TOKENS,
+    MAX_MODEL_LEN,
+    crash_on_checkpoint,
+    item_of,
+    make_spec,
+    output_rows,
+    part_files,
+    read_output_file,
+    small_commits,
+    write_items,
+)
 
 # -- a whole job ------------------------------------------------------------------------------
 
@@ -406,20 +231,6 @@ def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_p
 
 
 # -- crash and resume -------------------------------------------------------------------------
-
-
-def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
-    """Kill the 'process' between writing a part file and recording its checkpoint."""
-    real = commit.record_checkpoint
-    calls = {"n": 0}
-
-    def record(session, **kwargs):
-        calls["n"] += 1
-        if calls["n"] >= crash_at:
-            raise KeyboardInterrupt("simulated worker death")
-        real(session, **kwargs)
-
-    monkeypatch.setattr(commit, "record_checkpoint", record)
 
 
 def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_once(

@@ -38,7 +38,7 @@ from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
 from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
-from tests.unit.test_runner_fake_engine import (
+from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
     crash_on_checkpoint,

@@ -190,7 +190,7 @@ def write_chat_lines(path: Path, count: int, bad: int = 0) -> Path:
 def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     tiny_model, settings, tmp_path
 ):
-    from batchllm.bench.overhead import _InstantEngines
+    from batchllm.engine.testing import InstantEngines
     from batchllm.output.parts import read_output
     from batchllm.store.models import JobStatus
     from batchllm.worker.local import run_job
@@ -199,7 +199,7 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     settings = settings.model_copy(update={"shard_size": 40})
     source = write_chat_lines(tmp_path / "in.jsonl", 150, bad=2)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    engines = _InstantEngines(load_tokenizer(str(tiny_model)))
+    engines = InstantEngines(load_tokenizer(str(tiny_model)))
     job = run_job(source, spec, settings=settings, engines=engines)
 
     assert job.status is JobStatus.COMPLETED

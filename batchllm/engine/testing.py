@@ -1,0 +1,235 @@
+"""Engines that need no vLLM, shipped in the package so the tests and the bench share them.
+
+- `FakeEngine`: deterministic and scriptable, for tests of the runner: a word tokenizer, a
+  fixed number of steps per request, an echo of the prompt, a hook between steps.
+- `InstantEngine`: the bench's (bench/overhead.py): the model's real tokenizer and chat
+  template and VllmEngine's own sampling settings, but generation answers at once, so a job
+  costs only batchllm's own work.
+
+Both satisfy the Engine Protocol (engine/protocol.py; mypy checks it below); each comes with
+an EngineSource that hands it to `run_job`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batchllm.engine.prompts import Prepared, prepare_prompts
+from batchllm.engine.protocol import Adapter, Engine, EngineSource, Finished
+from batchllm.engine.vllm_engine import sampling_values
+from batchllm.input.rows import InputRow
+from batchllm.input.schemas import JobSpec
+
+FAKE_MAX_MODEL_LEN = 24
+
+
+class WordTokenizer:
+    """Tokenizes by splitting on whitespace; a plain prompt gets a BOS token like Llama's."""
+
+    BOS = 1
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: dict[int, str] = {}
+
+    def _id(self, word: str) -> int:
+        if word not in self.vocab:
+            self.vocab[word] = len(self.vocab) + 10
+            self.words[self.vocab[word]] = word
+        return self.vocab[word]
+
+    def __call__(self, texts: list[str], add_special_tokens: bool) -> dict[str, list[list[int]]]:
+        prefix = [self.BOS] if add_special_tokens else []
+        return {"input_ids": [prefix + [self._id(w) for w in t.split()] for t in texts]}
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        assert tokenize is False and add_generation_prompt is True
+        return "<s> " + " ".join(f"{m['role']}: {m['content']}" for m in messages) + " assistant:"
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words.get(i, "<s>") for i in ids)
+
+
+class FakeEngine:
+    """Runs at most `max_num_seqs` requests at a time; each finishes after `steps` steps with
+    `max_tokens` completion tokens and echoes the last words of its prompt.
+    `on_step(step_number)` lets a test act between steps."""
+
+    version = "fake-1.0"
+    hardware = "fake CPU (2 cores)"
+
+    def __init__(
+        self,
+        *,
+        steps: int = 2,
+        max_num_seqs: int = 4,
+        max_model_len: int = FAKE_MAX_MODEL_LEN,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        self.tokenizer = WordTokenizer()
+        self.steps, self.max_num_seqs, self.max_model_len = steps, max_num_seqs, max_model_len
+        self.on_step = on_step or (lambda n: None)
+        self.waiting: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
+        self.running: dict[str, list[Any]] = {}
+        self.prompts_added: list[str] = []
+        self.aborted: list[str] = []
+        self.step_count = 0
+
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
+        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+
+    def sampling_params(self, merged: dict[str, Any]) -> dict[str, Any]:
+        return dict(merged)
+
+    def add(
+        self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
+    ) -> None:
+        self.prompts_added.append(self.tokenizer.decode(token_ids))
+        self.waiting[request_id] = [token_ids, params, self.steps]
+
+    def step(self) -> list[Finished]:
+        self.step_count += 1
+        self.on_step(self.step_count)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request_id, state = self.waiting.popitem(last=False)
+            self.running[request_id] = state
+        done = []
+        for request_id, state in list(self.running.items()):
+            state[2] -= 1
+            if state[2] == 0:
+                ids, params, _ = self.running.pop(request_id)
+                echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
+                done.append(
+                    Finished(
+                        request_id=request_id,
+                        text=f"echo {echo}",
+                        finish_reason="length",
+                        prompt_tokens=len(ids),
+                        completion_tokens=params["max_tokens"],
+                    )
+                )
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.waiting.pop(request_id, None)
+            self.running.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class FakeEngines:
+    """Stands in for EngineCache: hands run_job the one fake engine."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine: FakeEngine | None = engine
+
+    def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
+        assert self.engine is not None
+        self.engine.max_model_len = max_model_len
+        return self.engine
+
+    def close(self) -> None:
+        pass
+
+
+_FILLER = (
+    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua "
+) * 64
+_CHARS_PER_TOKEN = 4
+
+
+class _Params:
+    """Stands in for vllm.SamplingParams: keeps the settings, checks nothing."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+
+class InstantEngine:
+    """An Engine whose generation answers at once: every request finishes at its max_tokens in
+    the step after it was added. Preparation is the real one (the model's tokenizer and chat
+    template, vllm_engine's sampling settings)."""
+
+    version = "instant"
+    hardware = "none (instant engine)"
+
+    def __init__(self, *, tokenizer: Any, max_model_len: int, max_num_seqs: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
+        self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
+
+    def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
+        started = time.perf_counter()
+        try:
+            return prepare_prompts(self.tokenizer, rows, self.max_model_len, chat_template)
+        finally:
+            self.prepare_seconds += time.perf_counter() - started
+
+    def sampling_params(self, merged: dict[str, Any]) -> _Params:
+        return _Params(**sampling_values(merged))
+
+    def add(self, request_id: str, token_ids: Any, params: Any, adapter: Any = None) -> None:
+        self._queue.append((request_id, len(token_ids), params.max_tokens))
+
+    def step(self) -> list[Finished]:
+        done = []
+        for _ in range(min(self.max_num_seqs, len(self._queue))):
+            request_id, prompt_tokens, max_tokens = self._queue.popleft()
+            done.append(
+                Finished(
+                    request_id=request_id,
+                    finish_reason="length",
+                    text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=max_tokens,
+                )
+            )
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def abort(self, request_ids: list[str]) -> None:
+        gone = set(request_ids)
+        self._queue = collections.deque(q for q in self._queue if q[0] not in gone)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InstantEngines:
+    """An EngineSource that hands out instant engines and notes when the job asked for one."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.asked_at: float | None = None
+        self.engine: InstantEngine | None = None
+
+    def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
+        self.asked_at = time.perf_counter()
+        self.engine = InstantEngine(tokenizer=self.tokenizer, max_model_len=max_model_len)
+        return self.engine
+
+    def close(self) -> None:
+        pass
+
+
+def _satisfy_the_protocols(
+    fake: FakeEngine, instant: InstantEngine, fakes: FakeEngines, instants: InstantEngines
+) -> tuple[Engine, Engine, EngineSource, EngineSource]:
+    """mypy (`make lint`) checks here that these engines satisfy the Engine Protocols."""
+    return fake, instant, fakes, instants

@@ -1,0 +1,1 @@
+"""Test support shared across the suites: fake runs, the worker fleet harness."""

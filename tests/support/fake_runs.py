@@ -1,0 +1,102 @@
+"""Runs of real jobs on the package's fake engine (batchllm/engine/testing.py), for the unit
+tests of the runner, delivery, reconciler, client and exports: the input files they write, the
+spec they run under, and what they read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchllm.engine.testing import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.output import commit
+from batchllm.output.parts import list_parts, read_output
+from batchllm.storage import Storage
+
+__all__ = ["FakeEngine", "FakeEngines"]
+
+MAX_MODEL_LEN = FAKE_MAX_MODEL_LEN
+DEFAULT_MAX_TOKENS = 5
+
+
+def make_spec() -> JobSpec:
+    return JobSpec(
+        model="/models/fake",
+        sampling=SamplingDefaults(max_tokens=DEFAULT_MAX_TOKENS),
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
+    )
+
+
+def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Path:
+    """`count` valid lines in the three forms (custom_id item-N, prompt words `item-N ...`),
+    then the raw `extra` lines."""
+    lines = []
+    for i in range(count):
+        text = f"item-{i} " + " ".join(["word"] * (i % 4))
+        if i % 3 == 0:
+            lines.append({"custom_id": f"item-{i}", "prompt": text, "max_tokens": 2 + i % 3})
+        elif i % 3 == 1:
+            lines.append(
+                {"custom_id": f"item-{i}", "messages": [{"role": "user", "content": text}]}
+            )
+        else:
+            lines.append(
+                {
+                    "custom_id": f"item-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": text},
+                }
+            )
+    with path.open("w") as out:
+        for line in lines:
+            out.write(json.dumps(line) + "\n")
+        for raw in extra or []:
+            out.write(raw + "\n")
+    return path
+
+
+def item_of(prompt: str) -> str:
+    """The `item-N` a prompt the fake engine saw was made from."""
+    return next(word for word in prompt.split() if word.startswith("item-"))
+
+
+def output_rows(settings, job_id: str) -> list[dict]:
+    storage = Storage(settings.resolved_storage)
+    return sorted(
+        read_output(storage, storage.output_dir(job_id)).to_pylist(), key=lambda r: r["line"]
+    )
+
+
+def part_files(settings, job_id: str) -> list[str]:
+    storage = Storage(settings.resolved_storage)
+    return list_parts(storage, storage.output_dir(job_id))
+
+
+def read_output_file(storage: Storage, path: str) -> list[dict]:
+    with storage.fs.open_input_file(path) as src:
+        return pq.read_table(src).to_pylist()
+
+
+@pytest.fixture
+def small_commits(settings):
+    settings.commit_rows = 5
+    settings.shard_size = 12
+    return settings
+
+
+def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
+    """Kill the 'process' between writing a part file and recording its checkpoint."""
+    real = commit.record_checkpoint
+    calls = {"n": 0}
+
+    def record(session, **kwargs):
+        calls["n"] += 1
+        if calls["n"] >= crash_at:
+            raise KeyboardInterrupt("simulated worker death")
+        real(session, **kwargs)
+
+    monkeypatch.setattr(commit, "record_checkpoint", record)
