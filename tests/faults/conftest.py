@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.settings import Settings
 from tests.conftest import require
 from tests.faults import harness
 from tests.faults.harness import (
-    REPO,
     WORKER_SETTINGS,
     FaultEnv,
     Pool,
@@ -28,6 +26,7 @@ from tests.faults.harness import (
     stop_all_workers,
     tail,
 )
+from tests.support.fleet import fleet_env_vars, settings_of
 
 
 @pytest.fixture(scope="session")
@@ -63,28 +62,13 @@ def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         from batchllm.store.db import get_engine, upgrade
 
         upgrade(postgres.url)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
-        env.update(WORKER_SETTINGS)
-        env.update(
-            {
-                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-                "BATCHLLM_HOME": str(work_dir / "home"),
-                "BATCHLLM_DATABASE_URL": postgres.url,
-                "BATCHLLM_BROKER_URL": redis_server.url,
-                "BATCHLLM_STORAGE": str(work_dir / "storage"),
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
+        env = fleet_env_vars(
+            root=work_dir,
+            database_url=postgres.url,
+            broker_url=redis_server.url,
+            worker_settings=WORKER_SETTINGS,
         )
-        settings = Settings(
-            **{
-                k.removeprefix("BATCHLLM_").lower(): v
-                for k, v in env.items()
-                if k.startswith("BATCHLLM_")
-            }
-        )
+        settings = settings_of(env)
         yield FaultEnv(
             settings=settings,
             env=env,

@@ -14,22 +14,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from batchllm.input.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.integration.test_fleet import wait_for
-from tests.worker_logs import named_log_tail
+from tests.support.fleet import HOST, WorkerProcess, run_cli, submit, tail
 
-REPO = Path(__file__).resolve().parents[2]
-HOST = "127.0.0.1"
 MACHINE_PORTS = frozenset({5432, 6379})  # the machine's own services: never ours
 DATABASE = "batchllm_faults"
 
@@ -43,8 +38,6 @@ WORKER_SETTINGS = {
     "BATCHLLM_RECONCILE_SECONDS": "5",
     "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
 }
-# Every job of the suite uses these engine options, so a worker's warm engine serves them all.
-ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
 
 _started_pids: list[tuple[int, float]] = []  # (pid, create_time) of everything we must end
 
@@ -59,13 +52,6 @@ def free_port() -> int:
             port = sock.getsockname()[1]
         if port not in MACHINE_PORTS:
             return port
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def _remember(pid: int) -> None:
@@ -391,15 +377,14 @@ class FaultEnv:
         model: Path | str | None = None,
     ):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
-        from batchllm.input.schemas import JobSpec, SamplingDefaults
-        from batchllm.worker.dispatch import submit_job
-
-        spec = JobSpec(
-            model=str(model or self.model),
-            engine=ENGINE,
-            sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        return submit(
+            self.settings,
+            source,
+            model or self.model,
+            shard_size=shard_size,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
         )
-        return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
 
     def queue_length(self) -> int:
         from batchllm.worker.celery_app import queue_for_model
@@ -408,14 +393,7 @@ class FaultEnv:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`batchllm ARGS` as a user on this fleet runs it."""
-        return subprocess.run(
-            [sys.executable, "-m", "batchllm", *args],
-            env=self.env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_cli(self.env, *args, timeout=timeout)
 
 
 def last_resort_cleanup(redis_server: RedisServer, postgres: PostgresCluster) -> None:
@@ -433,69 +411,26 @@ def last_resort_cleanup(redis_server: RedisServer, postgres: PostgresCluster) ->
 running_workers: list[Worker] = []
 
 
-class Worker:
-    """One `batchllm worker` process in its own process group; its engine children are
-    recorded (pid and start time) so that the suite can check them after a kill and end any
-    that outlive their worker."""
+class Worker(WorkerProcess):
+    """One `batchllm worker` of the fault suite; its engine children are recorded (pid and
+    start time) so that the suite can check them after a kill and end any that outlive their
+    worker."""
 
     def __init__(self, name: str, *, env: FaultEnv, core: int, log_path: Path) -> None:
-        self.name = name
-        self.core = core
-        self.log_path = log_path
-        self.recorded: dict[int, float] = {}
-        self._log = log_path.open("ab")
-        self._terminated = False
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchllm",
-                "worker",
-                "--model",
-                str(env.model),
-                "--name",
-                name,
-                "--loglevel",
-                "INFO",
-            ],
+        super().__init__(
+            name,
+            model=env.model,
             env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)),
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            log_path=log_path,
+            append=True,
         )
+        self.core = core
+        self.recorded: dict[int, float] = {}
         _remember(self.proc.pid)
         running_workers.append(self)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, lines: int = 60) -> str:
-        try:
-            named = named_log_tail(self.log())
-        except FileNotFoundError:
-            named = ""
-        return tail(self.log_path, lines) + named
-
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while f"{self.name} ready." not in self.log():
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"worker {self.name} exited with {self.proc.returncode}:\n" + self.tail()
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"worker {self.name} not ready after {timeout}s:\n" + self.tail()
-                )
-            time.sleep(0.2)
+        super().wait_ready(timeout)
 
     def record_descendants(self) -> dict[int, float]:
         """Remember every process under the worker now (its engine and helpers)."""
@@ -521,12 +456,6 @@ class Worker:
         self.proc.wait(timeout=30)
         return killed_at
 
-    def terminate(self) -> None:
-        """Ask for a warm shutdown (once: a second SIGTERM would make it a cold one)."""
-        if self.alive() and not self._terminated:
-            self.proc.send_signal(signal.SIGTERM)
-            self._terminated = True
-
     def stop(self, grace: float = 30) -> None:
         """Warm shutdown first, then SIGKILL the group and whatever recorded child is left."""
         if self.alive():
@@ -545,7 +474,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             pass
         kill_recorded(self.recorded)
-        self._log.close()
+        self.close_log()
         if self in running_workers:
             running_workers.remove(self)
 

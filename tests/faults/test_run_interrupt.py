@@ -26,8 +26,9 @@ from batchllm.demo.workload import write_workload
 from batchllm.output.parts import SUCCESS_NAME, read_output
 from batchllm.storage import Storage
 from tests.conftest import require
-from tests.faults.harness import REPO, alive_of, descendants, kill_recorded, tail
+from tests.faults.harness import alive_of, descendants, kill_recorded, tail
 from tests.integration.test_fleet import assert_each_line_at_most_once, expected_rows
+from tests.support.fleet import REPO
 
 pytestmark = pytest.mark.faults
 

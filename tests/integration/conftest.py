@@ -14,7 +14,6 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,13 +24,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchllm.input.schemas import EngineOptions
 from batchllm.settings import Settings
 from tests.conftest import require
-from tests.worker_logs import named_log_tail
+from tests.support.fleet import (
+    HOST,
+    WorkerProcess,
+    fleet_env_vars,
+    run_cli,
+    settings_of,
+    submit,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-HOST = "127.0.0.1"
 REDIS_PORT = 6379
 POSTGRES_PORT = 5432
 POSTGRES_USERS = ("root", "postgres")
@@ -45,8 +48,6 @@ WORKER_SETTINGS = {
     "BATCHLLM_LEASE_SECONDS": "10",
     "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
 }
-# Every job of the fleet tests uses these engine options, so a worker's warm engine serves them all.
-ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
 _SESSION_MARK = "batchllm-integration-session"
 
 _running: list[Worker] = []
@@ -126,24 +127,11 @@ class FleetEnv:
 
     def submit(self, source: Path, model: Path | str, *, shard_size: int, max_tokens: int = 64):
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
-        from batchllm.input.schemas import JobSpec, SamplingDefaults
-        from batchllm.worker.dispatch import submit_job
-
-        spec = JobSpec(
-            model=str(model), engine=ENGINE, sampling=SamplingDefaults(max_tokens=max_tokens)
-        )
-        return submit_job(source, spec, shard_size=shard_size, settings=self.settings)
+        return submit(self.settings, source, model, shard_size=shard_size, max_tokens=max_tokens)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         """`batchllm ARGS` as a user on this fleet runs it."""
-        return subprocess.run(
-            [sys.executable, "-m", "batchllm", *args],
-            env=self.env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_cli(self.env, *args)
 
 
 @pytest.fixture(scope="session")
@@ -158,29 +146,10 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
 
         upgrade(url)
         root = tmp_path_factory.mktemp("fleet")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
-        env.update(WORKER_SETTINGS)
-        env.update(
-            {
-                "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-                "BATCHLLM_HOME": str(root / "home"),
-                "BATCHLLM_DATABASE_URL": url,
-                "BATCHLLM_BROKER_URL": broker_url,
-                "BATCHLLM_STORAGE": str(root / "storage"),
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONUNBUFFERED": "1",
-            }
+        env = fleet_env_vars(
+            root=root, database_url=url, broker_url=broker_url, worker_settings=WORKER_SETTINGS
         )
-        # The test process reads and submits with the same settings the workers get.
-        settings = Settings(
-            **{
-                k.removeprefix("BATCHLLM_").lower(): v
-                for k, v in env.items()
-                if k.startswith("BATCHLLM_")
-            }
-        )
+        settings = settings_of(env)
         try:
             yield FleetEnv(settings=settings, env=env, redis=broker)
         finally:
@@ -190,54 +159,12 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
 # -- workers -------------------------------------------------------------------------------
 
 
-class Worker:
-    """One `batchllm worker` process (and its engine children) in its own process group."""
+class Worker(WorkerProcess):
+    """One `batchllm worker` of the integration fleet, killed with its whole group."""
 
     def __init__(self, name: str, *, model: Path, env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self._terminated = False
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchllm",
-                "worker",
-                "--model",
-                str(model),
-                "--name",
-                name,
-                "--loglevel",
-                "INFO",
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        super().__init__(name, model=model, env=env, log_path=log_path, append=False)
         _running.append(self)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, lines: int = 60) -> str:
-        console = self.log()
-        return "\n".join(console.splitlines()[-lines:]) + named_log_tail(console)
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while f"{self.name} ready." not in self.log():
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"worker {self.name} exited with {self.proc.returncode}:\n" + self.tail()
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"worker {self.name} not ready after {timeout}s:\n" + self.tail()
-                )
-            time.sleep(0.2)
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: the worker, its EngineCore and engine workers."""
@@ -247,12 +174,6 @@ class Worker:
             pass
         self.proc.wait(timeout=30)
 
-    def terminate(self) -> None:
-        """Ask for a warm shutdown (once: a second SIGTERM would make it a cold one)."""
-        if self.proc.poll() is None and not self._terminated:
-            self.proc.send_signal(signal.SIGTERM)
-            self._terminated = True
-
     def stop(self) -> None:
         """Warm shutdown first (vLLM cleans up its shared memory), then kill what is left."""
         self.terminate()
@@ -261,7 +182,7 @@ class Worker:
         except subprocess.TimeoutExpired:
             pass
         self.kill()
-        self._log.close()
+        self.close_log()
         if self in _running:
             _running.remove(self)
 

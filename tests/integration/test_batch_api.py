@@ -27,7 +27,8 @@ from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
 from batchllm.store.models import StoredFile
-from tests.integration.conftest import HOST, REPO, FleetEnv, Worker, stop_workers
+from tests.integration.conftest import FleetEnv, Worker, stop_workers
+from tests.support.fleet import HOST, REPO
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402

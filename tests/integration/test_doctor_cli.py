@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
-from tests.integration.conftest import REPO, FleetEnv, _postgres_database
+from tests.integration.conftest import FleetEnv, _postgres_database
+from tests.support.fleet import REPO
 
 pytestmark = pytest.mark.integration
 

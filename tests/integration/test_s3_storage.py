@@ -33,7 +33,6 @@ from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
 from tests.conftest import require
 from tests.integration.conftest import (
-    REPO,
     FleetEnv,
     start_workers,
     stop_workers,
@@ -49,6 +48,7 @@ from tests.integration.test_fleet import (
     wait_until_final,
 )
 from tests.s3server import S3Server, moto_server
+from tests.support.fleet import REPO
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ import pytest
 
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
-from tests.integration.conftest import REPO, Worker
+from tests.integration.conftest import Worker
 from tests.integration.test_fleet import (
     assert_exactly_once,
     expected_rows,
@@ -29,6 +29,7 @@ from tests.integration.test_fleet import (
     wait_for,
     wait_until_final,
 )
+from tests.support.fleet import REPO
 
 pytestmark = pytest.mark.integration
 

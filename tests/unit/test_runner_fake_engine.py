@@ -9,20 +9,15 @@ import posixpath
 import shutil
 import threading
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
-from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
-from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
