@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import BatchLLMError
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.input.job_spec import build_job_spec
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
 from batchllm.store.states import JobStatus
 
@@ -81,42 +82,6 @@ class Job:
         )
 
 
-_SAMPLING = set(SamplingDefaults.model_fields)
-_ENGINE = set(EngineOptions.model_fields)
-
-
-def job_spec(
-    model: str,
-    *,
-    json_schema: dict[str, Any] | None = None,
-    choice: list[str] | None = None,
-    regex: str | None = None,
-    lora: Mapping[str, str] | None = None,
-    chat_template: str | None = None,
-    metadata: Mapping[str, str] | None = None,
-    **options: Any,
-) -> JobSpec:
-    """A JobSpec from the CLI's job options as keyword arguments (max_tokens, temperature,
-    top_p, n, logprobs, task, max_model_len, dtype, ...); unknown names are refused."""
-    from batchllm.input.structured import constraint_of
-
-    unknown = set(options) - _SAMPLING - _ENGINE
-    if unknown:
-        raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
-    sampling = {k: v for k, v in options.items() if k in _SAMPLING}
-    constraint = constraint_of({"json": json_schema, "choice": choice, "regex": regex})
-    if constraint is not None:
-        sampling["structured"] = constraint
-    return JobSpec(
-        model=model,
-        sampling=SamplingDefaults(**sampling),
-        engine=EngineOptions(**{k: v for k, v in options.items() if k in _ENGINE}),
-        metadata=dict(metadata or {}),
-        chat_template=chat_template,
-        adapters=dict(lora or {}),
-    )
-
-
 class Client:
     """Jobs on the database, storage and broker of `settings` (default: BATCHLLM_* variables,
     as the CLI)."""
@@ -154,7 +119,7 @@ class Client:
         """Validate and store the requests (a JSONL path, or request dicts in any line form)
         and queue the job for the fleet; returns at once."""
         with _as_file(requests) as path:
-            spec = _with_task(job_spec(model, **options), path, options)
+            spec = build_job_spec(model, requests=path, **options)
             return self.submit_spec(path, spec, strict=strict, shard_size=shard_size)
 
     def submit_spec(
@@ -193,7 +158,7 @@ class Client:
         """Run the job to its end in this process (vLLM here, no broker); returns it ended.
         `engines` hands it an engine source of the caller's (tests use a fake one)."""
         with _as_file(requests) as path:
-            spec = _with_task(job_spec(model, **options), path, options)
+            spec = build_job_spec(model, requests=path, **options)
             return self.run_spec(path, spec, strict=strict, engines=engines)
 
     def run_spec(
@@ -283,17 +248,6 @@ class Client:
 
 def _id(job: Job | str) -> str:
     return job.id if isinstance(job, Job) else job
-
-
-def _with_task(spec: JobSpec, path: str | Path, options: Mapping[str, Any]) -> JobSpec:
-    """Infer the task from the requests when the caller did not give one, as the CLI does."""
-    if "task" in options:
-        return spec
-    from batchllm.input.validate import infer_task
-
-    if infer_task(path) == "embed":
-        return spec.model_copy(update={"engine": spec.engine.model_copy(update={"task": "embed"})})
-    return spec
 
 
 class _as_file:

@@ -11,8 +11,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from batchllm.api import files
+from batchllm.input.job_spec import build_job_spec
 from batchllm.input.lines import iter_lines
-from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service
@@ -131,9 +132,8 @@ def _decoded(raw: bytes | None) -> Any:
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:
-    if endpoint == "/v1/embeddings":
-        return JobSpec(model=model, metadata=metadata, engine=EngineOptions(task="embed"))
-    return JobSpec(model=model, metadata=metadata)
+    task = "embed" if endpoint == "/v1/embeddings" else "generate"
+    return build_job_spec(model, metadata=metadata, task=task)
 
 
 def record_batch(

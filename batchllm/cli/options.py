@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from batchllm.input.job_spec import build_job_spec
 from batchllm.input.schemas import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -235,7 +236,14 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     max_n = get_settings().max_n
     if n > max_n:
         raise click.BadParameter(f"{n} is over BATCHLLM_MAX_N ({max_n})", param_hint="--n")
-    sampling = SamplingDefaults(
+    template_file = flags.pop("chat_template")
+    spec = build_job_spec(
+        flags.pop("model"),
+        requests=file,
+        lora=adapters,
+        chat_template=template_file.read_text() if template_file else None,
+        metadata=metadata,
+        task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),
         top_p=flags.pop("top_p"),
@@ -245,9 +253,6 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
         structured=_job_constraint(
             flags.pop("json_schema"), flags.pop("choice"), flags.pop("regex")
         ),
-    )
-    template_file = flags.pop("chat_template")
-    engine = EngineOptions(
         gpu_memory_utilization=flags.pop("gpu_memory_utilization"),
         max_model_len=flags.pop("max_model_len"),
         max_num_seqs=flags.pop("max_num_seqs"),
@@ -261,22 +266,9 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
         max_lora_rank=flags.pop("max_lora_rank"),
         group_prefixes=not flags.pop("no_group_prefixes"),
     )
-    task = flags.pop("task")
-    if task is None:
-        from batchllm.input.validate import infer_task
-
-        task = infer_task(file) if file is not None else "generate"
-    if task == "embed":
-        _refuse_generation_flags(sampling, adapters, template_file)
-    engine = engine.model_copy(update={"task": task})
-    return JobSpec(
-        model=flags.pop("model"),
-        sampling=sampling,
-        engine=engine,
-        metadata=metadata,
-        chat_template=template_file.read_text() if template_file else None,
-        adapters=adapters,
-    )
+    if spec.engine.task == "embed":
+        _refuse_generation_flags(spec.sampling, adapters, template_file)
+    return spec
 
 
 def _refuse_generation_flags(

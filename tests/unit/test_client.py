@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from batchllm import Client, Job
-from batchllm.client import job_spec
 from batchllm.errors import JobStateError
+from batchllm.input.job_spec import build_job_spec
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits
 
 
 def test_job_options_map_to_the_spec_and_unknown_ones_are_refused():
-    spec = job_spec(
+    spec = build_job_spec(
         "m",
         max_tokens=12,
         temperature=0,
@@ -28,7 +28,7 @@ def test_job_options_map_to_the_spec_and_unknown_ones_are_refused():
     assert spec.engine.max_model_len == 256 and spec.engine.enable_lora
     assert spec.adapters == {"a": "/adapters/a"} and spec.metadata == {"team": "search"}
     with pytest.raises(TypeError, match="max_tokenz"):
-        job_spec("m", max_tokenz=3)
+        build_job_spec("m", max_tokenz=3)
 
 
 def test_run_from_request_dicts_then_status_and_results(small_commits, tmp_path):
