@@ -85,56 +85,7 @@ SUCCESS_NAME = "_SUCCESS"
 Values = tuple[Any, ...]
 
 
-@dataclass(slots=True)
-class OutputRow:
-    custom_id: str
-    line: int
-    status: str
-    text: str | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    error: str | None = None
-    structured_ok: bool | None = None  # null: the row had no constraint
-    logprobs: list[dict[str, Any]] | None = None
-    choices: list[dict[str, Any]] | None = None  # every sample when n > 1
-    adapter: str | None = None
-    embedding: list[float] | None = None
-    embeddings: list[list[float]] | None = None
-
-    @property
-    def generated_tokens(self) -> int:
-        """Tokens generated over every sample of the row (throughput counts all of them)."""
-        return _generated_tokens(self.choices, self.completion_tokens)
-
-    @classmethod
-    def failed(
-        cls, custom_id: str, line: int, error: str, prompt_tokens: int | None = None
-    ) -> OutputRow:
-        return cls(
-            custom_id=custom_id, line=line, status="error", error=error, prompt_tokens=prompt_tokens
-        )
-
-    def values(self) -> Values:
-        return (
-            self.custom_id,
-            self.line,
-            self.status,
-            self.text,
-            self.finish_reason,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.error,
-            self.structured_ok,
-            self.logprobs,
-            self.choices,
-            self.adapter,
-            self.embedding,
-            self.embeddings,
-        )
-
-
-def _generated_tokens(choices: list[dict[str, Any]] | None, completion_tokens: int | None) -> int:
+def generated_tokens(choices: list[dict[str, Any]] | None, completion_tokens: int | None) -> int:
     if choices:
         return sum(c["completion_tokens"] or 0 for c in choices)
     return completion_tokens or 0
@@ -142,7 +93,7 @@ def _generated_tokens(choices: list[dict[str, Any]] | None, completion_tokens: i
 
 class OutputBuffer:
     """A shard's finished rows waiting for their commit, kept as value tuples in
-    OUTPUT_SCHEMA's order: building an OutputRow per result and reading it back field by field
+    OUTPUT_SCHEMA's order: building an object per result and reading it back field by field
     into columns was about a quarter of the feed's own per-row work."""
 
     __slots__ = ("rows",)
@@ -292,7 +243,7 @@ def _completion_tokens(
 ) -> int:
     if choices.count(None) == len(choices):  # no row has several samples
         return sum(filter(None, completion_tokens))
-    return sum(map(_generated_tokens, choices, completion_tokens))
+    return sum(map(generated_tokens, choices, completion_tokens))
 
 
 def part_name(shard: int, seq: int, attempt: int | None = None) -> str:
@@ -327,15 +278,6 @@ def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> l
 
 
 _PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet")
-
-
-def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
-    return part_of([row.values() for row in rows]).table
-
-
-def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow]) -> str:
-    """Write one part file of these rows atomically; returns its path."""
-    return write_table(storage, out_dir, name, rows_to_table(rows))
 
 
 def write_table(storage: Storage, out_dir: str, name: str, table: pa.Table) -> str:

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from batchllm.demo.workload import write_workload
-from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, OutputRow, part_name, write_part
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, part_name
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
@@ -49,6 +49,7 @@ from tests.integration.test_fleet import (
 )
 from tests.s3server import S3Server, moto_server
 from tests.support.fleet import REPO
+from tests.support.output_rows import OutputRow, write_part
 
 pytestmark = pytest.mark.integration
 

@@ -15,12 +15,13 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
-from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.output.parts import part_name
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from batchllm.worker.finalize import finalize_job
+from tests.support.output_rows import OutputRow, write_part
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,10 @@ import pyarrow.parquet as pq
 from batchllm.input.rows import INPUT_SCHEMA, InputRow, stored_row
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, OutputRow, part_of, rows_to_table
+from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, part_of
 from batchllm.storage import Storage
 from batchllm.worker.shard_state import ShardState
+from tests.support.output_rows import OutputRow, rows_to_table
 
 CHOICES = [
     {"index": 0, "text": "a", "finish_reason": "stop", "completion_tokens": 3, "logprobs": None},

@@ -12,12 +12,13 @@ from sqlalchemy import update
 from batchllm.errors import ShardBusy, ShardLost
 from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
-from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.output.parts import part_name
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.finalize import finalize_job
+from tests.support.output_rows import OutputRow, write_part
 
 
 def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:

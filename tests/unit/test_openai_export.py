@@ -20,7 +20,7 @@ from batchllm.engine.protocol import Finished
 from batchllm.errors import JobStateError
 from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
-from batchllm.output.parts import OutputRow, part_name, write_part
+from batchllm.output.parts import part_name
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -33,6 +33,7 @@ from tests.support.fake_runs import (
     make_spec,
     small_commits,
 )
+from tests.support.output_rows import OutputRow, write_part
 
 openai_types = pytest.importorskip("openai.types")
 from openai.types import Completion, CreateEmbeddingResponse  # noqa: E402

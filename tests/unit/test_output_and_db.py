@@ -17,17 +17,16 @@ from batchllm.output.parts import (
     MANIFEST_NAME,
     OUTPUT_SCHEMA,
     SUCCESS_NAME,
-    OutputRow,
     part_name,
     read_lines,
     read_output,
     write_manifest,
-    write_part,
 )
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
+from tests.support.output_rows import OutputRow, write_part
 
 # -- Parquet output --------------------------------------------------------------------------
 

@@ -22,14 +22,7 @@ from batchllm.input.schemas import LineError
 from batchllm.input.shards import input_name, readable_input, store_input
 from batchllm.input.validate import infer_task, read_requests
 from batchllm.output import commit
-from batchllm.output.parts import (
-    MANIFEST_NAME,
-    SUCCESS_NAME,
-    OutputRow,
-    read_output,
-    remove_unrecorded_parts,
-    write_part,
-)
+from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output, remove_unrecorded_parts
 from batchllm.settings import get_settings
 from batchllm.storage import Storage, endpoint_options, filesystem_for, is_uri
 from batchllm.store import service
@@ -45,6 +38,7 @@ from tests.support.fake_runs import (
     make_spec,
     write_items,
 )
+from tests.support.output_rows import OutputRow, write_part
 
 # -- parsing (no server) ----------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""Output rows as named objects, for tests that write part files of their own: production
+keeps finished rows as value tuples in OUTPUT_SCHEMA's order (output/parts.py OutputBuffer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchllm.output.parts import Values, generated_tokens, part_of, write_table
+from batchllm.storage import Storage
+
+
+@dataclass(slots=True)
+class OutputRow:
+    custom_id: str
+    line: int
+    status: str
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    structured_ok: bool | None = None  # null: the row had no constraint
+    logprobs: list[dict[str, Any]] | None = None
+    choices: list[dict[str, Any]] | None = None  # every sample when n > 1
+    adapter: str | None = None
+    embedding: list[float] | None = None
+    embeddings: list[list[float]] | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated over every sample of the row (throughput counts all of them)."""
+        return generated_tokens(self.choices, self.completion_tokens)
+
+    @classmethod
+    def failed(
+        cls, custom_id: str, line: int, error: str, prompt_tokens: int | None = None
+    ) -> OutputRow:
+        return cls(
+            custom_id=custom_id, line=line, status="error", error=error, prompt_tokens=prompt_tokens
+        )
+
+    def values(self) -> Values:
+        return (
+            self.custom_id,
+            self.line,
+            self.status,
+            self.text,
+            self.finish_reason,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.error,
+            self.structured_ok,
+            self.logprobs,
+            self.choices,
+            self.adapter,
+            self.embedding,
+            self.embeddings,
+        )
+
+
+def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
+    return part_of([row.values() for row in rows]).table
+
+
+def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow]) -> str:
+    """Write one part file of these rows atomically; returns its path."""
+    return write_table(storage, out_dir, name, rows_to_table(rows))
