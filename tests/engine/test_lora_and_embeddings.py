@@ -12,18 +12,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
-from conftest import require
 
 from batchllm.input.schemas import LineError, Request
+from tests.conftest import require
+from tests.support.cli import LOCAL_UNSET, local_env, run_cli
 
 pytestmark = pytest.mark.engine
 
@@ -38,24 +37,14 @@ PROMPTS = [
 
 
 def batchllm_cli(*args: str, home: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "BATCHLLM_HOME": str(home),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE", "BATCHLLM_MAX_N"):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    env = local_env(
+        home,
+        unset=(*LOCAL_UNSET, "BATCHLLM_MAX_N"),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
     )
+    return run_cli(env, *args, timeout=timeout)
 
 
 def run_job(source: Path, model: Path, home: Path, *flags: str) -> dict:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
+
+from tests.support.cli import local_env, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 48
@@ -52,17 +52,7 @@ MODEL_CONTEXT = 8192
 
 
 def batchllm(*args: str, home: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHLLM_HOME": str(home)}
-    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(local_env(home), *args, timeout=timeout)
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from conftest import require
 
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
+from tests.conftest import require
+from tests.support.cli import LOCAL_UNSET, local_env, run_cli
 
 pytestmark = pytest.mark.engine
 
@@ -199,22 +198,8 @@ def body_of(line: dict) -> dict:
 
 
 def batchllm_cli(*args: str, home: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "BATCHLLM_HOME": str(home),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
-    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE", "BATCHLLM_MAX_N"):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    env = local_env(home, unset=(*LOCAL_UNSET, "BATCHLLM_MAX_N"), VLLM_CPU_KVCACHE_SPACE="1")
+    return run_cli(env, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

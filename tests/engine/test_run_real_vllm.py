@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import posixpath
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from conftest import require
 
 from batchllm.demo.workload import write_workload
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
@@ -25,11 +22,12 @@ from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
-from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
+from tests.conftest import require
+from tests.support.cli import local_env, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
@@ -363,17 +361,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
 
 
 def batchllm_cli(*args: str, home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHLLM_HOME": str(home)}
-    for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
-        env.pop(name, None)
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(local_env(home), *args, timeout=timeout)
 
 
 def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, engines, tmp_path):

@@ -17,7 +17,6 @@ import os
 import posixpath
 import re
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -48,6 +47,7 @@ from tests.integration.test_fleet import (
     wait_until_final,
 )
 from tests.s3server import S3Server, moto_server
+from tests.support.cli import run_cli
 from tests.support.fleet import REPO
 from tests.support.output_rows import OutputRow, write_part
 
@@ -113,14 +113,7 @@ def run_env(s3_env: dict[str, str], home: Path) -> dict[str, str]:
 
 
 def batchllm(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(env, *args, timeout=timeout)
 
 
 # -- reading a job's output from the bucket, without batchllm ------------------------------------

@@ -17,10 +17,12 @@ from pathlib import Path
 
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from tests.support.cli import REPO, run_cli
 from tests.worker_logs import named_log_tail
 
-REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
+__all__ = ["REPO", "run_cli"]
+
 # Every job of the fleet suites uses these engine options, so a worker's warm engine serves
 # them all.
 ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
@@ -71,18 +73,6 @@ def submit(settings: Settings, source: Path, model: Path | str, *, shard_size: i
 
     spec = JobSpec(model=str(model), engine=ENGINE, sampling=SamplingDefaults(**sampling))
     return submit_job(source, spec, shard_size=shard_size, settings=settings)
-
-
-def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`batchllm ARGS` as a user on this fleet runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "batchllm", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def tail(path: Path, lines: int = 60) -> str:

@@ -1,0 +1,34 @@
+"""`batchllm ARGS` as a user runs it, in a process of its own, for the suites that run the CLI
+(engine, integration, faults)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# What a local run must not inherit from the machine's environment: it would point the run at
+# another database or storage than its home's.
+LOCAL_UNSET = ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE")
+
+
+def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "batchllm", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def local_env(home: Path, *, unset: tuple[str, ...] = LOCAL_UNSET, **extra: str) -> dict[str, str]:
+    """This process's environment for a local `batchllm` with its own home (its SQLite database
+    and storage): this checkout first on the path, `unset` removed, `extra` added."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BATCHLLM_HOME": str(home), **extra}
+    for name in unset:
+        env.pop(name, None)
+    return env
