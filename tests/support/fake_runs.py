@@ -15,6 +15,9 @@ from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.output import commit
 from batchllm.output.parts import list_parts, read_output
 from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, JobStatus, ShardStatus
 
 __all__ = ["FakeEngine", "FakeEngines"]
 
@@ -57,6 +60,24 @@ def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Pa
         for raw in extra or []:
             out.write(raw + "\n")
     return path
+
+
+def create_items_job(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
+    """A job of `rows` items (write_items) created and stored; its id and its shards' ids."""
+    created = service.create_job(
+        write_items(tmp_path / "in.jsonl", rows),
+        make_spec(),
+        shard_size=shard_size,
+        settings=settings,
+    )
+    with session_scope(settings) as session:
+        return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
+
+
+def job_and_shards(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
+    with session_scope(settings) as session:
+        job = session.get(Job, job_id)
+        return job.status, [s.status for s in job.shards]
 
 
 def item_of(prompt: str) -> str:

@@ -20,6 +20,8 @@ from batchllm.worker.delivery import process_shard
 from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
+    create_items_job,
+    job_and_shards,
     make_spec,
     output_rows,
     small_commits,
@@ -42,28 +44,11 @@ class NoEngines:
         self.closed += 1
 
 
-def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", rows),
-        make_spec(),
-        shard_size=shard_size,
-        settings=settings,
-    )
-    with session_scope(settings) as session:
-        return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
-
-
-def job_and_shards(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
-    with session_scope(settings) as session:
-        job = session.get(Job, job_id)
-        return job.status, [s.status for s in job.shards]
-
-
 def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    job_id, shard_ids = create(settings, tmp_path, 20, shard_size=12)
+    job_id, shard_ids = create_items_job(settings, tmp_path, 20, shard_size=12)
     with session_scope(settings) as session:
         service.mark_generation_started(
             session, job_id, hardware="4x L40S 48GB", vllm_version="0.42.1"
@@ -102,7 +87,7 @@ def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
 
 def test_a_job_finalized_by_the_first_delivery_is_skipped_by_the_next(small_commits, tmp_path):
     settings = small_commits
-    job_id, (shard_id,) = create(settings, tmp_path, 5, shard_size=10)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 5, shard_size=10)
     with session_scope(settings) as session:
         session.execute(
             update(Shard).where(Shard.id == shard_id).values(status=ShardStatus.COMPLETED)
@@ -129,7 +114,7 @@ def test_a_job_finalized_by_the_first_delivery_is_skipped_by_the_next(small_comm
 
 
 def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(settings, tmp_path):
-    job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 6, shard_size=10)
     with session_scope(settings) as session:
         leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
     with session_scope(settings) as session:
@@ -157,7 +142,7 @@ def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(se
 
 
 def test_a_queued_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(settings, tmp_path):
-    job_id, shard_ids = create(settings, tmp_path, 6, shard_size=3)
+    job_id, shard_ids = create_items_job(settings, tmp_path, 6, shard_size=3)
     with session_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id).values(status=JobStatus.CANCELLING))
 
@@ -168,7 +153,7 @@ def test_a_queued_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(set
 
 
 def test_a_shard_that_no_longer_exists_is_skipped(settings, tmp_path):
-    job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 3, shard_size=10)
     engines = NoEngines()
 
     assert (
@@ -183,7 +168,7 @@ def test_a_shard_that_no_longer_exists_is_skipped(settings, tmp_path):
 def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
     final, settings, tmp_path
 ):
-    job_id, (shard_id,) = create(settings, tmp_path, 3, shard_size=10)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 3, shard_size=10)
     with session_scope(settings) as session:
         session.execute(update(Job).where(Job.id == job_id).values(status=final))
 
@@ -201,7 +186,7 @@ def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
 def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job_cancelled(
     settings, tmp_path
 ):
-    job_id, (shard_id,) = create(settings, tmp_path, 6, shard_size=10)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 6, shard_size=10)
     with session_scope(settings) as session:
         leases.claim_shard(session, shard_id, "w1", settings.lease_seconds)
     with session_scope(settings) as session:
@@ -226,7 +211,7 @@ def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_
     a job that ends cancelled either: readers of the directory see committed rows only. The
     state machine only ends the job; the commit protocol's owner deletes the file."""
     settings = small_commits
-    job_id, _ = create(settings, tmp_path, 20, shard_size=12)
+    job_id, _ = create_items_job(settings, tmp_path, 20, shard_size=12)
     storage = Storage(settings.resolved_storage)
     orphan = posixpath.join(storage.output_dir(job_id), "part-s00000-a001-00000.parquet")
     storage.write_bytes(orphan, b"never committed")

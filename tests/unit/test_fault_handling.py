@@ -24,6 +24,7 @@ from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
+    create_items_job,
     item_of,
     make_spec,
     output_rows,
@@ -110,17 +111,6 @@ class BuildingEngines:
             engine.shutdown()
 
 
-def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", rows),
-        make_spec(),
-        shard_size=shard_size,
-        settings=settings,
-    )
-    with session_scope(settings) as session:
-        return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
-
-
 def shard_rows(settings, job_id: str) -> list[tuple[ShardStatus, int, int, str | None]]:
     with session_scope(settings) as session:
         return [
@@ -141,7 +131,7 @@ def test_a_request_the_engine_aborted_on_its_own_hands_the_shard_back_with_finis
     small_commits, tmp_path
 ):
     settings = small_commits
-    job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 40, shard_size=40)
     engine = FaultyEngine(abort_at=6)  # 4 requests finish every 2 steps
 
     with pytest.raises(EngineDied, match="aborted request"):
@@ -184,7 +174,7 @@ def test_an_engine_that_dies_mid_run_hands_every_active_shard_back_and_a_rerun_f
     small_commits, tmp_path
 ):
     settings = small_commits
-    job_id, shard_ids = create(settings, tmp_path, 40, shard_size=12)
+    job_id, shard_ids = create_items_job(settings, tmp_path, 40, shard_size=12)
     assert len(shard_ids) == 4
     engine = FaultyEngine(die_at=10)
 
@@ -227,7 +217,7 @@ def test_process_shard_drops_a_dead_engine_so_the_next_task_builds_a_new_one(
     small_commits, tmp_path
 ):
     settings = small_commits
-    job_id, (shard_id,) = create(settings, tmp_path, 30, shard_size=30)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 30, shard_size=30)
     dying, fresh = FaultyEngine(die_at=5), FaultyEngine()
     engines = BuildingEngines(dying, fresh)
 
@@ -257,7 +247,7 @@ def test_an_engine_that_dies_while_requests_are_added_hands_the_shard_back_witho
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 40, shard_size=40)
     monkeypatch.setattr("batchllm.worker.runner._PREPARE_BATCH", 4)  # feed as rows finish
     engine = FaultyEngine()
     # Dies during its 4th step: the runner next tops the window up, and `add` raises.
@@ -283,7 +273,7 @@ def test_a_shard_whose_engine_dies_on_its_last_allowed_run_fails_instead_of_loop
 ):
     settings = small_commits
     settings.max_shard_attempts = 2
-    job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 40, shard_size=40)
 
     with pytest.raises(EngineDied):
         ShardRunner(FaultyEngine(die_at=5), worker="w1", settings=settings).run([shard_id])

@@ -22,6 +22,8 @@ from batchllm.worker.reconciler import reconcile_once
 from batchllm.worker.runner import ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
+    create_items_job,
+    job_and_shards,
     make_spec,
     output_rows,
     small_commits,
@@ -58,17 +60,6 @@ def broker(settings, monkeypatch) -> Broker:
     return fake
 
 
-def create(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", rows),
-        make_spec(),
-        shard_size=shard_size,
-        settings=settings,
-    )
-    with session_scope(settings) as session:
-        return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
-
-
 def claim(settings, shard_id: int, worker: str) -> int:
     with session_scope(settings) as session:
         return leases.claim_shard(session, shard_id, worker, LEASE).attempts
@@ -90,19 +81,13 @@ def set_shard(
         session.execute(update(Shard).where(Shard.id == shard_id).values(**values))
 
 
-def states(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
-    with session_scope(settings) as session:
-        job = session.get(Job, job_id)
-        return job.status, [s.status for s in job.shards]
-
-
 # -- claims -------------------------------------------------------------------------------------
 
 
 def test_the_worker_that_ran_a_shard_can_claim_it_again_while_its_heartbeat_is_fresh(
     settings, tmp_path
 ):
-    _, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
+    _, (shard_id,) = create_items_job(settings, tmp_path, 4, shard_size=4)
     assert claim(settings, shard_id, "w1") == 1
 
     assert claim(settings, shard_id, "w1") == 2
@@ -124,7 +109,7 @@ def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_
     settings, tmp_path
 ):
     settings.lease_seconds = LEASE
-    job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
+    job_id, (running, _queued) = create_items_job(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "dead")
     set_shard(settings, running, heartbeat_age=LEASE + 60)
 
@@ -133,7 +118,7 @@ def test_cancelling_a_job_whose_running_shard_lost_its_worker_ends_it_cancelled_
         assert job.status is JobStatus.CANCELLED
         assert job.finished_at is not None
 
-    assert states(settings, job_id) == (
+    assert job_and_shards(settings, job_id) == (
         JobStatus.CANCELLED,
         [ShardStatus.CANCELLED, ShardStatus.CANCELLED],
     )
@@ -145,18 +130,18 @@ def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_run
     settings, tmp_path
 ):
     settings.lease_seconds = LEASE
-    job_id, (running, _queued) = create(settings, tmp_path, 8, shard_size=4)
+    job_id, (running, _queued) = create_items_job(settings, tmp_path, 8, shard_size=4)
     claim(settings, running, "alive")
 
     with session_scope(settings) as session:
         assert service.cancel_job(session, job_id).status is JobStatus.CANCELLING
-    assert states(settings, job_id) == (
+    assert job_and_shards(settings, job_id) == (
         JobStatus.CANCELLING,
         [ShardStatus.RUNNING, ShardStatus.CANCELLED],
     )
     with session_scope(settings) as session:
         assert recovery.end_stale_shards_of_cancelled_jobs(session, LEASE) == []
-    assert states(settings, job_id)[0] is JobStatus.CANCELLING
+    assert job_and_shards(settings, job_id)[0] is JobStatus.CANCELLING
 
     set_shard(settings, running, heartbeat_age=LEASE + 1)
     with session_scope(settings) as session:
@@ -164,7 +149,7 @@ def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_run
     with session_scope(settings) as session:
         assert recovery.end_stale_shards_of_cancelled_jobs(session, LEASE) == []
 
-    assert states(settings, job_id) == (
+    assert job_and_shards(settings, job_id) == (
         JobStatus.CANCELLED,
         [ShardStatus.CANCELLED, ShardStatus.CANCELLED],
     )
@@ -176,7 +161,7 @@ def test_cancelling_a_job_whose_running_shard_is_alive_waits_until_its_lease_run
 def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_again_once(
     settings, tmp_path, broker
 ):
-    job_id, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 4, shard_size=4)
     claim(settings, shard_id, "dead")
     assert not reconcile_once(broker.send, settings)  # its heartbeat is fresh
     set_shard(settings, shard_id, heartbeat_age=LEASE + 1)
@@ -187,7 +172,7 @@ def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_ag
     assert first.requeued_stale == [shard_id]
     assert not second
     assert broker.sent == [(shard_id, QUEUE)]
-    assert states(settings, job_id) == (JobStatus.IN_PROGRESS, [ShardStatus.QUEUED])
+    assert job_and_shards(settings, job_id) == (JobStatus.IN_PROGRESS, [ShardStatus.QUEUED])
     # Just re-sent: the lost-task check leaves it alone until a lease has passed.
     assert broker.inspected == []
     with session_scope(settings) as session:
@@ -195,7 +180,7 @@ def test_a_running_shard_whose_worker_stopped_heartbeating_is_queued_and_sent_ag
 
 
 def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(settings, tmp_path, broker):
-    job_id, (lost, just_sent) = create(settings, tmp_path, 8, shard_size=4)
+    job_id, (lost, just_sent) = create_items_job(settings, tmp_path, 8, shard_size=4)
     set_shard(settings, lost, dispatched_age=LEASE + 1)
     set_shard(settings, just_sent, dispatched_age=1)
 
@@ -206,13 +191,13 @@ def test_a_queued_shard_whose_task_the_broker_lost_is_sent_again_once(settings, 
     assert not second
     assert broker.sent == [(lost, QUEUE)]
     assert broker.inspected == [(settings.broker_url, {QUEUE}, TASK_RUN_SHARD)]
-    assert states(settings, job_id) == (JobStatus.QUEUED, [ShardStatus.QUEUED] * 2)
+    assert job_and_shards(settings, job_id) == (JobStatus.QUEUED, [ShardStatus.QUEUED] * 2)
 
 
 def test_a_queued_shard_whose_task_the_broker_still_holds_is_not_sent_again(
     settings, tmp_path, broker
 ):
-    _, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
+    _, (shard_id,) = create_items_job(settings, tmp_path, 4, shard_size=4)
     set_shard(settings, shard_id, dispatched_age=LEASE + 1)
     broker.holds = {shard_id}
 
@@ -226,7 +211,7 @@ def test_a_queued_shard_whose_task_the_broker_still_holds_is_not_sent_again(
 def test_a_cancelling_job_whose_only_running_shard_lost_its_worker_ends_cancelled(
     settings, tmp_path, broker
 ):
-    job_id, (shard_id,) = create(settings, tmp_path, 4, shard_size=4)
+    job_id, (shard_id,) = create_items_job(settings, tmp_path, 4, shard_size=4)
     claim(settings, shard_id, "dead")
     with session_scope(settings) as session:
         assert service.cancel_job(session, job_id).status is JobStatus.CANCELLING
@@ -237,7 +222,7 @@ def test_a_cancelling_job_whose_only_running_shard_lost_its_worker_ends_cancelle
 
     assert done.cancelled_jobs == [job_id]
     assert done.requeued_stale == [] and broker.sent == []
-    assert states(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])
+    assert job_and_shards(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])
     assert not reconcile_once(broker.send, settings)
 
 
@@ -245,7 +230,7 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
     small_commits, tmp_path, broker, monkeypatch
 ):
     settings = small_commits
-    job_id, shard_ids = create(settings, tmp_path, 20, shard_size=12)
+    job_id, shard_ids = create_items_job(settings, tmp_path, 20, shard_size=12)
     with session_scope(settings) as session:
         service.mark_generation_started(
             session, job_id, hardware="8x H100 80GB", vllm_version="0.99.0"
@@ -254,7 +239,7 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
     with monkeypatch.context() as patch:
         patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
-    assert states(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
+    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job_id)
     assert not storage.exists(posixpath.join(out_dir, SUCCESS_NAME))
@@ -298,5 +283,5 @@ def test_the_shards_of_a_local_run_are_never_sent_to_the_fleet_and_a_killed_run_
     assert broker.sent == []
     with session_scope(settings) as session:
         assert recovery.fail_abandoned_local_runs(session, LEASE) == [created.job.id]
-    status, _ = states(settings, created.job.id)
+    status, _ = job_and_shards(settings, created.job.id)
     assert status is JobStatus.FAILED
