@@ -32,20 +32,6 @@ def no_jobs(settings) -> bool:
     return not database.exists() or invoke("jobs").output.strip() == "no jobs"
 
 
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "hello"}\n')
-    return path
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    return path
-
-
 def test_run_output_that_is_a_file_is_refused_before_the_job(settings, prompts, model_dir):
     taken = prompts.parent / "taken"
     taken.write_text("x")

@@ -570,20 +570,6 @@ def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
-@pytest.fixture
-def prompts(tmp_path) -> Path:
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "hello"}\n')
-    return path
-
-
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    return path
-
-
 def spec_of(prompts: Path, model_dir: Path, *flags: str):
     """The JobSpec `batchllm run` builds from these flags (parsed by click, no job created)."""
     with run_command.make_context("run", [str(prompts), "--model", str(model_dir), *flags]) as ctx:

@@ -1,0 +1,22 @@
+"""Fixtures the unit tests of the CLI share: a one-line prompt file and a model directory
+(empty: nothing loads it before the engine would)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello"}\n')
+    return path
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    return path
