@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardBusy
 from batchllm.store.db import changed
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.store.state_machine import end_shard, start_job
+from batchllm.store.state_machine import end_shard, requeue_shard, run_shard, start_job
 
 log = logging.getLogger(__name__)
 
@@ -45,33 +45,7 @@ def claim_shard(
         if not alive:  # a live worker ends its own run (keeping its finished rows) instead
             end_shard(session, shard.id, ShardStatus.CANCELLED)
         return None
-    claimed = changed(
-        session,
-        update(Shard)
-        .where(
-            Shard.id == shard_id,
-            or_(
-                Shard.status == ShardStatus.QUEUED,
-                and_(
-                    Shard.status == ShardStatus.RUNNING,
-                    or_(
-                        Shard.heartbeat_at.is_(None),
-                        Shard.heartbeat_at < stale,
-                        Shard.worker == worker,
-                    ),
-                ),
-            ),
-        )
-        .values(
-            status=ShardStatus.RUNNING,
-            worker=worker,
-            attempts=Shard.attempts + 1,
-            heartbeat_at=now,
-            started_at=func.coalesce(Shard.started_at, now),
-        )
-        # No need for the ORM to mirror the update in Python: the shard is refreshed below.
-        .execution_options(synchronize_session=False),
-    )
+    claimed = run_shard(session, shard_id, worker, now=now, stale_before=stale)
     if not claimed:
         session.refresh(shard)
         if shard.status == ShardStatus.RUNNING:
@@ -103,16 +77,7 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
 
 def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
     """Hand a running shard back (warm shutdown) so its next delivery can claim it at once."""
-    return bool(
-        changed(
-            session,
-            update(Shard)
-            .where(
-                Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
-            )
-            .values(status=ShardStatus.QUEUED),
-        )
-    )
+    return requeue_shard(session, shard_id, attempt=attempt)
 
 
 def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
@@ -134,16 +99,6 @@ def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[i
     ).all()
     moved = []
     for shard_id, model in found:
-        if changed(
-            session,
-            update(Shard)
-            .where(
-                Shard.id == shard_id,
-                Shard.status == ShardStatus.RUNNING,
-                Shard.heartbeat_at < stale,
-            )
-            .values(status=ShardStatus.QUEUED)
-            .execution_options(synchronize_session=False),
-        ):
+        if requeue_shard(session, shard_id, heartbeat_before=stale):
             moved.append((shard_id, model))
     return moved

@@ -5,8 +5,9 @@ conditional SQL UPDATE, so concurrent workers on PostgreSQL cannot both win it."
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.store.db import changed
@@ -78,6 +79,64 @@ def end_open_shard(
             update(Job).where(Job.id == shard.job_id).values(shards_done=Job.shards_done + 1)
         )
     return bool(ended)
+
+
+def run_shard(
+    session: Session, shard_id: int, worker: str, *, now: datetime, stale_before: datetime
+) -> bool:
+    """queued -> running under a new attempt for `worker`; also a running shard whose heartbeat
+    is older than `stale_before` (its worker died) or that `worker` itself ran (its run is over:
+    a worker runs a shard once at a time). False when the shard was not claimable."""
+    return bool(
+        changed(
+            session,
+            update(Shard)
+            .where(
+                Shard.id == shard_id,
+                or_(
+                    Shard.status == ShardStatus.QUEUED,
+                    and_(
+                        Shard.status == ShardStatus.RUNNING,
+                        or_(
+                            Shard.heartbeat_at.is_(None),
+                            Shard.heartbeat_at < stale_before,
+                            Shard.worker == worker,
+                        ),
+                    ),
+                ),
+            )
+            .values(
+                status=ShardStatus.RUNNING,
+                worker=worker,
+                attempts=Shard.attempts + 1,
+                heartbeat_at=now,
+                started_at=func.coalesce(Shard.started_at, now),
+            )
+            # No need for the ORM to mirror the update in Python: the caller refreshes the shard.
+            .execution_options(synchronize_session=False),
+        )
+    )
+
+
+def requeue_shard(
+    session: Session,
+    shard_id: int,
+    *,
+    attempt: int | None = None,
+    heartbeat_before: datetime | None = None,
+) -> bool:
+    """running -> queued: handed back by the run holding `attempt` (a warm shutdown), or taken
+    back when its heartbeat is older than `heartbeat_before` (its worker died)."""
+    fence = [Shard.id == shard_id, Shard.status == ShardStatus.RUNNING]
+    if attempt is not None:
+        fence.append(Shard.attempts == attempt)
+    statement = update(Shard).where(*fence).values(status=ShardStatus.QUEUED)
+    if heartbeat_before is not None:
+        # Not mirrored by the ORM in Python: the shards were read by a query, not loaded.
+        statement = statement.where(Shard.heartbeat_at < heartbeat_before).execution_options(
+            synchronize_session=False
+        )
+    return bool(changed(session, statement))
 
 
 def end_shard(
