@@ -62,24 +62,32 @@ class Job:
 
     @classmethod
     def of(cls, row: JobRow) -> Job:
+        from batchllm.store.job_view import job_view
+
+        view = job_view(row)
+        counts = view["request_counts"]
         return cls(
-            id=row.id,
-            status=row.status.value,
-            model=row.model,
-            total=row.request_total,
-            completed=row.request_completed,
-            failed=row.request_failed,
-            output_dir=row.output_dir,
-            error=row.error,
-            throughput={
-                "prompt_tokens": row.prompt_tokens,
-                "completion_tokens": row.completion_tokens,
-                "requests_per_s": row.requests_per_s,
-                "output_tokens_per_s": row.output_tokens_per_s,
-                "wall_seconds": row.wall_seconds,
-            },
+            id=view["id"],
+            status=view["status"],
+            model=view["model"],
+            total=counts["total"],
+            completed=counts["completed"],
+            failed=counts["failed"],
+            output_dir=view["output_dir"],
+            error=view["error"],
+            throughput={name: view["throughput"][name] for name in _THROUGHPUT},
             shards=row.shards_total,
         )
+
+
+# The throughput figures a program reading a Job gets (`batchllm status --json` shows more).
+_THROUGHPUT = (
+    "prompt_tokens",
+    "completion_tokens",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "wall_seconds",
+)
 
 
 class Client:

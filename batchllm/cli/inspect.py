@@ -17,13 +17,14 @@ _STATUSES = [status.value for status in JobStatus]
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
 def status(job_id: str, as_json: bool) -> None:
     """Show a job: state, request counts, throughput, shards (JOB_ID may be a unique prefix)."""
-    from batchllm.cli.render import echo_job, job_dict, table
+    from batchllm.cli.render import echo_job, table
     from batchllm.store import service
     from batchllm.store.db import session_scope
+    from batchllm.store.job_view import job_view
 
     with session_scope() as session:
         job = service.get_job(session, job_id)
-        data = job_dict(job, shards=True)
+        data = job_view(job, shards=True)
         if as_json:
             click.echo(json.dumps(data, indent=2))
             return

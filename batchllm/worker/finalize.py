@@ -11,6 +11,7 @@ from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import session_scope
+from batchllm.store.job_view import job_view
 from batchllm.store.models import Job
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,14 @@ def finalize_job(
 
 
 def manifest_of(job: Job) -> dict:
+    view = job_view(job)
     return {
         "job_id": job.id,
         "model": job.model,
         "status": job.status.value,
         "sampling": job.spec.get("sampling"),
         "engine": {**(job.spec.get("engine") or {}), "max_model_len": job.max_model_len},
-        "metadata": job.job_metadata,
+        "metadata": view["metadata"],
         "vllm_version": job.vllm_version,
         "hardware": job.hardware,
         "input_file": job.input_file,
@@ -63,16 +65,20 @@ def manifest_of(job: Job) -> dict:
             "error": job.request_failed,
         },
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens},
-        "structured": {"rows": job.structured_rows, "valid": job.structured_valid},
+        "structured": view["structured"],
         "chat_template": job.spec.get("chat_template"),
-        "throughput": {
-            "wall_seconds": job.wall_seconds,
-            "engine_seconds": job.engine_seconds,
-            "requests_per_s": job.requests_per_s,
-            "output_tokens_per_s": job.output_tokens_per_s,
-            "total_tokens_per_s": job.total_tokens_per_s,
-        },
+        "throughput": {name: view["throughput"][name] for name in _MANIFEST_THROUGHPUT},
         "columns": OUTPUT_SCHEMA.names,
         "created_at": job.created_at,
         "finished_at": job.finished_at,
     }
+
+
+# The manifest's throughput block (its schema, version 1); the tokens and hardware have their own.
+_MANIFEST_THROUGHPUT = (
+    "wall_seconds",
+    "engine_seconds",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+)

@@ -1,0 +1,85 @@
+"""One job as a dict: the view `batchllm status --json` prints, from which the Client's Job and
+the output manifest take their figures, each in the shape its readers already know (client.Job,
+worker/finalize.manifest_of). The Batch API's batch object is OpenAI's shape (api/objects.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from batchllm.store.models import Job
+
+THROUGHPUT_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "engine_seconds",
+    "wall_seconds",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "hardware",
+    "vllm_version",
+)
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
+    """The job's state, counts, throughput and times (with `shards`, each shard's too)."""
+    data: dict[str, Any] = {
+        "id": job.id,
+        "status": job.status.value,
+        "model": job.model,
+        "input_file": job.input_file,
+        "output_dir": job.output_dir,
+        "request_counts": {
+            "total": job.request_total,
+            "completed": job.request_completed,
+            "failed": job.request_failed,
+        },
+        "structured": {"rows": job.structured_rows, "valid": job.structured_valid},
+        "progress": (job.request_completed + job.request_failed) / job.request_total
+        if job.request_total
+        else 0.0,
+        "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
+        "throughput_so_far": live_throughput(job),
+        "max_model_len": job.max_model_len,
+        "metadata": job.job_metadata,
+        "created_at": _iso(job.created_at),
+        "started_at": _iso(job.started_at),
+        "finished_at": _iso(job.finished_at),
+        "error": job.error,
+    }
+    if shards:
+        data["shards"] = [
+            {
+                "index": s.index,
+                "status": s.status.value,
+                "rows": s.rows,
+                "ok": s.rows_ok,
+                "failed": s.rows_failed,
+                "completion_tokens": s.completion_tokens,
+                "engine_seconds": s.engine_seconds,
+                "attempts": s.attempts,
+                "worker": s.worker,
+                "error": s.error,
+            }
+            for s in job.shards
+        ]
+    return data
+
+
+def live_throughput(job: Job) -> dict[str, float] | None:
+    """Rates of a running job from its checkpoints so far (final rates are in `throughput`)."""
+    if job.status.is_final or job.started_at is None:
+        return None
+    now = datetime.now(timezone.utc)
+    elapsed = max((now - job.started_at).total_seconds(), 1e-9)
+    done = job.request_completed + job.request_failed
+    return {
+        "elapsed_seconds": elapsed,
+        "requests_per_s": done / elapsed,
+        "output_tokens_per_s": job.completion_tokens / elapsed,
+    }
