@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 
 from batchllm.settings import Settings
-from tests.integration.test_fleet import wait_for
 from tests.support.fleet import HOST, WorkerProcess, run_cli, submit, tail
+from tests.support.job_checks import wait_for
 
 MACHINE_PORTS = frozenset({5432, 6379})  # the machine's own services: never ours
 DATABASE = "batchllm_faults"

@@ -40,7 +40,7 @@ from tests.faults.harness import (
     run_probe_job,
     wait_for,
 )
-from tests.integration.test_fleet import (
+from tests.support.job_checks import (
     assert_each_line_at_most_once,
     assert_exactly_once,
     checkpoints_of,

@@ -27,8 +27,8 @@ from batchllm.output.parts import SUCCESS_NAME, read_output
 from batchllm.storage import Storage
 from tests.conftest import require
 from tests.faults.harness import alive_of, descendants, kill_recorded, tail
-from tests.integration.test_fleet import assert_each_line_at_most_once, expected_rows
 from tests.support.fleet import REPO
+from tests.support.job_checks import assert_each_line_at_most_once, expected_rows
 
 pytestmark = pytest.mark.faults
 

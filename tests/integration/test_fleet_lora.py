@@ -11,16 +11,15 @@ import json
 import shutil
 import time
 
-from sqlalchemy import select
 
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
-from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
+from batchllm.store.models import Job, JobStatus, ShardStatus
 
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).
 from tests.integration.conftest import start_workers, stop_workers, tails
+from tests.support.job_checks import load_job
 
 WORKER = "lora@test"
 MAX_TOKENS = 12
@@ -41,16 +40,6 @@ def job_lines() -> list[dict]:
             {"custom_id": f"a-chat-{i}", "messages": messages, "adapter": "a"},
         ]
     return lines
-
-
-def load_job(fleet_env, job_id: str) -> tuple[Job, list[Shard]]:
-    with session_scope(fleet_env.settings) as session:
-        job = session.get(Job, job_id)
-        session.refresh(job)
-        shards = list(
-            session.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.index))
-        )
-        return job, shards
 
 
 def wait_until_final(fleet_env, job_id: str, timeout: float, workers) -> Job:

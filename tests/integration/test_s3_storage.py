@@ -38,7 +38,10 @@ from tests.integration.conftest import (
     tails,
     warm_up,
 )
-from tests.integration.test_fleet import (
+from tests.s3server import S3Server, moto_server
+from tests.support.cli import run_cli
+from tests.support.fleet import REPO
+from tests.support.job_checks import (
     assert_exactly_once,
     checkpoints_of,
     expected_rows,
@@ -46,9 +49,6 @@ from tests.integration.test_fleet import (
     wait_for,
     wait_until_final,
 )
-from tests.s3server import S3Server, moto_server
-from tests.support.cli import run_cli
-from tests.support.fleet import REPO
 from tests.support.output_rows import OutputRow, write_part
 
 pytestmark = pytest.mark.integration

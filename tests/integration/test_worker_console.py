@@ -22,14 +22,14 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
 from tests.integration.conftest import Worker
-from tests.integration.test_fleet import (
+from tests.support.fleet import REPO
+from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
     output_rows,
     wait_for,
     wait_until_final,
 )
-from tests.support.fleet import REPO
 
 pytestmark = pytest.mark.integration
 

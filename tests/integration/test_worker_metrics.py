@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
 from tests.integration.conftest import Worker
-from tests.integration.test_fleet import load_job, wait_for, wait_until_final
+from tests.support.job_checks import load_job, wait_for, wait_until_final
 
 pytestmark = pytest.mark.integration
 
