@@ -11,7 +11,6 @@ import json
 import shutil
 import time
 
-
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus, ShardStatus
