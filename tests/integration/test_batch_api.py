@@ -28,6 +28,7 @@ from sqlalchemy import func, select
 from batchllm.store.db import session_scope
 from batchllm.store.models import StoredFile
 from tests.integration.conftest import FleetEnv, Worker, stop_workers
+from tests.support import job_checks
 from tests.support.fleet import HOST, REPO
 
 openai = pytest.importorskip("openai")
@@ -176,14 +177,7 @@ def api(
 
 
 def wait_for(check: Callable[[], T | None], *, timeout: float, what: Callable[[], str]) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what()}")
-        time.sleep(0.5)
+    return job_checks.wait_for(check, timeout=timeout, what=what, interval=0.5)
 
 
 def wait_status(api: Api, client: OpenAI, batch_id: str, status: str, timeout: float) -> Batch:

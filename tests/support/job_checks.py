@@ -29,14 +29,23 @@ def load_job(fleet_env, job_id: str) -> tuple[Job, list[Shard]]:
         return job, shards
 
 
-def wait_for(check: Callable[[], T], *, timeout: float, what: str, interval: float = 0.25) -> T:
+def wait_for(
+    check: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str | Callable[[], str],
+    interval: float = 0.25,
+) -> T:
+    """`check()`'s first true value, asked every `interval` seconds; an AssertionError naming
+    `what` (a text, or a function that tells it at the time, e.g. with log tails) at timeout."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            told = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {told}")
         time.sleep(interval)
 
 
