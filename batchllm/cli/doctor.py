@@ -10,7 +10,7 @@ import click
 from batchllm.cli import cli
 
 if TYPE_CHECKING:  # the library is imported when the command runs
-    from batchllm.worker.doctor import Report
+    from batchllm.doctor.diagnose import Report
 
 _KEY_WIDTH_CAP = 24  # a longer key pushes only its own value to the right
 
@@ -52,7 +52,7 @@ def doctor(as_json: bool, model: str | None, fleet: bool) -> None:
       batchllm doctor --model ./tiny-model --json
       batchllm doctor --fleet
     """
-    from batchllm.worker.doctor import diagnose
+    from batchllm.doctor.diagnose import diagnose
 
     report = diagnose(model=model, fleet=fleet)
     if as_json:

@@ -193,7 +193,7 @@ def test_a_postgresql_database_without_the_schema_is_a_problem_and_is_left_alone
 def test_doctor_never_imports_vllm(tmp_path):
     code = (
         "import sys\n"
-        "from batchllm.worker.doctor import diagnose\n"
+        "from batchllm.doctor.diagnose import diagnose\n"
         "diagnose()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))\n"
     )

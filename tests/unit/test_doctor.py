@@ -14,19 +14,15 @@ import pytest
 from click.testing import CliRunner
 
 from batchllm.cli import cli
-from batchllm.engine import hardware, versions
-from batchllm.engine.hardware import EngineProcess, Gpu
-from batchllm.settings import Settings
-from batchllm.store.db import upgrade
-from batchllm.worker import doctor
-from batchllm.worker.doctor import (
+from batchllm.doctor import diagnose as doctor
+from batchllm.doctor.diagnose import (
     Report,
     check_broker,
     check_database,
     check_storage,
     diagnose,
 )
-from batchllm.worker.doctor_checks import (
+from batchllm.doctor.machine import (
     Machine,
     Section,
     check_dtype,
@@ -36,6 +32,10 @@ from batchllm.worker.doctor_checks import (
     hide_password,
     setting_sources,
 )
+from batchllm.engine import hardware, versions
+from batchllm.engine.hardware import EngineProcess, Gpu
+from batchllm.settings import Settings
+from batchllm.store.db import upgrade
 
 H100 = Gpu(0, "GPU-aaaa", "NVIDIA H100", 81559, 80000, 90)
 T4 = Gpu(1, "GPU-bbbb", "Tesla T4", 15360, 15000, 75)

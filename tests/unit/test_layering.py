@@ -1,5 +1,5 @@
 """The package's layers import only downwards:
-cli -> api -> bench -> worker -> engine -> output -> store -> input.
+cli -> api -> bench -> doctor -> worker -> engine -> output -> store -> input.
 
 The last three are the pipeline's stages, each knowing only the ones before it: the input
 (read, validate, shard) knows no SQL; the store (jobs, shards, states, leases) reads and writes
@@ -18,6 +18,7 @@ LAYERS = [
     "cli",
     "api",
     "bench",
+    "doctor",
     "worker",
     "engine",
     "output",

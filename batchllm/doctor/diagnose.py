@@ -1,7 +1,7 @@
 """`batchllm doctor`: what a user or operator checks before filing a bug, in a few seconds.
 
 `diagnose()` gathers a Report: this machine and the settings in force with where each came
-from (batchllm/worker/doctor_checks.py), and the services that `run` and the fleet use
+from (batchllm/doctor/machine.py), and the services that `run` and the fleet use
 (database, broker, storage; below). A problem is something `batchllm run` cannot do without;
 a warning is worth knowing but stops nothing. Each check is guarded, so one that fails becomes
 a problem line rather than a traceback. Nothing here starts an engine, imports vllm, or
@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.settings import Settings, get_settings
-from batchllm.worker import redis_broker
-from batchllm.worker.doctor_checks import (
+from batchllm.doctor.machine import (
     Machine,
     Section,
     check_dtype,
@@ -34,6 +32,8 @@ from batchllm.worker.doctor_checks import (
     read_machine,
     setting_sources,
 )
+from batchllm.settings import Settings, get_settings
+from batchllm.worker import redis_broker
 
 log = logging.getLogger(__name__)
 
