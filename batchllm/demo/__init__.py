@@ -282,7 +282,3 @@ def main(argv: list[str] | None = None) -> None:
         show_chat(args.output_dir, args.source)
     else:
         show_embed(args.output_dir)
-
-
-if __name__ == "__main__":
-    main()
