@@ -259,7 +259,10 @@ def bench(
         warm_lines=warm_lines,
         seed=seed,
     )
-    result = run_bench(config, say=lambda line: click.echo(line, err=True))
+    from batchllm.worker.stopping import cleanups_run_on_signals
+
+    with cleanups_run_on_signals():  # its run-batch and worker processes end with it
+        result = run_bench(config, say=lambda line: click.echo(line, err=True))
     data, chart = write_results(result, output)
     click.echo(summary_text(result))
     click.echo(f"\nfigures: {data}\nchart:   {chart}")
