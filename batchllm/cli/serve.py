@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from batchllm.cli import cli
-from batchllm.worker.stopping import cleanups_run_on_signals, stop_child
+from batchllm.worker.stopping import PARENT_MARK, cleanups_run_on_signals, stop_child
 
 
 @cli.command()
@@ -100,7 +100,9 @@ def _start_worker(models: tuple[str, ...]) -> subprocess.Popen:
     argv = [sys.executable, "-m", "batchllm", "worker"]
     for model in models:
         argv += ["--model", model]
-    worker = subprocess.Popen(argv, env=os.environ.copy())
+    # The worker watches this process: a `kill -9` of serve (an OOM kill) must not leave it
+    # taking tasks under PID 1.
+    worker = subprocess.Popen(argv, env={**os.environ, PARENT_MARK: str(os.getpid())})
     click.echo(f"worker started (pid {worker.pid}) for {', '.join(models)}", err=True)
     return worker
 

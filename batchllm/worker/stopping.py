@@ -12,9 +12,11 @@ SIGINT needs nothing here: Python already turns it into KeyboardInterrupt.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -81,3 +83,28 @@ def stop_child(proc: subprocess.Popen, *, grace: float) -> None:
         proc.kill()
         proc.wait()
         raise
+
+
+# Set by a command that starts a worker (serve --worker) to its own pid: the worker stops when
+# that process is gone, even when it was killed with SIGKILL and could not stop the worker.
+PARENT_MARK = "BATCHLLM_STOP_WITH_PARENT"
+_PARENT_POLL_SECONDS = 1.0
+
+
+def stop_with_parent() -> None:
+    """If this process was started with PARENT_MARK, SIGTERM it (a warm shutdown: its shard goes
+    back to the queue, its engine is shut down) once that parent is gone. The mark is taken out
+    of the environment so the processes this one starts do not watch the wrong parent."""
+    owner = os.environ.pop(PARENT_MARK, None)
+    if not owner or not owner.isdigit():
+        return
+    parent = int(owner)
+
+    def watch() -> None:
+        # The parent's death reparents this process, so getppid() changes (to 1 or a subreaper).
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        log.warning("the process that started this worker (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="batchllm-stop-with-parent", daemon=True).start()

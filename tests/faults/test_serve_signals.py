@@ -147,3 +147,50 @@ def test_a_signal_to_serve_with_a_worker_leaves_none_of_its_processes(
     finally:
         kill_recorded(recorded)
         serve.poll()
+
+
+def test_a_worker_started_by_serve_stops_when_serve_is_killed(
+    broker: RedisServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """SIGKILL (an OOM kill, `kill -9`) leaves serve no chance to stop its worker: the worker
+    watches serve and stops itself."""
+    env = _env(tmp_path / "home", broker)
+    log_path = tmp_path / "serve.log"
+    port = free_port()
+    with log_path.open("wb") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "serve", "--no-auth", "--port", str(port)]
+            + ["--worker", str(tiny_model)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    recorded = {serve.pid: psutil.Process(serve.pid).create_time()}
+    try:
+        wait_for(lambda: _answers(port, serve, log_path), timeout=120, what="serve to answer")
+
+        def worker_started() -> bool:
+            recorded.update(descendants(serve.pid))
+            return len(recorded) >= 2
+
+        wait_for(worker_started, timeout=60, what="serve's worker process")
+        serve.kill()
+        serve.wait(timeout=30)
+
+        def all_gone() -> bool:
+            for pid in list(recorded):  # the worker may still be starting children
+                recorded.update(descendants(pid))
+            return not alive_of(recorded)
+
+        try:
+            wait_for(all_gone, timeout=ALL_GONE_WITHIN, what="the worker to stop after serve")
+        except AssertionError:
+            raise AssertionError(
+                f"alive {ALL_GONE_WITHIN} s after serve's SIGKILL: {alive_of(recorded)}\n"
+                + tail(log_path)
+            ) from None
+        assert "is gone: stopping" in log_path.read_text(errors="replace"), tail(log_path)
+    finally:
+        kill_recorded(recorded)
+        serve.poll()
