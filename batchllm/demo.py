@@ -67,7 +67,7 @@ _PEOPLE = (
     ("Chloe", 31, "Paris"),
     ("Ivan", 60, "Moscow"),
 )
-_PERSON_SCHEMA = {
+PERSON_SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 20},
@@ -134,7 +134,7 @@ def chat_lines(repeats: int = 10) -> Iterator[dict[str, Any]]:
                     ],
                     "response_format": {
                         "type": "json_schema",
-                        "json_schema": {"name": "person", "schema": _PERSON_SCHEMA},
+                        "json_schema": {"name": "person", "schema": PERSON_SCHEMA},
                     },
                 },
             }

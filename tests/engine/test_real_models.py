@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
+from batchllm.demo import PERSON_SCHEMA
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 48
 CAPITALS = {
@@ -33,16 +35,6 @@ CAPITALS = {
     "England": "London",
     "Russia": "Moscow",
     "Egypt": "Cairo",
-}
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "city": {"type": "string", "maxLength": 20},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
 }
 SHARED_SYSTEM = (
     "You are a support assistant for a bicycle shop. "
