@@ -16,9 +16,9 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import require
 
 from batchllm.bench.workload import Workload, iter_requests
+from tests.conftest import require
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require
 
 from batchllm.bench import embed, features
 from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
+from tests.conftest import require
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40

@@ -21,9 +21,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
-from conftest import require
 
 from batchllm.jobs.schemas import LineError, Request
+from tests.conftest import require
 
 pytestmark = pytest.mark.engine
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from conftest import require
 
 from batchllm.jobs.output import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
+from tests.conftest import require
 
 pytestmark = pytest.mark.engine
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from conftest import require
 
 from batchllm.jobs import checkpoints, service
 from batchllm.jobs.db import session_scope
@@ -29,6 +28,7 @@ from batchllm.jobs.workload import write_workload
 from batchllm.settings import get_settings
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
+from tests.conftest import require
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512

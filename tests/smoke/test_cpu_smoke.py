@@ -17,7 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import require
+
+from tests.conftest import require
 
 pytestmark = pytest.mark.smoke
 
