@@ -64,7 +64,7 @@ bench: install
 	$(BIN)/batchllm bench --model $(DEMO)/model --output $(DEMO)/bench
 
 # The engine part on the real chat model: real questions answered greedily, each ending on its
-# own (README: Performance, "On a real model"); about 15 minutes on 2 cores.
+# own (docs/performance.md, "On a real model"); about 15 minutes on 2 cores.
 bench-chat: install
 	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
 	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts engine --requests 200 \

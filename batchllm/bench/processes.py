@@ -20,6 +20,7 @@ from pathlib import Path
 
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
+from batchllm.worker.stopping import stop_child
 
 # vLLM at INFO in both contenders: run-batch's markers are INFO lines, and both logs then show
 # the same engine start-up timeline.
@@ -84,7 +85,11 @@ def _timed(
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
         with PeakRss(proc.pid) as memory:
-            code = proc.wait()
+            try:
+                code = proc.wait()
+            except BaseException:  # Ctrl-C or a stop signal: the child must not outlive us
+                stop_child(proc, grace=30)
+                raise
         seconds = time.perf_counter() - started
         reader.join()
     if code != 0:

@@ -1,4 +1,4 @@
-"""The bench's figures as a terminal table and as a PNG chart for the README."""
+"""The bench's figures as a terminal table and as a PNG chart for docs/performance.md."""
 
 from __future__ import annotations
 

@@ -107,8 +107,11 @@ _ASKS = (
 )
 
 
-def natural_question(i: int, variant: int) -> str:
-    ask = _ASKS[(i // len(_TOPICS) + variant) % len(_ASKS)]
+def natural_question(i: int) -> str:
+    """The same question for request i in every variant, so every contender answers the same
+    questions (greedy: the same answers, the same tokens); the variant tag in front of it keeps
+    a run's prompts out of another's prefix cache."""
+    ask = _ASKS[(i // len(_TOPICS)) % len(_ASKS)]
     return ask.format(t=_TOPICS[i % len(_TOPICS)])
 
 
@@ -122,7 +125,7 @@ def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
         if workload.natural:
             # The model's default system prompt is shared by every request, as in real traffic;
             # the request number keeps prompts distinct within and across variants.
-            text = f"({variant}.{i}) {natural_question(i, variant)}"
+            text = f"({variant}.{i}) {natural_question(i)}"
             yield Request(
                 custom_id=f"req-{i}",
                 messages=[{"role": "user", "content": text}],

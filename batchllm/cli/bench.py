@@ -194,6 +194,13 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     show_default=True,
     help="Lines per job of the warm part.",
 )
+@click.option(
+    "--natural-outputs",
+    is_flag=True,
+    help="For a real instruct model: real questions answered greedily, each ending on its own "
+    "(end-of-turn) or at the top of --output-tokens; no ignore_eos. --prompt-words and the "
+    "output shape then do not apply.",
+)
 @click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
 def bench(
     output: Path,
@@ -216,6 +223,7 @@ def bench(
     embed_texts: int,
     warm_jobs: int,
     warm_lines: int,
+    natural_outputs: bool,
     seed: int,
 ) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
@@ -257,9 +265,13 @@ def bench(
         embed_texts=embed_texts,
         warm_jobs=warm_jobs,
         warm_lines=warm_lines,
+        natural_outputs=natural_outputs,
         seed=seed,
     )
-    result = run_bench(config, say=lambda line: click.echo(line, err=True))
+    from batchllm.worker.stopping import cleanups_run_on_signals
+
+    with cleanups_run_on_signals():  # its run-batch and worker processes end with it
+        result = run_bench(config, say=lambda line: click.echo(line, err=True))
     data, chart = write_results(result, output)
     click.echo(summary_text(result))
     click.echo(f"\nfigures: {data}\nchart:   {chart}")

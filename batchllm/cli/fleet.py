@@ -164,6 +164,9 @@ def worker(
     """
     if not models and not (queues or "").strip(","):
         raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
+    from batchllm.worker.stopping import stop_with_parent
+
+    stop_with_parent()
     verbose = click.get_current_context().find_root().params.get("verbose") or 0
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
     if concurrency == 1 and not verbose:

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from batchllm.cli import cli
+from batchllm.worker.stopping import PARENT_MARK, cleanups_run_on_signals, stop_child
 
 
 @cli.command()
@@ -68,13 +69,6 @@ def serve(
     get_engine()  # refuse an unreachable or old database now, in one line
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
     app = create_app(auth=not no_auth, require_served_model=require_served_model)
-    worker = None
-    if worker_models:
-        argv = [sys.executable, "-m", "batchllm", "worker"]
-        for model in worker_models:
-            argv += ["--model", model]
-        worker = subprocess.Popen(argv, env=os.environ.copy())
-        click.echo(f"worker started (pid {worker.pid}) for {', '.join(worker_models)}", err=True)
     auth = "no API keys (--no-auth)" if no_auth else "API keys required"
     click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
     for warning in exposure_warnings(host, no_auth=no_auth):
@@ -85,22 +79,32 @@ def serve(
 
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None
-    try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level="warning",
-            log_config=log_config,
-            **server_options(app.state.settings),
-        )
-    finally:
-        if worker is not None and worker.poll() is None:
-            worker.terminate()  # a warm shutdown: its shard goes back to the queue
-            try:
-                worker.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+    with cleanups_run_on_signals():  # SIGTERM or SIGHUP must not leave the worker running
+        worker = _start_worker(worker_models) if worker_models else None
+        try:
+            uvicorn.run(
+                app,
+                host=host,
+                port=port,
+                log_level="warning",
+                log_config=log_config,
+                **server_options(app.state.settings),
+            )
+        finally:
+            if worker is not None:
+                # A warm shutdown: its shard goes back to the queue, its engine is shut down.
+                stop_child(worker, grace=120)
+
+
+def _start_worker(models: tuple[str, ...]) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "batchllm", "worker"]
+    for model in models:
+        argv += ["--model", model]
+    # The worker watches this process: a `kill -9` of serve (an OOM kill) must not leave it
+    # taking tasks under PID 1.
+    worker = subprocess.Popen(argv, env={**os.environ, PARENT_MARK: str(os.getpid())})
+    click.echo(f"worker started (pid {worker.pid}) for {', '.join(models)}", err=True)
+    return worker
 
 
 def exposure_warnings(host: str, *, no_auth: bool) -> list[str]:

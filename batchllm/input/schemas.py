@@ -1,6 +1,6 @@
 """Input line formats, job-level specs and the normalized request every form becomes.
 
-Three line forms are accepted (see README "Input"):
+Three line forms are accepted (see docs/input.md):
   {"prompt": "..."}                         plain completion
   {"messages": [{"role": ..., "content": ...}]}  chat, the model's chat template is applied
   {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}

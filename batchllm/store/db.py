@@ -54,8 +54,30 @@ def upgrade(url: str) -> None:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         # SQLite creates the file but not its directory (a fresh BATCHLLM_HOME).
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        database = Path(parsed.database)
+        database.parent.mkdir(parents=True, exist_ok=True)
+        with _migration_lock(database):
+            command.upgrade(alembic_config(url), "head")
+        return
     command.upgrade(alembic_config(url), "head")
+
+
+@contextmanager
+def _migration_lock(database: Path) -> Iterator[None]:
+    """Two processes opening a fresh SQLite database at once (`serve` and a `submit`) both ran
+    the migrations, and one failed with "duplicate column name". An exclusive lock on a file
+    beside the database makes the second wait, then find the schema current."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; the race stays as it was
+        yield
+        return
+    with open(database.with_name(database.name + ".migrate-lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _is_current(engine: Engine) -> bool:

@@ -41,8 +41,9 @@ class _Slot:
 def supervise(
     commands: list[tuple[list[str], dict[str, str]]], *, sleep: Callable[[float], None] = time.sleep
 ) -> int:
-    """Run each (argv, env) as a child until SIGTERM/SIGINT, restarting children that exit on
-    their own; forwards the signal to the children and returns the highest exit code."""
+    """Run each (argv, env) as a child until SIGTERM, SIGINT or SIGHUP, restarting children
+    that exit on their own; forwards the signal to the children (SIGHUP as SIGTERM: a Celery
+    worker without a terminal takes SIGHUP for "restart") and returns the highest exit code."""
     slots = [_Slot(i, argv, env) for i, (argv, env) in enumerate(commands)]
     stopping: list[int] = []
 
@@ -50,9 +51,10 @@ def supervise(
         stopping.append(signum)
         for slot in slots:
             if slot.proc is not None and slot.proc.poll() is None:
-                slot.proc.send_signal(signum)
+                slot.proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, forward) for sig in stop_signals}
     try:
         for slot in slots:
             slot.start()

@@ -96,7 +96,8 @@ class MixedFile:
             for raw in path.read_text().splitlines()
             if raw.startswith('{"custom_id"')
         ]
-        long_text = " ".join(["alpha bravo river stone"] * 200)
+        long_text = " ".join(["alpha bravo river stone"] * 200)  # ~2,400 tokens
+        longer_than_the_engine = " ".join(["alpha bravo river stone"] * 50)  # ~600 tokens
         extra = [
             {"custom_id": "too-long-prompt", "prompt": long_text},
             {
@@ -104,7 +105,7 @@ class MixedFile:
                 "method": "POST",
                 "url": "/v1/chat/completions",
                 "body": {
-                    "messages": [{"role": "user", "content": long_text}],
+                    "messages": [{"role": "user", "content": longer_than_the_engine}],
                     "max_completion_tokens": 5,
                 },
             },
@@ -196,8 +197,11 @@ def test_error_rows_carry_reasons_and_every_other_row_is_ok(mixed_run):
     assert len(mixed.bad) == BAD_LINES
     assert len(mixed.duplicates) == 2 and len(mixed.too_long) == 2
     assert errors == mixed.bad | mixed.duplicates | mixed.too_long
-    for number in mixed.too_long:
-        assert f"the engine's max_model_len is {MAX_MODEL_LEN}" in rows[number]["error"]
+    # Over the model's own context (2,048): the error names it; over only the context the
+    # engine was given (MAX_MODEL_LEN): the error names that.
+    reasons = {mixed.parsed(n)["custom_id"]: rows[n]["error"] for n in mixed.too_long}
+    assert "the model's context is 2048" in reasons["too-long-prompt"]
+    assert f"the engine's max_model_len is {MAX_MODEL_LEN}" in reasons["too-long-chat"]
     for number in mixed.duplicates:
         assert "duplicate custom_id" in rows[number]["error"]
         assert "first on line" in rows[number]["error"]

@@ -312,7 +312,8 @@ def test_batchllm_submit_of_an_s3_input_runs_on_the_fleet_into_the_bucket(
     )
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     job_id = submitted.stdout.strip()
-    assert "400 requests in 4 shard(s), queued" in submitted.stderr
+    assert "400 requests: 396 valid, 4 invalid" in submitted.stderr
+    assert "in 4 shard(s), queued" in submitted.stderr
     waited = batchllm("wait", job_id, "--timeout", "300", env=s3_fleet_env.env, timeout=330)
     took = time.monotonic() - started
 

@@ -7,10 +7,13 @@ import signal
 import sys
 import threading
 
+import pytest
+
 from batchllm.worker.supervisor import supervise
 
 
-def test_a_child_that_dies_is_started_again_and_a_stop_signal_ends_all(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_child_that_dies_is_started_again_and_a_stop_signal_ends_all(tmp_path, stop):
     starts = tmp_path / "starts"
     # Each start appends a line; the first run dies at once (as if OOM-killed), later ones
     # stay up until the supervisor forwards SIGTERM.
@@ -27,10 +30,11 @@ def test_a_child_that_dies_is_started_again_and_a_stop_signal_ends_all(tmp_path)
         sleeps.append(seconds)
         threading.Event().wait(0.05)
         if starts.exists() and len(starts.read_text().splitlines()) >= 2 and len(sleeps) > 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # what `kill <supervisor>` does
+            os.kill(os.getpid(), stop)  # what `kill <supervisor>` or a closed terminal does
 
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(stop)
     code = supervise([([sys.executable, "-c", script], dict(os.environ))], sleep=sleep)
     assert starts.read_text().splitlines() == ["start", "start"]
-    assert code == -signal.SIGTERM  # the restarted child ended by the forwarded signal
-    assert signal.getsignal(signal.SIGTERM) is previous
+    # The restarted child ended by the forwarded signal; SIGHUP goes on as SIGTERM.
+    assert code == -signal.SIGTERM
+    assert signal.getsignal(stop) is previous

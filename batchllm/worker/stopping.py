@@ -1,0 +1,110 @@
+"""Commands that start child processes end them on SIGTERM, SIGINT and SIGHUP.
+
+SIGTERM is what systemd, Docker and Kubernetes send, SIGHUP what a closed terminal or SSH
+session sends. Their default action ends the process at once, before any `finally:` runs, so a
+child it started (a worker, and that worker's vLLM engine) would run on under PID 1, taking
+tasks and holding gigabytes. uvicorn handles SIGTERM itself but raises it again, with the
+handler it found, once it has shut down; so does this module, after the cleanup.
+
+SIGINT needs nothing here: Python already turns it into KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+log = logging.getLogger(__name__)
+
+
+class Signalled(SystemExit):
+    """SIGTERM arrived (or SIGHUP, handled as SIGTERM): unwinds the stack so cleanups run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _raise(signum: int, _frame: FrameType | None) -> None:
+    raise Signalled(signum)
+
+
+def _as_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    # As SIGTERM, so that a server that stops gracefully on SIGTERM (uvicorn, while it serves)
+    # does here too, rather than being unwound mid-request.
+    signal.raise_signal(signal.SIGTERM)
+
+
+@contextmanager
+def cleanups_run_on_signals() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP unwind the stack like an exception, so `finally:` blocks stop
+    the children. On leaving by such a signal, the process ends by SIGTERM, as it would have
+    without this (its exit status still says it was signalled, which systemd counts as a clean
+    stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _raise),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, _as_sigterm),
+    }
+    try:
+        yield
+    except Signalled as exc:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("stopped by signal %d", exc.signum)
+        signal.raise_signal(exc.signum)
+        raise  # the previous handler did not end the process
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_child(proc: subprocess.Popen, *, grace: float) -> None:
+    """SIGTERM to `proc` (a warm shutdown), then SIGKILL after `grace` seconds or at once when
+    another signal interrupts the wait; returns once it has ended."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d still running %.0f s after SIGTERM: killing it", proc.pid, grace)
+        proc.kill()
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+# Set by a command that starts a worker (serve --worker) to its own pid: the worker stops when
+# that process is gone, even when it was killed with SIGKILL and could not stop the worker.
+PARENT_MARK = "BATCHLLM_STOP_WITH_PARENT"
+_PARENT_POLL_SECONDS = 1.0
+
+
+def stop_with_parent() -> None:
+    """If this process was started with PARENT_MARK, SIGTERM it (a warm shutdown: its shard goes
+    back to the queue, its engine is shut down) once that parent is gone. The mark is taken out
+    of the environment so the processes this one starts do not watch the wrong parent."""
+    owner = os.environ.pop(PARENT_MARK, None)
+    if not owner or not owner.isdigit():
+        return
+    parent = int(owner)
+
+    def watch() -> None:
+        # The parent's death reparents this process, so getppid() changes (to 1 or a subreaper).
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        log.warning("the process that started this worker (pid %d) is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="batchllm-stop-with-parent", daemon=True).start()
