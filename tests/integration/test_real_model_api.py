@@ -45,6 +45,7 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
+from batchllm.demo import PERSON_SCHEMA
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
 from tests.integration.conftest import FleetEnv, Worker, stop_workers
@@ -67,16 +68,6 @@ from openai.types.chat import ChatCompletion  # noqa: E402
 # compile cache took 9 minutes here with the machine's load at 13).
 DEADLINE = 900
 MAX_COMPLETION_TOKENS = 48
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "city": {"type": "string", "maxLength": 20},
-    },
-    "required": ["name", "age", "city"],
-    "additionalProperties": False,
-}
 # Greedy answers measured on both paths (compiled mode, one core each).
 CAPITALS = {"Japan": "Tokyo", "Germany": "Berlin", "France": "Paris"}
 
