@@ -83,6 +83,20 @@ def _answers(port: int, serve: subprocess.Popen, log_path: Path) -> bool:
         return False
 
 
+def _start_serve(env: dict[str, str], port: int, model: Path, log_path: Path) -> subprocess.Popen:
+    """`serve --no-auth --worker MODEL` in its own session: a signal reaches the server alone,
+    as `kill PID` or systemd sends it."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchllm", "serve", "--no-auth", "--port", str(port)]
+            + ["--worker", str(model)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 @pytest.mark.parametrize(
     "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name
 )
@@ -93,15 +107,7 @@ def test_a_signal_to_serve_with_a_worker_leaves_none_of_its_processes(
     log_path = tmp_path / "serve.log"
     port = free_port()
     command = [sys.executable, "-m", "batchllm"]
-    with log_path.open("wb") as log:
-        # Its own session: the signal reaches the server alone, as `kill PID` or systemd sends it.
-        serve = subprocess.Popen(
-            [*command, "serve", "--no-auth", "--port", str(port)] + ["--worker", str(tiny_model)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    serve = _start_serve(env, port, tiny_model, log_path)
     recorded = {serve.pid: psutil.Process(serve.pid).create_time()}
     try:
         # Submit once the server answers: both would otherwise create the fresh SQLite
@@ -156,15 +162,7 @@ def test_a_worker_started_by_serve_stops_when_serve_is_killed(
     env = _env(tmp_path / "home", broker)
     log_path = tmp_path / "serve.log"
     port = free_port()
-    with log_path.open("wb") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "serve", "--no-auth", "--port", str(port)]
-            + ["--worker", str(tiny_model)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    serve = _start_serve(env, port, tiny_model, log_path)
     recorded = {serve.pid: psutil.Process(serve.pid).create_time()}
     try:
         wait_for(lambda: _answers(port, serve, log_path), timeout=120, what="serve to answer")

@@ -59,7 +59,7 @@ from tests.integration.test_batch_api import (
     upload,
     wait_status,
 )
-from tests.support.fleet import REPO
+from tests.support.fleet import REPO, tail
 
 openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion  # noqa: E402
@@ -161,8 +161,7 @@ class Run:
         )
 
     def tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return tail(self.log_path, lines)
 
     def wait(self, timeout: float) -> float:
         """Wait for a successful exit; returns the seconds it ran."""
