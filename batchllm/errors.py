@@ -26,6 +26,15 @@ class EngineSettingsError(EngineUnavailable):
     GPUs cannot run): refused before the engine starts."""
 
 
+class EngineMismatch(BatchLLMError):
+    """A fleet worker's engine cannot run this job (another model kind, LoRA, a longer explicit
+    context...): the job waits for a worker that can. `unmet` names each requirement."""
+
+    def __init__(self, unmet: list[str]) -> None:
+        super().__init__("this worker's engine cannot run the job: it needs " + "; ".join(unmet))
+        self.unmet = unmet
+
+
 class JobStateError(BatchLLMError):
     """The requested action does not fit the job's current state."""
 

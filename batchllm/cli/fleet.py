@@ -11,7 +11,15 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.options import input_file, job_options, require_requests, spec_from_flags
+from batchllm.cli.options import (
+    engine_flags_as_args,
+    input_file,
+    job_options,
+    require_requests,
+    spec_from_flags,
+    worker_engine_from_flags,
+    worker_engine_options,
+)
 
 
 @cli.command()
@@ -98,9 +106,16 @@ def cancel(job_id: str) -> None:
 @click.option(
     "--model",
     "-m",
-    "models",
-    multiple=True,
-    help="Serve this model (repeatable): consume its queue.",
+    required=True,
+    help="The model this worker serves; its engine is built at start-up.",
+)
+@worker_engine_options
+@click.option(
+    "--allow-rebuild",
+    is_flag=True,
+    help="Let a job this engine cannot run (LoRA, embeddings, a longer explicit context, "
+    "another dtype...) rebuild it for that job; the next job gets the worker's own engine "
+    "back. Off: such jobs wait for a worker that serves them.",
 )
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(
@@ -118,13 +133,6 @@ def cancel(job_id: str) -> None:
     help="Worker name, unique in the fleet [default: batchllm-PID@host].",
 )
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
-@click.option(
-    "--max-lora-rank",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Build LoRA engines for at least this adapter rank, so jobs with adapters of "
-    "different ranks share one warm engine (adapters come with each job; no restart).",
-)
 @click.option(
     "--metrics-port",
     type=click.IntRange(1, 65535),
@@ -144,28 +152,36 @@ def cancel(job_id: str) -> None:
     "log shippers.",
 )
 def worker(
-    models: tuple[str, ...],
+    model: str,
+    allow_rebuild: bool,
     queues: str | None,
     concurrency: int,
     name: str | None,
     loglevel: str,
-    max_lora_rank: int | None,
     metrics_port: int | None,
     log_format: str,
+    **engine_flags,
 ) -> None:
-    """Start a Celery worker that runs shards through vLLM (broker: BATCHLLM_BROKER_URL).
+    """Start a Celery worker that runs shards through its own vLLM engine (broker:
+    BATCHLLM_BROKER_URL).
+
+    The engine is the operator's: built from MODEL and the engine flags before the worker
+    takes its first task (it says "ready" only then), and kept for every job. Jobs adapt to
+    it: rows longer than its context become error rows, and a job that needs what it does not
+    serve (LoRA, embeddings, a longer explicit --max-model-len, another dtype) waits for a
+    worker that does; `batchllm status JOB` says which.
 
     Each process uses Celery's solo pool: vLLM starts its engine in a child process, which
-    prefork children are not allowed to have. The engine stays warm across shards and jobs.
+    prefork children are not allowed to have.
 
     \b
     Example:
-      batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --concurrency 8 --metrics-port 9400
+      batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --max-model-len 8192 \\
+        --concurrency 8 --metrics-port 9400
     """
-    if not models and not (queues or "").strip(","):
-        raise click.UsageError("give --model (or --queues) so the worker knows what to serve")
     from batchllm.worker.stopping import stop_with_parent
 
+    options = worker_engine_from_flags(engine_flags)
     stop_with_parent()
     verbose = click.get_current_context().find_root().params.get("verbose") or 0
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
@@ -173,13 +189,13 @@ def worker(
         # Before Celery and vLLM are imported, so their import-time warnings go to the file
         # too. With --concurrency N each worker process names its own file.
         _quiet_console(log_format)
-    from batchllm.worker.celery_app import queue_for_model
+    from batchllm.worker.celery_app import worker_queues
 
-    names = [queue_for_model(m) for m in models] + [q for q in (queues or "").split(",") if q]
+    names = worker_queues(
+        model, task=options.task, enable_lora=options.enable_lora, allow_rebuild=allow_rebuild
+    ) + [q for q in (queues or "").split(",") if q]
     # The models this worker announces to `batchllm serve` (GET /v1/models); children inherit.
-    os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps(list(models))
-    if max_lora_rank is not None:  # read by this process's settings and its children's
-        os.environ["BATCHLLM_MIN_LORA_RANK"] = str(max_lora_rank)
+    os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps([model])
     if metrics_port is not None and metrics_port + concurrency - 1 > 65535:
         raise click.BadParameter(
             f"{metrics_port} + {concurrency - 1} is past 65535: each worker process serves its "
@@ -193,14 +209,24 @@ def worker(
         on_cpu = runs_on_cpu()
         gpus = [] if on_cpu else visible_gpus()
         check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
-        _supervise(concurrency, models, queues, name, loglevel, metrics_port, verbose)
+        child_args = _forwarded(model, allow_rebuild, queues, loglevel, click.get_current_context())
+        _supervise(concurrency, child_args, name, metrics_port, verbose)
         return
     if metrics_port is not None:
         _serve_metrics(metrics_port)
+    from batchllm.errors import BatchLLMError
     from batchllm.worker.celery_app import create_app
+    from batchllm.worker.tasks import start_engine
 
     app = create_app()
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
+    click.echo(f"{node}: building the engine for {model} ...", err=True)
+    try:
+        engine = start_engine(model, options, allow_rebuild=allow_rebuild)
+    except BatchLLMError as exc:
+        raise click.ClickException(f"the worker's engine could not start: {exc}") from None
+    assert engine.profile is not None
+    click.echo(f"{node}: engine ready: {engine.profile.describe()}", err=True)
     app.worker_main(
         [
             "worker",
@@ -215,6 +241,19 @@ def worker(
             "--without-mingle",
         ]
     )
+
+
+def _forwarded(
+    model: str, allow_rebuild: bool, queues: str | None, loglevel: str, ctx: click.Context
+) -> list[str]:
+    """The arguments each child of --concurrency N gets: this worker's, engine flags included,
+    as given on the command line."""
+    args = ["--model", model, "--loglevel", loglevel]
+    if allow_rebuild:
+        args.append("--allow-rebuild")
+    if queues:
+        args += ["--queues", queues]
+    return args + engine_flags_as_args(ctx)
 
 
 def _serve_metrics(port: int) -> None:
@@ -256,7 +295,7 @@ def _quiet_console(log_format: str) -> None:
 
 
 def _supervise(
-    count: int, models, queues, name, loglevel, metrics_port: int | None, verbose: int
+    count: int, child_args: list[str], name: str | None, metrics_port: int | None, verbose: int
 ) -> None:
     """Run `count` single-process workers, GPU i visible to process i, restarting any that
     dies, and forward SIGTERM/SIGINT to them. Each child has its own metrics registry, served
@@ -265,12 +304,7 @@ def _supervise(
 
     commands = []
     for i in range(count):
-        argv = [sys.executable, "-m", "batchllm", *["-v"] * verbose, "worker"]
-        argv += ["--loglevel", loglevel]
-        for model in models:
-            argv += ["--model", model]
-        if queues:
-            argv += ["--queues", queues]
+        argv = [sys.executable, "-m", "batchllm", *["-v"] * verbose, "worker", *child_args]
         # Names must be unique on the host: a worker may reclaim a shard it ran itself.
         argv += ["--name", f"{name or f'batchllm-{os.getpid()}'}-{i}@{socket.gethostname()}"]
         if metrics_port is not None:  # a restarted child serves on its slot's port again

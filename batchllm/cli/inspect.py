@@ -25,10 +25,15 @@ def status(job_id: str, as_json: bool) -> None:
     with session_scope() as session:
         job = service.get_job(session, job_id)
         data = job_view(job, shards=True)
+        waiting = _waiting_for_a_worker(job)
+        if waiting:
+            data["waiting"] = waiting
         if as_json:
             click.echo(json.dumps(data, indent=2))
             return
         echo_job(job)
+    if waiting:
+        click.echo(f"waiting: {waiting}")
     if len(data["shards"]) > 1 or any(s["attempts"] > 1 for s in data["shards"]):
         rows = [
             [
@@ -41,6 +46,26 @@ def status(job_id: str, as_json: bool) -> None:
             for s in data["shards"]
         ]
         click.echo(table(["shard", "status", "done", "attempts", "worker"], rows))
+
+
+def _waiting_for_a_worker(job) -> str | None:
+    """Why a fleet job that no worker has started yet waits, from the live workers' engine
+    profiles (None when one can run it, or the broker cannot say)."""
+    if job.local_run or job.status is not JobStatus.QUEUED:
+        return None
+    from batchllm.input.schemas import JobSpec
+    from batchllm.settings import get_settings
+    from batchllm.worker.redis_broker import is_redis
+    from batchllm.worker.registry import live_workers, waiting_reason
+
+    broker_url = get_settings().broker_url
+    if not is_redis(broker_url):  # only a Redis broker holds the workers' profiles
+        return None
+    try:
+        workers = live_workers(broker_url)
+    except Exception as exc:  # the broker is down: status still shows the job
+        return f"unknown: the broker cannot be read ({exc})"
+    return waiting_reason(JobSpec.model_validate(job.spec), workers)
 
 
 @cli.command()

@@ -31,8 +31,9 @@ from batchllm.worker.stopping import PARENT_MARK, cleanups_run_on_signals, stop_
     "worker_models",
     multiple=True,
     metavar="MODEL",
-    help="Also run `batchllm worker --model MODEL` beside the server (repeatable); needs "
-    "the broker like any worker.",
+    help="Also run `batchllm worker --model MODEL` beside the server, with the worker's "
+    "default engine settings (repeatable: one worker process per model); needs the broker "
+    "like any worker. Run `batchllm worker` yourself for other engine settings.",
 )
 @click.option(
     "--log-format",
@@ -80,7 +81,7 @@ def serve(
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None
     with cleanups_run_on_signals():  # SIGTERM or SIGHUP must not leave the worker running
-        worker = _start_worker(worker_models) if worker_models else None
+        workers = [_start_worker(model) for model in worker_models]
         try:
             uvicorn.run(
                 app,
@@ -91,19 +92,17 @@ def serve(
                 **server_options(app.state.settings),
             )
         finally:
-            if worker is not None:
+            for worker in workers:
                 # A warm shutdown: its shard goes back to the queue, its engine is shut down.
                 stop_child(worker, grace=120)
 
 
-def _start_worker(models: tuple[str, ...]) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "batchllm", "worker"]
-    for model in models:
-        argv += ["--model", model]
+def _start_worker(model: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "batchllm", "worker", "--model", model]
     # The worker watches this process: a `kill -9` of serve (an OOM kill) must not leave it
     # taking tasks under PID 1.
     worker = subprocess.Popen(argv, env={**os.environ, PARENT_MARK: str(os.getpid())})
-    click.echo(f"worker started (pid {worker.pid}) for {', '.join(models)}", err=True)
+    click.echo(f"worker started (pid {worker.pid}) for {model}", err=True)
     return worker
 
 

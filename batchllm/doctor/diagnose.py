@@ -255,7 +255,26 @@ def check_broker(url: str, *, required_by: str | None) -> Section:
     for queue, depth in sorted(queues.items()):
         section.row(f"  {queue}", f"{depth:,} waiting")
     section.row("unacked", f"{unacked:,} delivered, not yet acknowledged")
+    _live_workers(section, url)
     return section
+
+
+def _live_workers(section: Section, url: str) -> None:
+    """Each live worker and the engine it serves (jobs adapt to these engines)."""
+    from batchllm.worker.profile import EngineProfile
+    from batchllm.worker.registry import live_workers
+
+    workers = live_workers(url)
+    section.data["workers"] = workers
+    section.row("workers", f"{len(workers)} live" if workers else "none live")
+    for worker in workers:
+        engine = worker.get("engine")
+        shown = (
+            EngineProfile.from_dict(engine).describe()
+            if engine
+            else ", ".join(worker.get("models", []))
+        )
+        section.row(f"  {worker.get('node')}", shown)
 
 
 def _queue_depths(client: Any) -> dict[str, int]:

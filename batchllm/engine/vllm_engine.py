@@ -159,12 +159,22 @@ class VllmEngine:
     """One vLLM engine, built once and reused for every shard with the same engine key.
     Satisfies batchllm.engine.protocol.Engine."""
 
-    def __init__(self, *, model: str, options: EngineOptions, max_model_len: int | None) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        options: EngineOptions,
+        max_model_len: int | None,
+        context_name: str = "the engine's max_model_len",
+    ) -> None:
+        """`context_name` names the context in a too-long row's error: a job's own engine, or
+        the fleet worker's whose context the job adapts to."""
         vllm = import_vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
         self._vllm = vllm
+        self.context_name = context_name
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.is_cpu = current_platform.is_cpu()
         self.version = vllm.__version__
@@ -275,7 +285,7 @@ class VllmEngine:
         prepared = prepare_prompts(self.tokenizer, rows, None, chat_template)
         if self.model_context > self.max_model_len:
             prepared = within_context(rows, prepared, self.model_context, "the model's context")
-        return within_context(rows, prepared, self.max_model_len, "the engine's max_model_len")
+        return within_context(rows, prepared, self.max_model_len, self.context_name)
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
         """SamplingParams (PoolingParams in an embedding engine) for merged settings. The

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -80,15 +81,17 @@ def release_shard(session: Session, shard_id: int, attempt: int) -> bool:
     return requeue_shard(session, shard_id, attempt=attempt)
 
 
-def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[int, str]]:
+def requeue_stale_shards(
+    session: Session, lease_seconds: float
+) -> list[tuple[int, dict[str, Any]]]:
     """Put back running shards whose worker stopped heartbeating (killed, node lost).
 
-    Returns (shard id, model) for each shard put back, for the caller to enqueue. Each shard is
+    Returns (shard id, job spec) for each shard put back, for the caller to enqueue. Each shard is
     moved by one conditional UPDATE, so of several sweeping workers only one re-enqueues it.
     """
     stale = utcnow() - timedelta(seconds=lease_seconds)
     found = session.execute(
-        select(Shard.id, Job.model)
+        select(Shard.id, Job.spec)
         .join(Job)
         .where(
             Shard.status == ShardStatus.RUNNING,
@@ -98,7 +101,7 @@ def requeue_stale_shards(session: Session, lease_seconds: float) -> list[tuple[i
         )
     ).all()
     moved = []
-    for shard_id, model in found:
+    for shard_id, spec in found:
         if requeue_shard(session, shard_id, heartbeat_before=stale):
-            moved.append((shard_id, model))
+            moved.append((shard_id, spec))
     return moved

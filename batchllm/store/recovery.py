@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -103,13 +104,15 @@ def finalizing_jobs(session: Session) -> list[str]:
     return list(session.scalars(select(Job.id).where(Job.status == JobStatus.FINALIZING)))
 
 
-def queued_shards_to_check(session: Session, grace_seconds: float) -> list[tuple[int, str]]:
-    """(shard id, model) of queued shards of runnable jobs whose task was sent long enough
+def queued_shards_to_check(
+    session: Session, grace_seconds: float
+) -> list[tuple[int, dict[str, Any]]]:
+    """(shard id, job spec) of queued shards of runnable jobs whose task was sent long enough
     ago to be in the broker (or to have been picked up)."""
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
     return list(
         session.execute(
-            select(Shard.id, Job.model)
+            select(Shard.id, Job.spec)
             .join(Job)
             .where(
                 Shard.status == ShardStatus.QUEUED,

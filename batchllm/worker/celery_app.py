@@ -10,15 +10,50 @@ import re
 
 from celery import Celery
 
+from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
 
 TASK_RUN_SHARD = "batchllm.run_shard"
 
 
 def queue_for_model(model: str) -> str:
-    """Shards are routed by model, so a worker never receives a shard it cannot serve and a
-    job for a model that no worker serves waits without blocking anything else."""
+    """The queue of a model's plain generation jobs. Shards are routed by model, so a worker
+    never receives a shard of a model it does not serve, and a job for a model no worker
+    serves waits without blocking anything else."""
     return "batchllm." + re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-180:]
+
+
+# Jobs that need an engine built for them go to a queue of their kind: only workers whose
+# engine serves it consume it, so a LoRA or embedding job never lands on a worker that would
+# have to rebuild its engine (or refuse it) - it waits for one that can run it.
+_KIND_SUFFIXES = {"lora": ".lora", "embed": ".embed"}
+
+
+def job_kind(spec: JobSpec) -> str:
+    """generate, lora or embed: the kind of engine a job's shards need."""
+    if spec.engine.task == "embed":
+        return "embed"
+    return "lora" if spec.engine.enable_lora else "generate"
+
+
+def queue_for_job(spec: JobSpec) -> str:
+    return queue_for_model(spec.model) + _KIND_SUFFIXES.get(job_kind(spec), "")
+
+
+def queue_for_stored_spec(spec: dict) -> str:
+    """The queue of a job whose spec is the database's JSON."""
+    return queue_for_job(JobSpec.model_validate(spec))
+
+
+def worker_queues(model: str, *, task: str, enable_lora: bool, allow_rebuild: bool) -> list[str]:
+    """The queues a worker consumes: the kinds of job its engine serves (a LoRA engine serves
+    plain jobs too); every kind when it may rebuild its engine for a job."""
+    base = queue_for_model(model)
+    if allow_rebuild:
+        return [base, base + _KIND_SUFFIXES["lora"], base + _KIND_SUFFIXES["embed"]]
+    if task == "embed":
+        return [base + _KIND_SUFFIXES["embed"]]
+    return [base, base + _KIND_SUFFIXES["lora"]] if enable_lora else [base]
 
 
 def create_app(settings: Settings | None = None) -> Celery:

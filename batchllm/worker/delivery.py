@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 
 from batchllm.engine.protocol import EngineSource
-from batchllm.errors import EngineDied, EngineSettingsError
+from batchllm.errors import EngineDied, EngineMismatch, EngineSettingsError
 from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
 from batchllm.settings import Settings, get_settings
@@ -68,6 +68,11 @@ def _process_shard(
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
     try:
         engine = engines.get(spec, max_model_len)
+    except EngineMismatch as exc:
+        # A fleet worker never rebuilds its engine for a job unless its operator allowed it:
+        # the shard goes back for a worker that serves what the job needs.
+        log.warning("job %s waits for another worker: %s", job_id, exc)
+        return Outcome.WAITING
     except EngineSettingsError as exc:
         # Settings this worker's hardware cannot honour (engine/preflight.py) would fail the
         # same way on every delivery: the job fails now, with the reason.

@@ -16,7 +16,7 @@ from batchllm.settings import Settings, get_settings
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, Shard
-from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
+from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_job
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def submit_job(
             session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))
         )
     app = create_app(settings)
-    queue = queue_for_model(spec.model)
+    queue = queue_for_job(spec)
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=2)

@@ -1,5 +1,7 @@
-"""One warm engine per process, rebuilt only when a shard needs other engine settings or a
-longer context than it has."""
+"""The engines of a process: a fleet worker's own engine (WorkerEngine: the operator's settings,
+built at start-up, never rebuilt by a job unless the operator allows it), and `batchllm run`'s
+engine sized from its job (EngineCache: rebuilt when a job needs other settings or a longer
+context than the warm one has)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,15 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from batchllm.input.schemas import JobSpec
+from batchllm.errors import EngineMismatch
+from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job
 from batchllm.worker import metrics
+from batchllm.worker.profile import VLLM_LORA_RANK, EngineProfile, unmet_requirements
 from batchllm.worker.sizing_pass import size_shards
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
@@ -36,15 +40,11 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
         return service.set_max_model_len(session, job_id, sized)
 
 
-# vLLM's default max_lora_rank, which a job without --max-lora-rank gets.
-_VLLM_LORA_RANK = 16
-
-
 def with_min_lora_rank(spec: JobSpec, floor: int | None) -> JobSpec:
     """A LoRA job's spec with its engine's max_lora_rank raised to the worker's floor."""
     if floor is None or not spec.engine.enable_lora:
         return spec
-    rank = max(spec.engine.max_lora_rank or _VLLM_LORA_RANK, floor)
+    rank = max(spec.engine.max_lora_rank or VLLM_LORA_RANK, floor)
     engine = spec.engine.model_copy(update={"max_lora_rank": rank})
     return spec.model_copy(update={"engine": engine})
 
@@ -125,3 +125,81 @@ class EngineCache:
             metrics.engine_stopped(built_for.model)
         if engine is not None:
             engine.shutdown()
+
+
+class WorkerEngine:
+    """A fleet worker's engine (an EngineSource): the operator's model and settings, built by
+    `start` before the worker takes its first task and kept for every job it serves.
+
+    A job adapts to it: `get` hands out this engine for every job whose requirements it meets
+    (worker/profile.py) and raises EngineMismatch for the others, which wait for a worker
+    that serves them. Only with `allow_rebuild` does such a job get an engine built for it
+    (the EngineCache way); the next job that fits the operator's settings gets them back.
+    After the engine died, the next job rebuilds the operator's engine, as it was.
+    """
+
+    def __init__(self, model: str, options: EngineOptions, *, allow_rebuild: bool = False):
+        self.model, self.options, self.allow_rebuild = model, options, allow_rebuild
+        self.profile: EngineProfile | None = None
+        self._own: VllmEngine | None = None
+        self._rebuilt = EngineCache()  # a job's own engine, under allow_rebuild only
+
+    @property
+    def engine(self) -> VllmEngine | None:
+        return self._own or self._rebuilt.engine
+
+    def start(self) -> EngineProfile:
+        """Build the operator's engine (again, after it died or a rebuild replaced it)."""
+        self._rebuilt.close()
+        from batchllm.engine.vllm_engine import VllmEngine
+
+        started = time.monotonic()
+        try:
+            engine = VllmEngine(
+                model=self.model,
+                options=self.options,
+                # -1: vLLM's auto-fit, the model's context or the longest its KV cache holds.
+                max_model_len=self.options.max_model_len or -1,
+                context_name="this worker's max_model_len",
+            )
+        except Exception:
+            metrics.engine_start_failed(self.model)
+            raise
+        seconds = time.monotonic() - started
+        metrics.engine_started(self.model, seconds)
+        self._own = engine
+        self.profile = EngineProfile.of(
+            self.model, self.options, max_model_len=engine.max_model_len, dtype=engine.dtype
+        )
+        metrics.engine_profile(self.profile.as_dict())
+        log.info("engine ready in %.1f s: %s", seconds, self.profile.describe())
+        return self.profile
+
+    def unmet(self, spec: JobSpec) -> list[str]:
+        assert self.profile is not None, "start() builds the engine first"
+        return unmet_requirements(spec, self.profile)
+
+    def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
+        unmet = self.unmet(spec)
+        if not unmet:
+            if self._own is None:  # it died, or a job's own engine replaced it
+                self.start()
+            assert self._own is not None
+            return self._own
+        if not self.allow_rebuild:
+            raise EngineMismatch(unmet)
+        log.info(
+            "rebuilding the engine for a job that needs %s (--allow-rebuild)", "; ".join(unmet)
+        )
+        self._close_own()
+        return self._rebuilt.get(spec, max_model_len)
+
+    def _close_own(self) -> None:
+        engine, self._own = self._own, None
+        if engine is not None:
+            metrics.engine_stopped(self.model)
+            engine.shutdown()
+
+    def close(self) -> None:
+        self._close_own()
+        self._rebuilt.close()

@@ -90,6 +90,12 @@ ENGINE_START_SECONDS = Gauge(
 ENGINE_UP = Gauge(
     "batchllm_engine_up", "1 while this process holds a warm engine for the model, else 0.", _MODEL
 )
+ENGINE_INFO = Gauge(
+    "batchllm_engine_info",
+    "1 for the engine profile this worker process serves (built at start-up from the worker's "
+    "engine flags): its model, task, max_model_len, dtype, quantization and LoRA rank.",
+    ("model", "task", "max_model_len", "dtype", "quantization", "max_lora_rank"),
+)
 IN_FLIGHT = Gauge(
     "batchllm_requests_in_flight",
     "Requests in the engine (queued or running), as of the last engine step.",
@@ -230,6 +236,19 @@ def engine_start_failed(model: str) -> None:
 
 def engine_stopped(model: str) -> None:
     for_model(model).engine_stopped()
+
+
+def engine_profile(profile: dict[str, Any]) -> None:
+    """Show the worker's engine profile (worker/profile.py EngineProfile.as_dict()) as labels."""
+    ENGINE_INFO.clear()  # one profile at a time: the one built last
+    ENGINE_INFO.labels(
+        model=profile["model"],
+        task=profile["task"],
+        max_model_len=str(profile["max_model_len"]),
+        dtype=profile["dtype"],
+        quantization=profile["quantization"] or "none",
+        max_lora_rank=str(profile["max_lora_rank"] or 0),
+    ).set(1)
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:

@@ -24,7 +24,7 @@ from batchllm.storage import Storage
 from batchllm.store import leases, recovery
 from batchllm.store.db import session_scope
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
-from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
+from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_stored_spec
 from batchllm.worker.finalize import finalize_job
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,13 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
     with session_scope(settings) as session:
         stale = leases.requeue_stale_shards(session, settings.lease_seconds)
         recovery.mark_dispatched(session, [shard_id for shard_id, _ in stale])
-    for shard_id, model in stale:
+    for shard_id, spec in stale:
         log.warning(
             "shard %s lost its worker (no heartbeat for %.0f s): queued again",
             shard_id,
             settings.lease_seconds,
         )
-        send(shard_id, queue_for_model(model))
+        send(shard_id, queue_for_stored_spec(spec))
         done.requeued_stale.append(shard_id)
 
     done.resent_lost = _resend_lost_tasks(send, settings)
@@ -106,7 +106,7 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
         candidates = recovery.queued_shards_to_check(session, grace)
     if not candidates:
         return []
-    queues = {queue_for_model(model) for _, model in candidates}
+    queues = {queue_for_stored_spec(spec) for _, spec in candidates}
     try:
         # A task delivered a lease ago whose shard is still unclaimed and that no live worker
         # marks held (worker/holding.py) belongs to a worker that died with it.
@@ -117,7 +117,7 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
         log.debug("%s: lost queued tasks are not re-sent", exc)
         return []
     resent = []
-    for shard_id, model in candidates:
+    for shard_id, spec in candidates:
         if shard_id in present:
             continue
         with session_scope(settings) as session:
@@ -126,7 +126,7 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
             log.warning(
                 "shard %s is queued but the broker has no task for it: sent again", shard_id
             )
-            send(shard_id, queue_for_model(model))
+            send(shard_id, queue_for_stored_spec(spec))
             resent.append(shard_id)
     return resent
 

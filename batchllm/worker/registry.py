@@ -8,7 +8,10 @@ import json
 import logging
 import os
 import socket
+from typing import Any
 
+from batchllm.input.schemas import JobSpec
+from batchllm.worker.profile import EngineProfile, unmet_requirements
 from batchllm.worker.redis_broker import WORKER_PREFIX, connect, is_redis, worker_key
 
 log = logging.getLogger(__name__)
@@ -22,16 +25,61 @@ def worker_models() -> list[str]:
     return list(json.loads(raw)) if raw else []
 
 
-def register(broker_url: str, node: str, models: list[str], ttl_seconds: int) -> None:
-    """Announce `node` serving `models` for `ttl_seconds` (call again before it runs out)."""
+def register(
+    broker_url: str,
+    node: str,
+    models: list[str],
+    ttl_seconds: int,
+    *,
+    engine: dict[str, Any] | None = None,
+) -> None:
+    """Announce `node` serving `models` for `ttl_seconds` (call again before it runs out),
+    with its engine profile (worker/profile.py EngineProfile.as_dict()) when it has one."""
     if not models or not is_redis(broker_url):
         return
     client = connect(broker_url)
     try:
-        value = json.dumps({"models": models, "host": socket.gethostname()})
+        value = json.dumps(
+            {"models": models, "host": socket.gethostname(), "node": node, "engine": engine}
+        )
         client.set(worker_key(node), value, ex=ttl_seconds)
     finally:
         client.close()
+
+
+def live_workers(broker_url: str) -> list[dict[str, Any]]:
+    """Every live worker process: {node, host, models, engine} ([] for a non-Redis broker)."""
+    if not is_redis(broker_url):
+        return []
+    client = connect(broker_url)
+    workers = []
+    try:
+        for key in client.scan_iter(match=WORKER_PREFIX + "*", count=500):
+            raw = client.get(key)
+            if raw is not None:
+                workers.append(json.loads(raw))
+    finally:
+        client.close()
+    return sorted(workers, key=lambda w: str(w.get("node")))
+
+
+def waiting_reason(spec: JobSpec, workers: list[dict[str, Any]]) -> str | None:
+    """Why a queued job of `spec` has no worker to run it, or None when a live worker can."""
+    serving = [w for w in workers if spec.model in w.get("models", [])]
+    if not serving:
+        return f"no live worker serves model {spec.model}"
+    unmet = []
+    for worker in serving:
+        engine = worker.get("engine")
+        if engine is None:  # a worker that builds an engine per job can run it
+            return None
+        missing = unmet_requirements(spec, EngineProfile.from_dict(engine))
+        if not missing:
+            return None
+        unmet.append(f"{worker.get('node')}: needs {'; '.join(missing)}")
+    return f"none of the {len(serving)} live worker(s) of {spec.model} can run it (" + (
+        ", ".join(unmet) + ")"
+    )
 
 
 def served_models(broker_url: str) -> dict[str, int]:

@@ -56,6 +56,7 @@ class Outcome(str, enum.Enum):
     ENGINE_DIED = "engine_died"  # the engine died; rows committed, the shard handed back
     SKIPPED = "skipped"  # nothing to do (already finished or cancelled before it started)
     BUSY = "busy"  # running on another live worker; try again later
+    WAITING = "waiting"  # this worker's engine cannot run the job; for a worker that can
     LOST = "lost"  # this worker's lease ran out and another worker took the shard over
 
 

@@ -15,21 +15,27 @@ from celery.signals import (
 )
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from batchllm.engine.protocol import EngineSource
+from batchllm.input.schemas import EngineOptions
 from batchllm.settings import get_settings
 from batchllm.worker import log_format, registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
-from batchllm.worker.engines import EngineCache
+from batchllm.worker.engines import EngineCache, WorkerEngine
 from batchllm.worker.holding import holding
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
 
 log = logging.getLogger(__name__)
 
-# One warm engine per worker process, kept across shards and jobs with equal engine settings.
-_engines = EngineCache()
+# The worker's engine: `batchllm worker` builds its own with start_engine before Celery takes
+# a task. (A Celery worker started otherwise, e.g. by `celery -A`, builds one per job's
+# settings, as `batchllm run` does.)
+_engines: EngineSource = EngineCache()
 _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
+# A job this worker's engine cannot run is offered to the fleet again this often.
+_RETRY_WAITING_SECONDS = 15
 _DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
 _MAX_RETRY_SECONDS = 60
 
@@ -39,6 +45,20 @@ def _json_logs(logger=None, **_kwargs) -> None:
     """`worker --log-format json`: Celery has set up its handlers; make them write JSON."""
     if os.environ.get(log_format.FORMAT_ENV) == "json":
         log_format.use_json(logger)
+
+
+def start_engine(model: str, options: EngineOptions, *, allow_rebuild: bool) -> WorkerEngine:
+    """Build this worker process's engine; the worker says ready (and takes tasks) after."""
+    global _engines
+    engine = WorkerEngine(model, options, allow_rebuild=allow_rebuild)
+    _engines = engine
+    engine.start()
+    return engine
+
+
+def _engine_profile() -> dict | None:
+    profile = getattr(_engines, "profile", None)
+    return profile.as_dict() if profile is not None else None
 
 
 @worker_shutting_down.connect
@@ -73,7 +93,13 @@ def _register_forever(node: str, models: list[str]) -> None:
     period = min(settings.reconcile_seconds, 30.0)
     while True:
         try:
-            registry.register(settings.broker_url, node, models, ttl_seconds=int(3 * period) + 1)
+            registry.register(
+                settings.broker_url,
+                node,
+                models,
+                ttl_seconds=int(3 * period) + 1,
+                engine=_engine_profile(),
+            )
         except Exception as exc:  # the broker is down: the reconciler says so too
             log.debug("could not register this worker's models: %s", exc)
         if _stop.wait(period):
@@ -119,6 +145,10 @@ def run_shard(self, shard_id: int) -> str:
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
         self.app.send_task(self.name, args=(shard_id,), queue=queue)
         log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
+    elif outcome is Outcome.WAITING:
+        self.app.send_task(
+            self.name, args=(shard_id,), queue=queue, countdown=_RETRY_WAITING_SECONDS
+        )
     elif outcome is Outcome.BUSY:
         # A duplicate delivery while another worker holds the shard: look again later, so the
         # shard still has a task if that worker dies.

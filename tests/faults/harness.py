@@ -429,9 +429,6 @@ class Worker(WorkerProcess):
         _remember(self.proc.pid)
         running_workers.append(self)
 
-    def wait_ready(self, timeout: float = 120) -> None:
-        super().wait_ready(timeout)
-
     def record_descendants(self) -> dict[int, float]:
         """Remember every process under the worker now (its engine and helpers)."""
         found = descendants(self.pid)

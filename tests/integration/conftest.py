@@ -28,6 +28,7 @@ from batchllm.settings import Settings
 from tests.conftest import require
 from tests.support.fleet import (
     HOST,
+    WORKER_ENGINE_ARGS,
     WorkerProcess,
     fleet_env_vars,
     run_cli,
@@ -162,8 +163,18 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
 class Worker(WorkerProcess):
     """One `batchllm worker` of the integration fleet, killed with its whole group."""
 
-    def __init__(self, name: str, *, model: Path, env: dict[str, str], log_path: Path) -> None:
-        super().__init__(name, model=model, env=env, log_path=log_path, append=False)
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: Path,
+        env: dict[str, str],
+        log_path: Path,
+        engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+    ) -> None:
+        super().__init__(
+            name, model=model, env=env, log_path=log_path, append=False, engine_args=engine_args
+        )
         _running.append(self)
 
     def kill(self) -> None:
@@ -188,7 +199,12 @@ class Worker(WorkerProcess):
 
 
 def start_workers(
-    names: list[str], *, fleet_env: FleetEnv, model: Path, log_dir: Path
+    names: list[str],
+    *,
+    fleet_env: FleetEnv,
+    model: Path,
+    log_dir: Path,
+    engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
 ) -> list[Worker]:
     """Start the workers and wait until each consumes its queue. On two cores, each worker's
     engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
@@ -202,6 +218,7 @@ def start_workers(
                     model=model,
                     log_path=log_dir / f"{name}.log",
                     env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores),
+                    engine_args=engine_args,
                 )
             )
         for worker in workers:

@@ -1,8 +1,11 @@
-"""A LoRA job on the worker fleet: real Redis and PostgreSQL, a real `batchllm worker` process.
+"""A LoRA job on the worker fleet: real Redis and PostgreSQL, real `batchllm worker` processes.
 
-The worker is started with no adapter flags, before the adapter directory exists; the job is
-submitted with `--lora a=PATH` and the original directory is deleted right after submission,
-so the worker can only have loaded the copy `batchllm submit` stored under the job.
+Workers own their engines, and jobs adapt to them. The job is submitted with `--lora a=PATH`
+while only a worker without LoRA is up: it waits (its queue is the LoRA one, `status` says
+why) and that worker neither takes it nor rebuilds its engine for it. A worker started with
+`--enable-lora` (before the adapter directory existed; no adapter flags) then runs it. The
+original directory is deleted right after submission, so the worker can only have loaded the
+copy `batchllm submit` stored under the job.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from batchllm.store.models import Job, JobStatus, ShardStatus
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).
 from tests.integration.conftest import start_workers, stop_workers, tails
+from tests.support.fleet import WORKER_ENGINE_ARGS
 from tests.support.job_checks import load_job
 
 WORKER = "lora@test"
+PLAIN_WORKER = "plain@test"
 MAX_TOKENS = 12
 PROMPTS = [
     "The farmer found a wooden table near the river.",
@@ -56,13 +61,25 @@ def wait_until_final(fleet_env, job_id: str, timeout: float, workers) -> Job:
         time.sleep(0.5)
 
 
-def test_a_lora_job_runs_on_a_worker_started_without_adapters(fleet_env, tiny_model, tmp_path):
+def wait_for_status_line(fleet_env, job_id: str, text: str, workers, timeout: float = 60) -> str:
+    """`batchllm status JOB` until its output holds `text` (workers register within seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = fleet_env.cli("status", job_id)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        if text in shown.stdout:
+            return shown.stdout
+        if time.monotonic() > deadline:
+            raise AssertionError(f"status never said {text!r}:\n{shown.stdout}" + tails(workers))
+        time.sleep(1)
+
+
+def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model, tmp_path):
     from batchllm.engine.demo_model import build_demo_adapters
 
-    workers = start_workers([WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
-    (worker,) = workers
+    workers = start_workers([PLAIN_WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
+    (plain,) = workers
     try:
-        pid = worker.proc.pid
         # The adapter exists only now, outside the fleet's storage.
         original = tmp_path / "adapters" / "a"
         shutil.copytree(build_demo_adapters(tiny_model, 1)[0], original)
@@ -81,6 +98,21 @@ def test_a_lora_job_runs_on_a_worker_started_without_adapters(fleet_env, tiny_mo
         job_id = submitted.stdout.split()[0]
         shutil.rmtree(original)  # the job runs from its stored copy
 
+        shown = wait_for_status_line(fleet_env, job_id, "waiting: none of the 1 live", workers)
+        assert f"{PLAIN_WORKER}: needs LoRA adapters" in shown
+        job, shards = load_job(fleet_env, job_id)
+        assert job.status is JobStatus.QUEUED
+        assert {(s.status, s.worker) for s in shards} == {(ShardStatus.QUEUED, None)}
+
+        workers += start_workers(
+            [WORKER],
+            fleet_env=fleet_env,
+            model=tiny_model,
+            log_dir=tmp_path,
+            engine_args=(*WORKER_ENGINE_ARGS, "--enable-lora"),
+        )
+        worker = workers[-1]
+        pid = worker.proc.pid
         job = wait_until_final(fleet_env, job_id, timeout=420, workers=workers)
         job, shards = load_job(fleet_env, job_id)
 
@@ -106,9 +138,12 @@ def test_a_lora_job_runs_on_a_worker_started_without_adapters(fleet_env, tiny_mo
                 adapted, base = rows[f"a-{form}-{i}"], rows[f"base-{form}-{i}"]
                 assert adapted["text"] != base["text"], (adapted, base)
                 assert adapted["prompt_tokens"] == base["prompt_tokens"]
-        # The same worker process served the job: no restart to take on the adapter.
+        # The same worker process served the job: no restart to take on the adapter. The
+        # plain worker never took the job, and no engine was rebuilt for it.
         assert worker.proc.poll() is None and worker.proc.pid == pid
         assert worker.log().count(f"{WORKER} ready.") == 1
+        assert job_id not in plain.log()
+        assert "rebuilding" not in plain.log() + worker.log()
         print(
             f"\nLoRA job on the fleet: {job.request_total} rows, job wall "
             f"{job.wall_seconds:.1f} s on {WORKER} (pid {pid}, not restarted)"

@@ -23,9 +23,11 @@ from tests.worker_logs import named_log_tail
 HOST = "127.0.0.1"
 __all__ = ["REPO", "run_cli"]
 
-# Every job of the fleet suites uses these engine options, so a worker's warm engine serves
-# them all.
+# Every job of the fleet suites uses these engine options, and every worker is started with
+# the matching engine flags: a worker owns its engine, and jobs whose requirements it meets
+# (an explicit max_model_len up to its own) run on it as it is.
 ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
+WORKER_ENGINE_ARGS = ("--enforce-eager", "--max-model-len", "512")
 
 
 def fleet_env_vars(
@@ -87,7 +89,14 @@ class WorkerProcess:
     and its workers, so one killpg reaches all of them), its output in a log file."""
 
     def __init__(
-        self, name: str, *, model: Path | str, env: dict[str, str], log_path: Path, append: bool
+        self,
+        name: str,
+        *,
+        model: Path | str,
+        env: dict[str, str],
+        log_path: Path,
+        append: bool,
+        engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
     ) -> None:
         self.name = name
         self.log_path = log_path
@@ -105,6 +114,7 @@ class WorkerProcess:
                 name,
                 "--loglevel",
                 "INFO",
+                *engine_args,
             ],
             env=env,
             cwd=REPO,
@@ -130,7 +140,8 @@ class WorkerProcess:
             named = ""
         return tail(self.log_path, lines) + named
 
-    def wait_ready(self, timeout: float = 90) -> None:
+    def wait_ready(self, timeout: float = 240) -> None:
+        """Until Celery says ready, which a worker does only once its engine is built."""
         deadline = time.monotonic() + timeout
         while f"{self.name} ready." not in self.log():
             if self.proc.poll() is not None:

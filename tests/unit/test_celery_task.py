@@ -106,6 +106,19 @@ def test_a_shard_busy_on_another_worker_is_looked_at_again_in_thirty_seconds(
     assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": 30})]
 
 
+def test_a_shard_this_workers_engine_cannot_run_is_offered_to_the_fleet_again(
+    sent, processed, monkeypatch
+):
+    fake_process_shard(monkeypatch, processed, outcome=Outcome.WAITING)
+
+    with delivered():
+        result = run_shard.run(SHARD_ID)
+
+    assert result == "waiting"
+    # Back on its own queue, where a worker that serves the job takes it; this one looks again.
+    assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": 15})]
+
+
 @pytest.mark.parametrize(
     "outcome", [Outcome.COMPLETED, Outcome.SKIPPED, Outcome.CANCELLED, Outcome.LOST, Outcome.FAILED]
 )

@@ -96,7 +96,9 @@ def test_stale_running_shards_are_queued_again_once(settings, tmp_path):
         assert leases.requeue_stale_shards(session, lease_seconds=60) == []
     age_heartbeat(settings, shard_id, 120)
     with session_scope(settings) as session:
-        assert leases.requeue_stale_shards(session, lease_seconds=60) == [(shard_id, "m")]
+        moved = leases.requeue_stale_shards(session, lease_seconds=60)
+        # With the job's spec: the caller sends the shard to the queue of the job's kind.
+        assert [(moved_id, spec["model"]) for moved_id, spec in moved] == [(shard_id, "m")]
     with session_scope(settings) as session:
         assert leases.requeue_stale_shards(session, lease_seconds=60) == []
         assert session.get(Shard, shard_id).status is ShardStatus.QUEUED
