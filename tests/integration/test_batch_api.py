@@ -243,8 +243,7 @@ def completion_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
 def big_batch(api: Api) -> bytes:
     """BIG_LINES chat lines that each generate exactly 16 to 48 tokens (ignore_eos): rows keep
     finishing all along, so a checkpoint comes well before the end. Prompt and answer stay
-    within 64 tokens, the max_model_len the small batches size their engine to, so the worker's
-    engine serves them all (a job needing more context would rebuild it: a minute on CPU)."""
+    within 64 tokens, well inside the worker's context."""
     return jsonl(
         [
             {

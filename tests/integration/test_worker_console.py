@@ -22,7 +22,7 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
 from tests.integration.conftest import Worker
-from tests.support.fleet import REPO
+from tests.support.fleet import REPO, WORKER_ENGINE_ARGS
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
@@ -144,12 +144,12 @@ def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(
     fleet_env, own_queue_model: Path, tmp_path: Path
 ):
     """`batchllm -v worker`: today's console (Celery's banner, warnings), no file. Ends at
-    `ready.`, before any engine, so it stays quick."""
+    `ready.`, which comes once the worker's own engine is built (a small, eager one)."""
     console_path = tmp_path / "console.txt"
     with console_path.open("wb") as console:
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchllm", "-v", "worker", "--model", str(own_queue_model)]
-            + ["--name", "loud@test"],
+            + ["--name", "loud@test", *WORKER_ENGINE_ARGS],
             env=fleet_env.worker_env(),
             cwd=REPO,
             stdout=console,
@@ -162,7 +162,7 @@ def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(
                     "loud@test ready." in console_path.read_text(errors="replace")
                     or proc.poll() is not None
                 ),
-                timeout=90,
+                timeout=240,
                 what="the verbose worker to be ready",
             )
         finally:
