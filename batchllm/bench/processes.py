@@ -38,9 +38,12 @@ class EngineLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     dtype: str
+    enforce_eager: bool = False
 
     def flags(self) -> list[str]:
+        eager = ["--enforce-eager"] if self.enforce_eager else []
         return [
+            *eager,
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",

@@ -261,59 +261,128 @@ def embed_text(embed: dict[str, Any]) -> str:
     )
 
 
+_SIDE_BY_SIDE = (
+    ("vllm_run_batch", "vllm run-batch (own process, builds its engine)"),
+    ("batchllm_run", "batchllm run (own process, builds its engine)"),
+    ("warm_worker", "batchllm submit to the warm worker"),
+)
+
+
 def warm_text(warm: dict[str, Any]) -> str:
-    """The warm part: per job on one worker, how long from submit to its first row."""
+    """The warm part: the worker's one engine build, five jobs in a row on it, and one file
+    end to end three ways."""
 
     def seconds(value: float | None) -> str:
         return f"{value:.2f} s" if value is not None else ""
 
+    worker = warm["worker"]
+    engine = worker["engine"]
+    flags = worker["command"][worker["command"].index("worker") + 1 :]
     rows: list[tuple[str, ...]] = [
         (
-            "jobs on one worker",
+            "job on the warm worker",
+            "prompt words",
             "max_tokens",
-            "context",
-            "engine's",
+            "job's context",
+            "rows ok",
+            "failed",
             "engine starts",
-            "submit to pickup",
-            "pickup to first row",
             "submit to first row",
-            "submit to done",
+            "submit to completed",
         )
     ]
-    for n, job in enumerate(warm["jobs"]):
+    for n, job in enumerate(warm["jobs"], start=1):
+        context = str(job["max_model_len"])
+        if job.get("explicit_max_model_len"):
+            context += " (its own)"
         rows.append(
             (
-                f"{n}: {job['kind']}",
+                f"{n}: {job['label']}",
+                "{}-{}".format(*job["prompt_words"]),
                 str(job["max_tokens"]),
-                str(job["max_model_len"]),
-                str(job["engine_max_model_len"]),
+                context,
+                str(job["rows_ok"]),
+                str(job["rows_failed"]),
                 str(job["engine_starts"]),
-                seconds(job["submit_to_pickup_seconds"]),
-                seconds(job["pickup_to_first_row_seconds"]),
                 seconds(job["submit_to_first_row_seconds"]),
-                seconds(job["submit_to_done_seconds"]),
+                seconds(job["submit_to_completed_seconds"]),
             )
         )
+    pickup, first = warm["pickup_to_first_row_seconds"], warm["submit_to_first_row_seconds"]
+    mark = "met" if warm["target_met"] else "NOT met"
     lines = [
-        f"warm worker: one `batchllm worker` process, {len(warm['jobs'])} jobs of "
-        f"{warm['lines']} lines submitted one after another (one shard each)",
+        f"warm worker: `batchllm worker {' '.join(flags)}`",
+        f"ready in {worker['ready_seconds']:.1f} s from process start (the engine build, "
+        f"{engine['start_seconds']:.1f} s of it, paid once): max_model_len "
+        f"{engine['max_model_len']}, {engine['dtype']}; engine starts over the worker's life: "
+        f"{worker['engine_starts']}",
         "",
+        f"{len(warm['jobs'])} jobs of {warm['lines']} lines in a row (one shard each):",
         _format(rows),
-        "submit: the job is committed and its task goes to the broker; pickup: the worker "
-        "claims the shard, after it sized the job's context and picked its engine (so an "
-        "engine start lands in submit to pickup); first row: the job's first request goes "
-        "into the engine; from the database's timestamps",
+        "submit: the job is committed and its task goes to the broker; first row: its first "
+        "request goes into the engine; completed: the job is finalized; from the database's "
+        "timestamps. engine starts: the worker's batchllm_engine_starts_total during the job",
+        f"{warm['jobs_with_engine_starts']} of {len(warm['jobs'])} jobs started an engine; "
+        f"pickup to first row median {pickup['median']:.2f} s, max {pickup['max']:.2f} s "
+        f"(target {warm['target_seconds']:.0f} s: {mark}); submit to first row median "
+        f"{first['median']:.2f} s",
     ]
-    pickup = warm.get("warm_pickup_to_first_row_seconds")
-    if pickup:
-        first = warm["warm_submit_to_first_row_seconds"]
-        mark = "met" if warm["target_met"] else "NOT met"
-        lines.append(
-            f"shorter jobs on the warm engine ({warm['shorter_jobs_rebuilt']} rebuilt it): "
-            f"pickup to first row median {pickup['median']:.2f} s, max {pickup['max']:.2f} s "
-            f"(target {warm['target_seconds']:.0f} s: {mark}); submit to first row median "
-            f"{first['median']:.2f} s"
+    side = warm.get("side_by_side")
+    if side:
+        lines += ["", _side_by_side_text(side)]
+    return "\n".join(lines)
+
+
+def _side_by_side_text(side: dict[str, Any]) -> str:
+    limits = side["limits"]
+    warm_seconds = side["warm_worker"]["seconds"]
+    rows: list[tuple[str, ...]] = [
+        ("the same file", "wall s", "rows", "failed", "out tokens", "generating s", "vs warm")
+    ]
+    for key, label in _SIDE_BY_SIDE:
+        run = side.get(key)
+        if run is None:
+            continue
+        generation = run.get("generation_seconds")
+        rows.append(
+            (
+                label,
+                f"{run['seconds']:.1f}",
+                f"{run['requests']:,}",
+                str(run["failed"]),
+                f"{run['output_tokens']:,}",
+                f"{generation:.1f}" if generation else "",
+                f"{run['seconds'] / warm_seconds:.2f}x",
+            )
         )
+    eager = "eager" if limits.get("enforce_eager") else "compiled"
+    lines = [
+        f"one OpenAI chat file of {side['lines']:,} lines end to end, greedy, max_tokens "
+        f"{side['max_tokens']} (ignore_eos), every engine max_model_len "
+        f"{limits['max_model_len']}, {limits['dtype']}, {eager}, max_num_seqs "
+        f"{limits['max_num_seqs']}, max_num_batched_tokens {limits['max_num_batched_tokens']}:",
+        _format(rows),
+        "wall: process start to exit; for the warm worker, `batchllm submit`'s start to the "
+        "job completed in the database (polled every 0.1 s). generating: first request to "
+        "the end (run-batch: its log lines; batchllm: the job's timestamps)",
+    ]
+    ratios = [f"run/warm {side['run_over_warm']:.2f}x"]
+    if "run_batch_over_warm" in side:
+        mark = "met" if side["target_met"] else "NOT met"
+        ratios.insert(
+            0,
+            f"run-batch/warm {side['run_batch_over_warm']:.2f}x (target "
+            f"{side['target_speedup']:.0f}x: {mark})",
+        )
+    lines.append(
+        ", ".join(ratios)
+        + f"; of the warm worker's {warm_seconds:.1f} s, the `batchllm submit` process took "
+        f"{side['warm_worker']['extra']['submit_process_seconds']:.1f} s (start, validation, "
+        f"storing the input, queueing); the idle worker used "
+        f"{side['idle_worker_cpu_seconds']:.1f} CPU s while the other two ran"
+    )
+    for key, reason in side.get("skipped", {}).items():
+        lines.append(f"skipped {key}: {reason}")
     return "\n".join(lines)
 
 
@@ -600,25 +669,17 @@ def _embed_panel(ax, result: dict[str, Any]) -> None:
 
 
 def _warm_panel(ax, result: dict[str, Any]) -> None:
-    jobs = result["warm"]["jobs"]
-    x = range(len(jobs))
-    for offset, key, color, label in (
-        (-0.2, "pickup_to_first_row_seconds", "tab:green", "pickup to first row"),
-        (0.2, "submit_to_first_row_seconds", "tab:gray", "submit to first row"),
-    ):
-        ax.bar(
-            [i + offset for i in x],
-            [j[key] or 0 for j in jobs],
-            width=0.4,
-            color=color,
-            label=label,
-        )
-    ax.set_yscale("log")
+    side = result["warm"]["side_by_side"]
+    shown = [(key, label) for key, label in _SIDE_BY_SIDE if key in side]
+    seconds = [side[key]["seconds"] for key, _ in shown]
+    colors = {"vllm_run_batch": "tab:gray", "batchllm_run": "tab:blue", "warm_worker": "tab:green"}
+    ax.bar(range(len(shown)), seconds, color=[colors[key] for key, _ in shown])
+    for i, value in enumerate(seconds):
+        ax.annotate(f"{value:.0f} s", (i, value), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(
-        list(x),
-        [f"{j['kind']}\n{j['engine_starts']} start(s)" for j in jobs],
+        list(range(len(shown))),
+        [label.replace(" (", "\n(").replace(" to ", "\nto ") for _, label in shown],
         fontsize=6,
     )
-    ax.set_ylabel("seconds (log)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7)
-    ax.set_title("jobs on a warm worker", fontsize=9)
+    ax.set_ylabel("wall seconds, end to end")
+    ax.set_title(f"one file of {side['lines']:,} lines", fontsize=9)

@@ -29,7 +29,8 @@ PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed"
 # engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
 # (7 jobs and their raw twins per repeat, then 3 embedding contenders), which would make the
 # default run (~8.5 minutes) about 70% longer to answer other questions than its own. warm is
-# opt-in too: it needs Redis on 127.0.0.1:6379 and starts a worker (two engine starts).
+# opt-in too: it needs Redis on 127.0.0.1:6379 and starts three engines (a worker's, run-batch's
+# and `batchllm run`'s).
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -62,9 +63,18 @@ class BenchConfig:
     feature_requests: int = 400
     feature_max_tokens: int = 64
     embed_texts: int = 2_000
-    # The warm part: jobs after the warm-up on one worker, and lines per job.
-    warm_jobs: int = 5
+    # The warm part: lines in each of its five jobs; the side-by-side file's lines and its
+    # fixed max_tokens; the worker's engine flags (max_model_len capped at the model's
+    # context), which run-batch and `batchllm run` get too. Batch sizes are given to all
+    # three because run-batch's own defaults differ from the LLM class's (these are what the
+    # LLM class chose on a 2-core CPU machine).
     warm_lines: int = 50
+    warm_file_lines: int = 1000
+    warm_max_tokens: int = 64
+    warm_max_model_len: int = 512
+    warm_enforce_eager: bool = True
+    warm_max_num_seqs: int = 256
+    warm_max_num_batched_tokens: int = 4096
     seed: int = 0
 
     @property
@@ -154,8 +164,17 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
         result["warm"] = run_warm(
             model=model,
             workdir=workdir / "warm",
-            jobs=config.warm_jobs,
+            limits=EngineLimits(
+                max_model_len=config.warm_max_model_len,
+                max_num_seqs=config.warm_max_num_seqs,
+                max_num_batched_tokens=config.warm_max_num_batched_tokens,
+                dtype="auto",
+                enforce_eager=config.warm_enforce_eager,
+            ),
             lines=config.warm_lines,
+            file_lines=config.warm_file_lines,
+            file_prompt_words=config.prompt_words,
+            max_tokens=config.warm_max_tokens,
             seed=config.seed,
             say=say,
         )

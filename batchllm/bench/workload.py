@@ -40,10 +40,11 @@ class Workload:
     system_words: int = 0
     seed: int = 0
     natural: bool = False
+    greedy: bool = False  # temperature 0 for the synthetic requests too
 
     @property
     def temperature(self) -> float:
-        return 0.0 if self.natural else TEMPERATURE
+        return 0.0 if self.natural or self.greedy else TEMPERATURE
 
     @property
     def ignore_eos(self) -> bool:
@@ -138,7 +139,12 @@ def iter_requests(workload: Workload, variant: int) -> Iterator[Request]:
         if systems:
             system = systems[shape.randrange(len(systems))]
             messages.insert(0, {"role": "system", "content": system})
-        yield Request(custom_id=f"req-{i}", messages=messages, max_tokens=max_tokens)
+        yield Request(
+            custom_id=f"req-{i}",
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=workload.temperature,
+        )
 
 
 def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: str) -> Path:

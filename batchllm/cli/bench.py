@@ -181,18 +181,52 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     help="Texts the embed part embeds per contender.",
 )
 @click.option(
-    "--warm-jobs",
-    type=click.IntRange(min=1),
-    default=BenchConfig.warm_jobs,
-    show_default=True,
-    help="Jobs the warm part submits to its warm worker after the warm-up.",
-)
-@click.option(
     "--warm-lines",
     type=click.IntRange(min=1),
     default=BenchConfig.warm_lines,
     show_default=True,
-    help="Lines per job of the warm part.",
+    help="Lines in each of the warm part's five jobs.",
+)
+@click.option(
+    "--warm-file-lines",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_file_lines,
+    show_default=True,
+    help="Lines of the file the warm part runs three ways (run-batch, run, the warm worker).",
+)
+@click.option(
+    "--warm-max-tokens",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_max_tokens,
+    show_default=True,
+    help="max_tokens of every line of that file (greedy, ignore_eos).",
+)
+@click.option(
+    "--warm-max-model-len",
+    type=click.IntRange(min=16),
+    default=BenchConfig.warm_max_model_len,
+    show_default=True,
+    help="The warm worker's --max-model-len (at most the model's context), and the other two's.",
+)
+@click.option(
+    "--warm-enforce-eager/--warm-compiled",
+    default=BenchConfig.warm_enforce_eager,
+    show_default=True,
+    help="Run the warm part's three engines in eager mode, or compiled.",
+)
+@click.option(
+    "--warm-max-num-seqs",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_max_num_seqs,
+    show_default=True,
+    help="--max-num-seqs of the warm part's three engines.",
+)
+@click.option(
+    "--warm-max-num-batched-tokens",
+    type=click.IntRange(min=1),
+    default=BenchConfig.warm_max_num_batched_tokens,
+    show_default=True,
+    help="--max-num-batched-tokens of the warm part's three engines.",
 )
 @click.option(
     "--natural-outputs",
@@ -221,8 +255,13 @@ def bench(
     feature_requests: int,
     feature_max_tokens: int,
     embed_texts: int,
-    warm_jobs: int,
     warm_lines: int,
+    warm_file_lines: int,
+    warm_max_tokens: int,
+    warm_max_model_len: int,
+    warm_enforce_eager: bool,
+    warm_max_num_seqs: int,
+    warm_max_num_batched_tokens: int,
     natural_outputs: bool,
     seed: int,
 ) -> None:
@@ -234,7 +273,8 @@ def bench(
     end, each its own process), prefix (prefix grouping on/off), overhead (everything but
     generation, on an instant engine); opt-in with --parts: features (plain, JSON schema,
     choice, logprobs, n=4 and a mixed job on one engine), embed (embedding jobs against
-    raw LLM.embed) and warm (how soon jobs start on a warm `batchllm worker`; needs Redis on
+    raw LLM.embed) and warm (five jobs in a row on one `batchllm worker` that owns a warm
+    engine, then one file through run-batch, run and that worker; needs Redis on
     127.0.0.1:6379). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
@@ -263,8 +303,13 @@ def bench(
         feature_requests=feature_requests,
         feature_max_tokens=feature_max_tokens,
         embed_texts=embed_texts,
-        warm_jobs=warm_jobs,
         warm_lines=warm_lines,
+        warm_file_lines=warm_file_lines,
+        warm_max_tokens=warm_max_tokens,
+        warm_max_model_len=warm_max_model_len,
+        warm_enforce_eager=warm_enforce_eager,
+        warm_max_num_seqs=warm_max_num_seqs,
+        warm_max_num_batched_tokens=warm_max_num_batched_tokens,
         natural_outputs=natural_outputs,
         seed=seed,
     )

@@ -1,6 +1,7 @@
 """The bench's warm part at a small size: a real `batchllm worker` (Redis on 127.0.0.1, a
-private SQLite database, vLLM on the tiny model) serves jobs that need a shorter context than
-its warm engine without an engine start, and rebuilds only for a job that needs a longer one."""
+private SQLite database, vLLM on the tiny model) builds its engine from its flags before it says
+ready, runs five different jobs in a row without an engine start, and finishes one file end to
+end beside `vllm run-batch` and `batchllm run`, which build their own engines."""
 
 from __future__ import annotations
 
@@ -11,51 +12,92 @@ import psutil
 import pytest
 import redis
 
+from batchllm.bench.contenders import bench_settings
+from batchllm.bench.processes import EngineLimits
 from batchllm.bench.report import warm_text
-from batchllm.bench.warm import run_warm
+from batchllm.bench.warm import JOBS, run_warm
+from batchllm.client import Client
 from tests.conftest import require
 
 pytestmark = pytest.mark.integration
 
 LINES = 20
+FILE_LINES = 100
+MAX_TOKENS = 16
+LIMITS = EngineLimits(
+    max_model_len=512,
+    max_num_seqs=64,
+    max_num_batched_tokens=4096,
+    dtype="auto",
+    enforce_eager=True,
+)
 
 
-def test_a_warm_worker_serves_shorter_jobs_without_an_engine_start(tiny_model: Path, tmp_path):
+def test_a_warm_worker_runs_five_jobs_and_a_file_without_an_engine_start(
+    tiny_model: Path, tmp_path: Path
+):
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     try:
         redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=3).ping()
     except redis.RedisError as exc:
         require(False, f"Redis is not reachable at 127.0.0.1:6379: {exc}")
 
+    workdir = tmp_path / "warm"
     result = run_warm(
-        model=str(tiny_model), workdir=tmp_path / "warm", jobs=2, lines=LINES, say=print
+        model=str(tiny_model),
+        workdir=workdir,
+        limits=LIMITS,
+        lines=LINES,
+        file_lines=FILE_LINES,
+        max_tokens=MAX_TOKENS,
+        say=print,
     )
     print(warm_text(result))
 
-    warm_up, *shorter, longer = result["jobs"]
-    assert [j["kind"] for j in result["jobs"]] == ["warm-up", "shorter", "shorter", "longer"]
-    assert all(j["rows_ok"] == LINES and j["rows_failed"] == 0 for j in result["jobs"])
-    assert warm_up["engine_starts"] == 1
-    for job in shorter:
-        assert job["max_model_len"] < warm_up["max_model_len"]
-        assert job["engine_starts"] == 0, f"job {job['job_id']} rebuilt the warm engine"
-        assert job["engine_max_model_len"] == warm_up["max_model_len"]
-        # 1 s is the promise; the bench prints the real figure, a busy CI machine gets slack.
-        assert 0 <= job["pickup_to_first_row_seconds"] < 5
-        assert job["submit_to_pickup_seconds"] >= 0
-        assert job["submit_to_first_row_seconds"] < 10
-    assert result["shorter_jobs_rebuilt"] == 0
-    assert longer["max_model_len"] > warm_up["max_model_len"]
-    assert longer["engine_starts"] == 1
-    assert longer["engine_max_model_len"] == longer["max_model_len"]
+    # The worker built its engine from its flags, once, before Celery said ready.
+    worker = result["worker"]
+    engine = worker["engine"]
+    assert engine["max_model_len"] == 512 and engine["task"] == "generate"
+    assert 0 < engine["start_seconds"] < worker["ready_seconds"]
+    assert worker["engine_starts"] == 1
+    log = Path(worker["log"]).read_text()
+    name = worker["command"][worker["command"].index("--name") + 1]
+    assert log.index("engine ready") < log.index(f"{name} ready.")
 
-    log = Path(result["worker"]["log"]).read_text()
-    assert log.count("reusing the warm engine") == len(shorter)
-    assert (
-        f"the job needs max_model_len {longer['max_model_len']}, the warm engine has "
-        f"{warm_up['max_model_len']}" in log
+    # Five jobs in a row, every row served, none starting an engine.
+    jobs = result["jobs"]
+    assert [job["label"] for job in jobs] == [job.label for job in JOBS]
+    for job in jobs:
+        assert (job["rows_ok"], job["rows_failed"]) == (LINES, 0), job
+        assert job["engine_starts"] == 0, job
+        assert 0 <= job["submit_to_first_row_seconds"] <= job["submit_to_completed_seconds"]
+    assert result["jobs_with_engine_starts"] == 0
+    assert jobs[4]["explicit_max_model_len"] == 384
+    client = Client(bench_settings(workdir / "home"))
+    outputs = [client.results(job["job_id"]).to_table().to_pylist() for job in jobs]
+    assert all(len(rows) == LINES and {r["status"] for r in rows} == {"ok"} for rows in outputs)
+    assert {row["text"] for row in outputs[2]} <= {"yes", "no", "maybe"}  # the choice job
+    assert all(len(row["choices"]) == 2 for row in outputs[3])  # the n=2 job
+
+    # The same file three ways: all its rows and tokens each, no engine start on the worker.
+    side = result["side_by_side"]
+    assert side["warm_worker_engine_starts"] == 0
+    assert side["limits"]["max_model_len"] == 512 and side["limits"]["enforce_eager"]
+    assert side["limits"]["dtype"] == engine["dtype"]
+    for key in ("vllm_run_batch", "batchllm_run", "warm_worker"):
+        assert key in side, side["skipped"]
+        run = side[key]
+        assert (run["requests"], run["failed"]) == (FILE_LINES, 0), key
+        assert run["output_tokens"] == FILE_LINES * MAX_TOKENS, key
+        assert run["seconds"] > 0
+    assert side["run_batch_over_warm"] == pytest.approx(
+        side["vllm_run_batch"]["seconds"] / side["warm_worker"]["seconds"]
     )
+    assert side["run_over_warm"] == pytest.approx(
+        side["batchllm_run"]["seconds"] / side["warm_worker"]["seconds"]
+    )
+
     # The worker and its engine processes are gone.
-    pids = result["worker"]["pids"]
+    pids = worker["pids"]
     assert len(pids) > 1  # the worker and at least its EngineCore
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
