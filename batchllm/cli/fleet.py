@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -220,13 +221,12 @@ def worker(
 
     app = create_app()
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
-    click.echo(f"{node}: building the engine for {model} ...", err=True)
+    # Logged, not echoed: the console stays log lines (JSON ones under --log-format json).
+    logging.getLogger(__name__).info("%s: building the engine for %s", node, model)
     try:
-        engine = start_engine(model, options, allow_rebuild=allow_rebuild)
+        start_engine(model, options, allow_rebuild=allow_rebuild)  # logs "engine ready in"
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
-    assert engine.profile is not None
-    click.echo(f"{node}: engine ready: {engine.profile.describe()}", err=True)
     app.worker_main(
         [
             "worker",
@@ -273,8 +273,6 @@ def _serve_metrics(port: int) -> None:
 def _quiet_console(log_format: str) -> None:
     """The console keeps batchllm's and Celery's lines; vLLM's output, its engine processes'
     output and the interpreter's warnings go to $BATCHLLM_HOME/logs/worker-<time>-<pid>.log."""
-    import logging
-
     from batchllm.cli.console import quiet, worker_lines
     from batchllm.settings import get_settings
 
