@@ -54,8 +54,22 @@ def test_a_worker_that_ran_a_job_shows_its_rows_and_tokens(
     )
     try:
         worker.wait_ready()
-        # Served from the start, before any job: no engine yet, no series of the model.
-        assert "# TYPE batchllm_rows_total counter" in scrape(port)
+        # Before any job: the worker's own engine is up (built before `ready.`), with its
+        # profile as labels.
+        before = samples(scrape(port))
+        model = ("model", str(tiny_model))
+        assert before[("batchllm_engine_starts_total", frozenset({model}))] == 1
+        assert before[("batchllm_engine_up", frozenset({model}))] == 1
+        (info,) = [dict(labels) for name, labels in before if name == "batchllm_engine_info"]
+        assert info == {
+            "model": str(tiny_model),
+            "task": "generate",
+            "max_model_len": "512",  # tests/support/fleet.py WORKER_ENGINE_ARGS
+            "dtype": info["dtype"],
+            "quantization": "none",
+            "max_lora_rank": "0",
+        }
+        assert info["dtype"] in ("bfloat16", "float32")  # float32 on CPUs without bf16
         source = write_workload(
             tmp_path / "prompts.jsonl", requests=30, max_tokens=(4, 24), bad_lines=2, seed=3
         )
