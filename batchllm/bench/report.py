@@ -315,7 +315,8 @@ def warm_text(warm: dict[str, Any]) -> str:
         f"ready in {worker['ready_seconds']:.1f} s from process start (the engine build, "
         f"{engine['start_seconds']:.1f} s of it, paid once): max_model_len "
         f"{engine['max_model_len']}, {engine['dtype']}; engine starts over the worker's life: "
-        f"{worker['engine_starts']}",
+        f"{worker['engine_starts']}; 1-minute load average {worker['load_average'][0]:.1f} -> "
+        f"{worker['load_average'][1]:.1f}",
         "",
         f"{len(warm['jobs'])} jobs of {warm['lines']} lines in a row (one shard each):",
         _format(rows),
@@ -337,7 +338,16 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
     limits = side["limits"]
     warm_seconds = side["warm_worker"]["seconds"]
     rows: list[tuple[str, ...]] = [
-        ("the same file", "wall s", "rows", "failed", "out tokens", "generating s", "vs warm")
+        (
+            "the same file",
+            "wall s",
+            "rows",
+            "failed",
+            "out tokens",
+            "generating s",
+            "generating out tok/s",
+            "wall vs warm",
+        )
     ]
     for key, label in _SIDE_BY_SIDE:
         run = side.get(key)
@@ -352,6 +362,7 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
                 str(run["failed"]),
                 f"{run['output_tokens']:,}",
                 f"{generation:.1f}" if generation else "",
+                f"{run['output_tokens'] / generation:,.0f}" if generation else "",
                 f"{run['seconds'] / warm_seconds:.2f}x",
             )
         )
@@ -366,12 +377,16 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
         "job completed in the database (polled every 0.1 s). generating: first request to "
         "the end (run-batch: its log lines; batchllm: the job's timestamps)",
     ]
-    ratios = [f"run/warm {side['run_over_warm']:.2f}x"]
+    ratios = [
+        f"run/warm {side['run_over_warm']:.2f}x ("
+        f"{side['batchllm_run']['seconds'] - warm_seconds:.1f} s sooner)"
+    ]
     if "run_batch_over_warm" in side:
         mark = "met" if side["target_met"] else "NOT met"
         ratios.insert(
             0,
-            f"run-batch/warm {side['run_batch_over_warm']:.2f}x (target "
+            f"run-batch/warm {side['run_batch_over_warm']:.2f}x ("
+            f"{side['vllm_run_batch']['seconds'] - warm_seconds:.1f} s sooner; target "
             f"{side['target_speedup']:.0f}x: {mark})",
         )
     lines.append(
@@ -381,6 +396,16 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
         f"storing the input, queueing); the idle worker used "
         f"{side['idle_worker_cpu_seconds']:.1f} CPU s while the other two ran"
     )
+    loads = [
+        f"{label.split(' (')[0]} {run['load_average'][0]:.1f} -> {run['load_average'][1]:.1f}"
+        for key, label in _SIDE_BY_SIDE
+        if (run := side.get(key)) and "load_average" in run
+    ]
+    if loads:
+        lines.append(
+            f"1-minute load average before -> after (on {side.get('cpu_count', '?')} cores): "
+            + ", ".join(loads)
+        )
     for key, reason in side.get("skipped", {}).items():
         lines.append(f"skipped {key}: {reason}")
     return "\n".join(lines)

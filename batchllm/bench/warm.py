@@ -411,25 +411,32 @@ def side_by_side(
         "max_tokens": max_tokens,
         "limits": asdict(limits),
         "target_speedup": TARGET_SPEEDUP,
+        "cpu_count": os.cpu_count(),
         "skipped": {},
     }
     # The idle worker and its engine wait beside the two processes: what they cost is shown.
     idle_from = worker.cpu_seconds()
     say(f"[warm] side by side, {lines:,} lines: vllm run-batch (own process)")
     try:
-        out["vllm_run_batch"] = asdict(run_vllm_batch(source, workdir, model=model, limits=limits))
+        out["vllm_run_batch"] = with_load(
+            lambda: asdict(run_vllm_batch(source, workdir, model=model, limits=limits))
+        )
     except BenchFailed as exc:  # a peer that may not run here (a vLLM without it)
         out["skipped"]["vllm_run_batch"] = str(exc)
         say(f"[warm] vllm run-batch did not run: {exc}")
     say(f"[warm] side by side, {lines:,} lines: batchllm run (own process)")
-    out["batchllm_run"] = asdict(
-        run_batchllm(source, workdir, model=model, limits=limits, max_tokens=max_tokens)
+    out["batchllm_run"] = with_load(
+        lambda: asdict(
+            run_batchllm(source, workdir, model=model, limits=limits, max_tokens=max_tokens)
+        )
     )
     out["idle_worker_cpu_seconds"] = worker.cpu_seconds() - idle_from
     say(f"[warm] side by side, {lines:,} lines: batchllm submit to the warm worker")
     before = worker.engine_starts()
-    out["warm_worker"] = run_submitted(
-        source, model=model, settings=settings, log_path=workdir / "submit.log", timeout=1800
+    out["warm_worker"] = with_load(
+        lambda: run_submitted(
+            source, model=model, settings=settings, log_path=workdir / "submit.log", timeout=1800
+        )
     )
     out["warm_worker_engine_starts"] = worker.engine_starts() - before
     require_no_engine_start("the side-by-side job", out["warm_worker_engine_starts"])
@@ -444,6 +451,14 @@ def side_by_side(
         )
     )
     return out
+
+
+def with_load(go: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`go()`'s figures with the machine's 1-minute load average before and after: a wall
+    time measured while other work held the cores says so."""
+    before = os.getloadavg()[0]
+    figures = go()
+    return figures | {"load_average": [before, os.getloadavg()[0]]}
 
 
 def check_like_for_like(side: dict[str, Any], *, lines: int, max_tokens: int) -> None:
@@ -500,11 +515,13 @@ def run_warm(
     with private_redis() as broker_url:
         settings = bench_settings(workdir / "home").model_copy(update={"broker_url": broker_url})
         get_engine(settings)  # creates and migrates the SQLite database before the worker opens it
+        load_at_start = os.getloadavg()[0]
         worker = WorkerProcess(
             model=model, limits=limits, settings=settings, log_path=workdir / "worker.log"
         )
         try:
             ready = worker.wait_ready()
+            load_at_ready = os.getloadavg()[0]
             engine = worker.engine()
             starts_at_ready = worker.engine_starts()
             if starts_at_ready != 1:
@@ -566,6 +583,7 @@ def run_warm(
     worker_figures = {
         "command": worker.command,
         "ready_seconds": ready,
+        "load_average": [load_at_start, load_at_ready],
         "engine": engine,
         "engine_starts": engine_starts,
         "log": str(worker.log_path),

@@ -135,6 +135,7 @@ def run(seconds: float, *, requests: int = 100, failed: int = 0, tokens: int = 6
         "output_tokens": tokens,
         "generation_seconds": seconds / 3,
         "extra": {},
+        "load_average": [0.4, 1.9],
     }
 
 
@@ -151,6 +152,7 @@ def side(**runs: dict) -> dict:
             "enforce_eager": True,
         },
         "target_speedup": 3.0,
+        "cpu_count": 2,
         "skipped": {},
         "idle_worker_cpu_seconds": 0.4,
         "warm_worker_engine_starts": 0,
@@ -201,6 +203,7 @@ def warm_result() -> dict:
         "worker": {
             "command": worker_command("/m", LIMITS, name="b@h", metrics_port=9400),
             "ready_seconds": 31.0,
+            "load_average": [0.2, 1.1],
             "engine": {
                 "max_model_len": 512,
                 "dtype": "float32",
@@ -239,8 +242,10 @@ def test_the_warm_part_is_opt_in_and_reported_with_its_tables_and_chart(tmp_path
     assert "5: own max_model_len (3/4 the worker's)" in text and "384 (its own)" in text
     assert "0 of 5 jobs started an engine" in text
     assert "one OpenAI chat file of 100 lines end to end, greedy, max_tokens 64" in text
-    assert "run-batch/warm 4.00x (target 3x: met), run/warm 3.00x" in text
+    assert "run-batch/warm 4.00x (45.0 s sooner; target 3x: met)" in text
+    assert "run/warm 3.00x (30.0 s sooner)" in text
     assert "the `batchllm submit` process took 2.5 s" in text
+    assert "load average before -> after (on 2 cores): vllm run-batch 0.4 -> 1.9" in text
     chart = draw_chart(result, tmp_path / "bench.png")
     assert chart.stat().st_size > 10_000
 
