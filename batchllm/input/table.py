@@ -276,14 +276,16 @@ def _messages_columns(
 
 
 def _messages_of(value: Any, column: str, number: int) -> Any:
+    """The row's messages as parse_line takes them; a problem's field is "messages", which
+    the caller names by the column."""
     if value is None:
-        raise LineProblem(column, f"row {number}: column {column!r} is null")
+        raise LineProblem("messages", f"row {number}: column {column!r} is null")
     if isinstance(value, str):
         try:
             return json.loads(value)
         except ValueError as exc:
             raise LineProblem(
-                column, f"row {number}: column {column!r} is not a JSON list of messages: {exc}"
+                "messages", f"row {number}: column {column!r} is not a JSON list of messages: {exc}"
             ) from None
     return value
 
