@@ -39,7 +39,7 @@ def stored_jsonl(path: Path, lines: list[dict]) -> list[dict]:
 
 
 def test_a_parquet_row_is_stored_as_the_same_row_its_jsonl_line_becomes(tmp_path):
-    texts = ["What is 2+2?", "Say \"hi\" in Fran\u00e7ais\n", "   x  "]
+    texts = ["What is 2+2?", 'Say "hi" in Fran\u00e7ais\n', "   x  "]
     pq.write_table(pa.table({"doc": ["a", "b", "c"], "text": texts}), tmp_path / "d.parquet")
     system = "Answer in one word."
 
@@ -112,9 +112,7 @@ def test_a_csv_keeps_its_ids_as_text_and_numbers_rows_without_an_id_column(tmp_p
     assert [r["custom_id"] for r in numbered] == ["1", "2", "3"]
 
 
-def test_rows_are_read_a_record_batch_at_a_time_and_numbered_across_batches(
-    tmp_path, monkeypatch
-):
+def test_rows_are_read_a_record_batch_at_a_time_and_numbered_across_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(table_module, "_BATCH_ROWS", 3)
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": [f"p{i}" for i in range(8)]}), path, row_group_size=3)
@@ -155,9 +153,7 @@ def test_a_messages_column_of_structs_or_json_text_is_validated_as_chat_lines(tm
     assert "is not a JSON list of messages" in csv_errors[1]
 
 
-def test_a_wrong_column_is_refused_up_front_naming_the_file_and_its_columns(
-    tmp_path, settings
-):
+def test_a_wrong_column_is_refused_up_front_naming_the_file_and_its_columns(tmp_path, settings):
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"id": [1], "body": ["x"]}), path)
 
