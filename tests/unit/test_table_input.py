@@ -163,7 +163,7 @@ def test_a_wrong_column_is_refused_up_front_naming_the_file_and_its_columns(tmp_
     assert str(refused.value) == (
         f"{path}: no column 'text' (the prompt column); its columns: id, body"
     )
-    with pytest.raises(InputError, match="column 'id' .* holds int64, not text"):
+    with pytest.raises(InputError, match=r"column 'id' .* holds int64, not text"):
         build_job_spec("m", requests=path, prompt_column="id")
     with pytest.raises(InputError, match="needs prompt_column"):
         build_job_spec("m", requests=path)
@@ -232,6 +232,6 @@ def test_a_parquet_and_a_csv_on_s3_read_as_the_same_local_files(
             e.replace(str(source), "FILE") for e in errors
         ]
         assert [r["kind"] for r in here] == ["prompt", "invalid"]
-    with pytest.raises(InputError, match="no column 'prompt'.*its columns: id, text"):
+    with pytest.raises(InputError, match=r"no column 'prompt'.*its columns: id, text"):
         stored(f"s3://{bucket}/in/d.parquet", prompt_column="prompt")
     get_settings.cache_clear()
