@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from batchllm.engine.protocol import EngineSource
     from batchllm.store.models import Job as JobRow
+    from batchllm.worker.estimate import Estimate
 
 Requests = str | Path | Iterable[Mapping[str, Any]]
 
@@ -124,8 +125,9 @@ class Client:
         shard_size: int | None = None,
         **options: Any,
     ) -> Job:
-        """Validate and store the requests (a JSONL path, or request dicts in any line form)
-        and queue the job for the fleet; returns at once."""
+        """Validate and store the requests (a JSONL path, a Parquet or CSV path with
+        `prompt_column=` or `messages_column=` and optionally `id_column=`, `system=`, or
+        request dicts in any line form) and queue the job for the fleet; returns at once."""
         with _as_file(requests) as path:
             spec = build_job_spec(model, requests=path, **options)
             return self.submit_spec(path, spec, strict=strict, shard_size=shard_size)
@@ -198,6 +200,22 @@ class Client:
                 on_progress=on_progress,
             )
         return Job.of(row)
+
+    def dry_run(self, requests: Requests, *, model: str, **options: Any) -> Estimate:
+        """What `submit` or `run` with these arguments would process: the requests validated,
+        their prompt tokens counted with the model's tokenizer (no vLLM), the output bounded
+        by max_tokens, the time from this model's earlier jobs on this hardware. Creates no
+        job and starts no engine."""
+        with _as_file(requests) as path:
+            spec = build_job_spec(model, requests=path, **options)
+            return self.dry_run_spec(path, spec)
+
+    def dry_run_spec(self, requests: Requests, spec: JobSpec) -> Estimate:
+        """`dry_run` with a ready JobSpec."""
+        from batchllm.worker.estimate import estimate_job
+
+        with _as_file(requests) as path:
+            return estimate_job(path, spec, settings=self.settings)
 
     def status(self, job: Job | str) -> Job:
         from batchllm.store import service

@@ -33,18 +33,26 @@ from batchllm.cli.options import (
     help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
-def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
-    """Validate FILE (JSONL: a local path or an s3:// URI), queue it for the worker fleet and
-    print the job id.
+def submit(
+    file: str | Path, strict: bool, shard_size: int | None, wait_: bool, dry_run: bool, **flags
+) -> None:
+    """Validate FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local path or an
+    s3:// URI), queue it for the worker fleet and print the job id.
 
     \b
     Example:
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
+      batchllm submit docs.parquet --prompt-column text --id-column doc_id --model ./model
     """
     from batchllm.client import Client
 
     spec = spec_from_flags(flags, file)
     require_requests(file)
+    if dry_run:
+        from batchllm.cli.render import echo_estimate
+
+        echo_estimate(Client().dry_run_spec(file, spec), spec.model)
+        return
     job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
     click.echo(job.id)
     click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)

@@ -28,20 +28,27 @@ from batchllm.cli.options import (
     default=None,
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
-def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
-    """Run the prompts in FILE (JSONL: a local path or an s3:// URI) to the end in this process
-    and print where the results are. Exit code 0 when the job completed, also when some lines
-    became error rows.
+def run(file: str | Path, output: Path | None, strict: bool, dry_run: bool, **flags) -> None:
+    """Run the prompts in FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local
+    path or an s3:// URI) to the end in this process and print where the results are. Exit
+    code 0 when the job completed, also when some lines became error rows.
 
     \b
     Example:
       batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
+      batchllm run docs.parquet --prompt-column text --id-column doc_id --model ./tiny-model
+      batchllm run prompts.jsonl --model ./tiny-model --dry-run
     """
     from batchllm.cli.progress import Progress
-    from batchllm.cli.render import echo_job, job_row
+    from batchllm.cli.render import echo_estimate, echo_job, job_row
     from batchllm.client import Client, Job
 
     spec = spec_from_flags(flags, file)
+    if dry_run:
+        require_local_model(spec.model)
+        require_requests(file)
+        echo_estimate(Client().dry_run_spec(file, spec), spec.model)
+        return
     require_local_model(spec.model)
     require_hardware_for(spec.engine)
     if output is not None:

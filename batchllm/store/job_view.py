@@ -45,6 +45,7 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         else 0.0,
         "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
         "throughput_so_far": live_throughput(job),
+        "usage": usage(job),
         "max_model_len": job.max_model_len,
         "metadata": job.job_metadata,
         "created_at": _iso(job.created_at),
@@ -69,6 +70,20 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
             for s in job.shards
         ]
     return data
+
+
+def usage(job: Job) -> dict[str, Any]:
+    """The job's tokens in OpenAI's Batch.usage shape (the Batch API object carries it too)."""
+    return {
+        "input_tokens": job.prompt_tokens,
+        # vLLM 0.32 reports prefix-cache hits per request (RequestOutput.num_cached_tokens), but
+        # rows do not carry them to the job's counters yet: 0, as OpenAI reports no hit.
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": job.completion_tokens,
+        # The output of a reasoning model is counted as completion tokens, not split out.
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
 
 
 def live_throughput(job: Job) -> dict[str, float] | None:

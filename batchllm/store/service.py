@@ -85,6 +85,7 @@ def create_job(
             strict=strict,
             adapters=frozenset(spec.adapters),
             task=spec.engine.task,
+            table=spec.table,
             on_shard=on_shard,
         )
         storage.makedirs(storage.output_dir(job_id))
@@ -216,3 +217,38 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
 
 def job_status(session: Session, job_id: str) -> JobStatus | None:
     return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+@dataclass(frozen=True)
+class RecordedThroughput:
+    """What completed jobs of one model on one kind of hardware processed, in all."""
+
+    jobs: int
+    tokens: int  # prompt + completion
+    wall_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_seconds
+
+
+def recorded_throughput(
+    session: Session, model: str, hardware: str, *, last: int = 20
+) -> RecordedThroughput | None:
+    """The throughput of the `last` completed jobs of `model` whose hardware is `hardware`
+    (with any dtype the engine appended to it), or None when there is none to go by."""
+    rows = session.execute(
+        select(Job.prompt_tokens, Job.completion_tokens, Job.wall_seconds)
+        .where(
+            Job.model == model,
+            Job.status == JobStatus.COMPLETED,
+            Job.wall_seconds > 0,
+            (Job.hardware == hardware) | Job.hardware.startswith(hardware + ",", autoescape=True),
+        )
+        .order_by(Job.finished_at.desc())
+        .limit(last)
+    ).all()
+    tokens = sum(prompt + completion for prompt, completion, _ in rows)
+    if not rows or not tokens:
+        return None
+    return RecordedThroughput(len(rows), tokens, sum(wall or 0.0 for _, _, wall in rows))

@@ -420,3 +420,59 @@ def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, e
     copied = ds.dataset(str(copy), format="parquet").to_table()
     assert sorted(copied.column("line").to_pylist()) == list(range(1, 13))
     assert (copy / MANIFEST_NAME).is_file() and (copy / SUCCESS_NAME).is_file()
+
+
+def test_run_of_a_parquet_table_joins_back_on_its_id_then_dry_run_uses_its_throughput(
+    tiny_model, engines, tokenizer, settings, tmp_path
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchllm.client import Client
+    from batchllm.input.schemas import TableColumns
+
+    docs = pa.table(
+        {
+            "doc_id": [501, 502, 503, 504],
+            "text": ["the farmer found", None, "a river stone", "bright morning light"],
+        }
+    )
+    path = tmp_path / "docs.parquet"
+    pq.write_table(docs, path)
+    spec = make_spec(tiny_model).model_copy(
+        update={"table": TableColumns(prompt_column="text", id_column="doc_id")}
+    )
+
+    job = run_job(path, spec, settings=settings, engines=engines)
+
+    assert (job.status, job.request_total, job.request_completed, job.request_failed) == (
+        JobStatus.COMPLETED,
+        4,
+        3,
+        1,
+    )
+    output = ds.dataset(job.output_dir, format="parquet").to_table(
+        columns=["custom_id", "status", "prompt_tokens", "completion_tokens", "error"]
+    )
+    keyed = docs.append_column("custom_id", pa.compute.cast(docs.column("doc_id"), pa.string()))
+    joined = keyed.join(output, keys="custom_id").sort_by("doc_id").to_pylist()
+    assert [(r["doc_id"], r["status"]) for r in joined] == [
+        (501, "ok"),
+        (502, "error"),
+        (503, "ok"),
+        (504, "ok"),
+    ]
+    assert joined[1]["error"] == "field 'text': row 2: column 'text' is null"
+    for row in (joined[0], joined[2], joined[3]):
+        assert row["prompt_tokens"] == len(tokenizer.encode(row["text"]))
+        assert row["completion_tokens"] == DEFAULT_MAX_TOKENS  # ignore_eos
+
+    estimate = Client(settings).dry_run(
+        path, model=str(tiny_model), prompt_column="text", max_tokens=DEFAULT_MAX_TOKENS
+    )
+    assert estimate.prompt_tokens == sum(
+        r["prompt_tokens"] for r in output.to_pylist() if r["prompt_tokens"]
+    )
+    assert estimate.max_output_tokens == 3 * DEFAULT_MAX_TOKENS
+    assert estimate.history is not None and estimate.history.jobs == 1  # the run above
+    assert estimate.max_wall_seconds is not None and estimate.max_wall_seconds > 0
