@@ -12,9 +12,11 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import (
+    echo_webhook_secret,
     engine_flags_as_args,
     input_file,
     job_options,
+    notify_option,
     require_requests,
     spec_from_flags,
     worker_engine_from_flags,
@@ -32,21 +34,39 @@ from batchllm.cli.options import (
     help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
-def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
+@click.option(
+    "--priority",
+    type=click.Choice(["high", "normal", "low"]),
+    default="normal",
+    show_default=True,
+    help="Workers take higher-priority shards first; a waiting job rises a level every "
+    "BATCHLLM_PRIORITY_AGING_SECONDS.",
+)
+@notify_option
+def submit(
+    file: str | Path,
+    strict: bool,
+    shard_size: int | None,
+    wait_: bool,
+    notify: str | None,
+    **flags,
+) -> None:
     """Validate FILE (JSONL: a local path or an s3:// URI), queue it for the worker fleet and
     print the job id.
 
     \b
     Example:
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
+      batchllm submit urgent.jsonl --model M --priority high --notify https://example.com/hook
     """
     from batchllm.client import Client
 
     spec = spec_from_flags(flags, file)
     require_requests(file)
-    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
+    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict, notify=notify)
     click.echo(job.id)
     click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)
+    echo_webhook_secret(job.notify_secret, notify)
     if wait_:
         _follow(job.id)
 

@@ -25,6 +25,7 @@ def build_job_spec(
     lora: Mapping[str, str] | None = None,
     chat_template: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    priority: str = "normal",
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
@@ -52,4 +53,5 @@ def build_job_spec(
         metadata=dict(metadata or {}),
         chat_template=chat_template,
         adapters=dict(lora or {}),
+        priority=priority,  # type: ignore[arg-type]  # pydantic refuses other values
     )

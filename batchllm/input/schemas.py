@@ -211,6 +211,10 @@ class EngineOptions(BaseModel):
         return model + "|" + self.model_dump_json(exclude={"group_prefixes"})
 
 
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
+
+
 class JobSpec(BaseModel):
     """Everything a job needs besides its input rows."""
 
@@ -225,6 +229,10 @@ class JobSpec(BaseModel):
         default_factory=dict,
         description="LoRA adapters lines may pick by name: name -> path (once the job is "
         "created, the copy in the job's storage).",
+    )
+    priority: Priority = Field(
+        default="normal",
+        description="Which queued shards a worker takes first (worker/fair_share.py).",
     )
 
     @model_validator(mode="after")
