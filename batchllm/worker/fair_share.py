@@ -7,7 +7,8 @@ the same queue (model and engine kind) in this order:
    `priority_aging_seconds` it has waited since it was submitted (a low job is treated as high
    after two periods, so low-priority work always progresses);
 2. its tenant's turn: the tenant (a `serve` API key; each CLI or Client job is a tenant of
-   its own) whose latest shard started longest ago, or never, goes first: tenants and jobs
+   its own) whose latest shard (of its unfinished jobs) started longest ago, or never, goes
+   first: tenants and jobs
    take turns, so one tenant's 100 queued batches delay another's one by at most one shard;
 3. the job's own turn the same way among one tenant's jobs, then the older job, then the
    lower shard index.
@@ -40,13 +41,14 @@ _NEVER = datetime.min.replace(tzinfo=timezone.utc)
 
 @dataclass(frozen=True)
 class Waiting:
-    """A job with queued shards, as the order above reads it."""
+    """An unfinished job of the queue, as the order above reads it."""
 
     job_id: str
     tenant: str
     priority: str
     created_at: datetime
     last_started: datetime | None
+    has_queued: bool = True
 
 
 def effective_level(priority: str, waited_seconds: float, aging_seconds: float) -> int:
@@ -55,7 +57,8 @@ def effective_level(priority: str, waited_seconds: float, aging_seconds: float) 
 
 
 def order(waiting: list[Waiting], *, now: datetime, aging_seconds: float) -> list[str]:
-    """The job ids in the order their shards get turns."""
+    """The ids of the jobs with queued shards in the order their shards get turns (the
+    others count only for their tenant's latest start)."""
     tenant_last: dict[str, datetime] = {}
     for job in waiting:
         last = job.last_started or _NEVER
@@ -71,7 +74,7 @@ def order(waiting: list[Waiting], *, now: datetime, aging_seconds: float) -> lis
             job.job_id,
         )
 
-    return [job.job_id for job in sorted(waiting, key=key)]
+    return [job.job_id for job in sorted(waiting, key=key) if job.has_queued]
 
 
 def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
@@ -81,10 +84,12 @@ def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
     if shard is None or shard.status is not ShardStatus.QUEUED:
         return shard_id  # running elsewhere, done, gone: the task's usual path handles it
     queue = queue_for_stored_spec(shard.job.spec)
-    waiting = _waiting_jobs(session, shard.job.model, queue)
-    if not waiting:
+    turns = order(
+        _unfinished_jobs(session, shard.job.model, queue), now=utcnow(), aging_seconds=aging_seconds
+    )
+    if not turns:
         return shard_id
-    first = order(waiting, now=utcnow(), aging_seconds=aging_seconds)[0]
+    first = turns[0]
     if first == shard.job_id:
         return shard_id
     chosen = session.scalar(
@@ -96,18 +101,17 @@ def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
     return chosen if chosen is not None else shard_id
 
 
-def _waiting_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
+def _unfinished_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
     has_queued = (
         select(Shard.id).where(Shard.job_id == Job.id, Shard.status == ShardStatus.QUEUED).exists()
     )
     rows = session.execute(
-        select(Job.id, Job.spec, Job.created_at, Batch.owner)
+        select(Job.id, Job.spec, Job.created_at, Batch.owner, has_queued.label("has_queued"))
         .outerjoin(Batch, Batch.job_id == Job.id)
         .where(
             Job.model == model,
             Job.status.in_(recovery.RUNNABLE_JOBS),
             Job.local_run.is_(False),
-            has_queued,
         )
     ).all()
     jobs = [row for row in rows if queue_for_stored_spec(row.spec) == queue]
@@ -127,6 +131,7 @@ def _waiting_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
             priority=row.spec.get("priority", "normal"),
             created_at=row.created_at,
             last_started=_aware(last_started.get(row.id)),
+            has_queued=bool(row.has_queued),
         )
         for row in jobs
     ]

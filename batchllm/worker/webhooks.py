@@ -85,6 +85,11 @@ def post(delivery: webhooks.DueDelivery, timeout: float) -> tuple[int | None, st
             return response.status, None
     except urllib.error.HTTPError as exc:
         return exc.code, f"HTTP {exc.code}"
+    except urllib.error.URLError as exc:  # its reason says what went wrong: refused, unresolved
+        reason = exc.reason
+        if isinstance(reason, BaseException):
+            return None, f"{type(reason).__name__}: {reason}"
+        return None, str(reason)
     except (OSError, ValueError) as exc:  # refused, timed out, unresolvable, bad URL
         return None, f"{type(exc).__name__}: {exc}"
 
