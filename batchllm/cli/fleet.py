@@ -359,5 +359,5 @@ def reconcile(loop: bool) -> None:
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
         f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
-        "job(s)"
+        f"job(s), delivered {len(done.notified_jobs)} webhook(s)"
     )
