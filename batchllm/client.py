@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from batchllm.engine.protocol import EngineSource
     from batchllm.store.models import Job as JobRow
+    from batchllm.store.webhooks import WebhookTarget
     from batchllm.worker.estimate import Estimate
 
 Requests = str | Path | Iterable[Mapping[str, Any]]
@@ -55,6 +56,8 @@ class Job:
     # Lines refused by validation, which become error rows: known on the Job `submit` returns
     # (before any row ran, `failed` is 0), None on a Job read later.
     invalid: int | None = None
+    # The secret signing the job's webhook (`notify`): on the Job `submit` and `run` return.
+    notify_secret: str | None = None
 
     @property
     def done(self) -> bool:
@@ -123,14 +126,17 @@ class Client:
         model: str,
         strict: bool = False,
         shard_size: int | None = None,
+        notify: str | None = None,
         **options: Any,
     ) -> Job:
         """Validate and store the requests (a JSONL path, a Parquet or CSV path with
         `prompt_column=` or `messages_column=` and optionally `id_column=`, `system=`, or
-        request dicts in any line form) and queue the job for the fleet; returns at once."""
+        request dicts in any line form) and queue the job for the fleet; returns at once.
+        `priority="high"|"normal"|"low"` orders it among queued jobs; `notify=URL` gets a
+        signed POST when the job ends."""
         with _as_file(requests) as path:
             spec = build_job_spec(model, requests=path, **options)
-            return self.submit_spec(path, spec, strict=strict, shard_size=shard_size)
+            return self.submit_spec(path, spec, strict=strict, shard_size=shard_size, notify=notify)
 
     def submit_spec(
         self,
@@ -139,12 +145,14 @@ class Client:
         *,
         strict: bool = False,
         shard_size: int | None = None,
+        notify: str | None = None,
     ) -> Job:
         """`submit` with a ready JobSpec (the CLI builds one from its flags). `shard_size`:
         rows per shard, default BATCHLLM_SHARD_SIZE."""
         from batchllm.worker.dispatch import submit_job
 
         invalid: list[int] = []
+        target = self._webhook(notify)
         with _as_file(requests) as path:
             row = submit_job(
                 path,
@@ -153,8 +161,19 @@ class Client:
                 shard_size=shard_size,
                 settings=self.settings,
                 on_stored=lambda stored: invalid.append(stored.invalid),
+                notify=target,
             )
-        return dataclasses.replace(Job.of(row), invalid=invalid[0])
+        return dataclasses.replace(
+            Job.of(row), invalid=invalid[0], notify_secret=target.secret if target else None
+        )
+
+    def _webhook(self, url: str | None) -> WebhookTarget | None:
+        """A job's webhook: the URL, checked, and BATCHLLM_WEBHOOK_SECRET or a new secret."""
+        from batchllm.store.webhooks import WebhookTarget, check_url, new_secret
+
+        if url is None:
+            return None
+        return WebhookTarget(check_url(url), self.settings.webhook_secret or new_secret())
 
     def run(
         self,
@@ -163,13 +182,15 @@ class Client:
         model: str,
         strict: bool = False,
         engines: EngineSource | None = None,
+        notify: str | None = None,
         **options: Any,
     ) -> Job:
         """Run the job to its end in this process (vLLM here, no broker); returns it ended.
-        `engines` hands it an engine source of the caller's (tests use a fake one)."""
+        `engines` hands it an engine source of the caller's (tests use a fake one); `notify`
+        as for `submit`."""
         with _as_file(requests) as path:
             spec = build_job_spec(model, requests=path, **options)
-            return self.run_spec(path, spec, strict=strict, engines=engines)
+            return self.run_spec(path, spec, strict=strict, engines=engines, notify=notify)
 
     def run_spec(
         self,
@@ -180,14 +201,21 @@ class Client:
         engines: EngineSource | None = None,
         on_created: Callable[[Job], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        notify: str | None = None,
     ) -> Job:
         """`run` with a ready JobSpec. `on_created(job)` once the job is stored (before the
         engine is up); `on_progress(rows, completion_tokens)` as rows finish."""
         from batchllm.worker.local import run_job
 
+        target = self._webhook(notify)
+
         def created(row: JobRow) -> None:
             if on_created is not None:
-                on_created(Job.of(row))
+                on_created(
+                    dataclasses.replace(
+                        Job.of(row), notify_secret=target.secret if target else None
+                    )
+                )
 
         with _as_file(requests) as path:
             row = run_job(
@@ -198,8 +226,9 @@ class Client:
                 engines=engines or self._engines,
                 on_created=created,
                 on_progress=on_progress,
+                notify=target,
             )
-        return Job.of(row)
+        return dataclasses.replace(Job.of(row), notify_secret=target.secret if target else None)
 
     def dry_run(self, requests: Requests, *, model: str, **options: Any) -> Estimate:
         """What `submit` or `run` with these arguments would process: the requests validated,

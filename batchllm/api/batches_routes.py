@@ -8,12 +8,13 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
-from batchllm.api import batches, files
+from batchllm.api import batches, files, keys
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
 from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobStateError
+from batchllm.input.schemas import PRIORITIES
 from batchllm.output import commit
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
@@ -63,6 +64,13 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
             param="metadata",
             code="invalid_value",
         )
+    if metadata.get("priority", "normal") not in PRIORITIES:
+        raise ApiError(
+            400,
+            f"metadata.priority {metadata['priority']!r}: one of {', '.join(PRIORITIES)}",
+            param="metadata.priority",
+            code="invalid_value",
+        )
     return metadata
 
 
@@ -78,6 +86,7 @@ def create_batch(
             raise not_found("file", body.input_file_id)
         session.expunge(stored)
         _check_active_batches(session, owner, settings.api_max_active_batches)
+        notify = keys.webhook_of(session, owner)
     storage = Storage.of(settings)
     try:
         models, errors = batches.scan_batch_file(
@@ -106,6 +115,7 @@ def create_batch(
             errors,
             owner=owner,
             window=body.completion_window,
+            notify=notify,
         )
         return _render(settings, owner, job_id)
     if request.app.state.require_served_model and model not in served_models(settings.broker_url):
@@ -133,6 +143,7 @@ def create_batch(
             settings=settings,
             expires_at=batches.expiry(body.completion_window),
             before_dispatch=record,
+            notify=notify,
         )
     except BatchLLMError as exc:
         raise ApiError(503, str(exc), code="service_unavailable") from None

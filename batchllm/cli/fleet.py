@@ -13,9 +13,11 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import (
+    echo_webhook_secret,
     engine_flags_as_args,
     input_file,
     job_options,
+    notify_option,
     require_requests,
     spec_from_flags,
     worker_engine_from_flags,
@@ -33,8 +35,23 @@ from batchllm.cli.options import (
     help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
+@click.option(
+    "--priority",
+    type=click.Choice(["high", "normal", "low"]),
+    default="normal",
+    show_default=True,
+    help="Workers take higher-priority shards first; a waiting job rises a level every "
+    "BATCHLLM_PRIORITY_AGING_SECONDS.",
+)
+@notify_option
 def submit(
-    file: str | Path, strict: bool, shard_size: int | None, wait_: bool, dry_run: bool, **flags
+    file: str | Path,
+    strict: bool,
+    shard_size: int | None,
+    wait_: bool,
+    dry_run: bool,
+    notify: str | None,
+    **flags,
 ) -> None:
     """Validate FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local path or an
     s3:// URI), queue it for the worker fleet and print the job id.
@@ -43,6 +60,7 @@ def submit(
     Example:
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
       batchllm submit docs.parquet --prompt-column text --id-column doc_id --model ./model
+      batchllm submit urgent.jsonl --model M --priority high --notify https://example.com/hook
     """
     from batchllm.client import Client
 
@@ -53,9 +71,10 @@ def submit(
 
         echo_estimate(Client().dry_run_spec(file, spec), spec.model)
         return
-    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
+    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict, notify=notify)
     click.echo(job.id)
     click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)
+    echo_webhook_secret(job.notify_secret, notify)
     if wait_:
         _follow(job.id)
 
@@ -345,5 +364,5 @@ def reconcile(loop: bool) -> None:
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
         f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
-        "job(s)"
+        f"job(s), delivered {len(done.notified_jobs)} webhook(s)"
     )

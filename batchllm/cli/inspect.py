@@ -46,6 +46,28 @@ def status(job_id: str, as_json: bool) -> None:
             for s in data["shards"]
         ]
         click.echo(table(["shard", "status", "done", "attempts", "worker"], rows))
+    if "webhook" in data:
+        _echo_webhook(data["webhook"])
+
+
+def _echo_webhook(webhook: dict) -> None:
+    from batchllm.cli.render import table
+
+    attempts = webhook["attempts"]
+    state = "delivered" if webhook["delivered"] else ("pending" if not attempts else "retrying")
+    click.echo(f"webhook    {webhook['url']}: {state}")
+    if attempts:
+        rows = [
+            [
+                str(a["attempt"]),
+                a["event"],
+                str(a["status_code"] or "-"),
+                a["error"] or "ok",
+                a["at"] or "-",
+            ]
+            for a in attempts
+        ]
+        click.echo(table(["attempt", "event", "status", "result", "at"], rows))
 
 
 def _waiting_for_a_worker(job) -> str | None:

@@ -257,6 +257,22 @@ def job_options(command):
     return command
 
 
+notify_option = click.option(
+    "--notify",
+    metavar="URL",
+    default=None,
+    help="POST a signed batch.completed/failed/cancelled/expired event to URL when the job "
+    "ends (retried until delivered; secret: BATCHLLM_WEBHOOK_SECRET or a new one, printed).",
+)
+
+
+def echo_webhook_secret(secret: str | None, url: str | None) -> None:
+    """Tell the user the secret a new job's webhook is signed with (unless it is their own,
+    BATCHLLM_WEBHOOK_SECRET)."""
+    if secret is not None and not get_settings().webhook_secret:
+        click.echo(f"webhook to {url} signed with secret {secret}", err=True)
+
+
 def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     """The job spec the flags describe; the task, when not given, from FILE's lines."""
     metadata = _pairs(flags.pop("metadata", ()), "--metadata")
@@ -279,6 +295,7 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
         messages_column=flags.pop("messages_column"),
         id_column=flags.pop("id_column"),
         system=flags.pop("system"),
+        priority=flags.pop("priority", "normal"),
         task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),

@@ -9,8 +9,10 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import (
+    echo_webhook_secret,
     input_file,
     job_options,
+    notify_option,
     require_hardware_for,
     require_local_model,
     require_requests,
@@ -28,7 +30,15 @@ from batchllm.cli.options import (
     default=None,
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
-def run(file: str | Path, output: Path | None, strict: bool, dry_run: bool, **flags) -> None:
+@notify_option
+def run(
+    file: str | Path,
+    output: Path | None,
+    strict: bool,
+    dry_run: bool,
+    notify: str | None,
+    **flags,
+) -> None:
     """Run the prompts in FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local
     path or an s3:// URI) to the end in this process and print where the results are. Exit
     code 0 when the job completed, also when some lines became error rows.
@@ -65,6 +75,7 @@ def run(file: str | Path, output: Path | None, strict: bool, dry_run: bool, **fl
 
     def created(job: Job) -> None:
         click.echo(f"job {job.id}: {job.total:,} requests, loading {spec.model} ...", err=True)
+        echo_webhook_secret(job.notify_secret, notify)
         progress.append(Progress(job.total))
 
     ended = Client().run_spec(
@@ -73,6 +84,7 @@ def run(file: str | Path, output: Path | None, strict: bool, dry_run: bool, **fl
         strict=strict,
         on_created=created,
         on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
+        notify=notify,
     )
     if progress:
         progress[0].close()

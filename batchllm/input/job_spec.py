@@ -30,6 +30,7 @@ def build_job_spec(
     messages_column: str | None = None,
     id_column: str | None = None,
     system: str | None = None,
+    priority: str = "normal",
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
@@ -67,6 +68,7 @@ def build_job_spec(
         chat_template=chat_template,
         adapters=dict(lora or {}),
         table=table,
+        priority=priority,  # type: ignore[arg-type]  # pydantic refuses other values
     )
 
 

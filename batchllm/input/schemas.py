@@ -240,6 +240,10 @@ class TableColumns(BaseModel):
         return self
 
 
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
+
+
 class JobSpec(BaseModel):
     """Everything a job needs besides its input rows."""
 
@@ -258,6 +262,10 @@ class JobSpec(BaseModel):
     table: TableColumns | None = Field(
         default=None,
         description="For a Parquet or CSV input: the columns its rows are read from.",
+    )
+    priority: Priority = Field(
+        default="normal",
+        description="Which queued shards a worker takes first (worker/fair_share.py).",
     )
 
     @model_validator(mode="after")

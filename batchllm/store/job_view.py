@@ -27,7 +27,8 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
-    """The job's state, counts, throughput and times (with `shards`, each shard's too)."""
+    """The job's state, counts, throughput and times (with `shards`, each shard's too and its
+    webhook's attempts: the job must be in a session then)."""
     data: dict[str, Any] = {
         "id": job.id,
         "status": job.status.value,
@@ -48,6 +49,7 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "usage": usage(job),
         "max_model_len": job.max_model_len,
         "metadata": job.job_metadata,
+        "priority": (job.spec or {}).get("priority", "normal"),
         "created_at": _iso(job.created_at),
         "started_at": _iso(job.started_at),
         "finished_at": _iso(job.finished_at),
@@ -69,6 +71,8 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
             }
             for s in job.shards
         ]
+        if job.notify_url:
+            data["webhook"] = webhook_view(job)
     return data
 
 
@@ -83,6 +87,26 @@ def usage(job: Job) -> dict[str, Any]:
         # The output of a reasoning model is counted as completion tokens, not split out.
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
+
+
+def webhook_view(job: Job) -> dict[str, Any]:
+    """Where the job's end is announced and every attempt so far (never the secret)."""
+    attempts = job.webhook_attempts
+    return {
+        "url": job.notify_url,
+        "delivered": any(a.delivered for a in attempts),
+        "attempts": [
+            {
+                "attempt": a.attempt,
+                "event": a.event,
+                "status_code": a.status_code,
+                "error": a.error,
+                "delivered": a.delivered,
+                "at": _iso(a.created_at),
+            }
+            for a in attempts
+        ],
     }
 
 

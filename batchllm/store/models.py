@@ -82,6 +82,9 @@ class Job(Base):
     local_run: Mapped[bool] = mapped_column(Boolean, default=False)
     # The end of its completion window (Batch API): the reconciler ends it `expired` then.
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Where its end is announced (a signed POST, store/webhooks.py) and the secret that signs it.
+    notify_url: Mapped[str | None] = mapped_column(Text)
+    notify_secret: Mapped[str | None] = mapped_column(String(128))
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -110,6 +113,9 @@ class Job(Base):
 
     shards: Mapped[list[Shard]] = relationship(
         back_populates="job", order_by="Shard.index", cascade="all, delete-orphan"
+    )
+    webhook_attempts: Mapped[list[WebhookAttempt]] = relationship(
+        order_by="WebhookAttempt.attempt", cascade="all, delete-orphan"
     )
 
 
@@ -177,6 +183,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # The key's batches announce their end here, signed with the key's webhook secret.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))
 
 
 class StoredFile(Base):
@@ -212,3 +221,22 @@ class Batch(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     job: Mapped[Job] = relationship()
+
+
+class WebhookAttempt(Base):
+    """One POST of a job's end event to its webhook URL. The row is written before the POST
+    (the unique attempt number is the claim, so two reconcilers never send the same attempt)
+    and completed with its outcome after."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    event: Mapped[str] = mapped_column(String(32))
+    attempt: Mapped[int] = mapped_column(Integer)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    delivered: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

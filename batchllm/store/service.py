@@ -23,6 +23,7 @@ from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
+from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,13 @@ def create_job(
     local_run: bool = False,
     expires_at: datetime | None = None,
     on_shard: Callable[[str], None] | None = None,
+    notify: WebhookTarget | None = None,
 ) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
-    so does a job storage that cannot be written (StorageError).
+    so does a job storage that cannot be written (StorageError). `notify`: where the job's end
+    is announced (store/webhooks.py).
     """
     settings = settings or get_settings()
     source = readable_input(source)
@@ -74,6 +77,8 @@ def create_job(
                 max_model_len=spec.engine.max_model_len,
                 local_run=local_run,
                 expires_at=expires_at,
+                notify_url=notify.url if notify else None,
+                notify_secret=notify.secret if notify else None,
             )
         )
     try:
@@ -171,7 +176,12 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
 
 
 def record_refused_job(
-    source: str, spec: JobSpec, error: str, *, settings: Settings | None = None
+    source: str,
+    spec: JobSpec,
+    error: str,
+    *,
+    settings: Settings | None = None,
+    notify: WebhookTarget | None = None,
 ) -> str:
     """A job that fails before any row is stored (e.g. a Batch API file naming several
     models): recorded `failed` with the reason, so it can be looked up like any other."""
@@ -191,6 +201,8 @@ def record_refused_job(
                 output_dir=storage.display(storage.output_dir(job_id)),
                 error=error,
                 finished_at=utcnow(),
+                notify_url=notify.url if notify else None,
+                notify_secret=notify.secret if notify else None,
             )
         )
     return job_id

@@ -19,11 +19,16 @@ from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
+from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.engines import EngineCache, resolve_max_model_len
 from batchllm.worker.runner import ProgressFn, ShardRunner
 from batchllm.worker.sizing_pass import BackgroundSizer
+from batchllm.worker.webhooks import deliver_soon
 
 log = logging.getLogger(__name__)
+
+# How long `run` keeps retrying its job's webhook before leaving it to a reconciler.
+_NOTIFY_WITHIN_SECONDS = 30.0
 
 
 def run_job(
@@ -35,10 +40,12 @@ def run_job(
     on_created: Callable[[Job], None] | None = None,
     on_progress: ProgressFn | None = None,
     engines: EngineSource | None = None,
+    notify: WebhookTarget | None = None,
 ) -> Job:
     """Validate, store and run a job to its end here; returns the final Job row.
 
-    `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
+    `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
+    job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
     settings = settings or get_settings()
     storage = Storage.of(settings)
@@ -53,7 +60,13 @@ def run_job(
     engines = engines or EngineCache()
     try:
         job_id, engine_error = _create(
-            source, spec, strict=strict, settings=settings, engines=engines, on_created=on_created
+            source,
+            spec,
+            strict=strict,
+            settings=settings,
+            engines=engines,
+            on_created=on_created,
+            notify=notify,
         )
     except BaseException:
         if own_engines:
@@ -102,6 +115,8 @@ def run_job(
     finally:
         if own_engines:
             engines.close()
+        if notify is not None:
+            deliver_soon(job_id, settings, within_seconds=_NOTIFY_WITHIN_SECONDS)
     with session_scope(settings) as session:
         return get_one(session, Job, job_id)
 
@@ -114,6 +129,7 @@ def _create(
     settings: Settings,
     engines: EngineSource,
     on_created: Callable[[Job], None] | None,
+    notify: WebhookTarget | None = None,
 ) -> tuple[str, BaseException | None]:
     """Create the job; when the context length is given, start the engine meanwhile.
     Returns the job id and the error of the engine start or of the sizing pass, if one failed
@@ -135,6 +151,7 @@ def _create(
             settings=settings,
             local_run=True,
             on_shard=on_shard,
+            notify=notify,
         )
         if on_created:
             on_created(created.job)

@@ -6,7 +6,8 @@ Every worker runs it in a thread (and `batchllm reconcile` runs it by hand). One
 - a queued shard whose task the broker no longer holds (Redis restarted without persistence,
   a task acknowledged after a database error) gets its task sent again;
 - a cancelling job whose remaining shards have no live worker ends `cancelled`;
-- a job left `finalizing` (its last worker died while writing the manifest) is finalized.
+- a job left `finalizing` (its last worker died while writing the manifest) is finalized;
+- an ended job's webhook event still owed (never sent, or failed and due again) is sent.
 Each move is a conditional UPDATE, so reconcilers on many workers never do it twice; a task sent
 twice is harmless (the second delivery finds the shard running or done and steps aside).
 """
@@ -26,6 +27,7 @@ from batchllm.store.db import session_scope
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_stored_spec
 from batchllm.worker.finalize import finalize_job
+from batchllm.worker.webhooks import deliver_due
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class Pass:
     cancelled_jobs: list[str] = field(default_factory=list)
     finalized_jobs: list[str] = field(default_factory=list)
     expired_jobs: list[str] = field(default_factory=list)
+    notified_jobs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -49,6 +52,7 @@ class Pass:
             or self.cancelled_jobs
             or self.finalized_jobs
             or self.expired_jobs
+            or self.notified_jobs
         )
 
 
@@ -95,6 +99,7 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         ):
             log.warning("job %s was left finalizing: finalized it", job_id)
             done.finalized_jobs.append(job_id)
+    done.notified_jobs = deliver_due(settings)
     return done
 
 
