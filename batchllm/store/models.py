@@ -82,6 +82,9 @@ class Job(Base):
     local_run: Mapped[bool] = mapped_column(Boolean, default=False)
     # The end of its completion window (Batch API): the reconciler ends it `expired` then.
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Its runs, oldest first, once it was retried (`batchllm retry`; null before): {"attempt",
+    # "lines", "all_errors", "status", "started_at", "finished_at", "wall_seconds"}.
+    attempts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -111,6 +114,11 @@ class Job(Base):
     shards: Mapped[list[Shard]] = relationship(
         back_populates="job", order_by="Shard.index", cascade="all, delete-orphan"
     )
+
+    @property
+    def attempt(self) -> int:
+        """The number of its current (or last) run: 1, then one more per retry."""
+        return len(self.attempts) if self.attempts else 1
 
 
 class Shard(Base):
@@ -164,6 +172,8 @@ class Checkpoint(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     engine_seconds: Mapped[float] = mapped_column(Float)
+    # The job's run that committed it (1: the first; a retry's rows replace only older runs').
+    job_attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

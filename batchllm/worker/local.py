@@ -41,14 +41,7 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
     """
     settings = settings or get_settings()
-    storage = Storage.of(settings)
-    with session_scope(settings) as session:
-        for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
-            log.warning(
-                "job %s: the `batchllm run` that ran it was killed; marked failed "
-                "(its committed rows are kept)",
-                abandoned,
-            )
+    fail_abandoned_runs(settings)
     own_engines = engines is None
     engines = engines or EngineCache()
     try:
@@ -59,6 +52,43 @@ def run_job(
         if own_engines:
             engines.close()
         raise
+    return run_shards_here(
+        job_id,
+        spec,
+        settings=settings,
+        engines=engines,
+        own_engines=own_engines,
+        on_progress=on_progress,
+        engine_error=engine_error,
+    )
+
+
+def fail_abandoned_runs(settings: Settings) -> None:
+    """End `failed` the jobs of `batchllm run` processes that were killed mid-run."""
+    with session_scope(settings) as session:
+        for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
+            log.warning(
+                "job %s: the `batchllm run` that ran it was killed; marked failed "
+                "(its committed rows are kept)",
+                abandoned,
+            )
+
+
+def run_shards_here(
+    job_id: str,
+    spec: JobSpec,
+    *,
+    settings: Settings,
+    engines: EngineSource,
+    own_engines: bool,
+    on_progress: ProgressFn | None = None,
+    shard_ids: list[int] | None = None,
+    engine_error: BaseException | None = None,
+) -> Job:
+    """Run a created job's shards (all, or `shard_ids`: a retry's) to their end in this
+    process; returns the final Job row. Any failure, a Ctrl-C too, ends the job failed with
+    the rows finished before kept. `own_engines`: close `engines` afterwards."""
+    storage = Storage.of(settings)
     interrupted = threading.Event()
     try:
         if engine_error is not None:
@@ -72,8 +102,9 @@ def run_job(
             on_progress=on_progress,
             should_stop=interrupted.is_set,
         )
-        with session_scope(settings) as session:
-            shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
+        if shard_ids is None:
+            with session_scope(settings) as session:
+                shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
             runner.run(shard_ids)
         if interrupted.is_set():
