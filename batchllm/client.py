@@ -58,6 +58,8 @@ class Job:
     invalid: int | None = None
     # The secret signing the job's webhook (`notify`): on the Job `submit` and `run` return.
     notify_secret: str | None = None
+    # Its runs: the first, then each retry ({"attempt", "lines", "status", ...}, oldest first).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -81,6 +83,7 @@ class Job:
             error=view["error"],
             throughput={name: view["throughput"][name] for name in _THROUGHPUT},
             shards=row.shards_total,
+            attempts=view["attempts"],
         )
 
 
@@ -284,6 +287,34 @@ class Client:
             )
             commit.tidy_ended_jobs(session)
             return Job.of(cancelled)
+
+    def retry(
+        self,
+        job: Job | str,
+        *,
+        all_errors: bool = False,
+        engines: EngineSource | None = None,
+        on_started: Callable[[int, int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Job:
+        """Run the lines of an ended job that did not succeed again, as its next attempt: lines
+        without an answer (cancelled, expired, failed runs) and error rows of a retryable kind
+        (the engine's failures; with `all_errors`, every error row). Each new row replaces the
+        old one: the output keeps one row per line. A job `run` created runs here to its end
+        (vLLM in this process); a job `submit` created goes back to the fleet and is returned
+        queued (`wait` for it). `on_started(lines, lines_without_row)` once the attempt is
+        recorded. JobStateError for a job still running or with nothing to retry."""
+        from batchllm.worker.retry import retry_job
+
+        row = retry_job(
+            _id(job),
+            all_errors=all_errors,
+            settings=self.settings,
+            engines=engines or self._engines,
+            on_started=on_started,
+            on_progress=on_progress,
+        )
+        return Job.of(row)
 
     def results(self, job: Job | str) -> ds.Dataset:
         """The job's output (committed rows so far, all of them once it completed) as a

@@ -23,6 +23,7 @@ from batchllm.store.models import Batch, Job
 from batchllm.store.states import JobStatus
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
+from batchllm.worker.retry import retry_job
 
 router = APIRouter()
 _MAX_METADATA = 16
@@ -237,6 +238,28 @@ def cancel_batch(
             commit.tidy_ended_jobs(session)
         except JobStateError as exc:
             raise ApiError(409, str(exc), code="batch_not_cancellable") from None
+    return _render(settings, owner, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/retry")
+def retry_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    """batchllm's extension: run an ended batch's unanswered lines and engine failures again
+    on the fleet, into the same batch (`batchllm retry`). Its output and error files are
+    written again when the retry ends."""
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", batch_id)
+        # Before the retry starts, so its end can never be read with the old files (a refused
+        # retry only makes the next read write the same files again).
+        batch.output_file_id = batch.error_file_id = None
+    try:
+        retry_job(batch_id, settings=settings)
+    except JobStateError as exc:
+        raise ApiError(409, str(exc), code="batch_not_retryable") from None
     return _render(settings, owner, batch_id)
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from batchllm.store.job_view import live_throughput
+from batchllm.store.job_view import attempts_of, live_throughput
 from batchllm.store.models import Job
 
 if TYPE_CHECKING:
@@ -67,6 +67,13 @@ def echo_job(job: Job) -> None:
     )
     if job.hardware:
         click.echo(f"hardware   {job.hardware}, vLLM {job.vllm_version}")
+    if job.attempts:  # retried: each run and the lines it ran
+        for run in attempts_of(job):
+            which = "all error rows" if run["all_errors"] else "lines"
+            click.echo(
+                f"attempt {run['attempt']:<2} {run['lines']:,} {which}, {run['status']}, "
+                f"wall {fmt(run['wall_seconds'])} s"
+            )
     if job.error:
         click.echo(f"error      {job.error}")
 

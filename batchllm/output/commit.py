@@ -81,8 +81,10 @@ def record_checkpoint(
     attempt: int | None = None,
     structured_rows: int = 0,
     structured_valid: int = 0,
+    job_attempt: int = 1,
 ) -> None:
     """Record one committed part file and add its counts, in the caller's transaction.
+    `job_attempt`: the job's run writing it (1, or a retry's: output/replace.py).
 
     With `attempt`, the write is fenced: it only lands while the shard is still running under
     that attempt. A worker that lost its shard (its lease ran out and another worker took the
@@ -115,6 +117,7 @@ def record_checkpoint(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "engine_seconds": engine_seconds,
+            "job_attempt": job_attempt,
         },
     )
     session.execute(
@@ -124,6 +127,28 @@ def record_checkpoint(
             "job_id": job_id,
             "add_structured_rows": structured_rows,
             "add_structured_valid": structured_valid,
+        },
+    )
+
+
+def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_seq: int) -> None:
+    """Take the counts of rows a retry replaced off their shard and job (output/replace.py),
+    in the transaction that records the rows replacing them."""
+    counts = {
+        "add_rows_ok": -part.rows_ok,
+        "add_rows_failed": -part.rows_failed,
+        "add_prompt_tokens": -part.prompt_tokens,
+        "add_completion_tokens": -part.completion_tokens,
+        "add_engine_seconds": 0.0,  # the engine did spend that time
+    }
+    session.execute(_ADD_TO_ANY_SHARD, {**counts, "shard_id": shard_id, "next_seq": next_seq})
+    session.execute(
+        _ADD_TO_JOB,
+        {
+            **counts,
+            "job_id": job_id,
+            "add_structured_rows": -part.structured_rows,
+            "add_structured_valid": -part.structured_valid,
         },
     )
 
@@ -152,6 +177,7 @@ def commit_part(
     seq: int,
     attempt: int,
     engine_seconds: float,
+    job_attempt: int = 1,
 ) -> str:
     """Write one part file, then record its checkpoint; returns the file's path. A worker that
     lost its shard in between deletes its file and gets ShardLost: the rows belong to the
@@ -173,6 +199,7 @@ def commit_part(
                 structured_valid=part.structured_valid,
                 engine_seconds=engine_seconds,
                 attempt=attempt,
+                job_attempt=job_attempt,
             )
     except ShardLost:
         storage.delete(path)

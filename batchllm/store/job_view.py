@@ -54,6 +54,7 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "started_at": _iso(job.started_at),
         "finished_at": _iso(job.finished_at),
         "error": job.error,
+        "attempts": attempts_of(job),
     }
     if shards:
         data["shards"] = [
@@ -108,6 +109,27 @@ def webhook_view(job: Job) -> dict[str, Any]:
             for a in attempts
         ],
     }
+
+
+def attempts_of(job: Job) -> list[dict[str, Any]]:
+    """The job's runs: its first, then each `batchllm retry`, with how many lines each ran;
+    the current (last) one in the job's own state until it ends."""
+    if not job.attempts:
+        return [
+            {
+                "attempt": 1,
+                "lines": job.request_total,
+                "all_errors": False,
+                "status": job.status.value,
+                "started_at": _iso(job.started_at),
+                "finished_at": _iso(job.finished_at),
+                "wall_seconds": job.wall_seconds,
+            }
+        ]
+    runs = [dict(run) for run in job.attempts]
+    if runs[-1]["status"] is None or not job.status.is_final:
+        runs[-1]["status"] = job.status.value
+    return runs
 
 
 def live_throughput(job: Job) -> dict[str, float] | None:

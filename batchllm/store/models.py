@@ -85,6 +85,9 @@ class Job(Base):
     # Where its end is announced (a signed POST, store/webhooks.py) and the secret that signs it.
     notify_url: Mapped[str | None] = mapped_column(Text)
     notify_secret: Mapped[str | None] = mapped_column(String(128))
+    # Its runs, oldest first, once it was retried (`batchllm retry`; null before): {"attempt",
+    # "lines", "all_errors", "status", "started_at", "finished_at", "wall_seconds"}.
+    attempts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -117,6 +120,11 @@ class Job(Base):
     webhook_attempts: Mapped[list[WebhookAttempt]] = relationship(
         order_by="WebhookAttempt.attempt", cascade="all, delete-orphan"
     )
+
+    @property
+    def attempt(self) -> int:
+        """The number of its current (or last) run: 1, then one more per retry."""
+        return len(self.attempts) if self.attempts else 1
 
 
 class Shard(Base):
@@ -170,6 +178,8 @@ class Checkpoint(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     engine_seconds: Mapped[float] = mapped_column(Float)
+    # The job's run that committed it (1: the first; a retry's rows replace only older runs').
+    job_attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

@@ -62,6 +62,12 @@ def submit_job(
         shard_ids = list(
             session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))
         )
+    return dispatch_shards(job_id, spec, shard_ids, settings=settings)
+
+
+def dispatch_shards(job_id: str, spec: JobSpec, shard_ids: list[int], *, settings: Settings) -> Job:
+    """Send one task per shard (committed `queued` before) to the queue of the job's engine
+    kind; the job ends failed, saying so, when the broker cannot be reached."""
     app = create_app(settings)
     queue = queue_for_job(spec)
     try:

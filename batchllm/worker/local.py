@@ -48,14 +48,7 @@ def run_job(
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
     settings = settings or get_settings()
-    storage = Storage.of(settings)
-    with session_scope(settings) as session:
-        for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
-            log.warning(
-                "job %s: the `batchllm run` that ran it was killed; marked failed "
-                "(its committed rows are kept)",
-                abandoned,
-            )
+    fail_abandoned_runs(settings)
     own_engines = engines is None
     engines = engines or EngineCache()
     try:
@@ -72,6 +65,43 @@ def run_job(
         if own_engines:
             engines.close()
         raise
+    return run_shards_here(
+        job_id,
+        spec,
+        settings=settings,
+        engines=engines,
+        own_engines=own_engines,
+        on_progress=on_progress,
+        engine_error=engine_error,
+    )
+
+
+def fail_abandoned_runs(settings: Settings) -> None:
+    """End `failed` the jobs of `batchllm run` processes that were killed mid-run."""
+    with session_scope(settings) as session:
+        for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
+            log.warning(
+                "job %s: the `batchllm run` that ran it was killed; marked failed "
+                "(its committed rows are kept)",
+                abandoned,
+            )
+
+
+def run_shards_here(
+    job_id: str,
+    spec: JobSpec,
+    *,
+    settings: Settings,
+    engines: EngineSource,
+    own_engines: bool,
+    on_progress: ProgressFn | None = None,
+    shard_ids: list[int] | None = None,
+    engine_error: BaseException | None = None,
+) -> Job:
+    """Run a created job's shards (all, or `shard_ids`: a retry's) to their end in this
+    process; returns the final Job row. Any failure, a Ctrl-C too, ends the job failed with
+    the rows finished before kept. `own_engines`: close `engines` afterwards."""
+    storage = Storage.of(settings)
     interrupted = threading.Event()
     try:
         if engine_error is not None:
@@ -85,8 +115,9 @@ def run_job(
             on_progress=on_progress,
             should_stop=interrupted.is_set,
         )
-        with session_scope(settings) as session:
-            shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
+        if shard_ids is None:
+            with session_scope(settings) as session:
+                shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
             runner.run(shard_ids)
         if interrupted.is_set():
@@ -115,10 +146,17 @@ def run_job(
     finally:
         if own_engines:
             engines.close()
-        if notify is not None:
-            deliver_soon(job_id, settings, within_seconds=_NOTIFY_WITHIN_SECONDS)
+        _announce_end(job_id, settings)
     with session_scope(settings) as session:
         return get_one(session, Job, job_id)
+
+
+def _announce_end(job_id: str, settings: Settings) -> None:
+    """A job with a webhook (`--notify`; a retry's run too) POSTs its end from here first."""
+    with session_scope(settings) as session:
+        has_webhook = get_one(session, Job, job_id).notify_url is not None
+    if has_webhook:
+        deliver_soon(job_id, settings, within_seconds=_NOTIFY_WITHIN_SECONDS)
 
 
 def _create(

@@ -1,7 +1,7 @@
 """Webhooks: jobs.notify_url/notify_secret, api_keys.webhook_url/webhook_secret, webhook_attempts
 
 Revision ID: 0008
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-07 07:00:00
 """
 
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 
 revision = '0008'
-down_revision = '0004'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 

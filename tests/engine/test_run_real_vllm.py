@@ -476,3 +476,55 @@ def test_run_of_a_parquet_table_joins_back_on_its_id_then_dry_run_uses_its_throu
     assert estimate.max_output_tokens == 3 * DEFAULT_MAX_TOKENS
     assert estimate.history is not None and estimate.history.jobs == 1  # the run above
     assert estimate.max_wall_seconds is not None and estimate.max_wall_seconds > 0
+
+
+def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
+    tiny_model, engines, settings, tmp_path
+):
+    from batchllm import Client
+    from batchllm.store import service
+    from batchllm.worker.runner import ShardRunner
+
+    settings.shard_size = 3
+    source = tmp_path / "in.jsonl"
+    lines = [
+        {"custom_id": "a", "prompt": "The farmer found a", "max_tokens": 8},
+        {"custom_id": "bad", "prompt": 7},  # invalid: never retried by default
+        {"custom_id": "long", "prompt": "word " * 700},  # over the context: neither
+        {"custom_id": "b", "prompt": "The cat sat on", "max_tokens": 8},
+        {"custom_id": "c", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+        {"custom_id": "d", "prompt": "One two three", "max_tokens": 8},
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    created = service.create_job(
+        source, make_spec(tiny_model), shard_size=3, settings=settings, local_run=True
+    )
+    job_id = created.job.id
+    with session_scope(settings) as session:
+        first, second = [s.id for s in session.get(Job, job_id).shards]
+    # The first shard runs, then the job is cancelled: the second shard never runs.
+    engine = engines.get(make_spec(tiny_model), MAX_MODEL_LEN)
+    ShardRunner(engine, worker="test-worker", settings=settings).run([first])
+    client = Client(settings)
+    cancelled = client.cancel(job_id)
+    assert (cancelled.status, cancelled.completed, cancelled.failed) == ("cancelled", 1, 2)
+
+    retried = client.retry(job_id, engines=engines)
+
+    rows = {r["custom_id"]: r for r in client.results(job_id).to_table().to_pylist()}
+    assert sorted(r["line"] for r in rows.values()) == [1, 2, 3, 4, 5, 6]  # one row per line
+    assert [rows[k]["status"] for k in ("a", "b", "c", "d")] == ["ok"] * 4
+    assert all(rows[k]["completion_tokens"] == 8 and rows[k]["text"] for k in "bcd")
+    assert (rows["bad"]["error_code"], rows["long"]["error_code"]) == (
+        "invalid_request",
+        "context_length_exceeded",
+    )
+    assert (retried.status, retried.completed, retried.failed) == ("completed", 4, 2)
+    assert retried.throughput["completion_tokens"] == 4 * 8
+    assert [(a["attempt"], a["lines"], a["status"]) for a in retried.attempts] == [
+        (1, 6, "cancelled"),
+        (2, 3, "completed"),
+    ]
+    with session_scope(settings) as session:
+        assert session.get(Job, job_id).shards[1].id == second
+        assert [s.status for s in session.get(Job, job_id).shards] == [ShardStatus.COMPLETED] * 2

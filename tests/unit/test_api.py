@@ -147,6 +147,7 @@ ROUTES = [
     ("get", "/v1/batches"),
     ("get", "/v1/batches/batch-x"),
     ("post", "/v1/batches/batch-x/cancel"),
+    ("post", "/v1/batches/batch-x/retry"),
     ("get", "/v1/models"),
 ]
 
@@ -346,6 +347,10 @@ def test_a_file_naming_two_models_makes_a_failed_batch(
         409,
         code="batch_not_cancellable",
     )
+    # Nor retried: it never stored a line.
+    refused = client.post(f"/v1/batches/{batch.id}/retry", headers=headers)
+    assert_error(refused, 409, code="batch_not_retryable")
+    assert "before it stored any input" in refused.json()["error"]["message"]
 
 
 def test_the_batch_model_is_the_first_one_named(client: TestClient, settings: Settings) -> None:
@@ -438,6 +443,7 @@ def test_another_tenant_sees_no_batch(client: TestClient, settings: Settings) ->
     batch = refused_batch(client, alice)
     assert_error(client.get(f"/v1/batches/{batch.id}", headers=bob), 404, code="not_found")
     assert_error(client.post(f"/v1/batches/{batch.id}/cancel", headers=bob), 404)
+    assert_error(client.post(f"/v1/batches/{batch.id}/retry", headers=bob), 404)
     assert_error(client.get(f"/v1/batches?after={batch.id}", headers=bob), 404)
     assert client.get("/v1/batches", headers=bob).json()["data"] == []
     assert client.get(f"/v1/batches/{batch.id}", headers=alice).status_code == 200
