@@ -80,6 +80,13 @@ class Settings(BaseSettings):
         "ends cancelled jobs whose workers died, finalizes jobs left finalizing.",
     )
 
+    retain_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete ended jobs (rows and files, as `batchllm delete`) this many days "
+        "after they ended; the reconciler does it. Default: keep every job until deleted.",
+    )
+
     max_n: int = Field(
         default=16,
         ge=1,
