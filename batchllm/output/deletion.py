@@ -80,7 +80,9 @@ def _result_files(session: Session, job_id: str) -> list[tuple[str, str]]:
     if batch is None:
         return []
     ids = [i for i in (batch.output_file_id, batch.error_file_id) if i is not None]
-    rows = session.execute(select(StoredFile.id, StoredFile.path).where(StoredFile.id.in_(ids)))
+    rows = session.execute(
+        select(StoredFile.id, StoredFile.path).where(StoredFile.id.in_(ids)).order_by(StoredFile.id)
+    )
     return [(file_id, path) for file_id, path in rows]
 
 
