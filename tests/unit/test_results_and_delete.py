@@ -1,12 +1,15 @@
 """Reading a job's rows as they are committed (Client.iter_results, `batchllm results
 --partial/--follow`): every committed row once, never a part without its checkpoint, a job that
-runs followed to its end, and memory bounded by a record batch, not by the output's size."""
+runs followed to its end, and memory bounded by a record batch, not by the output's size; and
+`batchllm delete`'s prompt and refusal."""
+
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -237,3 +240,25 @@ def _record(settings, job_id, seq, path, rows) -> None:
             completion_tokens=0,
             engine_seconds=0.0,
         )
+
+
+def test_the_cli_deletes_after_asking_and_refuses_a_running_job(many_parts, tmp_path):
+    job = run_items(many_parts, tmp_path, 5)
+    job_dir = Storage.of(many_parts).job_dir(job.id)
+    runner = CliRunner()
+
+    kept = runner.invoke(cli, ["delete", job.id], input="n\n")
+    assert kept.exit_code == 1 and "delete job" in kept.output
+    assert Client(many_parts).status(job.id).status == "completed"
+
+    deleted = runner.invoke(cli, ["delete", job.id, "--yes"])
+    assert deleted.exit_code == 0, deleted.output
+    assert f"{job.id}: deleted" in deleted.output
+    assert not Path(job_dir).exists()
+    assert runner.invoke(cli, ["status", job.id]).exit_code == 1
+
+    running, _, _ = _running_job_with_one_part(many_parts, tmp_path)
+    refused = runner.invoke(cli, ["delete", running, "--yes"])
+    assert refused.exit_code == 1
+    assert f"job {running} is in_progress" in refused.output and "cancel it first" in refused.output
+    assert list(Client(many_parts).iter_results(running))
