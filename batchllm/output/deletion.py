@@ -47,16 +47,16 @@ def delete_job(settings: Settings, job_ref: str) -> DeletedJob:
     _delete_files(storage, job.id, [path for _, path in result_files], deleted)
 
     with session_scope(settings) as session:
-        job = session.get(Job, deleted.id, with_for_update=True)
-        if job is None:  # deleted meanwhile by another caller
+        locked = session.get(Job, deleted.id, with_for_update=True)
+        if locked is None:  # deleted meanwhile by another caller
             return deleted
-        _refuse_unended(job)
-        shard_ids = select(Shard.id).where(Shard.job_id == job.id).scalar_subquery()
+        _refuse_unended(locked)
+        shard_ids = select(Shard.id).where(Shard.job_id == locked.id).scalar_subquery()
         session.execute(delete(Checkpoint).where(Checkpoint.shard_id.in_(shard_ids)))
-        session.execute(delete(Shard).where(Shard.job_id == job.id))
-        session.execute(delete(Batch).where(Batch.job_id == job.id))
+        session.execute(delete(Shard).where(Shard.job_id == locked.id))
+        session.execute(delete(Batch).where(Batch.job_id == locked.id))
         session.execute(delete(StoredFile).where(StoredFile.id.in_([i for i, _ in result_files])))
-        session.execute(delete(Job).where(Job.id == job.id))
+        session.execute(delete(Job).where(Job.id == locked.id))
     log.info("job %s (%s) deleted: %s", deleted.id, deleted.status, ", ".join(deleted.removed))
     return deleted
 

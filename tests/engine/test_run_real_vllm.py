@@ -444,7 +444,9 @@ def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
             return
         with session_scope(settings) as session:
             committed = session.scalar(
-                select(func.count()).select_from(Checkpoint).join(Shard)
+                select(func.count())
+                .select_from(Checkpoint)
+                .join(Shard)
                 .where(Shard.job_id == created[0])
             )
         if committed:

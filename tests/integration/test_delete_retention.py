@@ -111,9 +111,10 @@ def rows_of(place: Place, job_id: str) -> dict[str, int]:
             "jobs": session.scalar(select(func.count()).where(Job.id == job_id)),
             "shards": session.scalar(select(func.count()).where(Shard.job_id == job_id)),
             "checkpoints": session.scalar(
-                select(func.count()).select_from(Checkpoint).join(Shard).where(
-                    Shard.job_id == job_id
-                )
+                select(func.count())
+                .select_from(Checkpoint)
+                .join(Shard)
+                .where(Shard.job_id == job_id)
             ),
             "batches": session.scalar(select(func.count()).where(Batch.job_id == job_id)),
             "files": session.scalar(

@@ -532,9 +532,7 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     queued = create_job(
         write_items(tmp_path / "q.jsonl", 2), make_spec(), shard_size=10, settings=settings
     ).job.id
-    record_batch(
-        settings, queued, owner=owner, endpoint=CHAT, window="24h", input_file_id="file-x"
-    )
+    record_batch(settings, queued, owner=owner, endpoint=CHAT, window="24h", input_file_id="file-x")
     error = assert_error(
         client.delete(f"/v1/batches/{queued}", headers=headers), 409, code="batch_not_deletable"
     )

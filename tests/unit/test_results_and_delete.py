@@ -3,7 +3,6 @@
 runs followed to its end, and memory bounded by a record batch, not by the output's size; and
 `batchllm delete`'s prompt and refusal."""
 
-
 from __future__ import annotations
 
 import json
@@ -64,7 +63,7 @@ def test_only_the_columns_asked_for_and_an_unknown_one_is_named(many_parts, tmp_
     client = Client(many_parts)
     rows = list(client.iter_results(job.id[:10], columns=["custom_id", "line"]))
     assert sorted(rows, key=lambda r: r["line"])[0] == {"custom_id": "item-0", "line": 1}
-    with pytest.raises(BatchLLMError, match="no output column 'txt'.*custom_id, line"):
+    with pytest.raises(BatchLLMError, match=r"no output column 'txt'.*custom_id, line"):
         list(client.iter_results(job, columns=["txt"]))
 
 
@@ -97,9 +96,7 @@ def test_follow_hands_out_parts_as_they_are_committed_and_stops_when_the_job_end
     assert [row["custom_id"] for row in stream] == ["third"]
 
 
-def test_follow_on_a_running_job_sees_rows_before_its_end_and_each_row_once(
-    many_parts, tmp_path
-):
+def test_follow_on_a_running_job_sees_rows_before_its_end_and_each_row_once(many_parts, tmp_path):
     created: list[str] = []
     ready = threading.Event()
     engine = FakeEngine(on_step=lambda n: time.sleep(0.005))
@@ -130,9 +127,7 @@ def test_follow_on_a_running_job_sees_rows_before_its_end_and_each_row_once(
     assert sorted(ids) == sorted(f"item-{i}" for i in range(150))
 
 
-def test_the_cli_prints_json_lines_and_keeps_the_location_and_the_head_table(
-    many_parts, tmp_path
-):
+def test_the_cli_prints_json_lines_and_keeps_the_location_and_the_head_table(many_parts, tmp_path):
     job = run_items(many_parts, tmp_path, 20)
     runner = CliRunner()
 
