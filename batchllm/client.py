@@ -17,7 +17,7 @@ import dataclasses
 import json
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from batchllm.settings import Settings, get_settings
 from batchllm.store.states import JobStatus
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
@@ -330,6 +331,43 @@ class Client:
         # The storage the job was created in, which settings changed since do not move.
         storage = Storage(root, s3_endpoint=self.settings.s3_endpoint or "")
         return output_dataset(storage, storage.output_dir(job_id))
+
+    def iter_results(
+        self,
+        job: Job | str,
+        *,
+        follow: bool = False,
+        columns: Sequence[str] | None = None,
+        poll: float = 1.0,
+    ) -> Iterator[dict[str, Any]]:
+        """The job's committed rows as dicts, each once, a part file at a time (memory stays
+        flat on any job size). `follow`: keep yielding rows as they are committed until the
+        job ends. `columns`: only these columns of the Parquet contract."""
+        for batch in self.iter_result_batches(job, follow=follow, columns=columns, poll=poll):
+            yield from batch.to_pylist()
+
+    def iter_result_batches(
+        self,
+        job: Job | str,
+        *,
+        follow: bool = False,
+        columns: Sequence[str] | None = None,
+        poll: float = 1.0,
+    ) -> Iterator[pa.RecordBatch]:
+        """`iter_results` as pyarrow record batches (a few thousand rows each)."""
+        from batchllm.output.stream import iter_committed_batches
+
+        return iter_committed_batches(
+            self.settings, _id(job), columns=columns, follow=follow, poll=poll
+        )
+
+    def delete(self, job: Job | str) -> list[str]:
+        """Delete an ended job for good: its rows in the database and its files in the
+        storage (input, output, adapters, Batch API result files). JobStateError for a job
+        that has not ended: cancel it first. Returns the directories and files removed."""
+        from batchllm.output.deletion import delete_job
+
+        return delete_job(self.settings, _id(job)).removed
 
 
 def _id(job: Job | str) -> str:

@@ -108,6 +108,12 @@ class Settings(BaseSettings):
         ge=1,
         description="Webhook attempts per job before giving up (about a day with the defaults).",
     )
+    retain_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete ended jobs (rows and files, as `batchllm delete`) this many days "
+        "after they ended; the reconciler does it. Default: keep every job until deleted.",
+    )
 
     max_n: int = Field(
         default=16,

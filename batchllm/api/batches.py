@@ -212,7 +212,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
     from batchllm.output.openai_files import export_openai_to
 
     storage = Storage.of(settings)
-    directory = posixpath.join(storage.root, "files", f"{job.id}-results")
+    directory = storage.batch_results_dir(job.id)
     counts = export_openai_to(job, storage, directory)
     made = [
         StoredFile(

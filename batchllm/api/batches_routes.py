@@ -1,4 +1,5 @@
-"""/v1/batches: create, retrieve, list (cursor pages), cancel; and /v1/models."""
+"""/v1/batches: create, retrieve, list (cursor pages), cancel, delete (batchllm's extension);
+and /v1/models."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
 from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
-from batchllm.errors import BatchLLMError, JobStateError
+from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
 from batchllm.output import commit
+from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
@@ -261,6 +263,26 @@ def retry_batch(
     except JobStateError as exc:
         raise ApiError(409, str(exc), code="batch_not_retryable") from None
     return _render(settings, owner, batch_id)
+
+
+@router.delete("/v1/batches/{batch_id}")
+def delete_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    """batchllm's extension (OpenAI has no such route): delete an ended batch, its job's
+    rows and files and its output and error files; 409 while it runs (cancel it first)."""
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", batch_id)
+    try:
+        delete_job(settings, batch_id)
+    except JobStateError as exc:
+        raise ApiError(409, str(exc), code="batch_not_deletable") from None
+    except JobNotFound:  # deleted meanwhile
+        raise not_found("batch", batch_id) from None
+    return {"id": batch_id, "object": "batch.deleted", "deleted": True}
 
 
 @router.get("/v1/models")

@@ -344,8 +344,9 @@ def _supervise(
 @click.option("--loop", is_flag=True, help="Keep reconciling every BATCHLLM_RECONCILE_SECONDS.")
 def reconcile(loop: bool) -> None:
     """Move stuck jobs on: re-send lost shard tasks, re-queue shards of dead workers, end
-    cancelled jobs, finalize jobs left finalizing. Every worker already does this in the
-    background; run it by hand when no worker is up, or to see what it would find."""
+    cancelled jobs, finalize jobs left finalizing, delete ended jobs past
+    BATCHLLM_RETAIN_DAYS. Every worker already does this in the background; run it by hand
+    when no worker is up, or to see what it would find."""
     import threading
 
     from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
@@ -364,5 +365,6 @@ def reconcile(loop: bool) -> None:
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
         f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
-        f"job(s), delivered {len(done.notified_jobs)} webhook(s)"
+        f"job(s), delivered {len(done.notified_jobs)} webhook(s), deleted "
+        f"{len(done.deleted_jobs)} old job(s)"
     )

@@ -10,11 +10,14 @@ import importlib.util
 import json
 import posixpath
 import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+from sqlalchemy import func, select
 
 from batchllm.demo.workload import write_workload
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
@@ -23,7 +26,7 @@ from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, ShardStatus
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
 from tests.conftest import require
@@ -528,3 +531,80 @@ def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
     with session_scope(settings) as session:
         assert session.get(Job, job_id).shards[1].id == second
         assert [s.status for s in session.get(Job, job_id).shards] == [ShardStatus.COMPLETED] * 2
+
+
+def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
+    tiny_model, engines, settings, tmp_path
+):
+    """`batchllm results --follow` in its own process beside a job on the warm engine: the
+    job pauses once a part is committed until the follower has printed a row, so rows are
+    seen before the end; after the end, exactly one JSON line per input line."""
+    settings.shard_size = 30
+    settings.commit_rows = 4
+    source = write_workload(
+        tmp_path / "follow.jsonl", requests=30, prompt_words=(4, 8), max_tokens=(2, 12), seed=9
+    )
+    created: list[str] = []
+    ready, follower_saw_a_row = threading.Event(), threading.Event()
+
+    def hold_until_seen(rows: int, tokens: int) -> None:
+        if follower_saw_a_row.is_set():
+            return
+        with session_scope(settings) as session:
+            committed = session.scalar(
+                select(func.count())
+                .select_from(Checkpoint)
+                .join(Shard)
+                .where(Shard.job_id == created[0])
+            )
+        if committed:
+            follower_saw_a_row.wait(120)
+
+    outcome: list[Job] = []
+
+    def run() -> None:
+        outcome.append(
+            run_job(
+                source,
+                make_spec(tiny_model, max_tokens=16),
+                settings=settings,
+                engines=engines,
+                on_created=lambda job: (created.append(job.id), ready.set()),
+                on_progress=hold_until_seen,
+            )
+        )
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    assert ready.wait(60)
+    errors_path = tmp_path / "follower.err"
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "batchllm", "results", created[0], "--follow"],
+        env=local_env(settings.home),
+        stdout=subprocess.PIPE,
+        stderr=errors_path.open("w"),
+        text=True,
+    )
+    try:
+        first = follower.stdout.readline()
+        with session_scope(settings) as session:
+            state_at_first_row = session.get(Job, created[0]).status
+        follower_saw_a_row.set()
+        # Read through the same buffered stream (communicate() would skip what readline
+        # already buffered); the follower ends once the job has.
+        rest = follower.stdout.read()
+        follower.wait(timeout=300)
+        errors = errors_path.read_text()
+    finally:
+        follower_saw_a_row.set()
+        if follower.poll() is None:
+            follower.kill()
+    runner.join(120)
+
+    assert state_at_first_row is JobStatus.IN_PROGRESS
+    assert follower.returncode == 0, errors[-2000:]
+    assert outcome and outcome[0].status is JobStatus.COMPLETED
+    rows = [json.loads(line) for line in [first, *rest.splitlines()]]
+    assert sorted(row["line"] for row in rows) == list(range(1, 31))
+    assert sorted(row["custom_id"] for row in rows) == sorted(f"req-{i}" for i in range(30))
+    assert all(row["status"] == "ok" and row["completion_tokens"] for row in rows)
