@@ -426,6 +426,7 @@ class VllmEngine:
                     finish_reason=first["finish_reason"],
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=first["completion_tokens"],
+                    cached_tokens=out.num_cached_tokens or 0,
                     logprobs=first["logprobs"],
                     choices=samples if len(samples) > 1 else None,
                 )

@@ -58,6 +58,7 @@ _ADD_TO_JOB = (
         request_failed=_JOBS.c.request_failed + bindparam("add_rows_failed"),
         prompt_tokens=_JOBS.c.prompt_tokens + bindparam("add_prompt_tokens"),
         completion_tokens=_JOBS.c.completion_tokens + bindparam("add_completion_tokens"),
+        cached_tokens=_JOBS.c.cached_tokens + bindparam("add_cached_tokens"),
         engine_seconds=_JOBS.c.engine_seconds + bindparam("add_engine_seconds"),
         structured_rows=_JOBS.c.structured_rows + bindparam("add_structured_rows"),
         structured_valid=_JOBS.c.structured_valid + bindparam("add_structured_valid"),
@@ -82,9 +83,11 @@ def record_checkpoint(
     structured_rows: int = 0,
     structured_valid: int = 0,
     job_attempt: int = 1,
+    cached_tokens: int = 0,
 ) -> None:
     """Record one committed part file and add its counts, in the caller's transaction.
     `job_attempt`: the job's run writing it (1, or a retry's: output/replace.py).
+    `cached_tokens` (the rows' prefix-cache hits) is added to the job only.
 
     With `attempt`, the write is fenced: it only lands while the shard is still running under
     that attempt. A worker that lost its shard (its lease ran out and another worker took the
@@ -125,6 +128,7 @@ def record_checkpoint(
         {
             **counts,
             "job_id": job_id,
+            "add_cached_tokens": cached_tokens,
             "add_structured_rows": structured_rows,
             "add_structured_valid": structured_valid,
         },
@@ -133,7 +137,9 @@ def record_checkpoint(
 
 def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_seq: int) -> None:
     """Take the counts of rows a retry replaced off their shard and job (output/replace.py),
-    in the transaction that records the rows replacing them."""
+    in the transaction that records the rows replacing them. Not their prefix-cache hits: no
+    row records them, so the job's cached_tokens counts every run's hits (a usage figure, like
+    the tokens OpenAI bills), not only those of the rows its output holds."""
     counts = {
         "add_rows_ok": -part.rows_ok,
         "add_rows_failed": -part.rows_failed,
@@ -147,6 +153,7 @@ def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_s
         {
             **counts,
             "job_id": job_id,
+            "add_cached_tokens": 0,
             "add_structured_rows": -part.structured_rows,
             "add_structured_valid": -part.structured_valid,
         },
@@ -200,6 +207,7 @@ def commit_part(
                 engine_seconds=engine_seconds,
                 attempt=attempt,
                 job_attempt=job_attempt,
+                cached_tokens=part.cached_tokens,
             )
     except ShardLost:
         storage.delete(path)

@@ -215,10 +215,14 @@ class Part:
     completion_tokens: int  # over every sample of a row
     structured_rows: int  # rows that ran under a structured output constraint
     structured_valid: int  # of those, the ones whose answer satisfies it
+    # Prompt tokens of these rows served from the engine's prefix cache. Not an output column
+    # (the schema stays as it is), so only the part knows it, from the runner.
+    cached_tokens: int = 0
 
 
-def part_of(rows: list[Values]) -> Part:
-    """The table and counts of these rows, computed a column at a time."""
+def part_of(rows: list[Values], cached_tokens: int = 0) -> Part:
+    """The table and counts of these rows, computed a column at a time; `cached_tokens`
+    (the rows' prefix-cache hits) as the runner counted them."""
     columns: dict[str, tuple[Any, ...]] = (
         dict(zip(OUTPUT_SCHEMA.names, zip(*rows, strict=True), strict=True))
         if rows
@@ -238,6 +242,7 @@ def part_of(rows: list[Values]) -> Part:
         completion_tokens=_completion_tokens(columns["choices"], columns["completion_tokens"]),
         structured_rows=len(structured) - structured.count(None),
         structured_valid=structured.count(True),
+        cached_tokens=cached_tokens,
     )
 
 

@@ -199,6 +199,7 @@ def _swap(
         engine_seconds=engine_seconds,
         attempt=attempt,
         job_attempt=job_attempt,
+        cached_tokens=part.cached_tokens,
     )
     kept_seq = seq + 1
     for rewrite in rewrites:

@@ -81,9 +81,9 @@ def usage(job: Job) -> dict[str, Any]:
     """The job's tokens in OpenAI's Batch.usage shape (the Batch API object carries it too)."""
     return {
         "input_tokens": job.prompt_tokens,
-        # vLLM 0.32 reports prefix-cache hits per request (RequestOutput.num_cached_tokens), but
-        # rows do not carry them to the job's counters yet: 0, as OpenAI reports no hit.
-        "input_tokens_details": {"cached_tokens": 0},
+        # vLLM's prefix-cache hits (RequestOutput.num_cached_tokens) over every run of a row:
+        # a retried row's earlier hits stay counted, as billed usage would.
+        "input_tokens_details": {"cached_tokens": job.cached_tokens or 0},
         "output_tokens": job.completion_tokens,
         # The output of a reasoning model is counted as completion tokens, not split out.
         "output_tokens_details": {"reasoning_tokens": 0},

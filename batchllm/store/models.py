@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Dialect,
@@ -103,6 +104,9 @@ class Job(Base):
     # Throughput. Counters add up from checkpoints; rates are computed when the job ends.
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Prompt tokens vLLM served from its prefix cache, over every run of a row: a retry does
+    # not take the replaced rows' hits off (no row records them), as a usage figure should.
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     # Rows that ran under a structured output constraint, and those whose text satisfied it.
     structured_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -345,6 +345,7 @@ class ShardRunner:
                     ENGINE_ERROR,
                     prompt_tokens=out.prompt_tokens,
                 )
+            state.cached_tokens += out.cached_tokens
             tokens += out.generated_tokens
         if finished:
             self.on_progress(len(finished), tokens)

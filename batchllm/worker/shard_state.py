@@ -37,6 +37,7 @@ class ShardState:
     # A retry's lines whose earlier row its new row replaces -> the part holding that row.
     replacing: dict[int, str] = field(default_factory=dict)
     buffer: OutputBuffer = field(default_factory=OutputBuffer)
+    cached_tokens: int = 0  # the buffered rows' prefix-cache hits (no output column holds them)
     inflight: int = 0
     fed_all: bool = False
     last_commit: float = field(default_factory=time.monotonic)
@@ -67,7 +68,8 @@ class ShardState:
         committed, None when there was nothing to commit."""
         if not self.buffer:
             return None
-        part = part_of(self.buffer.take())
+        part = part_of(self.buffer.take(), self.cached_tokens)
+        self.cached_tokens = 0
         if self.replacing:
             self.next_seq = replace.commit_replacing_part(
                 storage,

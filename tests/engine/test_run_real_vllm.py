@@ -26,6 +26,7 @@ from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
+from batchllm.store.job_view import job_view
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
@@ -340,18 +341,30 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
         max_tokens=(1, 24),
         seed=3,
     )
+    # Two more sharing a ~330-token prefix: more than two of the CPU backend's 128-token KV
+    # blocks, so whichever runs second reads at least one from vLLM's prefix cache (on by
+    # default), scheduled in the same step as the first or after it.
+    shared = " ".join(["the river runs past the old stone mill"] * 18)
+    with source.open("a") as out:
+        for i in range(2):
+            line = {"custom_id": f"shared-{i}", "prompt": f"{shared} {i}", "max_tokens": 4}
+            out.write(json.dumps(line) + "\n")
     wanted = sum(json.loads(raw)["max_tokens"] for raw in source.read_text().splitlines())
 
     job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
 
     assert engines.engine is warm
     assert job.status is JobStatus.COMPLETED
-    assert (job.request_completed, job.request_failed, job.completion_tokens) == (40, 0, wanted)
+    assert (job.request_completed, job.request_failed, job.completion_tokens) == (42, 0, wanted)
+    assert job.cached_tokens >= 128  # a whole block of the shared prefix
+    assert job_view(job)["usage"]["input_tokens_details"] == {"cached_tokens": job.cached_tokens}
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job.id)
     table = ds.dataset(out_dir, format="parquet").to_table()
-    assert sorted(table.column("line").to_pylist()) == list(range(1, 41))
-    assert sorted(table.column("custom_id").to_pylist()) == sorted(f"req-{i}" for i in range(40))
+    assert sorted(table.column("line").to_pylist()) == list(range(1, 43))
+    assert sorted(table.column("custom_id").to_pylist()) == sorted(
+        [f"req-{i}" for i in range(40)] + ["shared-0", "shared-1"]
+    )
     parts = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
@@ -363,7 +376,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
         assert [(s.rows, s.rows_ok, s.status) for s in shards] == [
             (15, 15, ShardStatus.COMPLETED),
             (15, 15, ShardStatus.COMPLETED),
-            (10, 10, ShardStatus.COMPLETED),
+            (12, 12, ShardStatus.COMPLETED),
         ]
 
 
