@@ -17,7 +17,7 @@ import dataclasses
 import json
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,10 +29,13 @@ from batchllm.settings import Settings, get_settings
 from batchllm.store.states import JobStatus
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
     from batchllm.store.models import Job as JobRow
+    from batchllm.store.webhooks import WebhookTarget
+    from batchllm.worker.estimate import Estimate
 
 Requests = str | Path | Iterable[Mapping[str, Any]]
 
@@ -54,6 +57,10 @@ class Job:
     # Lines refused by validation, which become error rows: known on the Job `submit` returns
     # (before any row ran, `failed` is 0), None on a Job read later.
     invalid: int | None = None
+    # The secret signing the job's webhook (`notify`): on the Job `submit` and `run` return.
+    notify_secret: str | None = None
+    # Its runs: the first, then each retry ({"attempt", "lines", "status", ...}, oldest first).
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -77,6 +84,7 @@ class Job:
             error=view["error"],
             throughput={name: view["throughput"][name] for name in _THROUGHPUT},
             shards=row.shards_total,
+            attempts=view["attempts"],
         )
 
 
@@ -122,13 +130,17 @@ class Client:
         model: str,
         strict: bool = False,
         shard_size: int | None = None,
+        notify: str | None = None,
         **options: Any,
     ) -> Job:
-        """Validate and store the requests (a JSONL path, or request dicts in any line form)
-        and queue the job for the fleet; returns at once."""
+        """Validate and store the requests (a JSONL path, a Parquet or CSV path with
+        `prompt_column=` or `messages_column=` and optionally `id_column=`, `system=`, or
+        request dicts in any line form) and queue the job for the fleet; returns at once.
+        `priority="high"|"normal"|"low"` orders it among queued jobs; `notify=URL` gets a
+        signed POST when the job ends."""
         with _as_file(requests) as path:
             spec = build_job_spec(model, requests=path, **options)
-            return self.submit_spec(path, spec, strict=strict, shard_size=shard_size)
+            return self.submit_spec(path, spec, strict=strict, shard_size=shard_size, notify=notify)
 
     def submit_spec(
         self,
@@ -137,12 +149,14 @@ class Client:
         *,
         strict: bool = False,
         shard_size: int | None = None,
+        notify: str | None = None,
     ) -> Job:
         """`submit` with a ready JobSpec (the CLI builds one from its flags). `shard_size`:
         rows per shard, default BATCHLLM_SHARD_SIZE."""
         from batchllm.worker.dispatch import submit_job
 
         invalid: list[int] = []
+        target = self._webhook(notify)
         with _as_file(requests) as path:
             row = submit_job(
                 path,
@@ -151,8 +165,19 @@ class Client:
                 shard_size=shard_size,
                 settings=self.settings,
                 on_stored=lambda stored: invalid.append(stored.invalid),
+                notify=target,
             )
-        return dataclasses.replace(Job.of(row), invalid=invalid[0])
+        return dataclasses.replace(
+            Job.of(row), invalid=invalid[0], notify_secret=target.secret if target else None
+        )
+
+    def _webhook(self, url: str | None) -> WebhookTarget | None:
+        """A job's webhook: the URL, checked, and BATCHLLM_WEBHOOK_SECRET or a new secret."""
+        from batchllm.store.webhooks import WebhookTarget, check_url, new_secret
+
+        if url is None:
+            return None
+        return WebhookTarget(check_url(url), self.settings.webhook_secret or new_secret())
 
     def run(
         self,
@@ -161,13 +186,15 @@ class Client:
         model: str,
         strict: bool = False,
         engines: EngineSource | None = None,
+        notify: str | None = None,
         **options: Any,
     ) -> Job:
         """Run the job to its end in this process (vLLM here, no broker); returns it ended.
-        `engines` hands it an engine source of the caller's (tests use a fake one)."""
+        `engines` hands it an engine source of the caller's (tests use a fake one); `notify`
+        as for `submit`."""
         with _as_file(requests) as path:
             spec = build_job_spec(model, requests=path, **options)
-            return self.run_spec(path, spec, strict=strict, engines=engines)
+            return self.run_spec(path, spec, strict=strict, engines=engines, notify=notify)
 
     def run_spec(
         self,
@@ -178,14 +205,21 @@ class Client:
         engines: EngineSource | None = None,
         on_created: Callable[[Job], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        notify: str | None = None,
     ) -> Job:
         """`run` with a ready JobSpec. `on_created(job)` once the job is stored (before the
         engine is up); `on_progress(rows, completion_tokens)` as rows finish."""
         from batchllm.worker.local import run_job
 
+        target = self._webhook(notify)
+
         def created(row: JobRow) -> None:
             if on_created is not None:
-                on_created(Job.of(row))
+                on_created(
+                    dataclasses.replace(
+                        Job.of(row), notify_secret=target.secret if target else None
+                    )
+                )
 
         with _as_file(requests) as path:
             row = run_job(
@@ -196,8 +230,25 @@ class Client:
                 engines=engines or self._engines,
                 on_created=created,
                 on_progress=on_progress,
+                notify=target,
             )
-        return Job.of(row)
+        return dataclasses.replace(Job.of(row), notify_secret=target.secret if target else None)
+
+    def dry_run(self, requests: Requests, *, model: str, **options: Any) -> Estimate:
+        """What `submit` or `run` with these arguments would process: the requests validated,
+        their prompt tokens counted with the model's tokenizer (no vLLM), the output bounded
+        by max_tokens, the time from this model's earlier jobs on this hardware. Creates no
+        job and starts no engine."""
+        with _as_file(requests) as path:
+            spec = build_job_spec(model, requests=path, **options)
+            return self.dry_run_spec(path, spec)
+
+    def dry_run_spec(self, requests: Requests, spec: JobSpec) -> Estimate:
+        """`dry_run` with a ready JobSpec."""
+        from batchllm.worker.estimate import estimate_job
+
+        with _as_file(requests) as path:
+            return estimate_job(path, spec, settings=self.settings)
 
     def status(self, job: Job | str) -> Job:
         from batchllm.store import service
@@ -238,6 +289,34 @@ class Client:
             commit.tidy_ended_jobs(session)
             return Job.of(cancelled)
 
+    def retry(
+        self,
+        job: Job | str,
+        *,
+        all_errors: bool = False,
+        engines: EngineSource | None = None,
+        on_started: Callable[[int, int], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Job:
+        """Run the lines of an ended job that did not succeed again, as its next attempt: lines
+        without an answer (cancelled, expired, failed runs) and error rows of a retryable kind
+        (the engine's failures; with `all_errors`, every error row). Each new row replaces the
+        old one: the output keeps one row per line. A job `run` created runs here to its end
+        (vLLM in this process); a job `submit` created goes back to the fleet and is returned
+        queued (`wait` for it). `on_started(lines, lines_without_row)` once the attempt is
+        recorded. JobStateError for a job still running or with nothing to retry."""
+        from batchllm.worker.retry import retry_job
+
+        row = retry_job(
+            _id(job),
+            all_errors=all_errors,
+            settings=self.settings,
+            engines=engines or self._engines,
+            on_started=on_started,
+            on_progress=on_progress,
+        )
+        return Job.of(row)
+
     def results(self, job: Job | str) -> ds.Dataset:
         """The job's output (committed rows so far, all of them once it completed) as a
         pyarrow dataset with the Parquet contract's schema; `.to_table().to_pandas()`."""
@@ -252,6 +331,43 @@ class Client:
         # The storage the job was created in, which settings changed since do not move.
         storage = Storage(root, s3_endpoint=self.settings.s3_endpoint or "")
         return output_dataset(storage, storage.output_dir(job_id))
+
+    def iter_results(
+        self,
+        job: Job | str,
+        *,
+        follow: bool = False,
+        columns: Sequence[str] | None = None,
+        poll: float = 1.0,
+    ) -> Iterator[dict[str, Any]]:
+        """The job's committed rows as dicts, each once, a part file at a time (memory stays
+        flat on any job size). `follow`: keep yielding rows as they are committed until the
+        job ends. `columns`: only these columns of the Parquet contract."""
+        for batch in self.iter_result_batches(job, follow=follow, columns=columns, poll=poll):
+            yield from batch.to_pylist()
+
+    def iter_result_batches(
+        self,
+        job: Job | str,
+        *,
+        follow: bool = False,
+        columns: Sequence[str] | None = None,
+        poll: float = 1.0,
+    ) -> Iterator[pa.RecordBatch]:
+        """`iter_results` as pyarrow record batches (a few thousand rows each)."""
+        from batchllm.output.stream import iter_committed_batches
+
+        return iter_committed_batches(
+            self.settings, _id(job), columns=columns, follow=follow, poll=poll
+        )
+
+    def delete(self, job: Job | str) -> list[str]:
+        """Delete an ended job for good: its rows in the database and its files in the
+        storage (input, output, adapters, Batch API result files). JobStateError for a job
+        that has not ended: cancel it first. Returns the directories and files removed."""
+        from batchllm.output.deletion import delete_job
+
+        return delete_job(self.settings, _id(job)).removed
 
 
 def _id(job: Job | str) -> str:

@@ -80,6 +80,41 @@ class Settings(BaseSettings):
         "ends cancelled jobs whose workers died, finalizes jobs left finalizing.",
     )
 
+    priority_aging_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="A job's priority rises one level (low -> normal -> high) for each this "
+        "long it has waited since it was submitted, so low-priority work always progresses.",
+    )
+    webhook_secret: str | None = Field(
+        default=None,
+        description="The secret that signs the webhooks of your `submit --notify` and `run "
+        "--notify` jobs; unset, each such job gets a new one, which the command prints.",
+    )
+    webhook_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="A webhook receiver that has not answered in this long counts as a failed "
+        "attempt (retried later): a slow receiver never holds a reconciler up for long.",
+    )
+    webhook_retry_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="The wait after a failed webhook attempt; it doubles after each failure "
+        "up to an hour.",
+    )
+    webhook_max_attempts: int = Field(
+        default=25,
+        ge=1,
+        description="Webhook attempts per job before giving up (about a day with the defaults).",
+    )
+    retain_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete ended jobs (rows and files, as `batchllm delete`) this many days "
+        "after they ended; the reconciler does it. Default: keep every job until deleted.",
+    )
+
     max_n: int = Field(
         default=16,
         ge=1,

@@ -6,6 +6,8 @@ Layout under the storage root:
   <job_id>/input/shard-00000.parquet     validated input rows of shard 0
   <job_id>/output/part-s00000-a001-00000.parquet   finished rows, one file per checkpoint
   <job_id>/output/_manifest.json, _SUCCESS
+  <job_id>/input/tokens-00000.parquet, <job_id>/adapters/   token ids, LoRA adapters
+  files/<file_id>.jsonl, files/<job_id>-results/   the Batch API's uploads and result files
 
 S3 filesystems are built here only (`filesystem_for`): the endpoint from BATCHLLM_S3_ENDPOINT,
 everything else (credentials, region, AWS_ENDPOINT_URL) read by pyarrow's AWS SDK itself from
@@ -117,6 +119,10 @@ class Storage:
     def output_dir(self, job_id: str) -> str:
         return posixpath.join(self.job_dir(job_id), "output")
 
+    def batch_results_dir(self, job_id: str) -> str:
+        """Where the Batch API writes a batch's output and error files."""
+        return posixpath.join(self.root, "files", f"{job_id}-results")
+
     def display(self, path: str) -> str:
         """The path as a user passes it to a reader (a URI for remote stores)."""
         return path if not self._uri_prefix else self._uri_prefix + path.lstrip("/")
@@ -161,3 +167,11 @@ class Storage:
     def delete(self, path: str) -> None:
         if self.exists(path):
             self.fs.delete_file(path)
+
+    def delete_tree(self, path: str) -> bool:
+        """Delete a directory and everything in it (on an object store: every object under
+        the prefix); False when there was nothing."""
+        if not self.exists(path):
+            return False
+        self.fs.delete_dir(path)
+        return True

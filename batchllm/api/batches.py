@@ -19,6 +19,7 @@ from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
+from batchllm.store.webhooks import WebhookTarget
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
@@ -133,7 +134,10 @@ def _decoded(raw: bytes | None) -> Any:
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:
     task = "embed" if endpoint == "/v1/embeddings" else "generate"
-    return build_job_spec(model, metadata=metadata, task=task)
+    # OpenAI's batch has no priority field: the metadata key `priority` sets it.
+    return build_job_spec(
+        model, metadata=metadata, task=task, priority=metadata.get("priority", "normal")
+    )
 
 
 def record_batch(
@@ -175,6 +179,7 @@ def refuse_batch(
     *,
     owner: str,
     window: str,
+    notify: WebhookTarget | None = None,
 ) -> str:
     """Record a batch that failed validation as a whole (status failed, its errors listed)."""
     summary = (
@@ -186,6 +191,7 @@ def refuse_batch(
         spec_for(model, endpoint, metadata),
         summary,
         settings=settings,
+        notify=notify,
     )
     record_batch(
         settings,
@@ -206,7 +212,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
     from batchllm.output.openai_files import export_openai_to
 
     storage = Storage.of(settings)
-    directory = posixpath.join(storage.root, "files", f"{job.id}-results")
+    directory = storage.batch_results_dir(job.id)
     counts = export_openai_to(job, storage, directory)
     made = [
         StoredFile(

@@ -1,4 +1,5 @@
-"""/v1/batches: create, retrieve, list (cursor pages), cancel; and /v1/models."""
+"""/v1/batches: create, retrieve, list (cursor pages), cancel, delete (batchllm's extension);
+and /v1/models."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 
-from batchllm.api import batches, files
+from batchllm.api import batches, files, keys
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, not_found
 from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
-from batchllm.errors import BatchLLMError, JobStateError
+from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
+from batchllm.input.schemas import PRIORITIES
 from batchllm.output import commit
+from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
@@ -22,6 +25,7 @@ from batchllm.store.models import Batch, Job
 from batchllm.store.states import JobStatus
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
+from batchllm.worker.retry import retry_job
 
 router = APIRouter()
 _MAX_METADATA = 16
@@ -63,6 +67,13 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
             param="metadata",
             code="invalid_value",
         )
+    if metadata.get("priority", "normal") not in PRIORITIES:
+        raise ApiError(
+            400,
+            f"metadata.priority {metadata['priority']!r}: one of {', '.join(PRIORITIES)}",
+            param="metadata.priority",
+            code="invalid_value",
+        )
     return metadata
 
 
@@ -78,6 +89,7 @@ def create_batch(
             raise not_found("file", body.input_file_id)
         session.expunge(stored)
         _check_active_batches(session, owner, settings.api_max_active_batches)
+        notify = keys.webhook_of(session, owner)
     storage = Storage.of(settings)
     try:
         models, errors = batches.scan_batch_file(
@@ -106,6 +118,7 @@ def create_batch(
             errors,
             owner=owner,
             window=body.completion_window,
+            notify=notify,
         )
         return _render(settings, owner, job_id)
     if request.app.state.require_served_model and model not in served_models(settings.broker_url):
@@ -133,6 +146,7 @@ def create_batch(
             settings=settings,
             expires_at=batches.expiry(body.completion_window),
             before_dispatch=record,
+            notify=notify,
         )
     except BatchLLMError as exc:
         raise ApiError(503, str(exc), code="service_unavailable") from None
@@ -227,6 +241,48 @@ def cancel_batch(
         except JobStateError as exc:
             raise ApiError(409, str(exc), code="batch_not_cancellable") from None
     return _render(settings, owner, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/retry")
+def retry_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    """batchllm's extension: run an ended batch's unanswered lines and engine failures again
+    on the fleet, into the same batch (`batchllm retry`). Its output and error files are
+    written again when the retry ends."""
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", batch_id)
+        # Before the retry starts, so its end can never be read with the old files (a refused
+        # retry only makes the next read write the same files again).
+        batch.output_file_id = batch.error_file_id = None
+    try:
+        retry_job(batch_id, settings=settings)
+    except JobStateError as exc:
+        raise ApiError(409, str(exc), code="batch_not_retryable") from None
+    return _render(settings, owner, batch_id)
+
+
+@router.delete("/v1/batches/{batch_id}")
+def delete_batch(
+    request: Request, batch_id: str, owner: str = Depends(current_owner)
+) -> dict[str, Any]:
+    """batchllm's extension (OpenAI has no such route): delete an ended batch, its job's
+    rows and files and its output and error files; 409 while it runs (cancel it first)."""
+    settings = request.app.state.settings
+    with session_scope(settings) as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.owner != owner:
+            raise not_found("batch", batch_id)
+    try:
+        delete_job(settings, batch_id)
+    except JobStateError as exc:
+        raise ApiError(409, str(exc), code="batch_not_deletable") from None
+    except JobNotFound:  # deleted meanwhile
+        raise not_found("batch", batch_id) from None
+    return {"id": batch_id, "object": "batch.deleted", "deleted": True}
 
 
 @router.get("/v1/models")

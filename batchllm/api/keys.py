@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from batchllm.errors import BatchLLMError
 from batchllm.store.models import ApiKey, utcnow
+from batchllm.store.webhooks import WebhookTarget, check_url, new_secret
 
 KEY_PREFIX = "sk-batchllm-"
 # The owner of everything a server started with --no-auth creates.
@@ -42,6 +43,30 @@ def revoke_key(session: Session, ref: str) -> ApiKey:
     """Revoke the one live key with this id or name. BatchLLMError when there is none, or when
     several match (keys of one name, or a name equal to another key's id, from before names
     were checked): revoking a guess could leave the key meant running."""
+    row = _live_key(session, ref, "revoke")
+    row.revoked_at = utcnow()
+    return row
+
+
+def set_webhook(session: Session, ref: str, url: str | None) -> ApiKey:
+    """Announce the end of the key's batches to `url` (None: no more webhooks). A new URL
+    gets a new signing secret (`webhook_secret` of the row returned); batches created before
+    keep the URL and secret they were created with."""
+    row = _live_key(session, ref, "name it")
+    row.webhook_url = check_url(url) if url is not None else None
+    row.webhook_secret = new_secret() if url is not None else None
+    return row
+
+
+def webhook_of(session: Session, owner: str) -> WebhookTarget | None:
+    """The webhook of key `owner`'s batches, if it set one."""
+    row = session.get(ApiKey, owner)
+    if row is None or not row.webhook_url or not row.webhook_secret:
+        return None
+    return WebhookTarget(row.webhook_url, row.webhook_secret)
+
+
+def _live_key(session: Session, ref: str, action: str) -> ApiKey:
     rows = session.scalars(
         select(ApiKey)
         .where((ApiKey.id == ref) | (ApiKey.name == ref), ApiKey.revoked_at.is_(None))
@@ -51,10 +76,8 @@ def revoke_key(session: Session, ref: str) -> ApiKey:
         raise BatchLLMError(f"no live API key with id or name {ref!r}")
     if len(rows) > 1:
         ids = ", ".join(row.id for row in rows)
-        raise BatchLLMError(f"{len(rows)} live API keys match {ref!r} ({ids}); revoke by id")
-    row = rows[0]
-    row.revoked_at = utcnow()
-    return row
+        raise BatchLLMError(f"{len(rows)} live API keys match {ref!r} ({ids}); {action} by id")
+    return rows[0]
 
 
 def _check_name(name: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from batchllm.store.job_view import usage
 from batchllm.store.models import Batch, Job, StoredFile
 from batchllm.store.states import JobStatus
 
@@ -65,13 +66,7 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
             else job.request_failed,
         },
         "metadata": job.job_metadata or None,
-        "usage": {
-            "input_tokens": job.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": job.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": job.prompt_tokens + job.completion_tokens,
-        },
+        "usage": usage(job),
     }
 
 

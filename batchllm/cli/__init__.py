@@ -87,8 +87,21 @@ from batchllm.cli import (  # noqa: E402  (commands register on `cli`)
     export,
     fleet,
     inspect,
+    retry,
     run,
     serve,
 )
 
-__all__ = ["admin", "bench", "cli", "doctor", "export", "fleet", "inspect", "main", "run", "serve"]
+__all__ = [
+    "admin",
+    "bench",
+    "cli",
+    "doctor",
+    "export",
+    "fleet",
+    "inspect",
+    "main",
+    "retry",
+    "run",
+    "serve",
+]

@@ -13,9 +13,11 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import (
+    echo_webhook_secret,
     engine_flags_as_args,
     input_file,
     job_options,
+    notify_option,
     require_requests,
     spec_from_flags,
     worker_engine_from_flags,
@@ -33,21 +35,46 @@ from batchllm.cli.options import (
     help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
-def submit(file: str | Path, strict: bool, shard_size: int | None, wait_: bool, **flags) -> None:
-    """Validate FILE (JSONL: a local path or an s3:// URI), queue it for the worker fleet and
-    print the job id.
+@click.option(
+    "--priority",
+    type=click.Choice(["high", "normal", "low"]),
+    default="normal",
+    show_default=True,
+    help="Workers take higher-priority shards first; a waiting job rises a level every "
+    "BATCHLLM_PRIORITY_AGING_SECONDS.",
+)
+@notify_option
+def submit(
+    file: str | Path,
+    strict: bool,
+    shard_size: int | None,
+    wait_: bool,
+    dry_run: bool,
+    notify: str | None,
+    **flags,
+) -> None:
+    """Validate FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local path or an
+    s3:// URI), queue it for the worker fleet and print the job id.
 
     \b
     Example:
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
+      batchllm submit docs.parquet --prompt-column text --id-column doc_id --model ./model
+      batchllm submit urgent.jsonl --model M --priority high --notify https://example.com/hook
     """
     from batchllm.client import Client
 
     spec = spec_from_flags(flags, file)
     require_requests(file)
-    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict)
+    if dry_run:
+        from batchllm.cli.render import echo_estimate
+
+        echo_estimate(Client().dry_run_spec(file, spec), spec.model)
+        return
+    job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict, notify=notify)
     click.echo(job.id)
     click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)
+    echo_webhook_secret(job.notify_secret, notify)
     if wait_:
         _follow(job.id)
 
@@ -317,8 +344,9 @@ def _supervise(
 @click.option("--loop", is_flag=True, help="Keep reconciling every BATCHLLM_RECONCILE_SECONDS.")
 def reconcile(loop: bool) -> None:
     """Move stuck jobs on: re-send lost shard tasks, re-queue shards of dead workers, end
-    cancelled jobs, finalize jobs left finalizing. Every worker already does this in the
-    background; run it by hand when no worker is up, or to see what it would find."""
+    cancelled jobs, finalize jobs left finalizing, delete ended jobs past
+    BATCHLLM_RETAIN_DAYS. Every worker already does this in the background; run it by hand
+    when no worker is up, or to see what it would find."""
     import threading
 
     from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
@@ -337,5 +365,6 @@ def reconcile(loop: bool) -> None:
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
         f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
-        "job(s)"
+        f"job(s), delivered {len(done.notified_jobs)} webhook(s), deleted "
+        f"{len(done.deleted_jobs)} old job(s)"
     )

@@ -1,8 +1,10 @@
-"""Looking at jobs: `status`, `jobs`, `results`."""
+"""Looking at jobs: `status`, `jobs`, `results`; and `delete`."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import click
 
@@ -46,6 +48,28 @@ def status(job_id: str, as_json: bool) -> None:
             for s in data["shards"]
         ]
         click.echo(table(["shard", "status", "done", "attempts", "worker"], rows))
+    if "webhook" in data:
+        _echo_webhook(data["webhook"])
+
+
+def _echo_webhook(webhook: dict) -> None:
+    from batchllm.cli.render import table
+
+    attempts = webhook["attempts"]
+    state = "delivered" if webhook["delivered"] else ("pending" if not attempts else "retrying")
+    click.echo(f"webhook    {webhook['url']}: {state}")
+    if attempts:
+        rows = [
+            [
+                str(a["attempt"]),
+                a["event"],
+                str(a["status_code"] or "-"),
+                a["error"] or "ok",
+                a["at"] or "-",
+            ]
+            for a in attempts
+        ]
+        click.echo(table(["attempt", "event", "status", "result", "at"], rows))
 
 
 def _waiting_for_a_worker(job) -> str | None:
@@ -116,16 +140,68 @@ def jobs(status_filter: str | None, limit: int) -> None:
     default=None,
     help="Print the first N rows (in line order) instead of the location.",
 )
-def results(job_id: str, head: int | None) -> None:
-    """Print where a job's Parquet results are, or show its first rows. Rows committed so
-    far are readable while the job still runs."""
-    from batchllm.cli.render import table as render_table
+@click.option(
+    "--partial",
+    is_flag=True,
+    help="Print the rows committed so far as JSON lines (one row per line), also while the "
+    "job runs.",
+)
+@click.option(
+    "--follow",
+    "-f",
+    is_flag=True,
+    help="As --partial, then keep printing rows as they are committed until the job ends.",
+)
+@click.option(
+    "--columns",
+    default=None,
+    help="With --partial/--follow: only these comma-separated columns (e.g. custom_id,text).",
+)
+def results(
+    job_id: str, head: int | None, partial: bool, follow: bool, columns: str | None
+) -> None:
+    """Print where a job's Parquet results are, show its first rows, or stream its rows as
+    JSON lines. Rows committed so far are readable while the job still runs.
+
+    \b
+    Examples:
+      batchllm results job_3f2a                      # the output directory
+      batchllm results job_3f2a --head 5             # a table of the first rows
+      batchllm results job_3f2a --partial > rows.jsonl
+      batchllm results job_3f2a --follow --columns custom_id,text | jq .text
+    """
     from batchllm.client import Client
 
     client = Client()
+    if partial or follow:
+        if head is not None:
+            raise click.UsageError("--head shows a table; --partial/--follow print JSON lines")
+        wanted = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+        _print_json_lines(client, job_id, follow=follow, columns=wanted)
+        return
+    if columns is not None:
+        raise click.UsageError("--columns goes with --partial or --follow")
     if head is None:
         click.echo(client.status(job_id).output_dir)
         return
+    _print_head(client, job_id, head)
+
+
+def _print_json_lines(client, job_id: str, *, follow: bool, columns: list[str] | None) -> None:
+    out = sys.stdout
+    try:
+        for batch in client.iter_result_batches(job_id, follow=follow, columns=columns):
+            out.write("".join(json.dumps(row, default=str) + "\n" for row in batch.to_pylist()))
+            out.flush()  # a reader down the pipe sees each batch as it is committed
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): not an error. Python would complain again
+        # when it flushes stdout at exit, so point stdout at nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+
+
+def _print_head(client, job_id: str, head: int) -> None:
+    from batchllm.cli.render import table as render_table
+
     table = client.results(job_id).to_table().sort_by("line").slice(0, head)
 
     rows = []
@@ -142,3 +218,33 @@ def results(job_id: str, head: int | None) -> None:
             ]
         )
     click.echo(render_table(["line", "custom_id", "status", "tokens", "text / error"], rows))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking.")
+def delete(job_id: str, yes: bool) -> None:
+    """Delete an ended job for good: its rows in the database and its files in the job
+    storage (input, output, adapters, Batch API result files). A queued or running job is
+    refused: cancel it first.
+
+    \b
+    Examples:
+      batchllm delete job_3f2a
+      batchllm delete job_3f2a --yes
+    """
+    from batchllm.client import Client
+    from batchllm.output.deletion import not_deletable
+
+    client = Client()
+    job = client.status(job_id)
+    if not job.done:  # refused before asking
+        raise not_deletable(job.id, job.status)
+    if not yes:
+        click.confirm(
+            f"delete job {job.id} ({job.status}, {job.completed + job.failed:,} rows) and "
+            f"its files in {job.output_dir.rsplit('/', 1)[0]}?",
+            abort=True,
+        )
+    removed = client.delete(job.id)
+    click.echo(f"{job.id}: deleted ({len(removed)} location(s) removed)")

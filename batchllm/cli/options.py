@@ -26,9 +26,9 @@ _PATH_STARTS = ("/", "./", "../", "~")
 
 
 class InputFile(click.ParamType):
-    """FILE of `run` and `submit`: a local JSONL file (a Path, checked as click.Path checks
-    it), or a URI such as s3://bucket/prompts.jsonl, kept as given (a str) and checked through
-    its store (pyarrow's filesystem) before any job is created."""
+    """FILE of `run` and `submit`: a local JSONL, Parquet or CSV file (a Path, checked as
+    click.Path checks it), or a URI such as s3://bucket/prompts.jsonl, kept as given (a str)
+    and checked through its store (pyarrow's filesystem) before any job is created."""
 
     name = "file"
 
@@ -84,6 +84,38 @@ def job_options(command):
             help="generate text, or embed the lines' inputs with vLLM's pooling runner "
             '[default: from the file\'s first line: {"input": ...} or /v1/embeddings '
             "lines embed].",
+        ),
+        click.option(
+            "--prompt-column",
+            default=None,
+            metavar="COLUMN",
+            help="FILE is a Parquet or CSV table: each row's prompt is in this column.",
+        ),
+        click.option(
+            "--messages-column",
+            default=None,
+            metavar="COLUMN",
+            help="FILE is a Parquet or CSV table: each row's chat messages (a list of "
+            "{role, content}, or its JSON text) are in this column.",
+        ),
+        click.option(
+            "--id-column",
+            default=None,
+            metavar="COLUMN",
+            help="A table's column whose value becomes each row's custom_id, to join the "
+            "output back on [default: the row number, from 1].",
+        ),
+        click.option(
+            "--system",
+            default=None,
+            metavar="TEXT",
+            help="A system message put before every table row's prompt or messages.",
+        ),
+        click.option(
+            "--dry-run",
+            is_flag=True,
+            help="Validate, count the prompt tokens and estimate the output tokens and the "
+            "time, then exit: no job, no engine.",
         ),
         click.option(
             "--max-tokens",
@@ -225,6 +257,22 @@ def job_options(command):
     return command
 
 
+notify_option = click.option(
+    "--notify",
+    metavar="URL",
+    default=None,
+    help="POST a signed batch.completed/failed/cancelled/expired event to URL when the job "
+    "ends (retried until delivered; secret: BATCHLLM_WEBHOOK_SECRET or a new one, printed).",
+)
+
+
+def echo_webhook_secret(secret: str | None, url: str | None) -> None:
+    """Tell the user the secret a new job's webhook is signed with (unless it is their own,
+    BATCHLLM_WEBHOOK_SECRET)."""
+    if secret is not None and not get_settings().webhook_secret:
+        click.echo(f"webhook to {url} signed with secret {secret}", err=True)
+
+
 def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     """The job spec the flags describe; the task, when not given, from FILE's lines."""
     metadata = _pairs(flags.pop("metadata", ()), "--metadata")
@@ -243,6 +291,11 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
         lora=adapters,
         chat_template=template_file.read_text() if template_file else None,
         metadata=metadata,
+        prompt_column=flags.pop("prompt_column"),
+        messages_column=flags.pop("messages_column"),
+        id_column=flags.pop("id_column"),
+        system=flags.pop("system"),
+        priority=flags.pop("priority", "normal"),
         task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),

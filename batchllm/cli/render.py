@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from batchllm.store.job_view import live_throughput
+from batchllm.store.job_view import attempts_of, live_throughput
 from batchllm.store.models import Job
+
+if TYPE_CHECKING:
+    from batchllm.worker.estimate import Estimate
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -62,8 +67,52 @@ def echo_job(job: Job) -> None:
     )
     if job.hardware:
         click.echo(f"hardware   {job.hardware}, vLLM {job.vllm_version}")
+    if job.attempts:  # retried: each run and the lines it ran
+        for run in attempts_of(job):
+            which = "all error rows" if run["all_errors"] else "lines"
+            click.echo(
+                f"attempt {run['attempt']:<2} {run['lines']:,} {which}, {run['status']}, "
+                f"wall {fmt(run['wall_seconds'])} s"
+            )
     if job.error:
         click.echo(f"error      {job.error}")
+
+
+def echo_estimate(estimate: Estimate, model: str) -> None:
+    """A --dry-run's figures; nothing was created."""
+    refused = estimate.invalid + estimate.too_long
+    click.echo(f"requests       {estimate.requests:,}", nl=not refused)
+    if refused:
+        click.echo(
+            f" ({estimate.invalid:,} invalid, {estimate.too_long:,} over the model's context: "
+            "they would become error rows)"
+        )
+    click.echo(f"prompt tokens  {estimate.prompt_tokens:,} (counted with the model's tokenizer)")
+    click.echo(
+        f"output tokens  at most {estimate.max_output_tokens:,} (every request's max_tokens; "
+        "most stop earlier)"
+    )
+    seconds, history = estimate.max_wall_seconds, estimate.history
+    if seconds is None or history is None:
+        click.echo(
+            f"time           unknown: no completed job of {model} on {estimate.hardware} to go by"
+        )
+    else:
+        click.echo(
+            f"time           at most {_duration(seconds)} at {history.tokens_per_s:,.0f} tok/s, "
+            f"the throughput of {history.jobs} earlier job(s) of this model on "
+            f"{estimate.hardware}"
+        )
+    click.echo("dry run: no job was created and no engine started", err=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    return f"{minutes // 60} h {minutes % 60} min"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

@@ -9,8 +9,10 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import (
+    echo_webhook_secret,
     input_file,
     job_options,
+    notify_option,
     require_hardware_for,
     require_local_model,
     require_requests,
@@ -28,20 +30,35 @@ from batchllm.cli.options import (
     default=None,
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
-def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
-    """Run the prompts in FILE (JSONL: a local path or an s3:// URI) to the end in this process
-    and print where the results are. Exit code 0 when the job completed, also when some lines
-    became error rows.
+@notify_option
+def run(
+    file: str | Path,
+    output: Path | None,
+    strict: bool,
+    dry_run: bool,
+    notify: str | None,
+    **flags,
+) -> None:
+    """Run the prompts in FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local
+    path or an s3:// URI) to the end in this process and print where the results are. Exit
+    code 0 when the job completed, also when some lines became error rows.
 
     \b
     Example:
       batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
+      batchllm run docs.parquet --prompt-column text --id-column doc_id --model ./tiny-model
+      batchllm run prompts.jsonl --model ./tiny-model --dry-run
     """
     from batchllm.cli.progress import Progress
-    from batchllm.cli.render import echo_job, job_row
+    from batchllm.cli.render import echo_estimate, echo_job, job_row
     from batchllm.client import Client, Job
 
     spec = spec_from_flags(flags, file)
+    if dry_run:
+        require_local_model(spec.model)
+        require_requests(file)
+        echo_estimate(Client().dry_run_spec(file, spec), spec.model)
+        return
     require_local_model(spec.model)
     require_hardware_for(spec.engine)
     if output is not None:
@@ -58,6 +75,7 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
 
     def created(job: Job) -> None:
         click.echo(f"job {job.id}: {job.total:,} requests, loading {spec.model} ...", err=True)
+        echo_webhook_secret(job.notify_secret, notify)
         progress.append(Progress(job.total))
 
     ended = Client().run_spec(
@@ -66,6 +84,7 @@ def run(file: str | Path, output: Path | None, strict: bool, **flags) -> None:
         strict=strict,
         on_created=created,
         on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
+        notify=notify,
     )
     if progress:
         progress[0].close()

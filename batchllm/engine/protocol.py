@@ -32,6 +32,8 @@ class Finished:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens served from the engine's prefix cache (vLLM's num_cached_tokens).
+    cached_tokens: int = 0
     # One {token, logprob, top_logprobs} per generated token, when the request asked for them.
     logprobs: list[dict[str, Any]] | None = None
     # Every sample {index, text, finish_reason, completion_tokens, logprobs} when n > 1.

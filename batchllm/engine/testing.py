@@ -1,7 +1,8 @@
 """Engines that need no vLLM, shipped in the package so the tests and the bench share them.
 
 - `FakeEngine`: deterministic and scriptable, for tests of the runner: a word tokenizer, a
-  fixed number of steps per request, an echo of the prompt, a hook between steps.
+  fixed number of steps per request, an echo of the prompt, a hook between steps, and a
+  prefix cache (a request's cached tokens: the longest prefix it shares with an earlier one).
 - `InstantEngine`: the bench's (bench/overhead.py): the model's real tokenizer and chat
   template and VllmEngine's own sampling settings, but generation answers at once, so a job
   costs only batchllm's own work.
@@ -77,6 +78,7 @@ class FakeEngine:
         self.waiting: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         self.running: dict[str, list[Any]] = {}
         self.prompts_added: list[str] = []
+        self.seen_prompts: list[list[int]] = []  # the prefix cache: every prompt added
         self.aborted: list[str] = []
         self.step_count = 0
 
@@ -90,7 +92,9 @@ class FakeEngine:
         self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
     ) -> None:
         self.prompts_added.append(self.tokenizer.decode(token_ids))
-        self.waiting[request_id] = [token_ids, params, self.steps]
+        cached = max((_shared_prefix(token_ids, seen) for seen in self.seen_prompts), default=0)
+        self.seen_prompts.append(list(token_ids))
+        self.waiting[request_id] = [token_ids, params, self.steps, cached]
 
     def step(self) -> list[Finished]:
         self.step_count += 1
@@ -102,7 +106,7 @@ class FakeEngine:
         for request_id, state in list(self.running.items()):
             state[2] -= 1
             if state[2] == 0:
-                ids, params, _ = self.running.pop(request_id)
+                ids, params, _, cached = self.running.pop(request_id)
                 echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
                 done.append(
                     Finished(
@@ -111,6 +115,7 @@ class FakeEngine:
                         finish_reason="length",
                         prompt_tokens=len(ids),
                         completion_tokens=params["max_tokens"],
+                        cached_tokens=cached,
                     )
                 )
         return done
@@ -126,6 +131,16 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    shared = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return shared
 
 
 class FakeEngines:

@@ -11,12 +11,11 @@ import contextlib
 import inspect
 import logging
 import os
-import platform
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from batchllm.engine.hardware import cpu_has_native_bf16, visible_gpus
+from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
@@ -184,11 +183,7 @@ class VllmEngine:
         if warning:
             log.warning("%s", warning)
         preflight(options, is_cpu=self.is_cpu, device=current_platform.device_name)
-        self.hardware = (
-            f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-            if self.is_cpu
-            else current_platform.get_device_name()
-        )
+        self.hardware = cpu_label() if self.is_cpu else current_platform.get_device_name()
         kwargs: dict[str, Any] = {
             "model": model,
             "dtype": resolve_dtype(options.dtype, is_cpu=self.is_cpu),
@@ -431,6 +426,7 @@ class VllmEngine:
                     finish_reason=first["finish_reason"],
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=first["completion_tokens"],
+                    cached_tokens=out.num_cached_tokens or 0,
                     logprobs=first["logprobs"],
                     choices=samples if len(samples) > 1 else None,
                 )

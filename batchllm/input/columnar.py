@@ -100,7 +100,7 @@ _MESSAGES_NAMES = (("messages",), ("body", "messages"))
 
 
 @functools.cache
-def _not_space() -> str:
+def not_space() -> str:
     """A regex for one character Python's str.strip() keeps: a prompt without one is blank
     (validate.parse_line). Built on first use: the scan of every code point costs ~70 ms, too
     much for the import of every CLI command."""
@@ -356,7 +356,7 @@ def _unsure_rows(columns: _Columns, lines: list[Line]) -> np.ndarray:
     for name in (("prompt",), ("body", "prompt"), ("input",), ("body", "input")):
         column = columns.columns.get(name)
         if column is not None:
-            columns.mark(pc.invert(pc.match_substring_regex(column, _not_space())))
+            columns.mark(pc.invert(pc.match_substring_regex(column, not_space())))
     for name in _MESSAGES_NAMES:
         column = columns.columns.get(name)
         if column is None:
@@ -472,7 +472,7 @@ class _Texts:
 _PLAIN_JSON = r"^[ !#-\[\]-~]*$"
 
 
-def _json_strings(values: pa.Array) -> pa.Array:
+def json_strings(values: pa.Array) -> pa.Array:
     """Each string as json.dumps encodes it (ASCII, quoted); the rare ones needing escapes
     through json's own encoder."""
     plain = pc.match_substring_regex(values, _PLAIN_JSON).fill_null(True)
@@ -493,9 +493,9 @@ def _messages_json(column: pa.Array) -> pa.Array:
     items = pc.list_flatten(column)
     item_json = pc.binary_join_element_wise(
         '{"role": ',
-        _json_strings(items.field("role")),
+        json_strings(items.field("role")),
         ', "content": ',
-        _json_strings(items.field("content")),
+        json_strings(items.field("content")),
         "}",
         "",
     )

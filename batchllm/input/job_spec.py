@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.errors import InputError
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults, TableColumns
 from batchllm.input.structured import constraint_of
 
 SAMPLING_FIELDS = frozenset(SamplingDefaults.model_fields)
@@ -25,13 +26,21 @@ def build_job_spec(
     lora: Mapping[str, str] | None = None,
     chat_template: str | None = None,
     metadata: Mapping[str, str] | None = None,
+    prompt_column: str | None = None,
+    messages_column: str | None = None,
+    id_column: str | None = None,
+    system: str | None = None,
+    priority: str = "normal",
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
     logprobs, structured, task, max_model_len, dtype, ...); unknown names are refused.
 
     A task given as None, or not at all, is read off `requests` (an embeddings file makes an
-    embed job) or, with no requests to read, is `generate`."""
+    embed job) or, with no requests to read, is `generate`.
+
+    `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
+    or CSV file read by these columns (input/table.py), checked here before any job exists."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -40,11 +49,17 @@ def build_job_spec(
     if constraint is not None:
         sampling["structured"] = constraint
     engine = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
+    table = _table_columns(requests, prompt_column, messages_column, id_column, system)
     if engine.get("task") is None:
         # Lazily: `batchllm --help` and `import batchllm` stay instant.
         from batchllm.input.validate import infer_task
 
-        engine["task"] = infer_task(requests) if requests is not None else "generate"
+        lines = requests if table is None else None
+        engine["task"] = infer_task(lines) if lines is not None else "generate"
+    if table is not None and requests is not None:
+        from batchllm.input.table import table_schema
+
+        table_schema(requests, table, engine["task"])
     return JobSpec(
         model=model,
         sampling=SamplingDefaults(**sampling),
@@ -52,4 +67,40 @@ def build_job_spec(
         metadata=dict(metadata or {}),
         chat_template=chat_template,
         adapters=dict(lora or {}),
+        table=table,
+        priority=priority,  # type: ignore[arg-type]  # pydantic refuses other values
     )
+
+
+def _table_columns(
+    requests: str | Path | None,
+    prompt_column: str | None,
+    messages_column: str | None,
+    id_column: str | None,
+    system: str | None,
+) -> TableColumns | None:
+    """The table options, or None for a JSONL file; InputError when they do not fit the file."""
+    from batchllm.input.table import table_format
+
+    given = {"prompt_column": prompt_column, "messages_column": messages_column}
+    named = {k: v for k, v in given.items() if v is not None}
+    extra = {"id_column": id_column, "system": system}
+    fmt = table_format(requests) if requests is not None else None
+    if not named:
+        if fmt is not None:
+            raise InputError(
+                f"{requests}: a {fmt} file needs prompt_column (--prompt-column) or "
+                "messages_column (--messages-column) to say where its requests are"
+            )
+        if any(value is not None for value in extra.values()):
+            used = ", ".join(k for k, v in extra.items() if v is not None)
+            raise InputError(f"{used}: for a Parquet or CSV input, with prompt_column")
+        return None
+    if len(named) > 1:
+        raise InputError("give one of prompt_column and messages_column, not both")
+    if requests is not None and fmt is None:
+        raise InputError(
+            f"{requests}: {', '.join(named)} reads a Parquet (.parquet) or CSV (.csv) file; "
+            "this one is read as JSONL"
+        )
+    return TableColumns(**named, **{k: v for k, v in extra.items() if v is not None})

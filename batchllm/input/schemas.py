@@ -211,6 +211,39 @@ class EngineOptions(BaseModel):
         return model + "|" + self.model_dump_json(exclude={"group_prefixes"})
 
 
+class TableColumns(BaseModel):
+    """How the rows of a Parquet or CSV input become requests (docs/input.md, table input)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_column: NonEmptyStr | None = Field(
+        default=None, description="The column holding each row's prompt text."
+    )
+    messages_column: NonEmptyStr | None = Field(
+        default=None,
+        description="The column holding each row's chat messages: a list of {role, content} "
+        "structs, or their JSON text.",
+    )
+    id_column: NonEmptyStr | None = Field(
+        default=None,
+        description="The column whose value becomes the row's custom_id (default: the row "
+        "number, from 1).",
+    )
+    system: str | None = Field(
+        default=None, description="A system message put before every row's prompt or messages."
+    )
+
+    @model_validator(mode="after")
+    def _one_text_column(self) -> TableColumns:
+        if (self.prompt_column is None) == (self.messages_column is None):
+            raise ValueError("give one of prompt_column and messages_column")
+        return self
+
+
+Priority = Literal["high", "normal", "low"]
+PRIORITIES: tuple[Priority, ...] = ("high", "normal", "low")
+
+
 class JobSpec(BaseModel):
     """Everything a job needs besides its input rows."""
 
@@ -225,6 +258,14 @@ class JobSpec(BaseModel):
         default_factory=dict,
         description="LoRA adapters lines may pick by name: name -> path (once the job is "
         "created, the copy in the job's storage).",
+    )
+    table: TableColumns | None = Field(
+        default=None,
+        description="For a Parquet or CSV input: the columns its rows are read from.",
+    )
+    priority: Priority = Field(
+        default="normal",
+        description="Which queued shards a worker takes first (worker/fair_share.py).",
     )
 
     @model_validator(mode="after")

@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 from batchllm.errors import InputError, StorageError
 from batchllm.heap import frozen_heap
 from batchllm.input.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
-from batchllm.input.schemas import LineError
+from batchllm.input.schemas import LineError, TableColumns
+from batchllm.input.table import read_table_chunks
 from batchllm.input.token_store import iter_token_batches, token_lists
 from batchllm.input.validate import read_row_chunks
 from batchllm.storage import Storage, filesystem_for, is_uri
@@ -150,13 +151,13 @@ def readable_input(source: str | Path) -> str | Path:
         except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
             raise InputError(f"{uri}: cannot read: {exc}") from exc
         if kind == pafs.FileType.Directory:
-            raise InputError(f"{uri}: is a directory, not a JSONL file")
+            raise InputError(f"{uri}: is a directory, not an input file")
         if kind != pafs.FileType.File:
             raise InputError(f"{uri}: no such file")
         return uri
     source = Path(source)
     if source.is_dir():
-        raise InputError(f"{source}: is a directory, not a JSONL file")
+        raise InputError(f"{source}: is a directory, not an input file")
     if not source.is_file():
         raise InputError(f"{source}: no such file")
     return source
@@ -165,6 +166,20 @@ def readable_input(source: str | Path) -> str | Path:
 def input_name(source: str | Path) -> str:
     """How a job records its input file: the absolute path, or the URI as given."""
     return str(source) if is_uri(source) else str(Path(source).resolve())
+
+
+def validated_chunks(
+    source: str | Path,
+    *,
+    table: TableColumns | None = None,
+    adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
+) -> Iterator[tuple[pa.Table, list[LineError]]]:
+    """The input's rows as stored (INPUT_SCHEMA) with the errors of those that cannot run, a
+    chunk at a time: a JSONL file's lines, or with `table` a Parquet or CSV file's rows."""
+    if table is not None:
+        return read_table_chunks(source, table, adapters=adapters, task=task)
+    return read_row_chunks(source, adapters=adapters, task=task)
 
 
 def store_input(
@@ -176,10 +191,11 @@ def store_input(
     strict: bool = False,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
+    table: TableColumns | None = None,
     on_shard: Callable[[str], None] | None = None,
 ) -> StoredInput:
-    """Validate `source` (a local path or a URI, streamed) line by line and store it as
-    Parquet shards of `shard_size` rows.
+    """Validate `source` (a local path or a URI, streamed) line by line, or with `table` a
+    Parquet or CSV file row by row, and store it as Parquet shards of `shard_size` rows.
 
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
     InputError lists the problems. Raises InputError when the file cannot be read or holds
@@ -191,7 +207,8 @@ def store_input(
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
         with frozen_heap():  # a million rows pass through: keep the heap out of the GC's scans
-            for rows, problems in read_row_chunks(source, adapters=adapters, task=task):
+            chunks = validated_chunks(source, table=table, adapters=adapters, task=task)
+            for rows, problems in chunks:
                 result.total += len(rows)
                 result.invalid += len(problems)
                 result.problems += problems[: _PREVIEW - len(result.problems)]

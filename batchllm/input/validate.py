@@ -58,7 +58,7 @@ _UNKNOWN_FORM = (
 )
 
 
-class _LineProblem(Exception):
+class LineProblem(Exception):
     def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
         self.field = field
@@ -76,7 +76,7 @@ class _LineProblem(Exception):
 _Checked = tuple[int, str | None, Any]
 
 
-def _from_validation(exc: ValidationError, prefix: str = "") -> _LineProblem:
+def _from_validation(exc: ValidationError, prefix: str = "") -> LineProblem:
     errors = exc.errors(include_url=False)
     first = errors[0]
     field = (
@@ -86,7 +86,7 @@ def _from_validation(exc: ValidationError, prefix: str = "") -> _LineProblem:
         (prefix + ".".join(str(p) for p in e["loc"]) + ": " if e["loc"] else "") + e["msg"]
         for e in errors
     )
-    return _LineProblem(field or None, message)
+    return LineProblem(field or None, message)
 
 
 def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
@@ -108,18 +108,18 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
             sampling[name] = value
     max_n = get_settings().max_n
     if sampling.get("n", 1) > max_n:
-        raise _LineProblem(
+        raise LineProblem(
             prefix + "n", f"n is {sampling['n']}; at most {max_n} samples (BATCHLLM_MAX_N)"
         )
     if isinstance(parsed, ChatOptions):
         if parsed.top_logprobs is not None and not parsed.logprobs:
-            raise _LineProblem(prefix + "top_logprobs", "top_logprobs needs logprobs: true")
+            raise LineProblem(prefix + "top_logprobs", "top_logprobs needs logprobs: true")
         if parsed.logprobs:
             sampling["logprobs"] = parsed.top_logprobs or 0
         elif parsed.logprobs is False:
             sampling["logprobs"] = None  # switches the job's --logprobs off for this line
         if parsed.add_generation_prompt and parsed.continue_final_message:
-            raise _LineProblem(
+            raise LineProblem(
                 prefix + "continue_final_message",
                 "continue_final_message and add_generation_prompt cannot both be true",
             )
@@ -133,7 +133,7 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
         try:
             constraint = constraint_of(parsed.constraint_fields())
         except ConstraintError as exc:
-            raise _LineProblem(prefix + exc.field, exc.message) from None
+            raise LineProblem(prefix + exc.field, exc.message) from None
         if constraint is not None or parsed.response_format is not None:
             # response_format text: this line runs unconstrained, whatever the job's default
             sampling["structured"] = constraint
@@ -151,12 +151,12 @@ def _has_constraint(parsed: ConstraintFields) -> bool:
 
 
 def _pick_adapter(name: str | None, adapters: frozenset[str]) -> dict[str, str]:
-    """The line's adapter setting: {} for the base model; _LineProblem for an unknown name."""
+    """The line's adapter setting: {} for the base model; LineProblem for an unknown name."""
     if name is None:
         return {}
     if name not in adapters:
         known = ", ".join(sorted(adapters)) or "none (give them with --lora NAME=PATH)"
-        raise _LineProblem("adapter", f"unknown adapter {name!r}; this job's adapters: {known}")
+        raise LineProblem("adapter", f"unknown adapter {name!r}; this job's adapters: {known}")
     return {"adapter": name}
 
 
@@ -208,28 +208,28 @@ def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
     )
 
 
-def _wrong_task(obj: dict[str, Any], task: str) -> _LineProblem:
+def _wrong_task(obj: dict[str, Any], task: str) -> LineProblem:
     if task == "embed":
         form = "a chat" if "messages" in obj else "a completion"
         field = "url" if "url" in obj else ("messages" if "messages" in obj else "prompt")
-        return _LineProblem(field, f"{form} line in an embedding job (--task embed)")
+        return LineProblem(field, f"{form} line in an embedding job (--task embed)")
     field = "url" if "url" in obj else "input"
-    return _LineProblem(field, "an embedding line in a generation job (--task generate)")
+    return LineProblem(field, "an embedding line in a generation job (--task generate)")
 
 
 def parse_line(
     obj: Any, line: int, adapters: frozenset[str] = frozenset(), task: str = "generate"
 ) -> Request:
-    """Turn one decoded JSON value into a Request, or raise _LineProblem naming the field.
+    """Turn one decoded JSON value into a Request, or raise LineProblem naming the field.
     `adapters`: the names of the job's LoRA adapters, which lines may pick; `task`: the
     job's (a line of the other task is an error)."""
     if not isinstance(obj, dict):
-        raise _LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
+        raise LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
     if task == "embed":
         if is_embedding_line(obj):
             return _parse_embedding(obj, line)
         if not {"messages", "prompt", "url"} & obj.keys():
-            raise _LineProblem(None, 'expected an embedding line: {"input": text or list}')
+            raise LineProblem(None, 'expected an embedding line: {"input": text or list}')
         raise _wrong_task(obj, task)
     if is_embedding_line(obj):
         raise _wrong_task(obj, task)
@@ -269,7 +269,7 @@ def parse_line(
     if "prompt" in obj:
         plain = _validate(PromptLine, obj)
         if not plain.prompt.strip():
-            raise _LineProblem("prompt", "prompt is blank")
+            raise LineProblem("prompt", "prompt is blank")
         return Request(
             line=line,
             custom_id=plain.custom_id or default_custom_id(line),
@@ -277,7 +277,7 @@ def parse_line(
             prompt=plain.prompt,
             sampling=_sampling_of(plain) | _pick_adapter(plain.adapter, adapters),
         )
-    raise _LineProblem(None, _UNKNOWN_FORM)
+    raise LineProblem(None, _UNKNOWN_FORM)
 
 
 def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str]:
@@ -286,19 +286,19 @@ def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str
     return {"adapter": model} if model is not None and model in adapters else {}
 
 
-def _decode(raw: bytes) -> tuple[Any, _LineProblem | None]:
+def _decode(raw: bytes) -> tuple[Any, LineProblem | None]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return None, _LineProblem(None, f"not valid UTF-8 (byte {exc.start})")
+        return None, LineProblem(None, f"not valid UTF-8 (byte {exc.start})")
     try:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
-        return None, _LineProblem(None, f"malformed JSON: {exc.msg} (column {exc.colno})")
+        return None, LineProblem(None, f"malformed JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
-        return None, _LineProblem(None, "malformed JSON: nested too deeply")
+        return None, LineProblem(None, "malformed JSON: nested too deeply")
     except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        return None, _LineProblem(None, f"malformed JSON: {exc}")
+        return None, LineProblem(None, f"malformed JSON: {exc}")
 
 
 def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str) -> _Checked:
@@ -306,7 +306,7 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str)
         return (
             line.number,
             None,
-            _LineProblem(
+            LineProblem(
                 None,
                 f"line is {line.size:,} bytes, over the limit of {max_line_bytes:,} "
                 "(BATCHLLM_MAX_LINE_BYTES)",
@@ -316,7 +316,7 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str)
     if problem is None:
         try:
             return line.number, given_id(obj), parse_line(obj, line.number, adapters, task)
-        except _LineProblem as exc:
+        except LineProblem as exc:
             problem = exc
     return line.number, given_id(obj), problem
 
@@ -362,12 +362,12 @@ def read_row_chunks(
 
     def one(line: Line) -> tuple[str | None, Any]:
         _, given, item = _check(line, limit, adapters, task)
-        return given, item if isinstance(item, _LineProblem) else request_payload(item)
+        return given, item if isinstance(item, LineProblem) else request_payload(item)
 
     def judge(obj: Any, number: int) -> Verdict | None:
         try:
             request = parse_line(obj, number, adapters, task)
-        except _LineProblem:
+        except LineProblem:
             return None
         if request.inputs is not None:
             return None  # a list of texts to embed: not a shape columnar.py reads
@@ -377,12 +377,12 @@ def read_row_chunks(
     ids = CustomIds()
     try:
         for chunk in _line_chunks(path, limit, ids):
-            yield _stored_block(columnar.check_block(chunk, one, judge), ids, _name(path))
+            yield stored_block(columnar.check_block(chunk, one, judge), ids, _name(path))
     finally:
         ids.close()
 
 
-def _stored_block(
+def stored_block(
     block: columnar.CheckedBlock, ids: CustomIds, name: str
 ) -> tuple[pa.Table, list[LineError]]:
     """A checked block's rows as stored (INPUT_SCHEMA), with final custom_ids (defaults for
@@ -436,8 +436,8 @@ def _name(path: str | Path) -> str:
     return str(path) if is_uri(path) else str(Path(path))
 
 
-def _duplicate(custom_id: str, first: int) -> _LineProblem:
-    return _LineProblem("custom_id", f"duplicate custom_id {custom_id!r} (first on line {first})")
+def _duplicate(custom_id: str, first: int) -> LineProblem:
+    return LineProblem("custom_id", f"duplicate custom_id {custom_id!r} (first on line {first})")
 
 
 def _line_chunks(path: str | Path, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
@@ -476,7 +476,7 @@ def _resolve_chunk(
     runnable = [
         (custom_id, number)
         for custom_id, (number, _, item) in zip(final, chunk, strict=True)
-        if not isinstance(item, _LineProblem)
+        if not isinstance(item, LineProblem)
     ]
     duplicates = {
         line: first
@@ -486,7 +486,7 @@ def _resolve_chunk(
         return [(number, custom_id, item) for custom_id, (number, _, item) in zip(final, chunk)]
     resolved: list[tuple[int, str, Any]] = []
     for custom_id, (number, _, item) in zip(final, chunk, strict=True):
-        if isinstance(item, _LineProblem):
+        if isinstance(item, LineProblem):
             problem = item
         elif number in duplicates:
             problem = _duplicate(custom_id, duplicates[number])

@@ -58,6 +58,7 @@ _ADD_TO_JOB = (
         request_failed=_JOBS.c.request_failed + bindparam("add_rows_failed"),
         prompt_tokens=_JOBS.c.prompt_tokens + bindparam("add_prompt_tokens"),
         completion_tokens=_JOBS.c.completion_tokens + bindparam("add_completion_tokens"),
+        cached_tokens=_JOBS.c.cached_tokens + bindparam("add_cached_tokens"),
         engine_seconds=_JOBS.c.engine_seconds + bindparam("add_engine_seconds"),
         structured_rows=_JOBS.c.structured_rows + bindparam("add_structured_rows"),
         structured_valid=_JOBS.c.structured_valid + bindparam("add_structured_valid"),
@@ -81,8 +82,12 @@ def record_checkpoint(
     attempt: int | None = None,
     structured_rows: int = 0,
     structured_valid: int = 0,
+    job_attempt: int = 1,
+    cached_tokens: int = 0,
 ) -> None:
     """Record one committed part file and add its counts, in the caller's transaction.
+    `job_attempt`: the job's run writing it (1, or a retry's: output/replace.py).
+    `cached_tokens` (the rows' prefix-cache hits) is added to the job only.
 
     With `attempt`, the write is fenced: it only lands while the shard is still running under
     that attempt. A worker that lost its shard (its lease ran out and another worker took the
@@ -115,6 +120,7 @@ def record_checkpoint(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "engine_seconds": engine_seconds,
+            "job_attempt": job_attempt,
         },
     )
     session.execute(
@@ -122,8 +128,34 @@ def record_checkpoint(
         {
             **counts,
             "job_id": job_id,
+            "add_cached_tokens": cached_tokens,
             "add_structured_rows": structured_rows,
             "add_structured_valid": structured_valid,
+        },
+    )
+
+
+def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_seq: int) -> None:
+    """Take the counts of rows a retry replaced off their shard and job (output/replace.py),
+    in the transaction that records the rows replacing them. Not their prefix-cache hits: no
+    row records them, so the job's cached_tokens counts every run's hits (a usage figure, like
+    the tokens OpenAI bills), not only those of the rows its output holds."""
+    counts = {
+        "add_rows_ok": -part.rows_ok,
+        "add_rows_failed": -part.rows_failed,
+        "add_prompt_tokens": -part.prompt_tokens,
+        "add_completion_tokens": -part.completion_tokens,
+        "add_engine_seconds": 0.0,  # the engine did spend that time
+    }
+    session.execute(_ADD_TO_ANY_SHARD, {**counts, "shard_id": shard_id, "next_seq": next_seq})
+    session.execute(
+        _ADD_TO_JOB,
+        {
+            **counts,
+            "job_id": job_id,
+            "add_cached_tokens": 0,
+            "add_structured_rows": -part.structured_rows,
+            "add_structured_valid": -part.structured_valid,
         },
     )
 
@@ -152,6 +184,7 @@ def commit_part(
     seq: int,
     attempt: int,
     engine_seconds: float,
+    job_attempt: int = 1,
 ) -> str:
     """Write one part file, then record its checkpoint; returns the file's path. A worker that
     lost its shard in between deletes its file and gets ShardLost: the rows belong to the
@@ -173,6 +206,8 @@ def commit_part(
                 structured_valid=part.structured_valid,
                 engine_seconds=engine_seconds,
                 attempt=attempt,
+                job_attempt=job_attempt,
+                cached_tokens=part.cached_tokens,
             )
     except ShardLost:
         storage.delete(path)

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
+from batchllm.output.row_errors import code_of
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus
 
@@ -57,13 +58,6 @@ _INVALID_CODES = (
     ("not valid UTF-8", "invalid_json"),
     ("Field required", "missing_required_parameter"),
     ("Extra inputs are not permitted", "unknown_parameter"),
-)
-# The same for a request that passed validation and failed when run (messages of
-# engine/prompts.py and worker/runner.py); anything else is the engine's fault: server_error.
-_FAILED_CODES = (
-    ("max_model_len", "context_length_exceeded"),
-    ("empty after tokenization", "invalid_prompt"),
-    ("rejected by vLLM", "request_rejected"),
 )
 
 
@@ -311,7 +305,9 @@ class _LineMaker:
             # Refused at validation: OpenAI answers such a request with HTTP 400.
             return self._line(row, self._response(row, 400, _invalid_body(message)), None)
         # Accepted but failed when run: OpenAI's shape for a request that got no response.
-        return self._line(row, None, {"code": _code(message, _FAILED_CODES), "message": message})
+        # The row's own code (schema version 3), or read from the wording of older rows.
+        code = code_of(row.get("error_code"), message)
+        return self._line(row, None, {"code": code, "message": message})
 
 
 def _epoch(moment: datetime) -> int:

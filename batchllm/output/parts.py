@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
 # Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
-# embeddings); a reader of version 1 keeps working, since no column of version 1 moved or
-# changed type.
-SCHEMA_VERSION = 2
+# embeddings), version 3 error_code (output/row_errors.py); a reader of an older version keeps
+# working, since no column moved or changed type.
+SCHEMA_VERSION = 3
 
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float32())])
 TOKEN_LOGPROBS = pa.list_(
@@ -72,12 +72,14 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("adapter", pa.string()),  # the LoRA adapter; null for the base model
         pa.field("embedding", pa.list_(pa.float32())),  # an embedding line's one input
         pa.field("embeddings", pa.list_(pa.list_(pa.float32()))),  # its list input
+        # version 3
+        pa.field("error_code", pa.string()),  # why an error row failed (output/row_errors.py)
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
 
 MANIFEST_NAME = "_manifest.json"
-_REPEATING = ["status", "finish_reason", "error", "adapter"]
+_REPEATING = ["status", "finish_reason", "error", "adapter", "error_code"]
 _WITH_STATISTICS = ["custom_id", "line", "status", "prompt_tokens", "completion_tokens"]
 SUCCESS_NAME = "_SUCCESS"
 
@@ -134,6 +136,7 @@ class OutputBuffer:
                 adapter,
                 None,
                 None,
+                None,
             )
         )
 
@@ -162,12 +165,19 @@ class OutputBuffer:
                 None,
                 embedding,
                 embeddings,
+                None,
             )
         )
 
     def failed(
-        self, custom_id: str, line: int, error: str, prompt_tokens: int | None = None
+        self,
+        custom_id: str,
+        line: int,
+        error: str,
+        code: str,
+        prompt_tokens: int | None = None,
     ) -> None:
+        """An error row; `code` is one of output/row_errors.py's."""
         self.rows.append(
             (
                 custom_id,
@@ -184,6 +194,7 @@ class OutputBuffer:
                 None,
                 None,
                 None,
+                code,
             )
         )
 
@@ -204,10 +215,14 @@ class Part:
     completion_tokens: int  # over every sample of a row
     structured_rows: int  # rows that ran under a structured output constraint
     structured_valid: int  # of those, the ones whose answer satisfies it
+    # Prompt tokens of these rows served from the engine's prefix cache. Not an output column
+    # (the schema stays as it is), so only the part knows it, from the runner.
+    cached_tokens: int = 0
 
 
-def part_of(rows: list[Values]) -> Part:
-    """The table and counts of these rows, computed a column at a time."""
+def part_of(rows: list[Values], cached_tokens: int = 0) -> Part:
+    """The table and counts of these rows, computed a column at a time; `cached_tokens`
+    (the rows' prefix-cache hits) as the runner counted them."""
     columns: dict[str, tuple[Any, ...]] = (
         dict(zip(OUTPUT_SCHEMA.names, zip(*rows, strict=True), strict=True))
         if rows
@@ -227,6 +242,7 @@ def part_of(rows: list[Values]) -> Part:
         completion_tokens=_completion_tokens(columns["choices"], columns["completion_tokens"]),
         structured_rows=len(structured) - structured.count(None),
         structured_valid=structured.count(True),
+        cached_tokens=cached_tokens,
     )
 
 

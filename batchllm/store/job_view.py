@@ -27,7 +27,8 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
-    """The job's state, counts, throughput and times (with `shards`, each shard's too)."""
+    """The job's state, counts, throughput and times (with `shards`, each shard's too and its
+    webhook's attempts: the job must be in a session then)."""
     data: dict[str, Any] = {
         "id": job.id,
         "status": job.status.value,
@@ -45,12 +46,15 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         else 0.0,
         "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
         "throughput_so_far": live_throughput(job),
+        "usage": usage(job),
         "max_model_len": job.max_model_len,
         "metadata": job.job_metadata,
+        "priority": (job.spec or {}).get("priority", "normal"),
         "created_at": _iso(job.created_at),
         "started_at": _iso(job.started_at),
         "finished_at": _iso(job.finished_at),
         "error": job.error,
+        "attempts": attempts_of(job),
     }
     if shards:
         data["shards"] = [
@@ -68,7 +72,64 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
             }
             for s in job.shards
         ]
+        if job.notify_url:
+            data["webhook"] = webhook_view(job)
     return data
+
+
+def usage(job: Job) -> dict[str, Any]:
+    """The job's tokens in OpenAI's Batch.usage shape (the Batch API object carries it too)."""
+    return {
+        "input_tokens": job.prompt_tokens,
+        # vLLM's prefix-cache hits (RequestOutput.num_cached_tokens) over every run of a row:
+        # a retried row's earlier hits stay counted, as billed usage would.
+        "input_tokens_details": {"cached_tokens": job.cached_tokens or 0},
+        "output_tokens": job.completion_tokens,
+        # The output of a reasoning model is counted as completion tokens, not split out.
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": job.prompt_tokens + job.completion_tokens,
+    }
+
+
+def webhook_view(job: Job) -> dict[str, Any]:
+    """Where the job's end is announced and every attempt so far (never the secret)."""
+    attempts = job.webhook_attempts
+    return {
+        "url": job.notify_url,
+        "delivered": any(a.delivered for a in attempts),
+        "attempts": [
+            {
+                "attempt": a.attempt,
+                "event": a.event,
+                "status_code": a.status_code,
+                "error": a.error,
+                "delivered": a.delivered,
+                "at": _iso(a.created_at),
+            }
+            for a in attempts
+        ],
+    }
+
+
+def attempts_of(job: Job) -> list[dict[str, Any]]:
+    """The job's runs: its first, then each `batchllm retry`, with how many lines each ran;
+    the current (last) one in the job's own state until it ends."""
+    if not job.attempts:
+        return [
+            {
+                "attempt": 1,
+                "lines": job.request_total,
+                "all_errors": False,
+                "status": job.status.value,
+                "started_at": _iso(job.started_at),
+                "finished_at": _iso(job.finished_at),
+                "wall_seconds": job.wall_seconds,
+            }
+        ]
+    runs = [dict(run) for run in job.attempts]
+    if runs[-1]["status"] is None or not job.status.is_final:
+        runs[-1]["status"] = job.status.value
+    return runs
 
 
 def live_throughput(job: Job) -> dict[str, float] | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Dialect,
@@ -82,6 +83,12 @@ class Job(Base):
     local_run: Mapped[bool] = mapped_column(Boolean, default=False)
     # The end of its completion window (Batch API): the reconciler ends it `expired` then.
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Where its end is announced (a signed POST, store/webhooks.py) and the secret that signs it.
+    notify_url: Mapped[str | None] = mapped_column(Text)
+    notify_secret: Mapped[str | None] = mapped_column(String(128))
+    # Its runs, oldest first, once it was retried (`batchllm retry`; null before): {"attempt",
+    # "lines", "all_errors", "status", "started_at", "finished_at", "wall_seconds"}.
+    attempts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
 
     request_total: Mapped[int] = mapped_column(Integer, default=0)
     request_completed: Mapped[int] = mapped_column(Integer, default=0)
@@ -97,6 +104,9 @@ class Job(Base):
     # Throughput. Counters add up from checkpoints; rates are computed when the job ends.
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Prompt tokens vLLM served from its prefix cache, over every run of a row: a retry does
+    # not take the replaced rows' hits off (no row records them), as a usage figure should.
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     # Rows that ran under a structured output constraint, and those whose text satisfied it.
     structured_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -111,6 +121,14 @@ class Job(Base):
     shards: Mapped[list[Shard]] = relationship(
         back_populates="job", order_by="Shard.index", cascade="all, delete-orphan"
     )
+    webhook_attempts: Mapped[list[WebhookAttempt]] = relationship(
+        order_by="WebhookAttempt.attempt", cascade="all, delete-orphan"
+    )
+
+    @property
+    def attempt(self) -> int:
+        """The number of its current (or last) run: 1, then one more per retry."""
+        return len(self.attempts) if self.attempts else 1
 
 
 class Shard(Base):
@@ -164,6 +182,8 @@ class Checkpoint(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     engine_seconds: Mapped[float] = mapped_column(Float)
+    # The job's run that committed it (1: the first; a retry's rows replace only older runs').
+    job_attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
@@ -177,6 +197,9 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # The key's batches announce their end here, signed with the key's webhook secret.
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))
 
 
 class StoredFile(Base):
@@ -212,3 +235,22 @@ class Batch(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     job: Mapped[Job] = relationship()
+
+
+class WebhookAttempt(Base):
+    """One POST of a job's end event to its webhook URL. The row is written before the POST
+    (the unique attempt number is the claim, so two reconcilers never send the same attempt)
+    and completed with its outcome after."""
+
+    __tablename__ = "webhook_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    event: Mapped[str] = mapped_column(String(32))
+    attempt: Mapped[int] = mapped_column(Integer)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    delivered: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -7,10 +7,10 @@ the one whose UPDATE changed the row acts (re-sends the task, ends the job), the
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.store import state_machine
@@ -20,6 +20,7 @@ from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 RUNNABLE_JOBS = state_machine.RUNNABLE
+FINAL_JOBS = [status for status in JobStatus if status.is_final]
 
 
 def end_stale_shards_of_cancelled_jobs(
@@ -96,6 +97,20 @@ def end_cancelling_jobs_without_shards(session: Session) -> list[str]:
         ):
             ended.append(job_id)
     return ended
+
+
+def jobs_ended_before(session: Session, cutoff: datetime, limit: int) -> list[str]:
+    """Up to `limit` ended jobs that ended before `cutoff` (those that never started count
+    from their creation), oldest first: the ones retention deletes."""
+    ended_at = func.coalesce(Job.finished_at, Job.created_at)
+    return list(
+        session.scalars(
+            select(Job.id)
+            .where(Job.status.in_(FINAL_JOBS), ended_at < cutoff)
+            .order_by(ended_at)
+            .limit(limit)
+        )
+    )
 
 
 def finalizing_jobs(session: Session) -> list[str]:

@@ -23,6 +23,7 @@ from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
+from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,13 @@ def create_job(
     local_run: bool = False,
     expires_at: datetime | None = None,
     on_shard: Callable[[str], None] | None = None,
+    notify: WebhookTarget | None = None,
 ) -> CreatedJob:
     """Validate and store the input, then record the job and its shards as `queued`.
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
-    so does a job storage that cannot be written (StorageError).
+    so does a job storage that cannot be written (StorageError). `notify`: where the job's end
+    is announced (store/webhooks.py).
     """
     settings = settings or get_settings()
     source = readable_input(source)
@@ -74,6 +77,8 @@ def create_job(
                 max_model_len=spec.engine.max_model_len,
                 local_run=local_run,
                 expires_at=expires_at,
+                notify_url=notify.url if notify else None,
+                notify_secret=notify.secret if notify else None,
             )
         )
     try:
@@ -85,6 +90,7 @@ def create_job(
             strict=strict,
             adapters=frozenset(spec.adapters),
             task=spec.engine.task,
+            table=spec.table,
             on_shard=on_shard,
         )
         storage.makedirs(storage.output_dir(job_id))
@@ -170,7 +176,12 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
 
 
 def record_refused_job(
-    source: str, spec: JobSpec, error: str, *, settings: Settings | None = None
+    source: str,
+    spec: JobSpec,
+    error: str,
+    *,
+    settings: Settings | None = None,
+    notify: WebhookTarget | None = None,
 ) -> str:
     """A job that fails before any row is stored (e.g. a Batch API file naming several
     models): recorded `failed` with the reason, so it can be looked up like any other."""
@@ -190,6 +201,8 @@ def record_refused_job(
                 output_dir=storage.display(storage.output_dir(job_id)),
                 error=error,
                 finished_at=utcnow(),
+                notify_url=notify.url if notify else None,
+                notify_secret=notify.secret if notify else None,
             )
         )
     return job_id
@@ -216,3 +229,38 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
 
 def job_status(session: Session, job_id: str) -> JobStatus | None:
     return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+@dataclass(frozen=True)
+class RecordedThroughput:
+    """What completed jobs of one model on one kind of hardware processed, in all."""
+
+    jobs: int
+    tokens: int  # prompt + completion
+    wall_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_seconds
+
+
+def recorded_throughput(
+    session: Session, model: str, hardware: str, *, last: int = 20
+) -> RecordedThroughput | None:
+    """The throughput of the `last` completed jobs of `model` whose hardware is `hardware`
+    (with any dtype the engine appended to it), or None when there is none to go by."""
+    rows = session.execute(
+        select(Job.prompt_tokens, Job.completion_tokens, Job.wall_seconds)
+        .where(
+            Job.model == model,
+            Job.status == JobStatus.COMPLETED,
+            Job.wall_seconds > 0,
+            (Job.hardware == hardware) | Job.hardware.startswith(hardware + ",", autoescape=True),
+        )
+        .order_by(Job.finished_at.desc())
+        .limit(last)
+    ).all()
+    tokens = sum(prompt + completion for prompt, completion, _ in rows)
+    if not rows or not tokens:
+        return None
+    return RecordedThroughput(len(rows), tokens, sum(wall or 0.0 for _, _, wall in rows))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -220,6 +221,89 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
     return JobStatus.FINALIZING if moved else None
 
 
+FINAL = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
+
+
+def reopen_for_retry(
+    session: Session, job_id: str, shard_ids: list[int], *, lines: int, all_errors: bool
+) -> Job | None:
+    """An ended job -> queued as its next attempt (`batchllm retry`), with these shards queued
+    again (the caller includes every shard that had not ended; the others stay counted done).
+    The run that ended is closed in the job's `attempts` history and the new one opened.
+    None when the job is not ended (still running, or another retry reopened it first: the
+    update is fenced on the state and end time read)."""
+    job = session.get(Job, job_id)
+    if job is None or job.status not in FINAL:
+        return None
+    now = utcnow()
+    history = _closed_history(job)
+    attempt = len(history) + 1
+    history.append(
+        {
+            "attempt": attempt,
+            "lines": lines,
+            "all_errors": all_errors,
+            "status": None,
+            "started_at": now.isoformat(),
+            "finished_at": None,
+            "wall_seconds": None,
+        }
+    )
+    reopened = changed(
+        session,
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == job.status,
+            Job.finished_at.is_(None)
+            if job.finished_at is None
+            else Job.finished_at == job.finished_at,
+        )
+        .values(
+            status=JobStatus.QUEUED,
+            attempts=history,
+            finished_at=None,
+            error=None,
+            # A retried batch gets no new completion window: the one that passed is dropped.
+            expires_at=None,
+            shards_done=Job.shards_total - len(shard_ids),
+            wall_seconds=sum(run["wall_seconds"] or 0.0 for run in history[:-1]),
+        )
+        .execution_options(synchronize_session=False),
+    )
+    if not reopened:
+        return None
+    # Any state: no worker runs a shard of an ended job (one still holding its claim, e.g. of a
+    # `run` killed mid-write, is fenced out of its commits by the state it no longer sees).
+    session.execute(
+        update(Shard)
+        .where(Shard.id.in_(shard_ids))
+        .values(status=ShardStatus.QUEUED, finished_at=None, error=None, dispatched_at=None)
+        .execution_options(synchronize_session=False)
+    )
+    session.expire(job)
+    return job
+
+
+def _closed_history(job: Job) -> list[dict[str, Any]]:
+    """The job's runs so far, the last one closed with how and when it ended."""
+    first_run: dict[str, Any] = {
+        "attempt": 1,
+        "lines": job.request_total,
+        "all_errors": False,
+        "started_at": (job.started_at or job.created_at).isoformat(),
+    }
+    history = [dict(run) for run in job.attempts] if job.attempts else [first_run]
+    last = history[-1]
+    started = datetime.fromisoformat(last["started_at"])
+    if last.get("finished_at") is None:
+        finished = job.finished_at or utcnow()
+        last["status"] = job.status.value
+        last["finished_at"] = finished.isoformat()
+        last["wall_seconds"] = max((finished - started).total_seconds(), 0.0)
+    return history
+
+
 def complete_job(
     session: Session, job_id: str, *, hardware: str | None, vllm_version: str | None
 ) -> Job | None:
@@ -229,8 +313,17 @@ def complete_job(
     if job is None or job.status is not JobStatus.FINALIZING:
         return None
     finished = utcnow()
-    started = job.started_at or job.created_at
-    wall = max((finished - started).total_seconds(), 1e-9)
+    if job.attempts:  # retried: the time of its runs, not of the idle hours between them
+        history = [dict(run) for run in job.attempts]
+        run = history[-1]
+        run_wall = max((finished - datetime.fromisoformat(run["started_at"])).total_seconds(), 0.0)
+        run.update(status=JobStatus.COMPLETED.value, finished_at=finished.isoformat())
+        run["wall_seconds"] = run_wall
+        job.attempts = history
+        wall = max(sum(r["wall_seconds"] or 0.0 for r in history), 1e-9)
+    else:
+        started = job.started_at or job.created_at
+        wall = max((finished - started).total_seconds(), 1e-9)
     requests = job.request_completed + job.request_failed
     job.status = JobStatus.COMPLETED
     job.finished_at = finished

@@ -16,6 +16,7 @@ from batchllm.settings import Settings, get_settings
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, Shard
+from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_job
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ def submit_job(
     expires_at: datetime | None = None,
     before_dispatch: Callable[[str], None] | None = None,
     on_stored: Callable[[StoredInput], None] | None = None,
+    notify: WebhookTarget | None = None,
 ) -> Job:
     """Create the job and its shards, then enqueue one task per shard on the model's queue.
 
@@ -38,7 +40,8 @@ def submit_job(
     there yet. If the broker cannot be reached, the job is marked failed and the error says so.
     `expires_at` ends the job `expired` when it passes; `before_dispatch(job_id)` runs between
     the commit and the first task (the Batch API records its batch there); `on_stored(stored)`
-    once the input is stored (its counts: lines, invalid lines, shards).
+    once the input is stored (its counts: lines, invalid lines, shards); `notify`: where the
+    job's end is announced.
     """
     settings = settings or get_settings()
     created = service.create_job(
@@ -48,6 +51,7 @@ def submit_job(
         strict=strict,
         settings=settings,
         expires_at=expires_at,
+        notify=notify,
     )
     job_id = created.job.id
     if on_stored is not None:
@@ -58,6 +62,12 @@ def submit_job(
         shard_ids = list(
             session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))
         )
+    return dispatch_shards(job_id, spec, shard_ids, settings=settings)
+
+
+def dispatch_shards(job_id: str, spec: JobSpec, shard_ids: list[int], *, settings: Settings) -> Job:
+    """Send one task per shard (committed `queued` before) to the queue of the job's engine
+    kind; the job ends failed, saying so, when the broker cannot be reached."""
     app = create_app(settings)
     queue = queue_for_job(spec)
     try:

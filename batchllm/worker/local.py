@@ -19,11 +19,16 @@ from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
+from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.engines import EngineCache, resolve_max_model_len
 from batchllm.worker.runner import ProgressFn, ShardRunner
 from batchllm.worker.sizing_pass import BackgroundSizer
+from batchllm.worker.webhooks import deliver_soon
 
 log = logging.getLogger(__name__)
+
+# How long `run` keeps retrying its job's webhook before leaving it to a reconciler.
+_NOTIFY_WITHIN_SECONDS = 30.0
 
 
 def run_job(
@@ -35,13 +40,44 @@ def run_job(
     on_created: Callable[[Job], None] | None = None,
     on_progress: ProgressFn | None = None,
     engines: EngineSource | None = None,
+    notify: WebhookTarget | None = None,
 ) -> Job:
     """Validate, store and run a job to its end here; returns the final Job row.
 
-    `engines` lets a caller (tests, bench) reuse one warm engine across jobs.
+    `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
+    job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
     settings = settings or get_settings()
-    storage = Storage.of(settings)
+    fail_abandoned_runs(settings)
+    own_engines = engines is None
+    engines = engines or EngineCache()
+    try:
+        job_id, engine_error = _create(
+            source,
+            spec,
+            strict=strict,
+            settings=settings,
+            engines=engines,
+            on_created=on_created,
+            notify=notify,
+        )
+    except BaseException:
+        if own_engines:
+            engines.close()
+        raise
+    return run_shards_here(
+        job_id,
+        spec,
+        settings=settings,
+        engines=engines,
+        own_engines=own_engines,
+        on_progress=on_progress,
+        engine_error=engine_error,
+    )
+
+
+def fail_abandoned_runs(settings: Settings) -> None:
+    """End `failed` the jobs of `batchllm run` processes that were killed mid-run."""
     with session_scope(settings) as session:
         for abandoned in recovery.fail_abandoned_local_runs(session, settings.lease_seconds):
             log.warning(
@@ -49,16 +85,23 @@ def run_job(
                 "(its committed rows are kept)",
                 abandoned,
             )
-    own_engines = engines is None
-    engines = engines or EngineCache()
-    try:
-        job_id, engine_error = _create(
-            source, spec, strict=strict, settings=settings, engines=engines, on_created=on_created
-        )
-    except BaseException:
-        if own_engines:
-            engines.close()
-        raise
+
+
+def run_shards_here(
+    job_id: str,
+    spec: JobSpec,
+    *,
+    settings: Settings,
+    engines: EngineSource,
+    own_engines: bool,
+    on_progress: ProgressFn | None = None,
+    shard_ids: list[int] | None = None,
+    engine_error: BaseException | None = None,
+) -> Job:
+    """Run a created job's shards (all, or `shard_ids`: a retry's) to their end in this
+    process; returns the final Job row. Any failure, a Ctrl-C too, ends the job failed with
+    the rows finished before kept. `own_engines`: close `engines` afterwards."""
+    storage = Storage.of(settings)
     interrupted = threading.Event()
     try:
         if engine_error is not None:
@@ -72,8 +115,9 @@ def run_job(
             on_progress=on_progress,
             should_stop=interrupted.is_set,
         )
-        with session_scope(settings) as session:
-            shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
+        if shard_ids is None:
+            with session_scope(settings) as session:
+                shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
             runner.run(shard_ids)
         if interrupted.is_set():
@@ -102,8 +146,17 @@ def run_job(
     finally:
         if own_engines:
             engines.close()
+        _announce_end(job_id, settings)
     with session_scope(settings) as session:
         return get_one(session, Job, job_id)
+
+
+def _announce_end(job_id: str, settings: Settings) -> None:
+    """A job with a webhook (`--notify`; a retry's run too) POSTs its end from here first."""
+    with session_scope(settings) as session:
+        has_webhook = get_one(session, Job, job_id).notify_url is not None
+    if has_webhook:
+        deliver_soon(job_id, settings, within_seconds=_NOTIFY_WITHIN_SECONDS)
 
 
 def _create(
@@ -114,6 +167,7 @@ def _create(
     settings: Settings,
     engines: EngineSource,
     on_created: Callable[[Job], None] | None,
+    notify: WebhookTarget | None = None,
 ) -> tuple[str, BaseException | None]:
     """Create the job; when the context length is given, start the engine meanwhile.
     Returns the job id and the error of the engine start or of the sizing pass, if one failed
@@ -135,6 +189,7 @@ def _create(
             settings=settings,
             local_run=True,
             on_shard=on_shard,
+            notify=notify,
         )
         if on_created:
             on_created(created.job)

@@ -6,7 +6,9 @@ Every worker runs it in a thread (and `batchllm reconcile` runs it by hand). One
 - a queued shard whose task the broker no longer holds (Redis restarted without persistence,
   a task acknowledged after a database error) gets its task sent again;
 - a cancelling job whose remaining shards have no live worker ends `cancelled`;
-- a job left `finalizing` (its last worker died while writing the manifest) is finalized.
+- a job left `finalizing` (its last worker died while writing the manifest) is finalized;
+- an ended job's webhook event still owed (never sent, or failed and due again) is sent.
+- with BATCHLLM_RETAIN_DAYS set, ended jobs older than that are deleted (rows and files).
 Each move is a conditional UPDATE, so reconcilers on many workers never do it twice; a task sent
 twice is harmless (the second delivery finds the shard running or done and steps aside).
 """
@@ -17,15 +19,20 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+from batchllm.errors import JobNotFound
 from batchllm.output import commit
+from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import leases, recovery
 from batchllm.store.db import session_scope
+from batchllm.store.models import utcnow
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_stored_spec
 from batchllm.worker.finalize import finalize_job
+from batchllm.worker.webhooks import deliver_due
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,8 @@ class Pass:
     cancelled_jobs: list[str] = field(default_factory=list)
     finalized_jobs: list[str] = field(default_factory=list)
     expired_jobs: list[str] = field(default_factory=list)
+    notified_jobs: list[str] = field(default_factory=list)
+    deleted_jobs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -49,6 +58,8 @@ class Pass:
             or self.cancelled_jobs
             or self.finalized_jobs
             or self.expired_jobs
+            or self.notified_jobs
+            or self.deleted_jobs
         )
 
 
@@ -95,7 +106,40 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         ):
             log.warning("job %s was left finalizing: finalized it", job_id)
             done.finalized_jobs.append(job_id)
+    done.notified_jobs = deliver_due(settings)
+
+    done.deleted_jobs = _delete_retired_jobs(settings)
     return done
+
+
+# Jobs deleted per pass at most: a first pass over a long history must not hold the
+# reconciler (and the other moves) for long; the next passes take the rest.
+_DELETIONS_PER_PASS = 100
+
+
+def _delete_retired_jobs(settings: Settings) -> list[str]:
+    if settings.retain_days is None:
+        return []
+    cutoff = utcnow() - timedelta(days=settings.retain_days)
+    with session_scope(settings) as session:
+        retired = recovery.jobs_ended_before(session, cutoff, _DELETIONS_PER_PASS)
+    deleted = []
+    for job_id in retired:
+        try:
+            gone = delete_job(settings, job_id)
+        except JobNotFound:  # another worker's reconciler deleted it first
+            continue
+        except OSError as exc:  # the storage refused: the job stays, the next pass retries
+            log.warning("job %s: retention could not delete its files (%s)", job_id, exc)
+            continue
+        log.warning(
+            "job %s (%s) deleted: it ended more than BATCHLLM_RETAIN_DAYS=%g days ago",
+            gone.id,
+            gone.status,
+            settings.retain_days,
+        )
+        deleted.append(gone.id)
+    return deleted
 
 
 def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:

@@ -26,6 +26,7 @@ from batchllm.input.rows import InputRow
 from batchllm.input.structured import field_of, satisfies
 from batchllm.output import commit
 from batchllm.output.parts import OutputBuffer, Part
+from batchllm.output.row_errors import ENGINE_ERROR, INVALID_REQUEST, REQUEST_REJECTED, code_of
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
@@ -191,7 +192,9 @@ class ShardRunner:
         if errors:
             for row in batch:
                 if row.kind == "invalid":
-                    state.buffer.failed(row.custom_id, row.line, row.error or "invalid line")
+                    state.buffer.failed(
+                        row.custom_id, row.line, row.error or "invalid line", INVALID_REQUEST
+                    )
         if runnable:
             prepared = self.engine.prepare(runnable, state.spec.chat_template)
             limit = state.spec.engine.max_model_len
@@ -229,7 +232,8 @@ class ShardRunner:
         try:
             for row, ids in zip(rows, prepared, strict=True):
                 if isinstance(ids, str):  # tokenization refused it (e.g. over the context)
-                    state.buffer.failed(row.custom_id, row.line, ids)
+                    # engine/prompts.py's own messages, classified where they are made
+                    state.buffer.failed(row.custom_id, row.line, ids, code_of(None, ids))
                     refused += 1
                     continue
                 sampling = cache.get((job, row.sampling)) or self._sampling(state, row)
@@ -263,6 +267,7 @@ class ShardRunner:
             row.custom_id,
             row.line,
             f"{where}rejected by vLLM: {exc}",
+            REQUEST_REJECTED,
             prompt_tokens=token_count(ids),
         )
 
@@ -337,8 +342,10 @@ class ShardRunner:
                     row.custom_id,
                     row.line,
                     f"vLLM ended the request with finish reason {out.finish_reason!r}",
+                    ENGINE_ERROR,
                     prompt_tokens=out.prompt_tokens,
                 )
+            state.cached_tokens += out.cached_tokens
             tokens += out.generated_tokens
         if finished:
             self.on_progress(len(finished), tokens)

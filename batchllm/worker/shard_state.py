@@ -12,7 +12,7 @@ from typing import Any
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows
-from batchllm.output import commit
+from batchllm.output import commit, replace
 from batchllm.output.parts import OutputBuffer, Part, part_of
 from batchllm.settings import Settings
 from batchllm.storage import Storage
@@ -33,7 +33,11 @@ class ShardState:
     attempt: int  # this run's claim; fences every write against a worker that took over
     next_seq: int
     done_lines: set[int]
+    job_attempt: int = 1  # the job's run (a retry's is 2, 3...)
+    # A retry's lines whose earlier row its new row replaces -> the part holding that row.
+    replacing: dict[int, str] = field(default_factory=dict)
     buffer: OutputBuffer = field(default_factory=OutputBuffer)
+    cached_tokens: int = 0  # the buffered rows' prefix-cache hits (no output column holds them)
     inflight: int = 0
     fed_all: bool = False
     last_commit: float = field(default_factory=time.monotonic)
@@ -64,20 +68,38 @@ class ShardState:
         committed, None when there was nothing to commit."""
         if not self.buffer:
             return None
-        part = part_of(self.buffer.take())
-        commit.commit_part(
-            storage,
-            settings,
-            part,
-            shard_id=self.shard_id,
-            shard=self.index,
-            job_id=self.job_id,
-            out_dir=self.out_dir,
-            seq=self.next_seq,
-            attempt=self.attempt,
-            engine_seconds=self.step_seconds,
-        )
-        self.next_seq += 1
+        part = part_of(self.buffer.take(), self.cached_tokens)
+        self.cached_tokens = 0
+        if self.replacing:
+            self.next_seq = replace.commit_replacing_part(
+                storage,
+                settings,
+                part,
+                self.replacing,
+                shard_id=self.shard_id,
+                shard=self.index,
+                job_id=self.job_id,
+                out_dir=self.out_dir,
+                seq=self.next_seq,
+                attempt=self.attempt,
+                job_attempt=self.job_attempt,
+                engine_seconds=self.step_seconds,
+            )
+        else:
+            commit.commit_part(
+                storage,
+                settings,
+                part,
+                shard_id=self.shard_id,
+                shard=self.index,
+                job_id=self.job_id,
+                out_dir=self.out_dir,
+                seq=self.next_seq,
+                attempt=self.attempt,
+                engine_seconds=self.step_seconds,
+                job_attempt=self.job_attempt,
+            )
+            self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()
         return part
@@ -92,8 +114,21 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         spec = JobSpec.model_validate(job.spec)
         index, job_id, input_path, next_seq = shard.index, job.id, shard.input_path, shard.next_seq
         attempt = shard.attempts
+        job_attempt = job.attempt
+        all_errors = bool(job.attempts and job.attempts[-1].get("all_errors"))
     out_dir = storage.output_dir(job_id)
     done = commit.resume_shard(storage, out_dir, index, committed)
+    replacing: dict[int, str] = {}
+    if job_attempt > 1:
+        replacing = replace.rows_to_replace(
+            storage,
+            committed,
+            before_attempt=job_attempt,
+            all_errors=all_errors,
+            input_path=input_path,
+        )
+        done.difference_update(replacing)
+        log.info("shard %d: retry %d runs %d rows again", index, job_attempt, len(replacing))
     if done:
         log.info("shard %d: resuming, %d rows already committed", index, len(done))
     return ShardState(
@@ -106,6 +141,8 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         attempt=attempt,
         next_seq=next_seq,
         done_lines=done,
+        job_attempt=job_attempt,
+        replacing=replacing,
     )
 
 

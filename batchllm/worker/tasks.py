@@ -22,6 +22,7 @@ from batchllm.worker import log_format, registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache, WorkerEngine
+from batchllm.worker.fair_share import take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
@@ -125,6 +126,12 @@ def run_shard(self, shard_id: int) -> str:
     node = self.request.hostname or "worker"
     settings = get_settings()
     try:
+        # Priorities and fair share: this task may be another queued shard's turn.
+        shard_id = take_turn(
+            shard_id,
+            settings=settings,
+            requeue=lambda own: self.app.send_task(self.name, args=(own,), queue=queue),
+        )
         # Held while the engine builds, before the claim: the reconciler leaves this task be.
         with holding(settings.broker_url, shard_id, node, settings.lease_seconds):
             outcome = process_shard(

@@ -10,11 +10,14 @@ import importlib.util
 import json
 import posixpath
 import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+from sqlalchemy import func, select
 
 from batchllm.demo.workload import write_workload
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
@@ -23,7 +26,8 @@ from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, ShardStatus
+from batchllm.store.job_view import job_view
+from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
 from tests.conftest import require
@@ -337,18 +341,30 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
         max_tokens=(1, 24),
         seed=3,
     )
+    # Two more sharing a ~330-token prefix: more than two of the CPU backend's 128-token KV
+    # blocks, so whichever runs second reads at least one from vLLM's prefix cache (on by
+    # default), scheduled in the same step as the first or after it.
+    shared = " ".join(["the river runs past the old stone mill"] * 18)
+    with source.open("a") as out:
+        for i in range(2):
+            line = {"custom_id": f"shared-{i}", "prompt": f"{shared} {i}", "max_tokens": 4}
+            out.write(json.dumps(line) + "\n")
     wanted = sum(json.loads(raw)["max_tokens"] for raw in source.read_text().splitlines())
 
     job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
 
     assert engines.engine is warm
     assert job.status is JobStatus.COMPLETED
-    assert (job.request_completed, job.request_failed, job.completion_tokens) == (40, 0, wanted)
+    assert (job.request_completed, job.request_failed, job.completion_tokens) == (42, 0, wanted)
+    assert job.cached_tokens >= 128  # a whole block of the shared prefix
+    assert job_view(job)["usage"]["input_tokens_details"] == {"cached_tokens": job.cached_tokens}
     storage = Storage(settings.resolved_storage)
     out_dir = storage.output_dir(job.id)
     table = ds.dataset(out_dir, format="parquet").to_table()
-    assert sorted(table.column("line").to_pylist()) == list(range(1, 41))
-    assert sorted(table.column("custom_id").to_pylist()) == sorted(f"req-{i}" for i in range(40))
+    assert sorted(table.column("line").to_pylist()) == list(range(1, 43))
+    assert sorted(table.column("custom_id").to_pylist()) == sorted(
+        [f"req-{i}" for i in range(40)] + ["shared-0", "shared-1"]
+    )
     parts = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards
@@ -360,7 +376,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
         assert [(s.rows, s.rows_ok, s.status) for s in shards] == [
             (15, 15, ShardStatus.COMPLETED),
             (15, 15, ShardStatus.COMPLETED),
-            (10, 10, ShardStatus.COMPLETED),
+            (12, 12, ShardStatus.COMPLETED),
         ]
 
 
@@ -420,3 +436,188 @@ def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, e
     copied = ds.dataset(str(copy), format="parquet").to_table()
     assert sorted(copied.column("line").to_pylist()) == list(range(1, 13))
     assert (copy / MANIFEST_NAME).is_file() and (copy / SUCCESS_NAME).is_file()
+
+
+def test_run_of_a_parquet_table_joins_back_on_its_id_then_dry_run_uses_its_throughput(
+    tiny_model, engines, tokenizer, settings, tmp_path
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchllm.client import Client
+    from batchllm.input.schemas import TableColumns
+
+    docs = pa.table(
+        {
+            "doc_id": [501, 502, 503, 504],
+            "text": ["the farmer found", None, "a river stone", "bright morning light"],
+        }
+    )
+    path = tmp_path / "docs.parquet"
+    pq.write_table(docs, path)
+    spec = make_spec(tiny_model).model_copy(
+        update={"table": TableColumns(prompt_column="text", id_column="doc_id")}
+    )
+
+    job = run_job(path, spec, settings=settings, engines=engines)
+
+    assert (job.status, job.request_total, job.request_completed, job.request_failed) == (
+        JobStatus.COMPLETED,
+        4,
+        3,
+        1,
+    )
+    output = ds.dataset(job.output_dir, format="parquet").to_table(
+        columns=["custom_id", "status", "prompt_tokens", "completion_tokens", "error"]
+    )
+    keyed = docs.append_column("custom_id", pa.compute.cast(docs.column("doc_id"), pa.string()))
+    joined = keyed.join(output, keys="custom_id").sort_by("doc_id").to_pylist()
+    assert [(r["doc_id"], r["status"]) for r in joined] == [
+        (501, "ok"),
+        (502, "error"),
+        (503, "ok"),
+        (504, "ok"),
+    ]
+    assert joined[1]["error"] == "field 'text': row 2: column 'text' is null"
+    for row in (joined[0], joined[2], joined[3]):
+        assert row["prompt_tokens"] == len(tokenizer.encode(row["text"]))
+        assert row["completion_tokens"] == DEFAULT_MAX_TOKENS  # ignore_eos
+
+    estimate = Client(settings).dry_run(
+        path, model=str(tiny_model), prompt_column="text", max_tokens=DEFAULT_MAX_TOKENS
+    )
+    assert estimate.prompt_tokens == sum(
+        r["prompt_tokens"] for r in output.to_pylist() if r["prompt_tokens"]
+    )
+    assert estimate.max_output_tokens == 3 * DEFAULT_MAX_TOKENS
+    assert estimate.history is not None and estimate.history.jobs == 1  # the run above
+    assert estimate.max_wall_seconds is not None and estimate.max_wall_seconds > 0
+
+
+def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
+    tiny_model, engines, settings, tmp_path
+):
+    from batchllm import Client
+    from batchllm.store import service
+    from batchllm.worker.runner import ShardRunner
+
+    settings.shard_size = 3
+    source = tmp_path / "in.jsonl"
+    lines = [
+        {"custom_id": "a", "prompt": "The farmer found a", "max_tokens": 8},
+        {"custom_id": "bad", "prompt": 7},  # invalid: never retried by default
+        {"custom_id": "long", "prompt": "word " * 700},  # over the context: neither
+        {"custom_id": "b", "prompt": "The cat sat on", "max_tokens": 8},
+        {"custom_id": "c", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+        {"custom_id": "d", "prompt": "One two three", "max_tokens": 8},
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    created = service.create_job(
+        source, make_spec(tiny_model), shard_size=3, settings=settings, local_run=True
+    )
+    job_id = created.job.id
+    with session_scope(settings) as session:
+        first, second = [s.id for s in session.get(Job, job_id).shards]
+    # The first shard runs, then the job is cancelled: the second shard never runs.
+    engine = engines.get(make_spec(tiny_model), MAX_MODEL_LEN)
+    ShardRunner(engine, worker="test-worker", settings=settings).run([first])
+    client = Client(settings)
+    cancelled = client.cancel(job_id)
+    assert (cancelled.status, cancelled.completed, cancelled.failed) == ("cancelled", 1, 2)
+
+    retried = client.retry(job_id, engines=engines)
+
+    rows = {r["custom_id"]: r for r in client.results(job_id).to_table().to_pylist()}
+    assert sorted(r["line"] for r in rows.values()) == [1, 2, 3, 4, 5, 6]  # one row per line
+    assert [rows[k]["status"] for k in ("a", "b", "c", "d")] == ["ok"] * 4
+    assert all(rows[k]["completion_tokens"] == 8 and rows[k]["text"] for k in "bcd")
+    assert (rows["bad"]["error_code"], rows["long"]["error_code"]) == (
+        "invalid_request",
+        "context_length_exceeded",
+    )
+    assert (retried.status, retried.completed, retried.failed) == ("completed", 4, 2)
+    assert retried.throughput["completion_tokens"] == 4 * 8
+    assert [(a["attempt"], a["lines"], a["status"]) for a in retried.attempts] == [
+        (1, 6, "cancelled"),
+        (2, 3, "completed"),
+    ]
+    with session_scope(settings) as session:
+        assert session.get(Job, job_id).shards[1].id == second
+        assert [s.status for s in session.get(Job, job_id).shards] == [ShardStatus.COMPLETED] * 2
+
+
+def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
+    tiny_model, engines, settings, tmp_path
+):
+    """`batchllm results --follow` in its own process beside a job on the warm engine: the
+    job pauses once a part is committed until the follower has printed a row, so rows are
+    seen before the end; after the end, exactly one JSON line per input line."""
+    settings.shard_size = 30
+    settings.commit_rows = 4
+    source = write_workload(
+        tmp_path / "follow.jsonl", requests=30, prompt_words=(4, 8), max_tokens=(2, 12), seed=9
+    )
+    created: list[str] = []
+    ready, follower_saw_a_row = threading.Event(), threading.Event()
+
+    def hold_until_seen(rows: int, tokens: int) -> None:
+        if follower_saw_a_row.is_set():
+            return
+        with session_scope(settings) as session:
+            committed = session.scalar(
+                select(func.count())
+                .select_from(Checkpoint)
+                .join(Shard)
+                .where(Shard.job_id == created[0])
+            )
+        if committed:
+            follower_saw_a_row.wait(120)
+
+    outcome: list[Job] = []
+
+    def run() -> None:
+        outcome.append(
+            run_job(
+                source,
+                make_spec(tiny_model, max_tokens=16),
+                settings=settings,
+                engines=engines,
+                on_created=lambda job: (created.append(job.id), ready.set()),
+                on_progress=hold_until_seen,
+            )
+        )
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    assert ready.wait(60)
+    errors_path = tmp_path / "follower.err"
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "batchllm", "results", created[0], "--follow"],
+        env=local_env(settings.home),
+        stdout=subprocess.PIPE,
+        stderr=errors_path.open("w"),
+        text=True,
+    )
+    try:
+        first = follower.stdout.readline()
+        with session_scope(settings) as session:
+            state_at_first_row = session.get(Job, created[0]).status
+        follower_saw_a_row.set()
+        # Read through the same buffered stream (communicate() would skip what readline
+        # already buffered); the follower ends once the job has.
+        rest = follower.stdout.read()
+        follower.wait(timeout=300)
+        errors = errors_path.read_text()
+    finally:
+        follower_saw_a_row.set()
+        if follower.poll() is None:
+            follower.kill()
+    runner.join(120)
+
+    assert state_at_first_row is JobStatus.IN_PROGRESS
+    assert follower.returncode == 0, errors[-2000:]
+    assert outcome and outcome[0].status is JobStatus.COMPLETED
+    rows = [json.loads(line) for line in [first, *rest.splitlines()]]
+    assert sorted(row["line"] for row in rows) == list(range(1, 31))
+    assert sorted(row["custom_id"] for row in rows) == sorted(f"req-{i}" for i in range(30))
+    assert all(row["status"] == "ok" and row["completion_tokens"] for row in rows)

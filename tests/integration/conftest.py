@@ -130,9 +130,9 @@ class FleetEnv:
         """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
         return submit(self.settings, source, model, shard_size=shard_size, max_tokens=max_tokens)
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`batchllm ARGS` as a user on this fleet runs it."""
-        return run_cli(self.env, *args)
+        return run_cli(self.env, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="session")
@@ -205,6 +205,7 @@ def start_workers(
     model: Path,
     log_dir: Path,
     engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+    ready_timeout: float = 240,
 ) -> list[Worker]:
     """Start the workers and wait until each consumes its queue. On two cores, each worker's
     engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
@@ -222,7 +223,7 @@ def start_workers(
                 )
             )
         for worker in workers:
-            worker.wait_ready()
+            worker.wait_ready(ready_timeout)
     except BaseException:
         stop_workers(workers)
         raise

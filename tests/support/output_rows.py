@@ -29,6 +29,7 @@ class OutputRow:
     adapter: str | None = None
     embedding: list[float] | None = None
     embeddings: list[list[float]] | None = None
+    error_code: str | None = None  # batchllm/output/row_errors.py
 
     @property
     def generated_tokens(self) -> int:
@@ -37,10 +38,20 @@ class OutputRow:
 
     @classmethod
     def failed(
-        cls, custom_id: str, line: int, error: str, prompt_tokens: int | None = None
+        cls,
+        custom_id: str,
+        line: int,
+        error: str,
+        prompt_tokens: int | None = None,
+        code: str | None = None,
     ) -> OutputRow:
         return cls(
-            custom_id=custom_id, line=line, status="error", error=error, prompt_tokens=prompt_tokens
+            custom_id=custom_id,
+            line=line,
+            status="error",
+            error=error,
+            prompt_tokens=prompt_tokens,
+            error_code=code,
         )
 
     def values(self) -> Values:
@@ -59,6 +70,7 @@ class OutputRow:
             self.adapter,
             self.embedding,
             self.embeddings,
+            self.error_code,
         )
 
 

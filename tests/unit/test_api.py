@@ -147,6 +147,8 @@ ROUTES = [
     ("get", "/v1/batches"),
     ("get", "/v1/batches/batch-x"),
     ("post", "/v1/batches/batch-x/cancel"),
+    ("post", "/v1/batches/batch-x/retry"),
+    ("delete", "/v1/batches/batch-x"),
     ("get", "/v1/models"),
 ]
 
@@ -346,6 +348,10 @@ def test_a_file_naming_two_models_makes_a_failed_batch(
         409,
         code="batch_not_cancellable",
     )
+    # Nor retried: it never stored a line.
+    refused = client.post(f"/v1/batches/{batch.id}/retry", headers=headers)
+    assert_error(refused, 409, code="batch_not_retryable")
+    assert "before it stored any input" in refused.json()["error"]["message"]
 
 
 def test_the_batch_model_is_the_first_one_named(client: TestClient, settings: Settings) -> None:
@@ -438,6 +444,7 @@ def test_another_tenant_sees_no_batch(client: TestClient, settings: Settings) ->
     batch = refused_batch(client, alice)
     assert_error(client.get(f"/v1/batches/{batch.id}", headers=bob), 404, code="not_found")
     assert_error(client.post(f"/v1/batches/{batch.id}/cancel", headers=bob), 404)
+    assert_error(client.post(f"/v1/batches/{batch.id}/retry", headers=bob), 404)
     assert_error(client.get(f"/v1/batches?after={batch.id}", headers=bob), 404)
     assert client.get("/v1/batches", headers=bob).json()["data"] == []
     assert client.get(f"/v1/batches/{batch.id}", headers=alice).status_code == 200
@@ -504,6 +511,40 @@ def test_a_refused_batch_is_a_failed_job_of_its_tenant(
         job = session.get(Job, batch.id)
         assert job.status.value == "failed"
         assert "failed batch validation" in job.error
+
+
+def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
+    client: TestClient, settings: Settings, tmp_path: Path
+) -> None:
+    """batchllm's extension: DELETE /v1/batches/{id} removes the job; its input file stays."""
+    owner, headers = new_key(settings)
+    _other, stranger = new_key(settings, "other")
+    batch = refused_batch(client, headers)
+
+    assert_error(client.delete(f"/v1/batches/{batch.id}", headers=stranger), 404)
+    response = client.delete(f"/v1/batches/{batch.id}", headers=headers)
+
+    assert response.status_code == 200, response.text
+    assert response.json() == {"id": batch.id, "object": "batch.deleted", "deleted": True}
+    assert_error(client.get(f"/v1/batches/{batch.id}", headers=headers), 404)
+    with session_scope(settings) as session:
+        assert session.get(Job, batch.id) is None and session.get(BatchRow, batch.id) is None
+    assert file_rows(settings, owner) == 1 and len(files_on_disk(settings)) == 1
+
+    from batchllm.api.batches import record_batch
+    from batchllm.store.service import create_job
+    from tests.support.fake_runs import make_spec, write_items
+
+    queued = create_job(
+        write_items(tmp_path / "q.jsonl", 2), make_spec(), shard_size=10, settings=settings
+    ).job.id
+    record_batch(settings, queued, owner=owner, endpoint=CHAT, window="24h", input_file_id="file-x")
+    error = assert_error(
+        client.delete(f"/v1/batches/{queued}", headers=headers), 409, code="batch_not_deletable"
+    )
+    assert "cancel it first" in error["message"]
+    with session_scope(settings) as session:
+        assert session.get(Job, queued) is not None
 
 
 def test_an_unexpected_failure_is_an_openai_error(settings: Settings) -> None:

@@ -81,3 +81,22 @@ def test_printable_names_up_to_128_characters_are_kept(settings, name):
 
     assert result.exit_code == 0, result.output
     assert list(live(settings).values()) == [name]
+
+
+def test_a_keys_webhook_gives_its_batches_the_url_and_a_new_secret(settings):
+    from batchllm.api.keys import webhook_of
+
+    key_id = new_key(settings, "alice")
+    result = invoke("keys", "webhook", "alice", "https://alice.example.com/hook")
+    assert result.exit_code == 0, result.output
+    with session_scope(settings) as session:
+        target = webhook_of(session, key_id)
+    assert target is not None and target.url == "https://alice.example.com/hook"
+    assert target.secret.startswith("whsec_") and target.secret in result.output
+    assert "https://alice.example.com/hook" in invoke("keys", "list").output
+
+    assert invoke("keys", "webhook", "alice", "--clear").exit_code == 0
+    with session_scope(settings) as session:
+        assert webhook_of(session, key_id) is None
+    refused = invoke("keys", "webhook", "alice", "file:///etc/passwd")
+    assert refused.exit_code != 0 and "must be http:// or https://" in refused.output

@@ -36,8 +36,8 @@ def buffered_and_plain() -> tuple[OutputBuffer, list[OutputRow]]:
     buffer.answer("c", 3, "a", "stop", 5, 3, False, None, CHOICES, None)
     buffer.embedding("d", 4, 9, [0.5, -1.0], None)
     buffer.embedding("e", 5, 3, None, [[0.25], [1.0]])
-    buffer.failed("f", 6, "prompt is empty after tokenization")
-    buffer.failed("g", 7, "rejected by vLLM: no", prompt_tokens=8)
+    buffer.failed("f", 6, "prompt is empty after tokenization", "invalid_prompt")
+    buffer.failed("g", 7, "rejected by vLLM: no", "request_rejected", prompt_tokens=8)
     plain = [
         OutputRow("a", 1, "ok", "hello", "stop", 4, 2),
         OutputRow(
@@ -46,8 +46,8 @@ def buffered_and_plain() -> tuple[OutputBuffer, list[OutputRow]]:
         OutputRow("c", 3, "ok", "a", "stop", 5, 3, None, False, None, CHOICES),
         OutputRow("d", 4, "ok", prompt_tokens=9, embedding=[0.5, -1.0]),
         OutputRow("e", 5, "ok", prompt_tokens=3, embeddings=[[0.25], [1.0]]),
-        OutputRow.failed("f", 6, "prompt is empty after tokenization"),
-        OutputRow.failed("g", 7, "rejected by vLLM: no", prompt_tokens=8),
+        OutputRow.failed("f", 6, "prompt is empty after tokenization", code="invalid_prompt"),
+        OutputRow.failed("g", 7, "rejected by vLLM: no", 8, code="request_rejected"),
     ]
     return buffer, plain
 

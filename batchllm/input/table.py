@@ -1,0 +1,295 @@
+"""Table input: the rows of a Parquet or CSV file (a data pipeline's output) as requests, with
+no conversion to JSONL first.
+
+A row becomes the same stored input row a JSONL line becomes (INPUT_SCHEMA, input/rows.py), by
+the same rules and with the same error rows (validate.stored_block): a null or blank prompt is an
+error row naming its row and column; the id column's value is the row's custom_id (a missing one
+is an error row, a repeated one a duplicate), or without one the row number (from 1, as the
+`line` of every output row). A column the file lacks is refused before anything is stored.
+
+The file is read a record batch at a time (ParquetFile.iter_batches, pyarrow.csv.open_csv), only
+the columns named, so memory stays flat in its length; a local path or a URI (s3://...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from batchllm.errors import InputError
+from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
+from batchllm.input.custom_ids import CustomIds
+from batchllm.input.lines import open_input
+from batchllm.input.rows import request_payload
+from batchllm.input.schemas import LineError, TableColumns
+from batchllm.input.validate import LineProblem, parse_line, stored_block
+from batchllm.storage import filesystem_for, is_uri
+
+TABLE_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+_BATCH_ROWS = 65_536  # rows per record batch: a few MB of text, whatever the file's length
+_CSV_BLOCK = 4 << 20
+
+
+def table_format(source: str | Path) -> str | None:
+    """ "parquet" or "csv" by the file's suffix; None for any other (read as JSONL)."""
+    name = urlsplit(str(source)).path if is_uri(source) else str(source)
+    return TABLE_FORMATS.get(PurePosixPath(name).suffix.lower())
+
+
+def _name(source: str | Path) -> str:
+    return str(source) if is_uri(source) else str(Path(source))
+
+
+def _wanted(table: TableColumns) -> dict[str, str]:
+    """The columns to read, by what they are for."""
+    named = {
+        "prompt column": table.prompt_column,
+        "messages column": table.messages_column,
+        "id column": table.id_column,
+    }
+    return {role: column for role, column in named.items() if column is not None}
+
+
+def check_columns(
+    name: str, schema: pa.Schema, table: TableColumns, task: str = "generate"
+) -> None:
+    """InputError, naming the file and the columns it has, for a column it lacks or one that
+    cannot hold what it is named for; also for table options an embedding job cannot use."""
+    have = ", ".join(schema.names) or "none"
+    for role, column in _wanted(table).items():
+        if column not in schema.names:
+            raise InputError(f"{name}: no column {column!r} (the {role}); its columns: {have}")
+    if table.prompt_column is not None:
+        kind = schema.field(table.prompt_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise InputError(
+                f"{name}: column {table.prompt_column!r} (the prompt column) holds {kind}, not text"
+            )
+    if task == "embed" and (table.messages_column is not None or table.system is not None):
+        raise InputError(
+            f"{name}: an embedding job embeds the prompt column's texts; "
+            "a messages column or a system message is for generation"
+        )
+
+
+def table_schema(source: str | Path, table: TableColumns, task: str = "generate") -> pa.Schema:
+    """The file's columns (read from the Parquet footer or the CSV header), checked."""
+    with _batches(source, table, task) as (schema, _):
+        return schema
+
+
+@contextmanager
+def _batches(
+    source: str | Path, table: TableColumns, task: str = "generate"
+) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
+    """The file's schema (checked) and its record batches of the named columns."""
+    with ExitStack() as stack:
+        try:
+            schema, batches = _open(stack, source, list(dict.fromkeys(_wanted(table).values())))
+        except (pa.ArrowInvalid, OSError) as exc:  # ArrowInvalid: not Parquet, not CSV
+            raise _unreadable(source, exc) from exc
+        check_columns(_name(source), schema, table, task)
+        yield schema, _reading(batches, source)
+
+
+def _open(
+    stack: ExitStack, source: str | Path, columns: list[str]
+) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    if table_format(source) == "csv":
+        handle = stack.enter_context(open_input(source))
+        # Text columns stay text: an id column of "007" must not become 7.
+        reader = pacsv.open_csv(
+            handle,
+            read_options=pacsv.ReadOptions(block_size=_CSV_BLOCK),
+            convert_options=pacsv.ConvertOptions(
+                column_types={column: pa.string() for column in columns}
+            ),
+        )
+        return reader.schema, (batch.select(columns) for batch in reader)
+    if is_uri(source):
+        fs, path = filesystem_for(str(source))
+        parquet = pq.ParquetFile(stack.enter_context(fs.open_input_file(path)))
+    else:
+        parquet = stack.enter_context(pq.ParquetFile(source))
+    schema = parquet.schema_arrow
+    named = [column for column in columns if column in schema.names]  # checked after this
+    return schema, parquet.iter_batches(_BATCH_ROWS, columns=named)
+
+
+def _reading(batches: Iterator[pa.RecordBatch], source: str | Path) -> Iterator[pa.RecordBatch]:
+    try:
+        yield from batches
+    except (pa.ArrowInvalid, OSError) as exc:  # e.g. a CSV row with too many fields
+        raise _unreadable(source, exc) from exc
+
+
+def _unreadable(source: str | Path, exc: Exception) -> InputError:
+    return InputError(f"{_name(source)}: cannot read as {table_format(source)}: {exc}")
+
+
+def read_table_chunks(
+    source: str | Path,
+    table: TableColumns,
+    *,
+    adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
+) -> Iterator[tuple[pa.Table, list[LineError]]]:
+    """The file's rows as rows to store, a record batch at a time: a table in INPUT_SCHEMA
+    and the LineErrors of its rows that cannot run (validate.read_row_chunks' contract)."""
+    name = _name(source)
+    ids = CustomIds()
+    try:
+        with _batches(source, table, task) as (_, batches):
+            number = 1
+            for batch in batches:
+                if not batch.num_rows:
+                    continue
+                block = _checked_batch(batch, number, table, adapters, task)
+                number += batch.num_rows
+                yield stored_block(block, ids, name)
+    finally:
+        ids.close()
+
+
+def _checked_batch(
+    batch: pa.RecordBatch,
+    first: int,
+    table: TableColumns,
+    adapters: frozenset[str],
+    task: str,
+) -> CheckedBlock:
+    numbers = list(range(first, first + batch.num_rows))
+    problems: dict[int, LineProblem] = {}
+    if table.prompt_column is not None:
+        columns = _prompt_columns(batch, table, task, numbers, problems)
+    else:
+        columns = _messages_columns(batch, table, adapters, numbers, problems)
+    if table.id_column is None:
+        columns["given"] = pa.array(map(str, numbers), pa.string())
+    else:
+        given = pc.cast(batch.column(table.id_column), pa.string())
+        missing = pc.fill_null(pc.equal(pc.utf8_length(given), 0), True)
+        for at in _positions(missing):
+            problems.setdefault(
+                at,
+                LineProblem(
+                    table.id_column,
+                    f"row {numbers[at]}: no id in column {table.id_column!r}",
+                ),
+            )
+        columns["given"] = pc.if_else(missing, pa.scalar(None, pa.string()), given)
+    if problems:  # a refused row has no kind (CheckedBlock's contract)
+        refused = pa.array([at in problems for at in range(len(numbers))])
+        columns["kind"] = pc.if_else(refused, pa.scalar(None, pa.string()), columns["kind"])
+    return CheckedBlock(
+        numbers=numbers, columns={name: columns[name] for name in BLOCK_COLUMNS}, problems=problems
+    )
+
+
+def _prompt_columns(
+    batch: pa.RecordBatch,
+    table: TableColumns,
+    task: str,
+    numbers: list[int],
+    problems: dict[int, LineProblem],
+) -> dict[str, pa.Array]:
+    """Each row's prompt from the prompt column, checked column-wise: null and blank texts
+    (no character str.strip() keeps, as for a JSONL prompt) are refused."""
+    column = str(table.prompt_column)
+    text = pc.cast(batch.column(column), pa.string())
+    rows = len(text)
+    for at in _positions(pc.is_null(text)):
+        problems[at] = LineProblem(column, f"row {numbers[at]}: column {column!r} is null")
+    blank = pc.invert(pc.match_substring_regex(text, not_space()))
+    for at in _positions(pc.fill_null(blank, False)):
+        problems[at] = LineProblem(column, f"row {numbers[at]}: column {column!r} is blank")
+    nothing = pa.nulls(rows, pa.string())
+    if task == "embed":
+        kind, prompt, messages = "embed", text, nothing
+    elif table.system is None:
+        kind, prompt, messages = "prompt", text, nothing
+    else:  # json.dumps' text of [system, user], as a JSONL chat line stores it
+        head = '[{"role": "system", "content": ' + json.dumps(table.system)
+        head += '}, {"role": "user", "content": '
+        kind, prompt = "chat", nothing
+        messages = pc.binary_join_element_wise(head, json_strings(text), "}]", "")
+    return {
+        "kind": pa.array([kind] * rows, pa.string()),
+        "prompt": prompt,
+        "messages": messages,
+        "sampling": nothing,
+        "inputs": nothing,
+    }
+
+
+def _messages_columns(
+    batch: pa.RecordBatch,
+    table: TableColumns,
+    adapters: frozenset[str],
+    numbers: list[int],
+    problems: dict[int, LineProblem],
+) -> dict[str, pa.Array]:
+    """Each row's messages (a list of {role, content} structs, or their JSON text), validated
+    as a JSONL chat line's messages are (validate.parse_line), a row at a time."""
+    column = str(table.messages_column)
+    kinds: list[str | None] = []
+    texts: list[str | None] = []
+    for at, value in enumerate(batch.column(column).to_pylist()):
+        number = numbers[at]
+        try:
+            messages = _messages_of(value, column, number)
+            request = parse_line({"messages": messages}, number, adapters)
+        except LineProblem as problem:
+            field = problem.field or ""
+            problems[at] = LineProblem(
+                column + field.removeprefix("messages"),
+                problem.message
+                if problem.message.startswith("row ")
+                else f"row {number}: column {column!r}: {problem.message}",
+            )
+            kinds.append(None)
+            texts.append(None)
+            continue
+        if table.system is not None:
+            system = {"role": "system", "content": table.system}
+            request.messages = [system, *(request.messages or [])]
+        kind, _, stored, _, _ = request_payload(request)
+        kinds.append(kind)
+        texts.append(stored)
+    nothing = pa.nulls(len(numbers), pa.string())
+    return {
+        "kind": pa.array(kinds, pa.string()),
+        "prompt": nothing,
+        "messages": pa.array(texts, pa.string()),
+        "sampling": nothing,
+        "inputs": nothing,
+    }
+
+
+def _messages_of(value: Any, column: str, number: int) -> Any:
+    """The row's messages as parse_line takes them; a problem's field is "messages", which
+    the caller names by the column."""
+    if value is None:
+        raise LineProblem("messages", f"row {number}: column {column!r} is null")
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise LineProblem(
+                "messages", f"row {number}: column {column!r} is not a JSON list of messages: {exc}"
+            ) from None
+    return value
+
+
+def _positions(mask: pa.Array) -> list[int]:
+    """The positions where a boolean array is true."""
+    return pc.indices_nonzero(mask).to_pylist()  # type: ignore[no-any-return]

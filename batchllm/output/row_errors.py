@@ -1,0 +1,46 @@
+"""Why an error row failed, as a machine-readable code (the output's `error_code` column).
+
+The code is stored with the row (schema version 3) rather than read back from the `error` text
+whenever it is needed: `batchllm retry` must tell a request the engine failed (worth running
+again) from one that can never succeed (invalid, over the context), and a decision that rests
+on wording would change silently the day a message is reworded. Rows written before version 3
+have no code; `code_of` classifies them by the wording of the messages of that time, once, here.
+"""
+
+from __future__ import annotations
+
+INVALID_REQUEST = "invalid_request"  # refused by validation (the input shard's `invalid` rows)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt does not fit the context
+INVALID_PROMPT = "invalid_prompt"  # empty after tokenization, or the chat template failed
+REQUEST_REJECTED = "request_rejected"  # vLLM refused the request (e.g. its constraint)
+ENGINE_ERROR = "engine_error"  # the engine ended the request without an answer
+SERVER_ERROR = "server_error"  # a pre-version-3 run failure no wording names
+
+# Failures of the run, not of the request: running the request again may well succeed. Lines a
+# cancelled or expired job never ran have no row at all; a retry runs them too (OpenAI's export
+# names them `batch_expired` in an expired batch's error file).
+RETRYABLE = frozenset({ENGINE_ERROR, SERVER_ERROR})
+
+# Pre-version-3 rows: the wording of engine/prompts.py and worker/runner.py (first match wins).
+_BY_WORDING = (
+    ("max_model_len", CONTEXT_LENGTH_EXCEEDED),
+    ("empty after tokenization", INVALID_PROMPT),
+    ("chat template failed", INVALID_PROMPT),
+    ("rejected by vLLM", REQUEST_REJECTED),
+    ("vLLM ended the request", ENGINE_ERROR),
+)
+
+
+def code_of(code: str | None, message: str | None, *, invalid: bool = False) -> str:
+    """An error row's code: the stored one, else classified from its message. `invalid`: the
+    input shard marks the line invalid (validation refused it)."""
+    if code:
+        return code
+    if invalid:
+        return INVALID_REQUEST
+    text = message or ""
+    return next((found for words, found in _BY_WORDING if words in text), SERVER_ERROR)
+
+
+def retryable(code: str | None, message: str | None, *, invalid: bool = False) -> bool:
+    return code_of(code, message, invalid=invalid) in RETRYABLE

@@ -1,0 +1,159 @@
+"""Which queued shard a worker runs next: priorities and a fair share between tenants.
+
+A shard task is a turn on its queue, and the database decides whose shard gets the turn. When
+a worker takes a task whose shard is still queued, it runs instead the first queued shard of
+the same queue (model and engine kind) in this order:
+1. the job's effective priority: high, normal, low, each job rising one level for every
+   `priority_aging_seconds` it has waited since it was submitted (a low job is treated as high
+   after two periods, so low-priority work always progresses);
+2. its tenant's turn: the tenant (a `serve` API key; each CLI or Client job is a tenant of
+   its own) whose latest shard (of its unfinished jobs) started longest ago, or never, goes
+   first: tenants and jobs
+   take turns, so one tenant's 100 queued batches delay another's one by at most one shard;
+3. the job's own turn the same way among one tenant's jobs, then the older job, then the
+   lower shard index.
+The task's own shard, when it lost its turn, is queued on the broker again, so every queued
+shard keeps a task (the reconciler's invariant) and the turn's winner's task, when it comes,
+finds its shard running or done and steps aside.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from batchllm.input.schemas import PRIORITIES
+from batchllm.settings import Settings
+from batchllm.store import recovery
+from batchllm.store.db import session_scope
+from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
+from batchllm.worker.celery_app import queue_for_stored_spec
+
+log = logging.getLogger(__name__)
+
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """An unfinished job of the queue, as the order above reads it."""
+
+    job_id: str
+    tenant: str
+    priority: str
+    created_at: datetime
+    last_started: datetime | None
+    has_queued: bool = True
+
+
+def effective_level(priority: str, waited_seconds: float, aging_seconds: float) -> int:
+    """0 for high ... 2 for low, less one per aging period waited, never below 0."""
+    return max(0, PRIORITIES.index(priority) - int(waited_seconds // aging_seconds))
+
+
+def order(waiting: list[Waiting], *, now: datetime, aging_seconds: float) -> list[str]:
+    """The ids of the jobs with queued shards in the order their shards get turns (the
+    others count only for their tenant's latest start)."""
+    tenant_last: dict[str, datetime] = {}
+    for job in waiting:
+        last = job.last_started or _NEVER
+        tenant_last[job.tenant] = max(tenant_last.get(job.tenant, _NEVER), last)
+
+    def key(job: Waiting) -> tuple:
+        waited = (now - job.created_at).total_seconds()
+        return (
+            effective_level(job.priority, waited, aging_seconds),
+            tenant_last[job.tenant],
+            job.last_started or _NEVER,
+            job.created_at,
+            job.job_id,
+        )
+
+    return [job.job_id for job in sorted(waiting, key=key) if job.has_queued]
+
+
+def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
+    """The shard to run for a task of `shard_id`: itself unless it is queued and another
+    queued shard of its queue comes first in the order above."""
+    shard = session.get(Shard, shard_id)
+    if shard is None or shard.status is not ShardStatus.QUEUED:
+        return shard_id  # running elsewhere, done, gone: the task's usual path handles it
+    queue = queue_for_stored_spec(shard.job.spec)
+    turns = order(
+        _unfinished_jobs(session, shard.job.model, queue), now=utcnow(), aging_seconds=aging_seconds
+    )
+    if not turns:
+        return shard_id
+    first = turns[0]
+    if first == shard.job_id:
+        return shard_id
+    chosen = session.scalar(
+        select(Shard.id)
+        .where(Shard.job_id == first, Shard.status == ShardStatus.QUEUED)
+        .order_by(Shard.index)
+        .limit(1)
+    )
+    return chosen if chosen is not None else shard_id
+
+
+def _unfinished_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
+    has_queued = (
+        select(Shard.id).where(Shard.job_id == Job.id, Shard.status == ShardStatus.QUEUED).exists()
+    )
+    rows = session.execute(
+        select(Job.id, Job.spec, Job.created_at, Batch.owner, has_queued.label("has_queued"))
+        .outerjoin(Batch, Batch.job_id == Job.id)
+        .where(
+            Job.model == model,
+            Job.status.in_(recovery.RUNNABLE_JOBS),
+            Job.local_run.is_(False),
+        )
+    ).all()
+    jobs = [row for row in rows if queue_for_stored_spec(row.spec) == queue]
+    if not jobs:
+        return []
+    last_started = dict(
+        session.execute(
+            select(Shard.job_id, func.max(Shard.started_at))
+            .where(Shard.job_id.in_([row.id for row in jobs]))
+            .group_by(Shard.job_id)
+        ).all()
+    )
+    return [
+        Waiting(
+            job_id=row.id,
+            tenant=row.owner or row.id,
+            priority=row.spec.get("priority", "normal"),
+            created_at=row.created_at,
+            last_started=_aware(last_started.get(row.id)),
+            has_queued=bool(row.has_queued),
+        )
+        for row in jobs
+    ]
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # max() of a timestamp column comes back without its column type's zone on SQLite.
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value
+
+
+def take_turn(shard_id: int, *, settings: Settings, requeue: Callable[[int], None]) -> int:
+    """The shard this task runs; when it is another one, the task's own shard is sent again
+    (before the other runs, so a crash never leaves it without a task)."""
+    with session_scope(settings) as session:
+        chosen = next_shard(session, shard_id, aging_seconds=settings.priority_aging_seconds)
+    if chosen != shard_id:
+        requeue(shard_id)
+        with session_scope(settings) as session:
+            recovery.mark_dispatched(session, [shard_id])
+        log.info("shard %s takes the turn of shard %s (priority, fair share)", chosen, shard_id)
+    return chosen

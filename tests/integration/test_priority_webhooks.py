@@ -1,0 +1,114 @@
+"""Priorities and webhooks on a real fleet: one `batchllm worker` on the tiny model, real Redis
+and PostgreSQL. A low-priority job of many shards is submitted first and a high-priority one
+after: the worker runs the high job's shards before the low job's remaining ones, and the low
+job completes too. The high job's `notify` URL, a receiver in this process, gets its signed
+batch.completed event from the worker's reconciler."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from batchllm.input.schemas import JobSpec, SamplingDefaults
+from batchllm.store.db import session_scope
+from batchllm.store.models import JobStatus, WebhookAttempt
+from batchllm.store.webhooks import WebhookTarget
+from batchllm.worker.dispatch import submit_job
+from batchllm.worker.webhooks import verify
+from tests.integration.conftest import start_workers, stop_workers, tails
+from tests.support.fleet import ENGINE
+from tests.support.job_checks import load_job
+from tests.support.webhook_receiver import Receiver
+
+SECRET = "whsec_fleet-test"
+LOW_SHARDS = 10
+ROWS_PER_SHARD = 4
+
+
+def _write(path, count: int, word: str):
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{word} number {i} is"}) + "\n" for i in range(count))
+    )
+    return path
+
+
+def _submit(fleet_env, source, model, priority: str, notify: WebhookTarget | None = None):
+    spec = JobSpec(
+        model=str(model),
+        engine=ENGINE,
+        sampling=SamplingDefaults(max_tokens=8),
+        priority=priority,
+    )
+    return submit_job(
+        source, spec, shard_size=ROWS_PER_SHARD, settings=fleet_env.settings, notify=notify
+    )
+
+
+def _wait(workers, what: str, check, timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        for worker in workers:
+            assert worker.proc.poll() is None, f"{worker.name} exited" + tails(workers)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} after {timeout:.0f}s" + tails(workers))
+        time.sleep(0.2)
+
+
+def test_a_high_job_submitted_second_runs_first_and_announces_its_end(
+    fleet_env, tiny_model, tmp_path
+):
+    receiver = Receiver()
+    workers = start_workers(["prio@test"], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
+    try:
+        low = _submit(
+            fleet_env,
+            _write(tmp_path / "low.jsonl", LOW_SHARDS * ROWS_PER_SHARD, "low"),
+            tiny_model,
+            "low",
+        )
+        _wait(
+            workers,
+            "the low job never started",
+            lambda: any(s.started_at for s in load_job(fleet_env, low.id)[1]),
+        )
+        high = _submit(
+            fleet_env,
+            _write(tmp_path / "high.jsonl", 2 * ROWS_PER_SHARD, "high"),
+            tiny_model,
+            "high",
+            notify=WebhookTarget(receiver.url, SECRET),
+        )
+        for job_id in (high.id, low.id):
+            _wait(
+                workers,
+                f"job {job_id} did not end",
+                lambda job_id=job_id: load_job(fleet_env, job_id)[0].status.is_final,
+            )
+        low_job, low_shards = load_job(fleet_env, low.id)
+        high_job, high_shards = load_job(fleet_env, high.id)
+        assert low_job.status is JobStatus.COMPLETED, low_job.error
+        assert high_job.status is JobStatus.COMPLETED, high_job.error
+        waiting_low = [s for s in low_shards if s.started_at > high_job.created_at]
+        assert waiting_low, "the low job ended before the high one was submitted: nothing to order"
+        last_high_start = max(s.started_at for s in high_shards)
+        assert all(s.started_at > last_high_start for s in waiting_low), [
+            (s.index, s.started_at) for s in low_shards
+        ]
+
+        # The worker's reconciler announces the high job's end (the low job has no webhook).
+        _wait(workers, "no webhook arrived", lambda: receiver.received, timeout=60)
+        ((headers, body),) = receiver.received
+        assert verify(SECRET, headers["webhook-signature"], body)
+        event = json.loads(body)
+        assert (event["type"], event["data"]) == ("batch.completed", {"id": high.id})
+        with session_scope(fleet_env.settings) as session:
+            attempts = session.query(WebhookAttempt).filter_by(job_id=high.id).all()
+            assert [(a.attempt, a.status_code, a.delivered) for a in attempts] == [(1, 200, True)]
+        shown = fleet_env.cli("status", high.id)
+        assert f"webhook    {receiver.url}: delivered" in shown.stdout, shown.stdout
+    finally:
+        stop_workers(workers)
+        receiver.close()
