@@ -140,7 +140,7 @@ class WorkerProcess:
             named = ""
         return tail(self.log_path, lines) + named
 
-    def wait_ready(self, timeout: float = 240) -> None:
+    def wait_ready(self, timeout: float = 420) -> None:
         """Until Celery says ready, which a worker does only once its engine is built."""
         deadline = time.monotonic() + timeout
         while f"{self.name} ready." not in self.log():
