@@ -174,8 +174,9 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 300) -> float:
-        """Seconds from the process's start to Celery's `<name> ready.` line."""
+    def wait_ready(self, timeout: float = 600) -> float:
+        """Seconds from the process's start to Celery's `<name> ready.` line. The deadline is
+        generous: on these 2 shared cores a build took 166 s under a load of 15."""
         deadline = self.started + timeout
         while f"{self.name} ready." not in self.log():
             if self.proc.poll() is not None:
