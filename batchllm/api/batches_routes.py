@@ -169,6 +169,14 @@ def _check_active_batches(session, owner: str, limit: int) -> None:
         )
 
 
+def _owned_batch(session, batch_id: str, owner: str) -> Batch:
+    """The batch, or 404 alike when it does not exist and when another key owns it."""
+    batch = session.get(Batch, batch_id)
+    if batch is None or batch.owner != owner:
+        raise not_found("batch", batch_id)
+    return batch
+
+
 def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
     with session_scope(settings) as session:
         # Read at the moment it is asked for: a batch past its window is expired now, whether
@@ -176,9 +184,7 @@ def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
         recovery.expire_jobs(session, settings.lease_seconds, job_id)
         commit.tidy_ended_jobs(session)
     with session_scope(settings) as session:
-        batch = session.get(Batch, job_id)
-        if batch is None or batch.owner != owner:
-            raise not_found("batch", job_id)
+        batch = _owned_batch(session, job_id, owner)
         job = batch.job
         if job.status.is_final and batch.output_file_id is None and job.request_total:
             session.expunge_all()
@@ -232,9 +238,7 @@ def cancel_batch(
 ) -> dict[str, Any]:
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None or batch.owner != owner:
-            raise not_found("batch", batch_id)
+        _owned_batch(session, batch_id, owner)
         try:
             service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
             commit.tidy_ended_jobs(session)
@@ -252,9 +256,7 @@ def retry_batch(
     written again when the retry ends."""
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None or batch.owner != owner:
-            raise not_found("batch", batch_id)
+        batch = _owned_batch(session, batch_id, owner)
         # Before the retry starts, so its end can never be read with the old files (a refused
         # retry only makes the next read write the same files again).
         batch.output_file_id = batch.error_file_id = None
@@ -273,9 +275,7 @@ def delete_batch(
     rows and files and its output and error files; 409 while it runs (cancel it first)."""
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        batch = session.get(Batch, batch_id)
-        if batch is None or batch.owner != owner:
-            raise not_found("batch", batch_id)
+        _owned_batch(session, batch_id, owner)
     try:
         delete_job(settings, batch_id)
     except JobStateError as exc:

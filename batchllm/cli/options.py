@@ -74,6 +74,40 @@ def _engine(name: str):
     return EngineOptions.model_fields[name].default
 
 
+# The engine flags `run`/`submit` and `worker` share, with the same defaults and help.
+_ENGINE_SHAPE_FLAGS = [
+    click.option(
+        "--max-num-seqs",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Sequences per engine step [default: vLLM's].",
+    ),
+    click.option(
+        "--max-num-batched-tokens",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Tokens per engine step [default: vLLM's].",
+    ),
+    click.option(
+        "--dtype", type=click.Choice(_DTYPES), default=_engine("dtype"), show_default=True
+    ),
+    click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
+    click.option(
+        "--tensor-parallel-size",
+        type=click.IntRange(min=1),
+        default=_engine("tensor_parallel_size"),
+        show_default=True,
+        help="GPUs per engine.",
+    ),
+    click.option(
+        "--prefix-caching/--no-prefix-caching",
+        default=None,
+        help="vLLM automatic prefix caching [default: vLLM's, on].",
+    ),
+    click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),
+]
+
+
 def job_options(command):
     decorators = [
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
@@ -195,35 +229,7 @@ def job_options(command):
             default=None,
             help="Context length [default: longest prompt + max_tokens, capped by the model].",
         ),
-        click.option(
-            "--max-num-seqs",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Sequences per engine step [default: vLLM's].",
-        ),
-        click.option(
-            "--max-num-batched-tokens",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Tokens per engine step [default: vLLM's].",
-        ),
-        click.option(
-            "--dtype", type=click.Choice(_DTYPES), default=_engine("dtype"), show_default=True
-        ),
-        click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
-        click.option(
-            "--tensor-parallel-size",
-            type=click.IntRange(min=1),
-            default=_engine("tensor_parallel_size"),
-            show_default=True,
-            help="GPUs per engine.",
-        ),
-        click.option(
-            "--prefix-caching/--no-prefix-caching",
-            default=None,
-            help="vLLM automatic prefix caching [default: vLLM's, on].",
-        ),
-        click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),
+        *_ENGINE_SHAPE_FLAGS,
         click.option(
             "--compact-json",
             is_flag=True,
@@ -456,35 +462,7 @@ _WORKER_ENGINE_FLAGS = [
         default=None,
         help="KV cache size in bytes [default: vLLM's, a share of GPU memory].",
     ),
-    click.option(
-        "--max-num-seqs",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Sequences per engine step [default: vLLM's].",
-    ),
-    click.option(
-        "--max-num-batched-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Tokens per engine step [default: vLLM's].",
-    ),
-    click.option(
-        "--dtype", type=click.Choice(_DTYPES), default=_engine("dtype"), show_default=True
-    ),
-    click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
-    click.option(
-        "--tensor-parallel-size",
-        type=click.IntRange(min=1),
-        default=_engine("tensor_parallel_size"),
-        show_default=True,
-        help="GPUs per engine.",
-    ),
-    click.option(
-        "--prefix-caching/--no-prefix-caching",
-        default=None,
-        help="vLLM automatic prefix caching [default: vLLM's, on].",
-    ),
-    click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),
+    *_ENGINE_SHAPE_FLAGS,
     click.option(
         "--compact-json",
         is_flag=True,

@@ -172,6 +172,38 @@ def checkpoints_of(session: Session, shard_id: int) -> list[Checkpoint]:
     )
 
 
+def record_part(
+    session: Session,
+    part: Part,
+    *,
+    shard_id: int,
+    job_id: str,
+    seq: int,
+    path: str,
+    engine_seconds: float,
+    attempt: int,
+    job_attempt: int,
+) -> None:
+    """record_checkpoint with the counts of a written `part` (a commit's, or a retry's)."""
+    record_checkpoint(
+        session,
+        shard_id=shard_id,
+        job_id=job_id,
+        seq=seq,
+        path=path,
+        rows_ok=part.rows_ok,
+        rows_failed=part.rows_failed,
+        prompt_tokens=part.prompt_tokens,
+        completion_tokens=part.completion_tokens,
+        structured_rows=part.structured_rows,
+        structured_valid=part.structured_valid,
+        engine_seconds=engine_seconds,
+        attempt=attempt,
+        job_attempt=job_attempt,
+        cached_tokens=part.cached_tokens,
+    )
+
+
 def commit_part(
     storage: Storage,
     settings: Settings,
@@ -192,22 +224,16 @@ def commit_part(
     path = write_table(storage, out_dir, part_name(shard, seq, attempt), part.table)
     try:
         with session_scope(settings) as session:
-            record_checkpoint(
+            record_part(
                 session,
+                part,
                 shard_id=shard_id,
                 job_id=job_id,
                 seq=seq,
                 path=path,
-                rows_ok=part.rows_ok,
-                rows_failed=part.rows_failed,
-                prompt_tokens=part.prompt_tokens,
-                completion_tokens=part.completion_tokens,
-                structured_rows=part.structured_rows,
-                structured_valid=part.structured_valid,
                 engine_seconds=engine_seconds,
                 attempt=attempt,
                 job_attempt=job_attempt,
-                cached_tokens=part.cached_tokens,
             )
     except ShardLost:
         storage.delete(path)

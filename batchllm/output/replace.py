@@ -184,22 +184,16 @@ def _swap(
     next_seq: int,
 ) -> None:
     """The one transaction: the new rows in, the replaced rows out."""
-    commit.record_checkpoint(
+    commit.record_part(
         session,
+        part,
         shard_id=shard_id,
         job_id=job_id,
         seq=seq,
         path=new_path,
-        rows_ok=part.rows_ok,
-        rows_failed=part.rows_failed,
-        prompt_tokens=part.prompt_tokens,
-        completion_tokens=part.completion_tokens,
-        structured_rows=part.structured_rows,
-        structured_valid=part.structured_valid,
         engine_seconds=engine_seconds,
         attempt=attempt,
         job_attempt=job_attempt,
-        cached_tokens=part.cached_tokens,
     )
     kept_seq = seq + 1
     for rewrite in rewrites:

@@ -66,6 +66,23 @@ def _differences(old: JobSpec, new: JobSpec) -> str:
     return ", ".join(changes)
 
 
+def _build(
+    model: str, options: EngineOptions, max_model_len: int, **named: str
+) -> tuple[VllmEngine, float]:
+    """A new vLLM engine and the seconds it took, counted in the process's metrics."""
+    from batchllm.engine.vllm_engine import VllmEngine
+
+    started = time.monotonic()
+    try:
+        engine = VllmEngine(model=model, options=options, max_model_len=max_model_len, **named)
+    except Exception:
+        metrics.engine_start_failed(model)
+        raise
+    seconds = time.monotonic() - started
+    metrics.engine_started(model, seconds)
+    return engine, seconds
+
+
 class EngineCache:
     """The warm engine of this process (an EngineSource).
 
@@ -106,15 +123,8 @@ class EngineCache:
                 _differences(built_for, spec),
             )
         self.close()
-        from batchllm.engine.vllm_engine import VllmEngine
 
-        started = time.monotonic()
-        try:
-            engine = VllmEngine(model=spec.model, options=spec.engine, max_model_len=max_model_len)
-        except Exception:
-            metrics.engine_start_failed(spec.model)
-            raise
-        metrics.engine_started(spec.model, time.monotonic() - started)
+        engine, _ = _build(spec.model, spec.engine, max_model_len)
         self.engine, self._key, self._spec = engine, key, spec
         return engine
 
@@ -151,22 +161,14 @@ class WorkerEngine:
     def start(self) -> EngineProfile:
         """Build the operator's engine (again, after it died or a rebuild replaced it)."""
         self._rebuilt.close()
-        from batchllm.engine.vllm_engine import VllmEngine
 
-        started = time.monotonic()
-        try:
-            engine = VllmEngine(
-                model=self.model,
-                options=self.options,
-                # -1: vLLM's auto-fit, the model's context or the longest its KV cache holds.
-                max_model_len=self.options.max_model_len or -1,
-                context_name="this worker's max_model_len",
-            )
-        except Exception:
-            metrics.engine_start_failed(self.model)
-            raise
-        seconds = time.monotonic() - started
-        metrics.engine_started(self.model, seconds)
+        engine, seconds = _build(
+            self.model,
+            self.options,
+            # -1: vLLM's auto-fit, the model's context or the longest its KV cache holds.
+            self.options.max_model_len or -1,
+            context_name="this worker's max_model_len",
+        )
         self._own = engine
         self.profile = EngineProfile.of(
             self.model, self.options, max_model_len=engine.max_model_len, dtype=engine.dtype
