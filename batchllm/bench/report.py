@@ -509,7 +509,10 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
     panels = [
         p
         for p in ("contenders", "prefix", "overhead", "features", "embed", "warm")
-        if result.get(p) and (p != "contenders" or result[p])
+        if result.get(p)
+        and (p != "contenders" or result[p])
+        # A warm part without its side-by-side file (--warm-file-lines 0) has nothing to draw.
+        and (p != "warm" or "side_by_side" in result[p])
     ]
     widths = [{"contenders": 3, "features": 2.2}.get(p, 1.4) for p in panels]
     fig, axes = plt.subplots(

@@ -502,7 +502,9 @@ def run_warm(
 ) -> dict[str, Any]:
     """Start a worker with `limits` as its engine flags (max_model_len capped at the model's
     context; dtype `auto` resolved by the worker), run the five jobs of `lines` lines on it,
-    then the side-by-side file of `file_lines`; the figures of each, and the worker ended."""
+    then the side-by-side file of `file_lines` (none when 0: the five jobs alone, as the test
+    suite runs it, whose run-batch and run are tested by the bench's own parts); the figures
+    of each, and the worker ended."""
     from batchllm.bench.contenders import bench_settings
     from batchllm.demo.workload import write_workload
     from batchllm.engine.sizing import model_limit
@@ -566,17 +568,19 @@ def run_warm(
                 )
                 require_no_engine_start(f"job {n + 1} ({job.label})", figures["engine_starts"])
             served = replace(limits, max_model_len=engine["max_model_len"], dtype=engine["dtype"])
-            side = side_by_side(
-                worker,
-                limits=served,
-                lines=file_lines,
-                prompt_words=file_prompt_words,
-                max_tokens=max_tokens,
-                seed=seed,
-                settings=settings,
-                workdir=workdir,
-                say=say,
-            )
+            side: dict[str, Any] | None = None
+            if file_lines:
+                side = side_by_side(
+                    worker,
+                    limits=served,
+                    lines=file_lines,
+                    prompt_words=file_prompt_words,
+                    max_tokens=max_tokens,
+                    seed=seed,
+                    settings=settings,
+                    workdir=workdir,
+                    say=say,
+                )
             engine_starts = worker.engine_starts()
         finally:
             pids = worker.stop()
@@ -590,7 +594,8 @@ def run_warm(
         "log": str(worker.log_path),
         "pids": pids,
     }
-    return summarize(jobs, lines=lines) | {"worker": worker_figures, "side_by_side": side}
+    summary = summarize(jobs, lines=lines) | {"worker": worker_figures}
+    return summary | ({"side_by_side": side} if side else {})
 
 
 def summarize(jobs: list[dict[str, Any]], *, lines: int) -> dict[str, Any]:

@@ -189,10 +189,11 @@ def _numbers(numbers: tuple[int, ...]) -> str:
 )
 @click.option(
     "--warm-file-lines",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=BenchConfig.warm_file_lines,
     show_default=True,
-    help="Lines of the file the warm part runs three ways (run-batch, run, the warm worker).",
+    help="Lines of the file the warm part runs three ways (run-batch, run, the warm worker); "
+    "0 leaves that file out.",
 )
 @click.option(
     "--warm-max-tokens",
