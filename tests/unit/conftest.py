@@ -20,3 +20,11 @@ def model_dir(tmp_path) -> Path:
     path = tmp_path / "model"
     path.mkdir()
     return path
+
+
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path_factory, monkeypatch) -> None:
+    """No unit test reads or migrates the developer's ~/.batchllm: code that falls back to the
+    default settings (a Celery task, a CLI command) gets a fresh home instead. A test that sets
+    BATCHLLM_HOME itself (the `settings` fixture) overrides this."""
+    monkeypatch.setenv("BATCHLLM_HOME", str(tmp_path_factory.mktemp("home")))
