@@ -1,10 +1,14 @@
 // Each element with data-live-url is the live part of its page: while it says something runs
-// (data-running="1"), fetch a fresh copy every two seconds and put it in its place. The server
+// (data-running="1"), fetch a fresh copy every two seconds and put it in its place; a list with
+// nothing running (data-running="idle") looks every ten seconds, for new jobs. The server
 // renders everything; a finished job's copy says data-running="0" and the fetching stops.
 (function () {
   "use strict";
+  var tick = 0;
   function refresh(part) {
-    if (part.dataset.running !== "1" || part.dataset.busy === "1") return;
+    var running = part.dataset.running;
+    if (running === "0" || part.dataset.busy === "1") return;
+    if (running === "idle" && tick % 5 !== 0) return;
     part.dataset.busy = "1";
     fetch(part.dataset.liveUrl, { credentials: "same-origin" })
       .then(function (response) {
@@ -18,6 +22,7 @@
       .catch(function () { part.dataset.busy = "0"; });
   }
   window.setInterval(function () {
+    tick += 1;
     document.querySelectorAll("[data-live-url]").forEach(refresh);
   }, 2000);
 })();
