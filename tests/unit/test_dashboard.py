@@ -76,9 +76,7 @@ def log_in(client: TestClient, key: str):
     )
 
 
-def test_the_root_leads_to_the_login_and_a_key_logs_in_with_a_strict_httponly_cookie(
-    app, settings
-):
+def test_the_root_leads_to_the_login_and_a_key_logs_in_with_a_strict_httponly_cookie(app, settings):
     client = TestClient(app)
     first = client.get("/", follow_redirects=False)
     assert (first.status_code, first.headers["location"]) == (307, "/ui")

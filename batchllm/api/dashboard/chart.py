@@ -7,7 +7,7 @@ from html import escape
 from typing import Any
 
 WIDTH, HEIGHT = 720, 220
-LEFT, RIGHT, TOP, BOTTOM = 56, 64, 16, 28
+LEFT, RIGHT, TOP, BOTTOM = 92, 92, 16, 28
 SERIES = (
     ("rows_per_s", "rows/s", "rows", "#2563eb"),
     ("tokens_per_s", "output tok/s", "tokens", "#d97706"),
@@ -48,7 +48,9 @@ def chart_svg(points: list[dict[str, Any]]) -> str:
     span = max(p["t"] for p in points) or 1.0
     for i in range(5):
         y = TOP + plot_h * i / 4
-        parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+        parts.append(
+            f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
+        )
     for side, (key, label, name, color) in enumerate(SERIES):
         top = _scale(max(p[key] for p in points))
         coords = [

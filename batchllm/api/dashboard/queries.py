@@ -42,9 +42,7 @@ def job_page(
     session: Session, viewer: Viewer, *, status: str | None, model: str | None, page: int
 ) -> dict[str, Any]:
     query = visible_jobs(viewer)
-    models = sorted(
-        session.scalars(query.with_only_columns(Job.model).distinct()).all()  # type: ignore[arg-type]
-    )
+    models = sorted(session.scalars(query.with_only_columns(Job.model).distinct()).all())
     if status:
         query = query.where(Job.status == JobStatus(status))
     if model:
@@ -95,6 +93,8 @@ def job_summary(job: Job) -> dict[str, Any]:
         "rows_per_s": rows_per_s,
         "tokens_per_s": tokens_per_s,
         "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
         "duration": duration,
         "eta": eta,
     }
@@ -157,14 +157,16 @@ def shards_of(job: Job, now: datetime) -> list[dict[str, Any]]:
     ]
 
 
-def output_glance(settings: Settings, job: Job) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def output_glance(
+    settings: Settings, job: Job
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The first committed rows, and the error rows grouped by reason (code) with a few
     example lines each. Only the error columns are read for the errors, and only when the
     job has error rows."""
     preview: list[dict[str, Any]] = []
     columns = ["line", "custom_id", "status", "text", "finish_reason", "completion_tokens"]
     for batch in stream.iter_committed_batches(settings, job.id, columns=columns):
-        preview = sorted(batch.slice(0, PREVIEW_ROWS).to_pylist(), key=lambda r: r["line"])
+        preview = sorted(batch.to_pylist(), key=lambda r: r["line"])[:PREVIEW_ROWS]
         break
     reasons: dict[str, dict[str, Any]] = {}
     if job.request_failed:

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -65,7 +65,9 @@ def _render(request: Request, name: str, context: dict[str, Any], status: int = 
     return response
 
 
-def _page_or_fragment(request: Request, page: str, fragment: str, context: dict[str, Any]) -> Response:
+def _page_or_fragment(
+    request: Request, page: str, fragment: str, context: dict[str, Any]
+) -> Response:
     return _render(request, fragment if request.query_params.get("fragment") else page, context)
 
 
@@ -89,7 +91,9 @@ async def login(request: Request) -> Response:
     form = await request.form()
     target = _safe_next(str(form.get("next", "/ui")))
     if not session.csrf_ok(request, str(form.get("csrf", ""))):
-        return _render(request, "login.html", {"next": target, "error": "form expired: try again"}, 403)
+        return _render(
+            request, "login.html", {"next": target, "error": "form expired: try again"}, 403
+        )
     value = await run_in_threadpool(session.login, request, str(form.get("key", "")))
     if value is None:
         return _render(
@@ -110,9 +114,7 @@ async def logout(request: Request) -> Response:
 
 
 @router.get("/ui")
-def jobs_page(
-    request: Request, status: str = "", model: str = "", page: int = 1
-) -> Response:
+def jobs_page(request: Request, status: str = "", model: str = "", page: int = 1) -> Response:
     viewer = _viewer(request)
     status = status if status in STATUSES else ""
     with session_scope(request.app.state.settings) as db:
@@ -213,7 +215,9 @@ def _cancel(settings: Any, job_id: str) -> str:
 def _retry(settings: Any, job_id: str) -> str:
     with session_scope(settings) as db:
         if db.get(Job, job_id).local_run:  # type: ignore[union-attr]
-            raise JobStateError("a `batchllm run` job is retried with `batchllm retry` where it ran")
+            raise JobStateError(
+                "a `batchllm run` job is retried with `batchllm retry` where it ran"
+            )
         batch = db.get(Batch, job_id)
         if batch is not None:  # its OpenAI files are written again when the retry ends
             batch.output_file_id = batch.error_file_id = None

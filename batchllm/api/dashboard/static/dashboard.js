@@ -1,6 +1,6 @@
 // Each element with data-live-url is the live part of its page: while it says something runs
 // (data-running="1"), fetch a fresh copy every two seconds and put it in its place; a list with
-// nothing running (data-running="idle") looks every ten seconds, for new jobs. The server
+// nothing running (data-running="idle") looks every four seconds, for new jobs. The server
 // renders everything; a finished job's copy says data-running="0" and the fetching stops.
 (function () {
   "use strict";
@@ -8,7 +8,7 @@
   function refresh(part) {
     var running = part.dataset.running;
     if (running === "0" || part.dataset.busy === "1") return;
-    if (running === "idle" && tick % 5 !== 0) return;
+    if (running === "idle" && tick % 2 !== 0) return;
     part.dataset.busy = "1";
     fetch(part.dataset.liveUrl, { credentials: "same-origin" })
       .then(function (response) {
