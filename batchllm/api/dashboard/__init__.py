@@ -4,6 +4,7 @@ the package (no CDN, no build step)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -31,8 +32,10 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(_LoginNeeded, login_redirect)
 
     @app.middleware("http")
-    async def _secure_pages(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response: Response = await call_next(request)
+    async def _secure_pages(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
         if request.url.path.startswith("/ui"):
             response.headers.update(_HEADERS)
             response.headers.setdefault("cache-control", "no-store")
