@@ -163,11 +163,15 @@ def output_glance(
     """The first committed rows, and the error rows grouped by reason (code) with a few
     example lines each. Only the error columns are read for the errors, and only when the
     job has error rows."""
-    preview: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     columns = ["line", "custom_id", "status", "text", "finish_reason", "completion_tokens"]
+    # The first parts in name order hold the first shard's first rows; a part may be small
+    # (a commit every few seconds), so read parts until there are enough.
     for batch in stream.iter_committed_batches(settings, job.id, columns=columns):
-        preview = sorted(batch.to_pylist(), key=lambda r: r["line"])[:PREVIEW_ROWS]
-        break
+        rows.extend(batch.to_pylist())
+        if len(rows) >= PREVIEW_ROWS:
+            break
+    preview = sorted(rows, key=lambda r: r["line"])[:PREVIEW_ROWS]
     reasons: dict[str, dict[str, Any]] = {}
     if job.request_failed:
         wanted = ["line", "custom_id", "status", "error", "error_code"]

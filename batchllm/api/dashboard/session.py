@@ -97,14 +97,14 @@ def set_session(request: Request, response: Response, value: str | None) -> None
 def csrf_token(request: Request) -> str:
     """The token the page's forms carry: the CSRF cookie's, or a new one (`ensure_csrf` sets
     it on the response)."""
-    token = request.cookies.get(CSRF_COOKIE)
+    token = request.cookies.get(CSRF_COOKIE) or getattr(request.state, "new_csrf", None)
     if not token:
-        token = request.state.__dict__.setdefault("new_csrf", secrets.token_urlsafe(24))
-    return token
+        token = request.state.new_csrf = secrets.token_urlsafe(24)
+    return str(token)
 
 
 def ensure_csrf(request: Request, response: Response) -> None:
-    new = request.state.__dict__.get("new_csrf")
+    new = getattr(request.state, "new_csrf", None)
     if new and not request.cookies.get(CSRF_COOKIE):
         response.set_cookie(
             CSRF_COOKIE,
