@@ -153,7 +153,7 @@ def test_no_auth_shows_every_job_only_to_a_local_dashboard(settings, monkeypatch
     assert "job_submitted" not in exposed.get("/ui").text
 
 
-def test_the_series_buckets_checkpoint_commits_into_rates_over_time(settings):
+def test_the_series_turns_checkpoint_commits_into_rates_over_time(settings):
     get_engine(settings)
     add_job(settings, "job_a", owner=None)
     with session_scope(settings) as session:
@@ -185,11 +185,13 @@ def test_the_series_buckets_checkpoint_commits_into_rates_over_time(settings):
             )
     with session_scope(settings) as session:
         points = series(session, session.get(Job, "job_a"))
-    assert [p["t"] for p in points] == [2.0, 4.0, 6.0, 7.0]
-    assert [p["rows_per_s"] for p in points] == [5.0, 5.0, 5.0, 10.0]
-    assert points[0]["tokens_per_s"] == 100.0
+    # A point at least 2 s after the one before, each the average rate since it: never an
+    # empty bucket between two commits.
+    assert [p["t"] for p in points] == [3.0, 5.0, 7.0]
+    assert [p["rows_per_s"] for p in points] == [6.667, 5.0, 5.0]
+    assert points[1]["tokens_per_s"] == 100.0
     svg = chart_svg(points)
-    assert svg.count('class="point rows"') == 4 and 'data-points="4"' in svg
+    assert svg.count('class="point rows"') == 3 and 'data-points="3"' in svg
     assert "no rows committed yet" in chart_svg([])
 
 

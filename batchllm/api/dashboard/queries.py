@@ -21,7 +21,7 @@ from batchllm.worker.profile import EngineProfile
 PAGE_SIZE = 20
 PREVIEW_ROWS = 5
 EXAMPLES_PER_REASON = 3
-MAX_POINTS = 60  # the chart's buckets: enough to see a shape, few enough to read
+MAX_POINTS = 60  # the chart's points: enough to see a shape, few enough to read
 
 
 def visible_jobs(viewer: Viewer) -> Any:
@@ -101,9 +101,11 @@ def job_summary(job: Job) -> dict[str, Any]:
 
 
 def series(session: Session, job: Job) -> list[dict[str, float]]:
-    """Rows/s and output tok/s over the job's run, from its checkpoints' commit times, in
-    equal buckets (several workers commit at close moments: rates between single commits
-    would jump). Each point: seconds since the start, rows/s and tok/s over its bucket."""
+    """Rows/s and output tok/s over the job's run, from its checkpoints' commit times. Each
+    point is the average rate since the point before, and points are at least `width` apart:
+    fixed buckets about as wide as the commit period would alternate full and empty, and the
+    rate between two workers' commits a moment apart would spike. Each point: seconds since
+    the start, rows/s and tok/s."""
     commits = session.execute(
         select(Checkpoint.created_at, Checkpoint.rows, Checkpoint.completion_tokens)
         .join(Shard)
@@ -112,29 +114,28 @@ def series(session: Session, job: Job) -> list[dict[str, float]]:
     ).all()
     if not commits:
         return []
-    start = job.started_at or commits[0][0]
-    start = min(start, commits[0][0])
-    span = max((commits[-1][0] - start).total_seconds(), 1e-3)
+    start = min(job.started_at or commits[0][0], commits[0][0])
+    span = (commits[-1][0] - start).total_seconds()
     width = max(2.0, span / MAX_POINTS)
-    buckets = max(1, math.ceil(span / width))
-    rows = [0] * buckets
-    tokens = [0] * buckets
+    anchors = [(0.0, 0, 0)]  # (seconds, rows so far, tokens so far)
+    rows = tokens = 0
     for at, n, completion in commits:
-        index = min(buckets - 1, int((at - start).total_seconds() / width))
-        rows[index] += n
-        tokens[index] += completion
-    points = []
-    for i in range(buckets):
-        seconds = min((i + 1) * width, span)
-        bucket = max(seconds - i * width, 1.0)
-        points.append(
-            {
-                "t": round(seconds, 2),
-                "rows_per_s": round(rows[i] / bucket, 3),
-                "tokens_per_s": round(tokens[i] / bucket, 2),
-            }
-        )
-    return points
+        rows, tokens = rows + n, tokens + completion
+        seconds = (at - start).total_seconds()
+        if seconds - anchors[-1][0] >= width:
+            anchors.append((seconds, rows, tokens))
+    if anchors[-1][1] != rows:  # the last commits, too close to the last point for their own
+        if span - anchors[-1][0] < width / 2 and len(anchors) > 1:
+            anchors.pop()
+        anchors.append((span, rows, tokens))
+    return [
+        {
+            "t": round(t, 2),
+            "rows_per_s": round((r - r0) / max(t - t0, 1e-3), 3),
+            "tokens_per_s": round((k - k0) / max(t - t0, 1e-3), 2),
+        }
+        for (t0, r0, k0), (t, r, k) in zip(anchors, anchors[1:])
+    ]
 
 
 def shards_of(job: Job, now: datetime) -> list[dict[str, Any]]:
