@@ -3,6 +3,7 @@ registry: plain dicts and lists the templates lay out."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import datetime, timezone
 from typing import Any
@@ -134,7 +135,7 @@ def series(session: Session, job: Job) -> list[dict[str, float]]:
             "rows_per_s": round((r - r0) / max(t - t0, 1e-3), 3),
             "tokens_per_s": round((k - k0) / max(t - t0, 1e-3), 2),
         }
-        for (t0, r0, k0), (t, r, k) in zip(anchors, anchors[1:])
+        for (t0, r0, k0), (t, r, k) in itertools.pairwise(anchors)
     ]
 
 
