@@ -200,7 +200,8 @@ def key_webhook(key: str, url: str | None, clear: bool) -> None:
 
 @keys.command("list")
 def list_keys() -> None:
-    """Keys by id, name, creation and revocation time (never the keys themselves)."""
+    """Keys by id, name, creation and revocation time, webhook and whether the dashboard shows
+    the key every job (admin); never the keys themselves."""
     from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
     from batchllm.store.db import session_scope
@@ -213,10 +214,11 @@ def list_keys() -> None:
                 r.created_at.isoformat(timespec="seconds"),
                 r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-",
                 r.webhook_url or "-",
+                "yes" if r.admin else "-",
             ]
             for r in rows(session)
         ]
-    click.echo(table(["id", "name", "created", "revoked", "webhook"], lines))
+    click.echo(table(["id", "name", "created", "revoked", "webhook", "admin"], lines))
 
 
 @keys.command("revoke")

@@ -109,3 +109,7 @@ def test_an_admin_key_is_created_as_such_and_other_keys_are_not(settings):
     assert "admin key key_" in admin.stderr
     with session_scope(settings) as session:
         assert {row.name: row.admin for row in list_keys(session)} == {"ops": True, "alice": False}
+    listed = {
+        line.split()[1]: line.split()[-1] for line in invoke("keys", "list").output.splitlines()[1:]
+    }
+    assert listed == {"ops": "yes", "alice": "-"}
