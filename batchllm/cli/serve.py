@@ -122,7 +122,8 @@ def exposure_warnings(host: str, *, no_auth: bool) -> list[str]:
     warnings = []
     if no_auth:
         who = "anyone on this machine" if local else f"anyone who can reach {host}"
-        warnings.append(f"--no-auth: {who} can read, create and delete every file and batch")
+        seen = "; the dashboard (/ui) shows it every job" if local else ""
+        warnings.append(f"--no-auth: {who} can read, create and delete every file and batch{seen}")
     if not local:
         warnings.append(
             f"listening on {host}, not only this machine: the API is plain HTTP; put a TLS "
