@@ -4,12 +4,12 @@ the package (no CDN, no build step)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from starlette.responses import Response
+from starlette.datastructures import MutableHeaders
 
 from batchllm.api.dashboard.routes import _LoginNeeded, login_redirect, router
 
@@ -21,7 +21,30 @@ _HEADERS = {
     "x-frame-options": "DENY",
     "x-content-type-options": "nosniff",
     "referrer-policy": "same-origin",
+    "cache-control": "no-store",
 }
+
+
+class _PageHeaders:
+    """ASGI middleware adding _HEADERS to the dashboard's responses; every other request
+    (the API's uploads among them) passes through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/ui"):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in _HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def install(app: FastAPI) -> None:
@@ -30,13 +53,4 @@ def install(app: FastAPI) -> None:
         "/ui/static", StaticFiles(directory=Path(__file__).parent / "static"), name="ui-static"
     )
     app.add_exception_handler(_LoginNeeded, login_redirect)
-
-    @app.middleware("http")
-    async def _secure_pages(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        if request.url.path.startswith("/ui"):
-            response.headers.update(_HEADERS)
-            response.headers.setdefault("cache-control", "no-store")
-        return response
+    app.add_middleware(_PageHeaders)
