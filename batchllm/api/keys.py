@@ -24,12 +24,15 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(session: Session, name: str) -> tuple[ApiKey, str]:
+def create_key(session: Session, name: str, *, admin: bool = False) -> tuple[ApiKey, str]:
     """A new key: its row and the key itself, which is not stored. BatchLLMError for a name
-    that is not 1..MAX_NAME printable characters, or that starts like a key id."""
+    that is not 1..MAX_NAME printable characters, or that starts like a key id. An `admin`
+    key sees every job in the dashboard; through the API it is a tenant like any other."""
     _check_name(name)
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    row = ApiKey(id=_ID_PREFIX + secrets.token_hex(8), name=name, key_hash=_digest(key))
+    row = ApiKey(
+        id=_ID_PREFIX + secrets.token_hex(8), name=name, key_hash=_digest(key), admin=admin
+    )
     session.add(row)
     session.flush()
     return row, key
@@ -93,6 +96,13 @@ def _check_name(name: str) -> None:
             f"key name {name!r}: must not start with {_ID_PREFIX!r}, as key ids do "
             "(`keys revoke` takes either)"
         )
+
+
+def live_key(session: Session, key: str) -> ApiKey | None:
+    """The live key row `key` is, or None (unknown or revoked)."""
+    return session.scalar(
+        select(ApiKey).where(ApiKey.key_hash == _digest(key), ApiKey.revoked_at.is_(None))
+    )
 
 
 def owner_of(session: Session, key: str) -> str | None:

@@ -69,9 +69,15 @@ def serve(
 
     get_engine()  # refuse an unreachable or old database now, in one line
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
-    app = create_app(auth=not no_auth, require_served_model=require_served_model)
+    app = create_app(
+        auth=not no_auth,
+        require_served_model=require_served_model,
+        # Without keys, every job shows only to a dashboard no other machine can reach.
+        dashboard_sees_all=no_auth and is_local(host),
+    )
     auth = "no API keys (--no-auth)" if no_auth else "API keys required"
     click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
+    click.echo(f"dashboard: http://{host}:{port}/ui", err=True)
     for warning in exposure_warnings(host, no_auth=no_auth):
         click.echo(f"warning: {warning}", err=True)
     log_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
@@ -106,13 +112,18 @@ def _start_worker(model: str) -> subprocess.Popen:
     return worker
 
 
+def is_local(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
 def exposure_warnings(host: str, *, no_auth: bool) -> list[str]:
     """What an operator must hear before the server takes requests: who can reach it."""
-    local = host == "localhost" or host.startswith("127.") or host == "::1"
+    local = is_local(host)
     warnings = []
     if no_auth:
         who = "anyone on this machine" if local else f"anyone who can reach {host}"
-        warnings.append(f"--no-auth: {who} can read, create and delete every file and batch")
+        seen = "; the dashboard (/ui) shows it every job" if local else ""
+        warnings.append(f"--no-auth: {who} can read, create and delete every file and batch{seen}")
     if not local:
         warnings.append(
             f"listening on {host}, not only this machine: the API is plain HTTP; put a TLS "
@@ -134,7 +145,12 @@ def keys() -> None:
     default=None,
     help="POST a signed event there when each of this key's batches ends (see `keys webhook`).",
 )
-def create_key(name: str, webhook: str | None) -> None:
+@click.option(
+    "--admin",
+    is_flag=True,
+    help="The dashboard (/ui) shows this key every job: other keys' and `submit`/`run` jobs.",
+)
+def create_key(name: str, webhook: str | None, admin: bool) -> None:
     """Create a key named NAME and print it (once: only its hash is stored).
 
     \b
@@ -146,12 +162,13 @@ def create_key(name: str, webhook: str | None) -> None:
     from batchllm.store.db import session_scope
 
     with session_scope() as session:
-        row, key = make(session, name)
+        row, key = make(session, name, admin=admin)
         if webhook is not None:
             set_webhook(session, row.id, webhook)
         key_id, secret = row.id, row.webhook_secret
     click.echo(key)
-    click.echo(f"key {key_id} ({name}) created; it is not shown again", err=True)
+    role = "admin key" if admin else "key"
+    click.echo(f"{role} {key_id} ({name}) created; it is not shown again", err=True)
     if secret:
         click.echo(f"its webhook to {webhook} is signed with secret {secret}", err=True)
 
@@ -184,7 +201,8 @@ def key_webhook(key: str, url: str | None, clear: bool) -> None:
 
 @keys.command("list")
 def list_keys() -> None:
-    """Keys by id, name, creation and revocation time (never the keys themselves)."""
+    """Keys by id, name, creation and revocation time, webhook and whether the dashboard shows
+    the key every job (admin); never the keys themselves."""
     from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
     from batchllm.store.db import session_scope
@@ -197,10 +215,11 @@ def list_keys() -> None:
                 r.created_at.isoformat(timespec="seconds"),
                 r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-",
                 r.webhook_url or "-",
+                "yes" if r.admin else "-",
             ]
             for r in rows(session)
         ]
-    click.echo(table(["id", "name", "created", "revoked", "webhook"], lines))
+    click.echo(table(["id", "name", "created", "revoked", "webhook", "admin"], lines))
 
 
 @keys.command("revoke")

@@ -197,6 +197,8 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # An admin key sees every job in the dashboard, those of other keys and of `submit`/`run`.
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     # The key's batches announce their end here, signed with the key's webhook secret.
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_secret: Mapped[str | None] = mapped_column(String(128))

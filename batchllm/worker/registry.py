@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 from batchllm.input.schemas import JobSpec
@@ -40,7 +41,14 @@ def register(
     client = connect(broker_url)
     try:
         value = json.dumps(
-            {"models": models, "host": socket.gethostname(), "node": node, "engine": engine}
+            {
+                "models": models,
+                "host": socket.gethostname(),
+                "node": node,
+                "engine": engine,
+                # When it last said it lives (the dashboard's "last heartbeat").
+                "seen_at": time.time(),
+            }
         )
         client.set(worker_key(node), value, ex=ttl_seconds)
     finally:
@@ -48,7 +56,8 @@ def register(
 
 
 def live_workers(broker_url: str) -> list[dict[str, Any]]:
-    """Every live worker process: {node, host, models, engine} ([] for a non-Redis broker)."""
+    """Every live worker process: {node, host, models, engine, seen_at (epoch seconds)} ([]
+    for a non-Redis broker)."""
     if not is_redis(broker_url):
         return []
     client = connect(broker_url)

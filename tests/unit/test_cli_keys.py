@@ -100,3 +100,16 @@ def test_a_keys_webhook_gives_its_batches_the_url_and_a_new_secret(settings):
         assert webhook_of(session, key_id) is None
     refused = invoke("keys", "webhook", "alice", "file:///etc/passwd")
     assert refused.exit_code != 0 and "must be http:// or https://" in refused.output
+
+
+def test_an_admin_key_is_created_as_such_and_other_keys_are_not(settings):
+    admin = invoke("keys", "create", "ops", "--admin")
+    plain = invoke("keys", "create", "alice")
+    assert admin.exit_code == 0 and plain.exit_code == 0, admin.output + plain.output
+    assert "admin key key_" in admin.stderr
+    with session_scope(settings) as session:
+        assert {row.name: row.admin for row in list_keys(session)} == {"ops": True, "alice": False}
+    listed = {
+        line.split()[1]: line.split()[-1] for line in invoke("keys", "list").output.splitlines()[1:]
+    }
+    assert listed == {"ops": "yes", "alice": "-"}
