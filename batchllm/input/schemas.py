@@ -342,7 +342,7 @@ class ChatMessage(BaseModel):
     def _content_or_calls(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (null only for an assistant's tool_calls)")
-        if self.tool_calls and self.role != "assistant":
+        if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         return self
 
