@@ -85,7 +85,7 @@ LINES: list[dict] = [
     {"custom_id": "think-off", "messages": ASK, "regex": "[a-z ]{1,10}", **NO_THINKING},
     # 2. tool calls: auto (parsed by hermes), named and required (enforced by a JSON schema)
     {"custom_id": "tool-auto", "messages": ASK, "tools": TOOLS, "regex": TOOL_CALL,
-     "max_tokens": 60, **NO_THINKING},  # fmt: skip
+     "max_tokens": 160, **NO_THINKING},  # fmt: skip
     oai("tool-named", "/v1/chat/completions", messages=ASK, tools=TOOLS, max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         **NO_THINKING),  # fmt: skip
