@@ -166,8 +166,7 @@ def _required_calls(text: str) -> tuple[list[dict[str, Any]] | None, str]:
     if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
         return None, text
     return [
-        _call(c.get("name"), json.dumps(c.get("parameters", {}), ensure_ascii=False))
-        for c in calls
+        _call(c.get("name"), json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls
     ], ""
 
 

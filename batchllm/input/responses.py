@@ -89,7 +89,7 @@ def responses_request(body: OpenAIResponsesBody) -> tuple[list[dict[str, Any]], 
     return messages, settings
 
 
-def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None | bool:
+def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | bool | None:
     """The constraint text.format asks for; None for plain text (switches the job's off),
     False when the body does not say."""
     if text is None or text.get("format") is None:

@@ -26,6 +26,7 @@ from batchllm.input.custom_ids import (
     may_give_default_id,
 )
 from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
+from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.input.schemas import (
     ChatLine,
@@ -42,7 +43,6 @@ from batchllm.input.schemas import (
     Request,
     SamplingOverrides,
 )
-from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
 from batchllm.settings import get_settings

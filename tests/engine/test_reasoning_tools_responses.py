@@ -84,27 +84,74 @@ LINES: list[dict] = [
     {"custom_id": "think-cut", "messages": ASK, "regex": THINK, "max_tokens": 3},
     {"custom_id": "think-off", "messages": ASK, "regex": "[a-z ]{1,10}", **NO_THINKING},
     # 2. tool calls: auto (parsed by hermes), named and required (enforced by a JSON schema)
-    {"custom_id": "tool-auto", "messages": ASK, "tools": TOOLS, "regex": TOOL_CALL,
-     "max_tokens": 160, **NO_THINKING},  # fmt: skip
-    oai("tool-named", "/v1/chat/completions", messages=ASK, tools=TOOLS, max_tokens=40,
+    {
+        "custom_id": "tool-auto",
+        "messages": ASK,
+        "tools": TOOLS,
+        "regex": TOOL_CALL,
+        "max_tokens": 160,
+        **NO_THINKING,
+    },
+    oai(
+        "tool-named",
+        "/v1/chat/completions",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        **NO_THINKING),  # fmt: skip
-    {"custom_id": "tool-required", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
-     "parallel_tool_calls": False, "max_tokens": 60, **NO_THINKING},  # fmt: skip
-    {"custom_id": "tool-history", "messages": HISTORY, "tools": TOOLS, "tool_choice": "none",
-     "regex": "[a-z ]{1,10}", **NO_THINKING},  # fmt: skip
+        **NO_THINKING,
+    ),
+    {
+        "custom_id": "tool-required",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 60,
+        **NO_THINKING,
+    },
+    {
+        "custom_id": "tool-history",
+        "messages": HISTORY,
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "regex": "[a-z ]{1,10}",
+        **NO_THINKING,
+    },
     # 3. /v1/responses
-    oai("resp-json", "/v1/responses", input=ASK, instructions="Answer in JSON.",
-        max_output_tokens=40, temperature=0, reasoning={"effort": "none"},
-        text={"format": {"type": "json_schema", "name": "city", "schema": CITY}}),  # fmt: skip
-    oai("resp-think", "/v1/responses", input="Think first.", reasoning={"effort": "low"},
-        max_output_tokens=4),  # fmt: skip
-    oai("resp-tool", "/v1/responses", input="Weather in Rome?", tools=RESPONSES_TOOLS,
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
-        reasoning={"effort": "none"}),  # fmt: skip
+    oai(
+        "resp-json",
+        "/v1/responses",
+        input=ASK,
+        instructions="Answer in JSON.",
+        max_output_tokens=40,
+        temperature=0,
+        reasoning={"effort": "none"},
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+    ),
+    oai(
+        "resp-think",
+        "/v1/responses",
+        input="Think first.",
+        reasoning={"effort": "low"},
+        max_output_tokens=4,
+    ),
+    oai(
+        "resp-tool",
+        "/v1/responses",
+        input="Weather in Rome?",
+        tools=RESPONSES_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+        reasoning={"effort": "none"},
+    ),
     # bad values: error rows naming the field
-    {"custom_id": "bad-choice", "messages": ASK, "tools": TOOLS,
-     "tool_choice": {"type": "function", "function": {"name": "nope"}}},  # fmt: skip
+    {
+        "custom_id": "bad-choice",
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    },
     oai("bad-required", "/v1/chat/completions", messages=ASK, tool_choice="required"),
     oai("bad-format", "/v1/responses", input="x", text={"format": {"type": "xml"}}),
     {"custom_id": "bad-history", "messages": [*ASK, {"role": "assistant", "content": None}]},

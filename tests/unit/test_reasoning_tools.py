@@ -67,7 +67,9 @@ def test_required_is_enforced_by_vllms_array_schema_and_auto_by_nothing():
         (chat(tools=[{"type": "retrieval"}]), "body.tools.0.type"),
         (chat(tools=[{"type": "function", "function": {}}]), "body.tools.0.function.name"),
         (
-            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
+            chat(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
+            ),
             "body.tools.0.function.parameters",
         ),
         (
@@ -116,7 +118,10 @@ def test_a_multi_turn_line_keeps_the_calls_and_the_tool_results_for_the_template
     )
     assistant, tool = request.messages[1:]
     # Templates render the arguments as an object, as vLLM's server hands them over.
-    assert assistant["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Rome"}}
+    assert assistant["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Rome"},
+    }
     assert tool == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
     assert request.messages[0] == {"role": "user", "content": "Weather?"}  # plain: unchanged
 
@@ -127,8 +132,12 @@ def test_a_responses_line_becomes_a_chat_request_marked_for_a_response_body():
             model="m",
             input=[
                 {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
-                {"type": "function_call", "call_id": "c1", "name": "get_weather",
-                 "arguments": '{"city": "Rome"}'},  # fmt: skip
+                {
+                    "type": "function_call",
+                    "call_id": "c1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Rome"}',
+                },
                 {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
             ],
             instructions="Be brief.",
@@ -211,7 +220,13 @@ def test_a_response_body_parses_with_the_openai_sdk():
     assert response.usage.output_tokens_details.reasoning_tokens == 5
     assert response.max_output_tokens == 12
 
-    answered = {**ROW, "tool_calls": None, "reasoning": None, "reasoning_tokens": None,
-                "text": "Sunny.", "finish_reason": "stop"}  # fmt: skip
+    answered = {
+        **ROW,
+        "tool_calls": None,
+        "reasoning": None,
+        "reasoning_tokens": None,
+        "text": "Sunny.",
+        "finish_reason": "stop",
+    }
     plain = Response.model_validate(response_body(answered, "m", 1, lambda p: p + "y"))
     assert (plain.status, plain.output_text) == ("completed", "Sunny.")
