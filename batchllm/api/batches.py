@@ -21,7 +21,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
 from batchllm.store.webhooks import WebhookTarget
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
 # only worth running soon; the tests expire batches in seconds), longer ones are not: a batch
 # holds its input and the fleet's attention for at most a day, as on OpenAI. ASCII digits only
@@ -134,9 +134,15 @@ def _decoded(raw: bytes | None) -> Any:
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:
     task = "embed" if endpoint == "/v1/embeddings" else "generate"
-    # OpenAI's batch has no priority field: the metadata key `priority` sets it.
+    # OpenAI's batch has no priority field, nor output parsers: the metadata keys
+    # `priority`, `reasoning_parser` and `tool_call_parser` set them.
     return build_job_spec(
-        model, metadata=metadata, task=task, priority=metadata.get("priority", "normal")
+        model,
+        metadata=metadata,
+        task=task,
+        priority=metadata.get("priority", "normal"),
+        reasoning_parser=metadata.get("reasoning_parser") or None,
+        tool_call_parser=metadata.get("tool_call_parser") or None,
     )
 
 

@@ -211,6 +211,20 @@ def job_options(command):
             help="A Jinja chat template file replacing the model's own for chat lines.",
         ),
         click.option(
+            "--reasoning-parser",
+            default=None,
+            metavar="NAME",
+            help="vLLM's reasoning parser (e.g. deepseek_r1, qwen3): the thinking goes to the "
+            "`reasoning` column, the answer to `text`.",
+        ),
+        click.option(
+            "--tool-call-parser",
+            default=None,
+            metavar="NAME",
+            help="vLLM's tool call parser (e.g. hermes, llama3_json): reads the tool calls "
+            "of lines with tools and tool_choice auto.",
+        ),
+        click.option(
             "--strict",
             is_flag=True,
             help="Refuse the whole file if any line is invalid (default: invalid lines "
@@ -302,6 +316,8 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
         id_column=flags.pop("id_column"),
         system=flags.pop("system"),
         priority=flags.pop("priority", "normal"),
+        reasoning_parser=flags.pop("reasoning_parser"),
+        tool_call_parser=flags.pop("tool_call_parser"),
         task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),

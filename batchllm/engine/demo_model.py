@@ -160,7 +160,7 @@ def _corpus(sentences: int = 800) -> list[str]:
     return lines
 
 
-def _build_tokenizer() -> Any:
+def _build_tokenizer(extra_tokens: tuple[str, ...] = ()) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -182,7 +182,7 @@ def _build_tokenizer() -> Any:
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -190,10 +190,17 @@ def _build_tokenizer() -> Any:
         chat_template=CHAT_TEMPLATE,
         model_max_length=2048,
     )
+    if extra_tokens:  # not special: they stay in decoded text, where output parsers look
+        wrapped.add_tokens(list(extra_tokens))
+    return wrapped
 
 
-def build_demo_model(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+def build_demo_model(
+    directory: str | pathlib.Path, *, seed: int = 0, extra_tokens: tuple[str, ...] = ()
+) -> pathlib.Path:
     """Build the tiny model and tokenizer into ``directory``; the same seed gives the same files.
+    `extra_tokens` become tokens of their own (e.g. `<think>`, which vLLM's reasoning parsers
+    look up in the vocabulary).
 
     Weights are saved as bfloat16 safetensors: vLLM's dtype="auto" downcasts float32 checkpoints
     to bfloat16 anyway, and logs a warning for every float32 tensor it loads.
@@ -203,7 +210,7 @@ def build_demo_model(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
+    tokenizer = _build_tokenizer(extra_tokens)
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,

@@ -29,6 +29,8 @@ def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> s
         extra["chat_template"] = chat_template
     if continue_final:
         extra["continue_final_message"] = True
+    if options.get("tools"):
+        extra["tools"] = list(options["tools"])
     return str(
         tokenizer.apply_chat_template(
             row.chat_messages(),

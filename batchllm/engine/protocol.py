@@ -41,6 +41,13 @@ class Finished:
     # An embedding request's vector (one input), or its vectors (a list input).
     embedding: list[float] | None = None
     embeddings: list[list[float]] | None = None
+    # With a reasoning parser: the thinking (`text` holds the answer alone) and its tokens.
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    # Parsed tool calls {name, arguments, arguments_valid} (engine/outputs.py).
+    tool_calls: list[dict[str, Any]] | None = None
+    # The generated text before the above were split off it (None: nothing was split).
+    raw_text: str | None = None
 
     @property
     def is_embedding(self) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
+from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownParser, output_spec
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
@@ -247,6 +248,8 @@ class VllmEngine:
         self._zero_adapters: dict[str, str] = {}  # adapter path -> its zero-weight copy
         # list embedding inputs in flight: request id -> (vector, tokens) per text, or None
         self._lists: dict[str, list[Any]] = {}
+        self._parsers = OutputParsers(self.tokenizer)
+        self._to_parse: dict[str, dict[str, Any]] = {}  # request id -> its output_spec
         self._closed = threading.Event()
         self._start_death_watch()
 
@@ -308,6 +311,13 @@ class VllmEngine:
             from vllm.sampling_params import StructuredOutputsParams
 
             extra["structured_outputs"] = StructuredOutputsParams(**structured)
+        spec = output_spec(merged)
+        if spec is not None:
+            try:
+                self._parsers.check(spec)
+            except UnknownParser as exc:
+                raise RequestRejected(f"field '{exc.field}': {exc}") from None
+            extra["extra_args"] = {EXTRA_KEY: spec}
         return self._vllm.SamplingParams(
             **sampling_values(merged), **extra, output_kind=self._final_only
         )
@@ -345,6 +355,9 @@ class VllmEngine:
             raise RequestRejected(str(exc)) from exc
         if getattr(params, "logprobs", None) is not None:  # PoolingParams has none
             self._top_k[request_id] = params.logprobs
+        spec = (getattr(params, "extra_args", None) or {}).get(EXTRA_KEY)
+        if spec is not None:
+            self._to_parse[request_id] = spec
 
     def _lora_request(self, adapter: Adapter) -> Any:
         """vLLM's LoRARequest for an adapter: one int id per adapter path, so adapters of the
@@ -419,16 +432,28 @@ class VllmEngine:
                 for c in sorted(out.outputs, key=lambda c: c.index)
             ]
             first = samples[0]
+            spec = self._to_parse.pop(out.request_id, None)
+            parsed = (
+                self._parsers.parse(
+                    first["text"], min(out.outputs, key=lambda c: c.index).token_ids, spec
+                )
+                if spec is not None
+                else Parsed(first["text"])
+            )
             done.append(
                 Finished(
                     request_id=out.request_id,
-                    text=first["text"],
+                    text=parsed.text,
                     finish_reason=first["finish_reason"],
                     prompt_tokens=len(out.prompt_token_ids or ()),
                     completion_tokens=first["completion_tokens"],
                     cached_tokens=out.num_cached_tokens or 0,
                     logprobs=first["logprobs"],
                     choices=samples if len(samples) > 1 else None,
+                    reasoning=parsed.reasoning,
+                    reasoning_tokens=parsed.reasoning_tokens,
+                    tool_calls=parsed.tool_calls,
+                    raw_text=first["text"] if spec is not None else None,
                 )
             )
         return done
@@ -470,6 +495,7 @@ class VllmEngine:
             self.engine.abort_request(engine_ids)
             for request_id in request_ids:
                 self._top_k.pop(request_id, None)
+                self._to_parse.pop(request_id, None)
 
     def shutdown(self) -> None:
         """Stop the EngineCore process now rather than at interpreter exit.

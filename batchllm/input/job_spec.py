@@ -31,6 +31,8 @@ def build_job_spec(
     id_column: str | None = None,
     system: str | None = None,
     priority: str = "normal",
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
@@ -69,6 +71,8 @@ def build_job_spec(
         adapters=dict(lora or {}),
         table=table,
         priority=priority,  # type: ignore[arg-type]  # pydantic refuses other values
+        reasoning_parser=reasoning_parser,
+        tool_call_parser=tool_call_parser,
     )
 
 

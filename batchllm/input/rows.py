@@ -23,7 +23,12 @@ RowKind = Literal["prompt", "chat", "embed", "invalid"]
 
 # A chat line's settings that change how its conversation renders: validation stores them in
 # the row's sampling text, the prompt renderer reads them from there.
-TEMPLATE_OPTIONS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+TEMPLATE_OPTIONS = (
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+)
 
 INPUT_SCHEMA = pa.schema(
     [

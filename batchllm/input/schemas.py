@@ -3,12 +3,15 @@
 Three line forms are accepted (see docs/input.md):
   {"prompt": "..."}                         plain completion
   {"messages": [{"role": ..., "content": ...}]}  chat, the model's chat template is applied
-  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
+   | "/v1/responses", "body": {...}}
 Sampling overrides sit at the top level of the first two forms and inside `body` for the third.
+A /v1/responses body becomes a chat request (input/responses.py).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -116,6 +119,15 @@ class ChatOptions(BaseModel):
     )
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    tools: list[Any] | None = Field(
+        default=None, description="OpenAI function tools the chat template renders."
+    )
+    tool_choice: Any = Field(
+        default=None, description="none | auto | required | {type: function, function: {name}}."
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one call under tool_choice required."
+    )
 
 
 # Job settings a line may switch off by storing null (see SamplingDefaults.merged).
@@ -267,6 +279,15 @@ class JobSpec(BaseModel):
         default="normal",
         description="Which queued shards a worker takes first (worker/fair_share.py).",
     )
+    reasoning_parser: NonEmptyStr | None = Field(
+        default=None,
+        description="vLLM's reasoning parser (e.g. deepseek_r1, qwen3): the thinking goes to "
+        "the `reasoning` column, the answer to `text`.",
+    )
+    tool_call_parser: NonEmptyStr | None = Field(
+        default=None,
+        description="vLLM's tool call parser (e.g. hermes, llama3_json) for tool_choice auto.",
+    )
 
     @model_validator(mode="after")
     def _lora_engine(self) -> JobSpec:
@@ -284,25 +305,81 @@ class JobSpec(BaseModel):
         return self
 
 
+class ToolCallFunction(BaseModel):
+    name: NonEmptyStr
+    arguments: str = Field(description="The arguments as JSON text, as OpenAI sends them.")
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of an earlier assistant turn (a multi-turn line's history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    # None only for an assistant turn that called tools (checked below)
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _text_only(
+        cls, value: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
         if isinstance(value, list):
             for part in value:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts are supported")
         return value
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only for an assistant's tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part["text"] for part in self.content)
+
+    def stored(self) -> dict[str, Any]:
+        """The message as the chat template reads it: role and text, plus a tool turn's id
+        and an assistant turn's calls with their arguments decoded (templates render them
+        as objects, as vLLM's server passes them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _decoded_arguments(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _decoded_arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class PromptLine(SamplingOverrides, ConstraintFields, CompletionLogprobs):
@@ -360,7 +437,7 @@ class OpenAIBatchLine(BaseModel):
 
     custom_id: NonEmptyStr
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
     body: dict[str, Any]
 
 
@@ -371,7 +448,7 @@ class Request(BaseModel):
     custom_id: str
     kind: Literal["prompt", "chat", "embed"]
     prompt: str | None = None  # also the text of an embedding line with one input
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     inputs: list[str] | None = None  # the texts of an embedding line with a list input
     sampling: dict[str, Any] = Field(default_factory=dict)
 

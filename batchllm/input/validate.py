@@ -26,6 +26,7 @@ from batchllm.input.custom_ids import (
     may_give_default_id,
 )
 from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
+from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.input.schemas import (
     ChatLine,
@@ -43,6 +44,7 @@ from batchllm.input.schemas import (
     SamplingOverrides,
 )
 from batchllm.input.structured import ConstraintError, constraint_of
+from batchllm.input.tools import line_tool_settings
 from batchllm.settings import get_settings
 from batchllm.storage import is_uri
 
@@ -137,7 +139,29 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
         if constraint is not None or parsed.response_format is not None:
             # response_format text: this line runs unconstrained, whatever the job's default
             sampling["structured"] = constraint
+    if isinstance(parsed, ChatOptions) and (
+        parsed.tools is not None or parsed.tool_choice is not None
+    ):
+        _add_tools(parsed, sampling, prefix)
     return sampling
+
+
+def _add_tools(parsed: ChatOptions, sampling: dict[str, Any], prefix: str) -> None:
+    """The line's tools and tool_choice, and the constraint a forced call runs under."""
+    try:
+        settings, enforced = line_tool_settings(
+            parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls
+        )
+    except ConstraintError as exc:
+        raise LineProblem(prefix + exc.field, exc.message) from None
+    if enforced is not None:
+        if sampling.get("structured"):
+            raise LineProblem(
+                prefix + "tool_choice",
+                "a forced tool call and a structured output constraint cannot both apply",
+            )
+        sampling["structured"] = enforced
+    sampling.update(settings)
 
 
 def _has_constraint(parsed: ConstraintFields) -> bool:
@@ -235,12 +259,14 @@ def parse_line(
         raise _wrong_task(obj, task)
     if {"method", "url", "body"} & obj.keys():
         envelope = _validate(OpenAIBatchLine, obj)
+        if envelope.url == "/v1/responses":
+            return _responses_line(envelope.body, envelope.custom_id, line, adapters)
         if envelope.url == "/v1/chat/completions":
             body = _validate(OpenAIChatBody, envelope.body, prefix="body.")
             sampling = _sampling_of(body, "body.") | _model_adapter(body.model, adapters)
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.stored() for m in body.messages]
             return Request(
                 line=line,
                 custom_id=envelope.custom_id,
@@ -258,7 +284,7 @@ def parse_line(
         )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)
-        messages = [{"role": m.role, "content": m.text()} for m in chat.messages]
+        messages = [m.stored() for m in chat.messages]
         return Request(
             line=line,
             custom_id=chat.custom_id or default_custom_id(line),
@@ -278,6 +304,23 @@ def parse_line(
             sampling=_sampling_of(plain) | _pick_adapter(plain.adapter, adapters),
         )
     raise LineProblem(None, _UNKNOWN_FORM)
+
+
+def _responses_line(
+    data: dict[str, Any], custom_id: str, line: int, adapters: frozenset[str]
+) -> Request:
+    body = _validate(OpenAIResponsesBody, data, prefix="body.")
+    try:
+        messages, sampling = responses_request(body)
+    except ConstraintError as exc:
+        raise LineProblem(exc.field, exc.message) from None
+    return Request(
+        line=line,
+        custom_id=custom_id,
+        kind="chat",
+        messages=messages,
+        sampling=sampling | _model_adapter(body.model, adapters),
+    )
 
 
 def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str]:

@@ -35,6 +35,12 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
+from batchllm.output.responses_body import (
+    chat_message,
+    completion_details,
+    is_responses,
+    response_body,
+)
 from batchllm.output.row_errors import code_of
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus
@@ -202,28 +208,33 @@ def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str
     """Merge the shard's input (line, kind), stored in line order, with its rows by line."""
     rows = _sorted_rows(storage, shard.parts)
     current = next(rows, None)
-    for line, kind, custom_id in _input_kinds(storage, shard.input_path):
+    for line, kind, custom_id, settings in _input_kinds(storage, shard.input_path):
         # Skips a second row of one line too: a part file no checkpoint records (its worker
         # died before the commit) is deleted when a job completes, but may stay in a job that
         # was cancelled or failed meanwhile; both rows answer the same request.
         while current is not None and current["line"] < line:
             current = next(rows, None)
         if current is not None and current["line"] == line:
+            if kind == "chat" and is_responses(settings):
+                kind = "responses"  # a /v1/responses line, answered with a Response
+                current["settings"] = settings
             yield kind, current
             current = next(rows, None)
         else:
             yield kind, {"line": line, "custom_id": custom_id, "status": _NOT_RUN}
 
 
-def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str, str]]:
+def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str, str, str | None]]:
+    """(line, kind, custom_id, stored settings text) per stored input row."""
     with storage.fs.open_input_file(path) as src:
         for batch in pq.ParquetFile(src).iter_batches(
-            batch_size=_BATCH_ROWS * 8, columns=["line", "kind", "custom_id"]
+            batch_size=_BATCH_ROWS * 8, columns=["line", "kind", "custom_id", "sampling"]
         ):
             yield from zip(
                 batch.column("line").to_pylist(),
                 batch.column("kind").to_pylist(),
                 batch.column("custom_id").to_pylist(),
+                batch.column("sampling").to_pylist(),
             )
 
 
@@ -275,6 +286,10 @@ class _LineMaker:
         model = row["adapter"] or self.model  # vLLM's server answers with the LoRA's name
         if kind == "embed":
             body = _embedding_body(row, model)
+        elif kind == "responses":
+            body = response_body(
+                row, model, self.created, lambda prefix: self._id(prefix, row["line"])
+            )
         else:
             prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
             body = {
@@ -355,7 +370,10 @@ def _choices(row: dict[str, Any], *, chat: bool) -> list[dict[str, Any]]:
     for sample in _samples(row):
         text, tokens = sample["text"] or "", sample["logprobs"]
         choice: dict[str, Any] = {"index": sample["index"]}
-        if chat:
+        if chat and not row["choices"]:  # one sample: the row's thinking and tool calls too
+            choice["message"] = chat_message(row)
+            choice["logprobs"] = _chat_logprobs(tokens) if tokens is not None else None
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
             choice["logprobs"] = _chat_logprobs(tokens) if tokens is not None else None
         else:
@@ -366,14 +384,18 @@ def _choices(row: dict[str, Any], *, chat: bool) -> list[dict[str, Any]]:
     return choices
 
 
-def _usage(row: dict[str, Any]) -> dict[str, int]:
+def _usage(row: dict[str, Any]) -> dict[str, Any]:
     prompt = row["prompt_tokens"] or 0
     completion = sum(s["completion_tokens"] or 0 for s in _samples(row))
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+    details = completion_details(row)
+    if details is not None:
+        usage["completion_tokens_details"] = details
+    return usage
 
 
 def _logprob(value: float | None) -> float:

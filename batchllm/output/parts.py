@@ -31,9 +31,10 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
 # Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
-# embeddings), version 3 error_code (output/row_errors.py); a reader of an older version keeps
-# working, since no column moved or changed type.
-SCHEMA_VERSION = 3
+# embeddings), version 3 error_code (output/row_errors.py), version 4 reasoning,
+# reasoning_tokens and tool_calls; a reader of an older version keeps working, since no column
+# moved or changed type.
+SCHEMA_VERSION = 4
 
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float32())])
 TOKEN_LOGPROBS = pa.list_(
@@ -52,6 +53,15 @@ CHOICE = pa.struct(
         pa.field("finish_reason", pa.string()),
         pa.field("completion_tokens", pa.int32()),
         pa.field("logprobs", TOKEN_LOGPROBS),
+    ]
+)
+
+TOOL_CALL = pa.struct(
+    [
+        pa.field("id", pa.string()),
+        pa.field("name", pa.string()),
+        pa.field("arguments", pa.string()),  # JSON text, as OpenAI returns it
+        pa.field("arguments_valid", pa.bool_()),  # false: the text does not parse as JSON
     ]
 )
 
@@ -74,6 +84,10 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("embeddings", pa.list_(pa.list_(pa.float32()))),  # its list input
         # version 3
         pa.field("error_code", pa.string()),  # why an error row failed (output/row_errors.py)
+        # version 4
+        pa.field("reasoning", pa.string()),  # a reasoning model's thinking (--reasoning-parser)
+        pa.field("reasoning_tokens", pa.int32()),  # its share of completion_tokens
+        pa.field("tool_calls", pa.list_(TOOL_CALL)),
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
@@ -118,6 +132,9 @@ class OutputBuffer:
         logprobs: list[dict[str, Any]] | None,
         choices: list[dict[str, Any]] | None,
         adapter: str | None,
+        reasoning: str | None = None,
+        reasoning_tokens: int | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
         """A generated answer."""
         self.rows.append(
@@ -137,6 +154,9 @@ class OutputBuffer:
                 None,
                 None,
                 None,
+                reasoning,
+                reasoning_tokens,
+                tool_calls,
             )
         )
 
@@ -165,6 +185,9 @@ class OutputBuffer:
                 None,
                 embedding,
                 embeddings,
+                None,
+                None,
+                None,
                 None,
             )
         )
@@ -195,6 +218,9 @@ class OutputBuffer:
                 None,
                 None,
                 code,
+                None,
+                None,
+                None,
             )
         )
 

@@ -10,6 +10,7 @@ when requests are fed, commits happen only at the thresholds.
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.prompts import token_count, within_context
-from batchllm.engine.protocol import Adapter, Engine
+from batchllm.engine.protocol import Adapter, Engine, Finished
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
@@ -236,7 +237,20 @@ class ShardRunner:
                     state.buffer.failed(row.custom_id, row.line, ids, code_of(None, ids))
                     refused += 1
                     continue
-                sampling = cache.get((job, row.sampling)) or self._sampling(state, row)
+                sampling = cache.get((job, row.sampling))
+                if sampling is None:
+                    try:
+                        sampling = self._sampling(state, row)
+                    except BatchLLMError as exc:  # e.g. a parser this vLLM does not have
+                        state.buffer.failed(
+                            row.custom_id,
+                            row.line,
+                            str(exc),
+                            REQUEST_REJECTED,
+                            prompt_tokens=token_count(ids),
+                        )
+                        refused += 1
+                        continue
                 # Not a bare number: LLM.generate sorts its own outputs by int(request_id),
                 # and the benchmark drives generate and this runner on one engine.
                 request_id = f"r{next(_request_ids)}"
@@ -325,17 +339,26 @@ class ShardRunner:
                 )
             elif out.finish_reason in _RESULT_REASONS:
                 constraint = sampling.constraint
+                calls = out.tool_calls
+                finish_reason = out.finish_reason
+                if calls:
+                    calls = with_call_ids(row.custom_id, calls)
+                    if finish_reason == "stop":  # OpenAI's reason for an answer that calls
+                        finish_reason = "tool_calls"
                 state.buffer.answer(
                     row.custom_id,
                     row.line,
                     out.text,
-                    out.finish_reason,
+                    finish_reason,
                     out.prompt_tokens,
                     out.completion_tokens,
-                    satisfies(constraint, out.text) if constraint else None,
+                    _satisfied(constraint, out) if constraint else None,
                     out.logprobs,
                     out.choices,
                     sampling.adapter_name,
+                    out.reasoning,
+                    out.reasoning_tokens,
+                    calls,
                 )
             else:
                 state.buffer.failed(
@@ -499,6 +522,24 @@ class ShardRunner:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).
                 log.exception("shard %d: could not record its end", state.index)
+
+
+def _satisfied(constraint: dict[str, Any], out: Finished) -> bool | None:
+    """Whether the generated text meets its constraint: the whole text the constraint ran
+    over, before thinking and tool calls were split off it."""
+    return satisfies(constraint, out.raw_text if out.raw_text is not None else out.text)
+
+
+def with_call_ids(custom_id: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls with OpenAI-style ids, derived from the row so a rerun gives the same."""
+    return [
+        {
+            "id": "call_"
+            + hashlib.blake2b(f"{custom_id}/{i}".encode(), digest_size=12).hexdigest(),
+            **call,
+        }
+        for i, call in enumerate(calls)
+    ]
 
 
 def _count_committed(model: str, part: Part) -> None:

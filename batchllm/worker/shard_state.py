@@ -151,4 +151,11 @@ def _prompt_text(row: InputRow) -> str:
 
 
 def sampling_for(spec: JobSpec, row: InputRow) -> dict[str, Any]:
-    return spec.sampling.merged(row.overrides())
+    """A row's full settings: the job's defaults under the line's own, with the job's output
+    parsers (the engine splits thinking and tool calls off the text with them)."""
+    merged = spec.sampling.merged(row.overrides())
+    if spec.reasoning_parser is not None:
+        merged["reasoning_parser"] = spec.reasoning_parser
+    if spec.tool_call_parser is not None:
+        merged["tool_call_parser"] = spec.tool_call_parser
+    return merged

@@ -41,6 +41,7 @@ T = TypeVar("T")
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MAX_FILE_BYTES = 4 * 1024 * 1024
 RECONCILE_SECONDS = "2"
 # Long enough that cancelling or expiring it always finds rows done and rows left: about
@@ -446,6 +447,65 @@ def test_a_completions_batch_completes(api: Api) -> None:
         assert Completion.model_validate(line["response"]["body"]).object == "text_completion"
     assert_invalid_lines(read_jsonl(client, batch.error_file_id), {"zero-tokens": "max_tokens"})
     assert (batch.usage.input_tokens, batch.usage.output_tokens) == (prompt, completion)
+
+
+def test_a_responses_batch_answers_with_response_objects(api: Api) -> None:
+    """/v1/responses lines through serve and a fleet worker: Response objects the SDK parses,
+    a forced tool call as a function_call item, the batch's tool parser from its metadata."""
+    from openai.types.responses import Response
+
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
+    lines = [
+        {
+            "custom_id": "resp-text",
+            "method": "POST",
+            "url": RESPONSES,
+            "body": {
+                "model": api.model,
+                "input": "Hello",
+                "instructions": "Be brief.",
+                "max_output_tokens": 6,
+                "temperature": 0,
+            },
+        },
+        {
+            "custom_id": "resp-tool",
+            "method": "POST",
+            "url": RESPONSES,
+            "body": {
+                "model": api.model,
+                "input": [{"role": "user", "content": "Weather?"}],
+                "tools": [{"type": "function", "name": "get_weather", "parameters": city}],
+                "tool_choice": {"type": "function", "name": "get_weather"},
+                "max_output_tokens": 30,
+            },
+        },
+        {
+            "custom_id": "resp-bad",
+            "method": "POST",
+            "url": RESPONSES,
+            "body": {"model": api.model, "input": "x", "text": {"format": {"type": "xml"}}},
+        },
+    ]
+    client = api.client()
+    file = upload(client, jsonl(lines))
+    created = client.batches.create(
+        input_file_id=file.id,
+        endpoint=RESPONSES,
+        completion_window="1h",
+        metadata={"tool_call_parser": "hermes"},
+    )
+    batch = wait_status(api, client, created.id, "completed", FIRST_BATCH_SECONDS)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    output = {line["custom_id"]: line for line in read_jsonl(client, batch.output_file_id)}
+    text = Response.model_validate(output["resp-text"]["response"]["body"])
+    assert text.object == "response" and text.model == api.model
+    assert text.output[0].type == "message" and text.usage.output_tokens <= 6
+    assert text.status == ("incomplete" if text.usage.output_tokens == 6 else "completed")
+    tool = Response.model_validate(output["resp-tool"]["response"]["body"])
+    assert tool.output[0].type == "function_call" and tool.output[0].name == "get_weather"
+    assert tool.output[0].call_id.startswith("call_")
+    assert_invalid_lines(read_jsonl(client, batch.error_file_id), {"resp-bad": "text.format.type"})
 
 
 def test_a_file_for_two_endpoints_is_refused(api: Api) -> None:

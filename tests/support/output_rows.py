@@ -30,6 +30,9 @@ class OutputRow:
     embedding: list[float] | None = None
     embeddings: list[list[float]] | None = None
     error_code: str | None = None  # batchllm/output/row_errors.py
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {id, name, arguments, arguments_valid}
 
     @property
     def generated_tokens(self) -> int:
@@ -71,6 +74,9 @@ class OutputRow:
             self.embedding,
             self.embeddings,
             self.error_code,
+            self.reasoning,
+            self.reasoning_tokens,
+            self.tool_calls,
         )
 
 

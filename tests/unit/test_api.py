@@ -389,7 +389,7 @@ def test_lines_for_another_endpoint_fail_the_batch(client: TestClient, settings:
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"endpoint": "/v1/responses"}, "endpoint"),
+        ({"endpoint": "/v1/images/generations"}, "endpoint"),
         ({"endpoint": "chat/completions"}, "endpoint"),
         ({"completion_window": "1d"}, "completion_window"),
         ({"completion_window": "0h"}, "completion_window"),

@@ -97,7 +97,7 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
     table = ds.dataset(out_dir, format="parquet").to_table()
 
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
-    assert table.schema.metadata[b"batchllm.schema_version"] == b"3"
+    assert table.schema.metadata[b"batchllm.schema_version"] == b"4"
     assert as_tuples(table.to_pylist()) == sorted(EXPECTED)
     errors = [r for r in table.to_pylist() if r["status"] == "error"]
     assert errors == [
@@ -118,6 +118,10 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
             "embedding": None,
             "embeddings": None,
             "error_code": None,  # version 3's; this row was written without one
+            # version 4's, null on an error row
+            "reasoning": None,
+            "reasoning_tokens": None,
+            "tool_calls": None,
         }
     ]
 
@@ -179,7 +183,7 @@ def test_manifest_and_success_marker_are_written_next_to_the_data(output_dir):
 
     manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
 
-    assert manifest == {"schema_version": 3, "job_id": "job_test", "rows": {"total": 4}}
+    assert manifest == {"schema_version": 4, "job_id": "job_test", "rows": {"total": 4}}
     assert storage.read_bytes(posixpath.join(out_dir, SUCCESS_NAME)) == b""
 
 
