@@ -6,13 +6,15 @@ The tests look at what a person would: the batch's row and its progress appear a
 a reload, the chart gains points as checkpoints commit, the job ends completed with its errors
 grouped and its first rows shown, a cancel clicked on the page cancels the job, the worker is
 shown live on its shard, and another key's job is nowhere to be seen. Screenshots go to the
-test's tmp dir and to docs/img/ (the README shows them).
+test's tmp dir, and to docs/img/ (which the docs show) only with BATCHLLM_UPDATE_SCREENSHOTS=1:
+a test run leaves the checkout as it found it.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,8 +86,9 @@ class Dashboard:
     def shoot(self, page: Any, name: str) -> None:
         path = self.shots / f"dashboard-{name}.png"
         page.screenshot(path=str(path), full_page=True)
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, SCREENSHOTS / path.name)
+        if os.environ.get("BATCHLLM_UPDATE_SCREENSHOTS") == "1":
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, SCREENSHOTS / path.name)
 
 
 def chat_lines(model: str, prefix: str, count: int, *, too_long: int = 0) -> list[dict[str, Any]]:
