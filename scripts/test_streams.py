@@ -1,0 +1,69 @@
+"""`make test`: the suite as two pytest sessions at once, their output interleaved by line.
+
+Why: on a 2-core machine the fleet suites (tests/integration, tests/faults) spend much of their
+time waiting - for a lease to expire, a Redis or PostgreSQL restart, a worker's engine build in
+another process, a poll - while the engine, unit, security and smoke suites keep the cores busy.
+Run one after the other they took ~70 minutes here; side by side the waits overlap the work.
+The two halves share nothing a test relies on: the fleet tests use their own Redis databases,
+PostgreSQL databases and private servers, the others SQLite homes in their own tmp dirs, and
+every test ends only the processes it started.
+
+Each line is prefixed with its stream's name ([fleet] or [local]); each stream prints its own
+summary and slowest tests. The exit code is non-zero when either session failed.
+Extra arguments go to both pytest sessions (e.g. `-x`, `-k name`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+STREAMS = {
+    "fleet": ["tests/integration", "tests/faults"],
+    "local": ["tests/unit", "tests/engine", "tests/security", "tests/smoke"],
+}
+
+
+def pump(name: str, proc: subprocess.Popen[str], lock: threading.Lock) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+
+def main(extra: list[str]) -> int:
+    lock = threading.Lock()
+    started = time.monotonic()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    threads = []
+    for name, paths in STREAMS.items():
+        # -v: one line per test, so interleaved output still says which test each line is.
+        # no cacheprovider: the two sessions would both write .pytest_cache at their end.
+        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *paths, *extra]
+        procs[name] = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        thread = threading.Thread(target=pump, args=(name, procs[name], lock), daemon=True)
+        thread.start()
+        threads.append(thread)
+    codes = {name: proc.wait() for name, proc in procs.items()}
+    for thread in threads:
+        thread.join()
+    minutes = (time.monotonic() - started) / 60
+    summary = ", ".join(f"{name} exit {code}" for name, code in codes.items())
+    print(f"test streams: {summary}; {minutes:.1f} min in all")
+    # pytest's 5 is "no tests collected": a stream filtered empty by -k is not a failure.
+    return 0 if all(code in (0, 5) for code in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
