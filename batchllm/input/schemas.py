@@ -292,12 +292,24 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _known_parts(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        # An image part's reference is checked (and its image opened) by validate.py, which
+        # names the part in its error.
         if isinstance(value, list):
             for part in value:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
+                kind = part.get("type")
+                if kind == "image_url":
+                    continue
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        "content parts are {type: text, text} or {type: image_url, image_url}"
+                    )
         return value
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            part["type"] == "image_url" for part in self.content
+        )
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -371,7 +383,9 @@ class Request(BaseModel):
     custom_id: str
     kind: Literal["prompt", "chat", "embed"]
     prompt: str | None = None  # also the text of an embedding line with one input
-    messages: list[dict[str, str]] | None = None
+    # {role, content}: content a string, or for a message with images its parts, text
+    # {type: text, text} and images {type: image_url, image_url: {url}} (references, not pixels)
+    messages: list[dict[str, Any]] | None = None
     inputs: list[str] | None = None  # the texts of an embedding line with a list input
     sampling: dict[str, Any] = Field(default_factory=dict)
 
