@@ -24,8 +24,9 @@ _BATCH = 2048
 _ROUND = 64  # so jobs of similar size share one warm engine
 
 # What a sized batch hands on: its rows' line numbers and each one's prompt ids (None where
-# the feed must prepare the row itself: invalid, failed, or a list embedding input).
-OnPrepared = Callable[[list[int], list[list[int] | None]], None]
+# the feed must prepare the row itself: invalid, failed, or a list embedding input; an
+# ImagePrompt for a row with images, which the feed prepares again with its images).
+OnPrepared = Callable[[list[int], list[list[int] | ImagePrompt | None]], None]
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,7 +76,7 @@ class ContextSizer:
         prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template, images)
         default_max = self.defaults.max_tokens
         best = 0
-        kept: dict[int, list[int]] = {}
+        kept: dict[int, list[int] | ImagePrompt] = {}
         for row, ids in zip(runnable, prepared, strict=True):
             if isinstance(ids, str) or not ids:
                 continue
@@ -84,6 +85,7 @@ class ContextSizer:
                 if tokens < self.limit:
                     max_tokens = row.overrides().get("max_tokens")
                     best = max(best, tokens + (default_max if max_tokens is None else max_tokens))
+                kept[row.line] = ids
                 continue
             # A prompt over the model's own context becomes an error row; sizing the engine for
             # it would give every other row the model's whole context (found on an 8k model).
