@@ -89,7 +89,9 @@ def decode_image(data: bytes, settings: Settings | None = None) -> Any:
     settings = settings or get_settings()
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except UnidentifiedImageError:
+        raise ImageProblem("not a decodable image (unknown image format)") from None
+    except (OSError, ValueError) as exc:
         raise ImageProblem(f"not a decodable image ({_reason(exc)})") from None
     width, height = image.size
     if width * height > settings.max_image_pixels:
