@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from typing import Any
 
 from batchllm.engine.demo_model import _build_tokenizer
 
@@ -40,17 +41,14 @@ def build_demo_vlm(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.P
         GenerationConfig,
         Idefics3Config,
         Idefics3ForConditionalGeneration,
-        Idefics3Processor,
         Idefics3VisionConfig,
         LlamaConfig,
     )
-    from transformers.models.idefics3 import Idefics3ImageProcessorPil
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    processor = build_demo_vlm_processor()
+    tokenizer = processor.tokenizer
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -88,19 +86,30 @@ def build_demo_vlm(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.P
         model = Idefics3ForConditionalGeneration(config).to(torch.bfloat16)  # type: ignore[no-untyped-call,arg-type]
     model.generation_config = GenerationConfig(**ids)  # type: ignore[no-untyped-call]
     model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    logger.info("built demo vision-language model in %s (seed %d)", directory, seed)
+    return directory
+
+
+def build_demo_vlm_processor() -> Any:
+    """The demo VLM's processor (its tokenizer and image processor), without weights: what
+    preparing its rows needs, in a second."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
+    tokenizer.chat_template = CHAT_TEMPLATE
     # The PIL image processor: the default one needs torchvision (see the module's doc).
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": IMAGE_SIZE},
         max_image_size={"longest_edge": IMAGE_SIZE},
         do_image_splitting=False,
     )
-    processor = Idefics3Processor(
+    return Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         image_seq_len=IMAGE_SEQ_LEN,
         chat_template=CHAT_TEMPLATE,
     )
-    processor.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    logger.info("built demo vision-language model in %s (seed %d)", directory, seed)
-    return directory
