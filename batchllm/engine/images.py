@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.input.images import ImageProblem, image_parts, open_image
+from batchllm.input.images import ImageProblem, decoded, image_parts, open_image
 from batchllm.input.rows import InputRow
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,15 @@ class ImagePrompt:
     """A prepared chat row with images: what the engine is given and what it will count."""
 
     ids: list[int]  # the rendered prompt, one placeholder token per image
-    images: list[Any]  # decoded (PIL) images, in the order their placeholders appear
+    # PIL images in the order their placeholders appear, opened but not decoded: a batch of
+    # rows holds their encoded bytes only; the engine decodes each row's as it adds it.
+    images: list[Any]
     tokens: int  # prompt tokens once each placeholder is expanded to its image's tokens
+
+
+def decoded_images(prompt: ImagePrompt) -> list[Any]:
+    """The prompt's images decoded (ImageProblem for one that no longer decodes)."""
+    return [decoded(image) for image in prompt.images]
 
 
 def has_images(row: InputRow) -> bool:
@@ -115,7 +122,7 @@ def prepare_image_row(
     images = []
     for i, j, url in parts:
         try:
-            images.append(open_image(url))
+            images.append(open_image(url, decode=False))
         except ImageProblem as exc:  # readable at validation, gone or changed since
             return f"field 'messages.{i}.content.{j}.image_url': {exc}"
     tokens = len(ids) - len(images) + sum(processor.image_tokens(images))

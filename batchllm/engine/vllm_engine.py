@@ -16,13 +16,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
-from batchllm.engine.images import ImageProcessor, ImagePrompt, load_image_processor
+from batchllm.engine.images import (
+    ImageProcessor,
+    ImagePrompt,
+    decoded_images,
+    load_image_processor,
+)
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
+from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
 from batchllm.settings import get_settings
@@ -155,7 +161,11 @@ def _engine_prompt(prepared: Any) -> dict[str, Any]:
     """vLLM's prompt for prepared ids: with its images, which vLLM's processor turns into the
     image tokens each placeholder expands to."""
     if isinstance(prepared, ImagePrompt):
-        return {"prompt_token_ids": prepared.ids, "multi_modal_data": {"image": prepared.images}}
+        try:
+            images = decoded_images(prepared)
+        except ImageProblem as exc:  # decodable at validation: changed since
+            raise RequestRejected(str(exc)) from None
+        return {"prompt_token_ids": prepared.ids, "multi_modal_data": {"image": images}}
     return {"prompt_token_ids": prepared}
 
 

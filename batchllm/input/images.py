@@ -75,18 +75,28 @@ def _too_big(size: int, settings: Settings) -> ImageProblem:
     )
 
 
-def open_image(url: str, settings: Settings | None = None) -> Any:
-    """The decoded image (a PIL RGB image) a reference names; ImageProblem when it cannot be
-    read, is not an image, or is over the size limits."""
+def open_image(url: str, settings: Settings | None = None, *, decode: bool = True) -> Any:
+    """The image a reference names, as a PIL RGB image (`decode=False`: opened from its header
+    only, its size known and its pixels decoded by `decoded` later); ImageProblem when it
+    cannot be read, is not an image, or is over the size limits."""
     settings = settings or get_settings()
-    return decode_image(read_image_bytes(url, settings), settings)
+    image = _opened(read_image_bytes(url, settings), settings)
+    return decoded(image) if decode else image
 
 
-def decode_image(data: bytes, settings: Settings | None = None) -> Any:
-    """Decode encoded image bytes fully (a truncated file fails here, not in the engine)."""
+def decoded(image: Any) -> Any:
+    """An opened image's pixels, decoded in full (a truncated file fails here) as RGB."""
+    from PIL import Image
+
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageProblem(f"not a decodable image ({_reason(exc)})") from None
+
+
+def _opened(data: bytes, settings: Settings) -> Any:
     from PIL import Image, UnidentifiedImageError
 
-    settings = settings or get_settings()
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
@@ -102,10 +112,7 @@ def decode_image(data: bytes, settings: Settings | None = None) -> Any:
         )
     if width < 1 or height < 1:
         raise ImageProblem(f"image is {width}x{height} pixels")
-    try:
-        return image.convert("RGB")  # decodes every pixel
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ImageProblem(f"not a decodable image ({_reason(exc)})") from None
+    return image
 
 
 def _reason(exc: Exception) -> str:

@@ -201,3 +201,25 @@ def test_an_image_gone_since_validation_is_an_error_row(images_dir: Path, vlm_pr
         vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
     )
     assert refused == "field 'messages.0.content.1.image_url': no such image file: cat.png"
+
+
+def test_prepared_images_are_decoded_only_when_the_engine_takes_them(
+    images_dir: Path, vlm_processor
+) -> None:
+    from batchllm.engine.images import decoded_images
+    from batchllm.input.images import ImageProblem
+
+    row = chat_row(1, image_message("cat.png"))
+    (good,) = prepare_prompts(
+        vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
+    )
+    assert isinstance(good, ImagePrompt)
+    assert [image.mode for image in decoded_images(good)] == ["RGB"]
+    # Truncated since validation: the header still reads, the pixels do not.
+    (images_dir / "cat.png").write_bytes((images_dir / "broken.png").read_bytes())
+    (cut,) = prepare_prompts(
+        vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
+    )
+    assert isinstance(cut, ImagePrompt) and cut.tokens == good.tokens
+    with pytest.raises(ImageProblem, match="not a decodable image"):
+        decoded_images(cut)
