@@ -312,8 +312,6 @@ def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict
 
 def _image_url(part: dict[str, Any], field: str) -> str:
     reference = part.get("image_url")
-    if isinstance(reference, str):  # the older shape, which vLLM's server also takes
-        reference = {"url": reference}
     if not isinstance(reference, dict) or not isinstance(reference.get("url"), str):
         raise LineProblem(field, "expected {url: ...}")
     if not reference["url"].strip():

@@ -123,6 +123,26 @@ def test_a_bad_image_is_an_error_naming_its_part(images_dir: Path, monkeypatch) 
     )
 
 
+def test_an_image_part_of_the_wrong_shape_is_an_error_naming_it(settings) -> None:
+    def part(**fields: Any) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", **fields}]}]}
+
+    field = "messages.0.content.0.image_url"
+    assert problem(part()) == (field, "expected {url: ...}")
+    assert problem(part(image_url="data:image/png;base64,")) == (field, "expected {url: ...}")
+    assert problem(part(image_url={"url": " "})) == (field + ".url", "url is empty")
+    assert problem(part(image_url={"url": "x", "size": 3})) == (
+        field,
+        "unknown image_url field(s): size",
+    )
+    assert problem(part(image_url={"url": "x", "detail": "max"})) == (
+        field + ".detail",
+        "detail is auto, low or high",
+    )
+    audio = {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}
+    assert problem(audio)[0] == "messages.0.content"
+
+
 def test_local_images_are_refused_without_an_image_root(settings) -> None:
     field, message = problem({"messages": image_message("/tmp/cat.png")})
     assert field == "messages.0.content.1.image_url" and "set BATCHLLM_IMAGE_ROOT" in message
