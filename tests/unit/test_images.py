@@ -243,3 +243,33 @@ def test_prepared_images_are_decoded_only_when_the_engine_takes_them(
     assert isinstance(cut, ImagePrompt) and cut.tokens == good.tokens
     with pytest.raises(ImageProblem, match="not a decodable image"):
         decoded_images(cut)
+
+
+def test_http_images_are_fetched_only_when_the_setting_allows(
+    images_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(images_dir))
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert (
+            "http(s) image URLs are off"
+            in problem({"messages": image_message(f"{base}/cat.png")})[1]
+        )
+        monkeypatch.setenv("BATCHLLM_ALLOW_HTTP_IMAGES", "true")
+        get_settings.cache_clear()
+        request = parse_line({"messages": image_message(f"{base}/cat.png")}, 1)
+        assert request.messages is not None
+        assert request.messages[0]["content"][1]["image_url"]["url"] == f"{base}/cat.png"
+        field, message = problem({"messages": image_message(f"{base}/dog.png")})
+        assert field == "messages.0.content.1.image_url"
+        assert message.startswith(f"cannot fetch image {base}/dog.png: HTTP Error 404")
+    finally:
+        server.shutdown()
+        server.server_close()
