@@ -160,6 +160,30 @@ class Settings(BaseSettings):
         description="Most bytes of uploaded files one API key may keep stored (429 above it; "
         "deleting files frees room).",
     )
+    image_root: Path | None = Field(
+        default=None,
+        description="The directory chat lines may name local images under (a path in an "
+        "image_url part; on a fleet, a directory every worker sees at the same path). "
+        "Unset: local image paths are refused.",
+    )
+    allow_http_images: bool = Field(
+        default=False,
+        description="Let chat lines name images by http(s) URL, fetched when the line is "
+        "validated and again when it runs. Off: only data: URLs, local paths under "
+        "BATCHLLM_IMAGE_ROOT and s3:// objects.",
+    )
+    max_image_bytes: int = Field(
+        default=20 * 1024 * 1024,
+        ge=1,
+        description="Largest encoded image a chat line may give (an image over it is an "
+        "error row).",
+    )
+    max_image_pixels: int = Field(
+        default=50_000_000,
+        ge=1,
+        description="Most pixels (width x height) of one image; checked from its header "
+        "before it is decoded, so a small file cannot expand to gigabytes.",
+    )
     allow_unsupported_vllm: bool = Field(
         default=False,
         description="Run engines on a vLLM release other than the one batchllm supports "

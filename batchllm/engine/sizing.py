@@ -13,7 +13,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from batchllm.engine.prompts import prepare_prompts
+from batchllm.engine.images import ImagePrompt, has_images, load_image_processor
+from batchllm.engine.prompts import prepare_prompts, token_count
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import SamplingDefaults
 
@@ -23,8 +24,9 @@ _BATCH = 2048
 _ROUND = 64  # so jobs of similar size share one warm engine
 
 # What a sized batch hands on: its rows' line numbers and each one's prompt ids (None where
-# the feed must prepare the row itself: invalid, failed, or a list embedding input).
-OnPrepared = Callable[[list[int], list[list[int] | None]], None]
+# the feed must prepare the row itself: invalid, failed, or a list embedding input; an
+# ImagePrompt for a row with images, which the feed prepares again with its images).
+OnPrepared = Callable[[list[int], list[list[int] | ImagePrompt | None]], None]
 
 
 @functools.lru_cache(maxsize=8)
@@ -52,6 +54,7 @@ class ContextSizer:
     def __init__(
         self, model: str, defaults: SamplingDefaults, chat_template: str | None = None
     ) -> None:
+        self.model = model
         self.limit = model_limit(model)
         self.tokenizer = load_tokenizer(model)
         self.defaults, self.chat_template = defaults, chat_template
@@ -68,12 +71,21 @@ class ContextSizer:
 
     def _flush(self, batch: list[InputRow], on_prepared: OnPrepared | None) -> None:
         runnable = [r for r in batch if r.kind != "invalid"]
-        prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template)
+        # The processor only for a batch with images: a text job never loads it.
+        images = load_image_processor(self.model) if any(map(has_images, runnable)) else None
+        prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template, images)
         default_max = self.defaults.max_tokens
         best = 0
-        kept: dict[int, list[int]] = {}
+        kept: dict[int, list[int] | ImagePrompt] = {}
         for row, ids in zip(runnable, prepared, strict=True):
             if isinstance(ids, str) or not ids:
+                continue
+            if isinstance(ids, ImagePrompt):  # the feed opens its images again
+                tokens = token_count(ids)
+                if tokens < self.limit:
+                    max_tokens = row.overrides().get("max_tokens")
+                    best = max(best, tokens + (default_max if max_tokens is None else max_tokens))
+                kept[row.line] = ids
                 continue
             # A prompt over the model's own context becomes an error row; sizing the engine for
             # it would give every other row the model's whole context (found on an 8k model).

@@ -16,6 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
+from batchllm.engine.images import (
+    ImageProcessor,
+    ImagePrompt,
+    decoded_images,
+    load_image_processor,
+)
 from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownParser, output_spec
 from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import check_engine_options, check_quantization
@@ -23,6 +29,7 @@ from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
+from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
 from batchllm.settings import get_settings
@@ -151,6 +158,18 @@ def token_logprobs(
     return entries
 
 
+def _engine_prompt(prepared: Any) -> dict[str, Any]:
+    """vLLM's prompt for prepared ids: with its images, which vLLM's processor turns into the
+    image tokens each placeholder expands to."""
+    if isinstance(prepared, ImagePrompt):
+        try:
+            images = decoded_images(prepared)
+        except ImageProblem as exc:  # decodable at validation: changed since
+            raise RequestRejected(str(exc)) from None
+        return {"prompt_token_ids": prepared.ids, "multi_modal_data": {"image": images}}
+    return {"prompt_token_ids": prepared}
+
+
 class RequestRejected(BatchLLMError):
     """vLLM refused one request (its row becomes an error row; the job goes on)."""
 
@@ -232,6 +251,12 @@ class VllmEngine:
             os.environ.pop(ENGINE_MARK, None)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
+        # A text model's rows with images become error rows (engine/images.py).
+        self.images = (
+            load_image_processor(model)
+            if self.engine.model_config.is_multimodal_model
+            else ImageProcessor(None)
+        )
         self.max_model_len = self.engine.model_config.max_model_len
         # The model's own context: a prompt over it is refused naming it, not the smaller
         # context the engine was sized to for the job's other rows.
@@ -280,7 +305,7 @@ class VllmEngine:
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run."""
-        prepared = prepare_prompts(self.tokenizer, rows, None, chat_template)
+        prepared = prepare_prompts(self.tokenizer, rows, None, chat_template, self.images)
         if self.model_context > self.max_model_len:
             prepared = within_context(rows, prepared, self.model_context, "the model's context")
         return within_context(rows, prepared, self.max_model_len, self.context_name)
@@ -333,7 +358,9 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = self._lora_request(adapter) if adapter is not None else None
-        if token_ids and isinstance(token_ids[0], list):
+        if isinstance(token_ids, ImagePrompt):
+            requests = [(request_id, token_ids)]
+        elif token_ids and isinstance(token_ids[0], list):
             parts = [f"{request_id}#{i}" for i in range(len(token_ids))]
             self._lists[request_id] = [None] * len(parts)
             requests = list(zip(parts, token_ids))
@@ -342,9 +369,7 @@ class VllmEngine:
         added: list[str] = []
         try:
             for engine_id, ids in requests:
-                self.engine.add_request(
-                    engine_id, {"prompt_token_ids": ids}, params, lora_request=lora
-                )
+                self.engine.add_request(engine_id, _engine_prompt(ids), params, lora_request=lora)
                 added.append(engine_id)
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc

@@ -329,13 +329,20 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_only(
+    def _known_parts(
         cls, value: str | list[dict[str, Any]] | None
     ) -> str | list[dict[str, Any]] | None:
+        # An image part's reference is checked (and its image opened) by validate.py, which
+        # names the part in its error.
         if isinstance(value, list):
             for part in value:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
+                kind = part.get("type")
+                if kind == "image_url":
+                    continue
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(
+                        "content parts are {type: text, text} or {type: image_url, image_url}"
+                    )
         return value
 
     @model_validator(mode="after")
@@ -345,6 +352,11 @@ class ChatMessage(BaseModel):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
         return self
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(
+            part["type"] == "image_url" for part in self.content
+        )
 
     def text(self) -> str:
         if self.content is None:
@@ -448,6 +460,8 @@ class Request(BaseModel):
     custom_id: str
     kind: Literal["prompt", "chat", "embed"]
     prompt: str | None = None  # also the text of an embedding line with one input
+    # {role, content}: content a string, or for a message with images its parts, text
+    # {type: text, text} and images {type: image_url, image_url: {url}} (references, not pixels)
     messages: list[dict[str, Any]] | None = None
     inputs: list[str] | None = None  # the texts of an embedding line with a list input
     sampling: dict[str, Any] = Field(default_factory=dict)

@@ -17,7 +17,7 @@ import io
 import itertools
 import logging
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,11 +52,12 @@ class TokenFileWriter:
         # Token ids compress well and are read back once; speed matters more than size here.
         self._writer = pq.ParquetWriter(self._sink, TOKENS_SCHEMA, compression="lz4")
 
-    def write(self, lines: list[int], token_ids: list[list[int] | None]) -> None:
+    def write(self, lines: list[int], token_ids: Sequence[list[int] | object | None]) -> None:
+        """Store each line's prompt ids; anything but a list of ids (None, or a prompt with
+        images, whose images the feed opens again) is stored as null."""
         if lines:
-            table = pa.table(
-                [pa.array(lines, pa.int64()), _list_array(token_ids)], schema=TOKENS_SCHEMA
-            )
+            kept = [ids if isinstance(ids, list) else None for ids in token_ids]
+            table = pa.table([pa.array(lines, pa.int64()), _list_array(kept)], schema=TOKENS_SCHEMA)
             self._writer.write_table(table)
 
     def close(self) -> None:

@@ -25,11 +25,13 @@ from batchllm.input.custom_ids import (
     given_id,
     may_give_default_id,
 )
+from batchllm.input.images import ImageProblem, open_image
 from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
 from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.input.schemas import (
     ChatLine,
+    ChatMessage,
     ChatOptions,
     CompletionLogprobs,
     ConstraintFields,
@@ -266,7 +268,7 @@ def parse_line(
             sampling = _sampling_of(body, "body.") | _model_adapter(body.model, adapters)
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
-            messages = [m.stored() for m in body.messages]
+            messages = _stored_messages(body.messages, "body.")
             return Request(
                 line=line,
                 custom_id=envelope.custom_id,
@@ -284,7 +286,7 @@ def parse_line(
         )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)
-        messages = [m.stored() for m in chat.messages]
+        messages = _stored_messages(chat.messages)
         return Request(
             line=line,
             custom_id=chat.custom_id or default_custom_id(line),
@@ -321,6 +323,49 @@ def _responses_line(
         messages=messages,
         sampling=sampling | _model_adapter(body.model, adapters),
     )
+
+
+def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict[str, Any]]:
+    """The messages as stored: ChatMessage.stored() (the text of text parts joined, a tool
+    turn's id, an assistant turn's calls), except a message with images, which keeps its
+    parts; every image is opened and decoded here, so a bad one is this line's error naming
+    its part."""
+    stored: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not message.has_images():
+            stored.append(message.stored())
+            continue
+        parts: list[dict[str, Any]] = []
+        content = message.content if isinstance(message.content, list) else []
+        for j, part in enumerate(content):
+            if part["type"] == "text":
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            field = f"{prefix}messages.{i}.content.{j}.image_url"
+            if message.role != "user":
+                raise LineProblem(field, f"images are for user messages, not {message.role}")
+            url = _image_url(part, field)
+            try:
+                open_image(url)
+            except ImageProblem as exc:
+                raise LineProblem(field, str(exc)) from None
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        stored.append({"role": message.role, "content": parts})
+    return stored
+
+
+def _image_url(part: dict[str, Any], field: str) -> str:
+    reference = part.get("image_url")
+    if not isinstance(reference, dict) or not isinstance(reference.get("url"), str):
+        raise LineProblem(field, "expected {url: ...}")
+    if not reference["url"].strip():
+        raise LineProblem(field + ".url", "url is empty")
+    extra = set(reference) - {"url", "detail"}
+    if extra:
+        raise LineProblem(field, f"unknown image_url field(s): {', '.join(sorted(extra))}")
+    if reference.get("detail") not in (None, "auto", "low", "high"):
+        raise LineProblem(field + ".detail", "detail is auto, low or high")
+    return str(reference["url"])
 
 
 def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str]:

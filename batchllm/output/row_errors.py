@@ -26,6 +26,8 @@ _BY_WORDING = (
     ("max_model_len", CONTEXT_LENGTH_EXCEEDED),
     ("empty after tokenization", INVALID_PROMPT),
     ("chat template failed", INVALID_PROMPT),
+    ("model does not accept images", INVALID_PROMPT),
+    ("image token(s) for", INVALID_PROMPT),  # a chat template that does not place images
     ("rejected by vLLM", REQUEST_REJECTED),
     ("vLLM ended the request", ENGINE_ERROR),
 )

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchllm.engine.hardware import machine_label
+from batchllm.engine.images import ImagePrompt
+from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
 from batchllm.input.rows import InputRow, stored_row
 from batchllm.input.schemas import JobSpec
@@ -54,16 +56,17 @@ def estimate_job(
     counts = {"requests": 0, "invalid": 0, "too_long": 0, "prompt": 0, "output": 0}
     chunk: dict[int, InputRow] = {}  # the rows being tokenized, by line
 
-    def count(lines: list[int], prepared: list[list[int] | None]) -> None:
+    def count(lines: list[int], prepared: list[list[int] | ImagePrompt | None]) -> None:
         for line, ids in zip(lines, prepared, strict=True):
             if ids is None:  # invalid, or a list embedding input (not counted)
                 continue
             row = chunk[line]
+            tokens = token_count(ids)  # a prompt's images' tokens too
             # As the engine refuses them: a prompt must leave room for one generated token.
-            if len(ids) > sizer.limit or (row.kind != "embed" and len(ids) == sizer.limit):
+            if tokens > sizer.limit or (row.kind != "embed" and tokens == sizer.limit):
                 counts["too_long"] += 1
                 continue
-            counts["prompt"] += len(ids)
+            counts["prompt"] += tokens
             counts["output"] += _output_budget(row, spec)
 
     chunks = validated_chunks(

@@ -43,6 +43,11 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 MAX_FILE_BYTES = 4 * 1024 * 1024
+# A 1x1 PNG.
+PNG_DATA_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ"
+    "/pLvAAAAAElFTkSuQmCC"
+)
 RECONCILE_SECONDS = "2"
 # Long enough that cancelling or expiring it always finds rows done and rows left: about
 # 100 s on a loaded 2-core machine (~100 rows/s), and it is stopped after a few seconds.
@@ -369,6 +374,14 @@ def test_an_oversized_upload_keeps_nothing(api: Api) -> None:
     assert client.files.delete(fits.id).deleted
 
 
+def image_line(model: str, custom_id: str, url: str) -> dict[str, Any]:
+    content = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    return chat_line(model, custom_id, messages=[{"role": "user", "content": content}])
+
+
 def test_a_chat_batch_completes(api: Api) -> None:
     client = api.client()
     valid = [chat_line(api.model, f"chat-{i}") for i in range(6)]
@@ -376,8 +389,17 @@ def test_a_chat_batch_completes(api: Api) -> None:
         {**chat_line(api.model, "no-messages"), "body": {"model": api.model, "max_tokens": 8}},
         chat_line(api.model, "bad-temperature", temperature=-1),
         chat_line(api.model, "unknown-field", frobnicate=True),
+        image_line(api.model, "bad-image", "data:image/png;base64,bm90IGFuIGltYWdl"),
     ]
-    lines: list[dict[str, Any] | str] = [*valid[:3], *invalid, *valid[3:], '{"custom_id": "cut']
+    # A valid image the worker's text-only model cannot take: an error row when it runs.
+    with_image = image_line(api.model, "with-image", PNG_DATA_URL)
+    lines: list[dict[str, Any] | str] = [
+        *valid[:3],
+        *invalid,
+        with_image,
+        *valid[3:],
+        '{"custom_id": "cut',
+    ]
     broken_id = f"line-{len(lines)}"  # a line that does not parse gets its number as custom_id
     file = upload(client, jsonl(lines))
     created = client.batches.create(
@@ -396,10 +418,17 @@ def test_a_chat_batch_completes(api: Api) -> None:
     assert batch.request_counts.model_dump() == {
         "total": len(lines),
         "completed": len(valid),
-        "failed": len(invalid) + 1,
+        "failed": len(invalid) + 2,
     }
     output = read_jsonl(client, batch.output_file_id)
     errors = read_jsonl(client, batch.error_file_id)
+    (no_images,) = [line for line in errors if line["custom_id"] == "with-image"]
+    errors.remove(no_images)
+    assert no_images["response"] is None, no_images
+    assert no_images["error"] == {
+        "code": "invalid_prompt",
+        "message": "model does not accept images",
+    }
     assert sorted(line["custom_id"] for line in output) == sorted(c["custom_id"] for c in valid)
     prompt, completion = assert_ok_lines(output, ChatCompletion, api.model)
     for line in output:
@@ -411,11 +440,12 @@ def test_a_chat_batch_completes(api: Api) -> None:
             "no-messages": "messages",
             "bad-temperature": "temperature",
             "unknown-field": "frobnicate",
+            "bad-image": "messages.0.content.1.image_url",
             broken_id: None,  # malformed JSON: no parameter to blame
         },
     )
-    assert {line["custom_id"] for line in output + errors} == {
-        *(c["custom_id"] for c in valid + invalid),
+    assert {line["custom_id"] for line in output + errors + [no_images]} == {
+        *(c["custom_id"] for c in valid + invalid + [with_image]),
         broken_id,
     }
     assert batch.usage is not None

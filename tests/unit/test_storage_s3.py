@@ -479,3 +479,30 @@ def test_a_local_storage_path_that_cannot_be_made_fails_the_job_too(settings, tm
     with session_scope(settings) as session:
         (job,) = service.list_jobs(session)
         assert job.status is JobStatus.FAILED
+
+
+def test_chat_lines_take_images_from_the_storage_s_bucket(s3: Storage) -> None:
+    import io
+
+    from PIL import Image
+
+    from batchllm.input.validate import LineProblem, parse_line
+
+    encoded = io.BytesIO()
+    Image.new("RGB", (12, 9)).save(encoded, "PNG")
+    path = posixpath.join(s3.root, "images", "cat.png")
+    s3.write_bytes(path, encoded.getvalue())
+
+    def line(url: str) -> dict[str, Any]:
+        content = [{"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": url}}]
+        return {"messages": [{"role": "user", "content": content}]}
+
+    url = s3.display(path)
+    assert url.startswith("s3://")
+    request = parse_line(line(url), 1)
+    assert request.messages is not None
+    assert request.messages[0]["content"][1] == {"type": "image_url", "image_url": {"url": url}}
+    with pytest.raises(LineProblem) as caught:
+        parse_line(line(url.replace("cat.png", "dog.png")), 2)
+    assert caught.value.field == "messages.0.content.1.image_url"
+    assert caught.value.message.startswith("no such image object: s3://")
