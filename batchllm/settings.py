@@ -166,6 +166,12 @@ class Settings(BaseSettings):
         "image_url part; on a fleet, a directory every worker sees at the same path). "
         "Unset: local image paths are refused.",
     )
+    image_s3_prefix: str | None = Field(
+        default=None,
+        description="The s3:// prefix chat lines may name images under. Unset: the bucket of "
+        "an s3:// BATCHLLM_STORAGE (the job's storage); with other storage, s3:// images are "
+        "refused, so a line cannot make a worker read any object its credentials reach.",
+    )
     allow_http_images: bool = Field(
         default=False,
         description="Let chat lines name images by http(s) URL, fetched when the line is "

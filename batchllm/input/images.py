@@ -157,7 +157,25 @@ def _local_bytes(path: str, settings: Settings) -> bytes:
         raise ImageProblem(f"cannot read image file {shown(path)}: {exc.strerror}") from None
 
 
+def s3_image_prefix(settings: Settings) -> str | None:
+    """Where s3:// images may be read: BATCHLLM_IMAGE_S3_PREFIX, else the storage's bucket."""
+    if settings.image_s3_prefix:
+        return settings.image_s3_prefix
+    storage = settings.storage or ""
+    if storage.startswith("s3://"):
+        return "s3://" + storage[len("s3://") :].split("/", 1)[0] + "/"
+    return None
+
+
 def _s3_bytes(url: str, settings: Settings) -> bytes:
+    prefix = s3_image_prefix(settings)
+    if prefix is None:
+        raise ImageProblem(
+            "s3:// images are read from the job's S3 storage (BATCHLLM_STORAGE=s3://...) or "
+            "under BATCHLLM_IMAGE_S3_PREFIX; neither is set here"
+        )
+    if not url.startswith(prefix.rstrip("/") + "/"):
+        raise ImageProblem(f"image {shown(url)!r} is outside the allowed s3 prefix {prefix}")
     try:
         fs, path = filesystem_for(url, s3_endpoint=settings.s3_endpoint or "")
         with fs.open_input_stream(path) as source:

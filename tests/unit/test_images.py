@@ -273,3 +273,15 @@ def test_http_images_are_fetched_only_when_the_setting_allows(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_s3_images_are_refused_without_an_s3_storage_or_prefix(monkeypatch, tmp_path) -> None:
+    from batchllm.input.images import ImageProblem, read_image_bytes
+    from batchllm.settings import Settings
+
+    local = Settings(home=tmp_path)
+    with pytest.raises(ImageProblem, match="BATCHLLM_IMAGE_S3_PREFIX"):
+        read_image_bytes("s3://bucket/cat.png", local)
+    narrowed = Settings(home=tmp_path, image_s3_prefix="s3://bucket/images/")
+    with pytest.raises(ImageProblem, match="outside the allowed s3 prefix"):
+        read_image_bytes("s3://bucket/jobs/part-0.parquet", narrowed)

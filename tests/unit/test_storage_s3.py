@@ -506,3 +506,9 @@ def test_chat_lines_take_images_from_the_storage_s_bucket(s3: Storage) -> None:
         parse_line(line(url.replace("cat.png", "dog.png")), 2)
     assert caught.value.field == "messages.0.content.1.image_url"
     assert caught.value.message.startswith("no such image object: s3://")
+    # Only the storage's bucket (or BATCHLLM_IMAGE_S3_PREFIX): a line cannot make the worker
+    # read any object its credentials reach.
+    bucket = url.split("/")[2]
+    with pytest.raises(LineProblem) as caught:
+        parse_line(line(url.replace(f"s3://{bucket}/", "s3://someone-elses-bucket/")), 3)
+    assert "outside the allowed s3 prefix" in caught.value.message
