@@ -548,7 +548,7 @@ def test_a_file_for_two_endpoints_is_refused(api: Api) -> None:
     assert batch.output_file_id is None and batch.error_file_id is None
     with pytest.raises(openai.BadRequestError) as caught:
         client.batches.create(
-            input_file_id=file.id, endpoint="/v1/responses", completion_window="24h"
+            input_file_id=file.id, endpoint="/v1/moderations", completion_window="24h"
         )
     assert caught.value.param == "endpoint"
 
