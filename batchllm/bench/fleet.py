@@ -94,7 +94,9 @@ class Fleet:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
         self.env.update(
             {
-                "PYTHONPATH": os.pathsep.join([str(_REPO), *filter(None, [os.getenv("PYTHONPATH")])]),
+                "PYTHONPATH": os.pathsep.join(
+                    [str(_REPO), *filter(None, [os.getenv("PYTHONPATH")])]
+                ),
                 "BATCHLLM_HOME": str(self.work_dir / "home"),
                 "BATCHLLM_DATABASE_URL": self.postgres.url,
                 "BATCHLLM_BROKER_URL": self.redis.url,
@@ -145,6 +147,9 @@ class Fleet:
         if pid is None:
             return 0.0
         return cpu_seconds(pid) + sum(cpu_seconds(c) for c in children_of(pid))
+
+    def redis_cpu(self) -> float:
+        return cpu_seconds(self.redis.proc.pid) if self.redis.proc is not None else 0.0
 
     def stop_workers(self) -> None:
         for _, proc, _ in self.workers:
@@ -211,7 +216,7 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
     assert settings is not None
     redis_before = fleet.redis.commands()
     outcomes_before = task_outcomes(fleet)
-    cpu_before = (fleet.worker_cpu(), fleet.postgres_cpu(), cpu_seconds(fleet.redis.proc.pid))
+    cpu_before = (fleet.worker_cpu(), fleet.postgres_cpu(), fleet.redis_cpu())
     with Sampler(fleet.postgres) as sampler:
         started = time.monotonic()
         job_ids, submitted = [], []
@@ -221,9 +226,9 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
             )
             submitted.append(time.monotonic() - started)
         get_engine(settings).dispose()  # the bench's own connection is not the fleet's
-        first_row, done, rows = _follow(fleet.postgres, job_ids, started, timeout)
+        first_row, rows = _follow(fleet.postgres, job_ids, started, timeout)
         ended = time.monotonic() - started
-    cpu_after = (fleet.worker_cpu(), fleet.postgres_cpu(), cpu_seconds(fleet.redis.proc.pid))
+    cpu_after = (fleet.worker_cpu(), fleet.postgres_cpu(), fleet.redis_cpu())
     redis_after = fleet.redis.commands()
     facts = _shard_facts(fleet.postgres, job_ids)
     redis_calls = {k: v - redis_before.get(k, 0) for k, v in redis_after.items()}
@@ -262,7 +267,7 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
 
 def _follow(
     postgres: PrivatePostgres, job_ids: list[str], started: float, timeout: float
-) -> tuple[float, list[str], int]:
+) -> tuple[float, int]:
     first_row: float | None = None
     with postgres.connect() as conn:
         while True:
@@ -277,7 +282,7 @@ def _follow(
                 bad = [r[0] for r in rows if r[0] != "completed"]
                 if bad:
                     raise BenchFailed(f"fleet jobs ended {bad}")
-                return first_row or now, [r[0] for r in rows], sum(r[1] for r in rows)
+                return first_row or now, sum(r[1] for r in rows)
             if now > timeout:
                 raise BenchFailed(f"fleet jobs not done after {timeout:.0f} s: {rows}")
             time.sleep(0.05)
@@ -360,7 +365,9 @@ def measure_fleet(
             rss = [rss_bytes(proc.pid) for _, proc, _ in fleet.workers]
             say(f"fleet: N={count}: one job of {lines:,} lines")
             one = run_jobs(fleet, [source], shard_size=shard_size, timeout=1800)
-            say(f"fleet: N={count}: {one['rows_per_s']:,.0f} rows/s; {concurrent_jobs} jobs at once")
+            say(
+                f"fleet: N={count}: {one['rows_per_s']:,.0f} rows/s; {concurrent_jobs} jobs at once"
+            )
             several = run_jobs(fleet, parts, shard_size=shard_size, timeout=1800)
             peak_rss = [rss_bytes(proc.pid, "VmHWM") for _, proc, _ in fleet.workers]
             results.append(

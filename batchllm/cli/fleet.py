@@ -265,7 +265,10 @@ def worker(
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
     # Logged, not echoed: the console stays log lines (JSON ones under --log-format json).
     logging.getLogger(__name__).info(
-        "%s: building the %s engine for %s", node, "INSTANT (simulation)" if instant else "vLLM", model
+        "%s: building the %s engine for %s",
+        node,
+        "INSTANT (simulation)" if instant else "vLLM",
+        model,
     )
     try:
         # logs "engine ready in"

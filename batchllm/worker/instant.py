@@ -68,9 +68,7 @@ class InstantWorkerEngine:
             "filler text; jobs record hardware %r. Never use for real jobs.",
             InstantEngine.hardware,
         )
-        log.info(
-            "engine ready in %.1f s: %s", time.monotonic() - started, self.profile.describe()
-        )
+        log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.profile.describe())
         return self.profile
 
     def unmet(self, spec: JobSpec) -> list[str]:
