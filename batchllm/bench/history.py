@@ -139,6 +139,8 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
         ):
             for start in range(0, len(rows), _CHUNK):
                 conn.execute(insert(model), rows[start : start + _CHUNK])
+        if conn.dialect.name != "postgresql":
+            return ids
         for name in ("shards", "checkpoints"):  # explicit ids: move the sequences past them
             conn.exec_driver_sql(
                 f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), "

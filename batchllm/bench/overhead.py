@@ -244,9 +244,11 @@ def run_size(
     model: str,
     prompt_words: tuple[int, int],
     output_tokens: tuple[int, int],
+    own_only: bool = False,
 ) -> dict:
     """Write a file of `lines` lines and measure it in a fresh process; the files are removed
-    afterwards (a million lines are ~1 GB between input, stored input and output)."""
+    afterwards (a million lines are ~1 GB between input, stored input and output).
+    `own_only`: only the job with its context given (measure's own_only)."""
     import shutil
 
     sizedir = workdir / f"overhead-{lines}"
@@ -267,6 +269,7 @@ def run_size(
                 str(sizedir / "home"),
                 model,
                 str(output_tokens[1]),
+                *(["--own-only"] if own_only else []),
             ],
             capture_output=True,
             text=True,
