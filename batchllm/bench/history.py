@@ -192,11 +192,27 @@ def timed(operation: Callable[[], Any], log: StatementLog, repeats: int = 5) -> 
         "max_ms": max(times),
         "statements": len(statements),
         "sql_ms": sum(s[0] for s in statements),
+        "db_execution_ms": execution_ms(log.engine, statements),
         "slowest": [
             {"ms": ms, "sql": " ".join(sql.split())[:400], "full_sql": sql, "params": params}
             for ms, sql, params in slowest
         ],
     }
+
+
+def execution_ms(engine: Any, statements: list[tuple[float, str, Any]]) -> float:
+    """What the server spent executing the SELECTs (EXPLAIN ANALYZE's Execution Time, summed):
+    the database's own cost, free of the client's and of a busy machine's scheduling."""
+    total = 0.0
+    with engine.connect() as conn:
+        for _, sql, params in statements:
+            if not sql.lstrip().upper().startswith("SELECT"):
+                continue
+            if isinstance(params, list | tuple) and params and isinstance(params[0], dict):
+                params = params[0]
+            plan = [r[0] for r in conn.exec_driver_sql("EXPLAIN (ANALYZE) " + sql, params)]
+            total += sum(float(line.split()[-2]) for line in plan if "Execution Time" in line)
+    return total
 
 
 def explain(engine: Any, statement: dict[str, Any]) -> list[str]:
