@@ -60,7 +60,7 @@ def test_an_instant_worker_runs_a_job_exactly_once_through_celery_and_labels_it_
         assert job.status is JobStatus.COMPLETED, job.error
         assert_exactly_once(output_rows(fleet_env, job.id), expected)
         assert {s.status for s in shards} == {ShardStatus.COMPLETED}
-        assert {s.worker for s in shards} == {"instant1"}
+        assert {s.worker for s in shards} == {"celery@instant1"}
         # Labelled: the job's hardware, `status`, the worker's log and its announced profile.
         assert job.hardware == "none (instant engine)"
         status = fleet_env.cli("status", job.id)
