@@ -345,7 +345,7 @@ def measure_fleet(
     part = max(1, lines // concurrent_jobs)
     parts = [
         write_lines(
-            work_dir / f"part-{i}.jsonl",
+            work_dir / f"concurrent-{i}.jsonl",
             part,
             model=model,
             prompt_words=(8, 64),

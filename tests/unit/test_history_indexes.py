@@ -42,9 +42,7 @@ def test_the_newest_jobs_running_shards_and_a_keys_batches_are_read_through_inde
     engine = get_engine(_settings(tmp_path))
     newest = select(Job.id).order_by(Job.created_at.desc()).limit(20)
     running = select(Shard.id).where(Shard.status == ShardStatus.RUNNING)
-    batches = (
-        select(Batch.job_id).where(Batch.owner == "key_1").order_by(Batch.created_at.desc())
-    )
+    batches = select(Batch.job_id).where(Batch.owner == "key_1").order_by(Batch.created_at.desc())
     assert "ix_jobs_created_at" in _plan(engine, newest)
     assert "ix_shards_status" in _plan(engine, running)
     assert "ix_batches_owner_created_at" in _plan(engine, batches)
