@@ -153,7 +153,7 @@ def cancel(job_id: str) -> None:
     show_default=True,
     help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers at once "
     "with filler text (jobs record the hardware 'none (instant engine)'). For measuring a "
-    "fleet's own costs: `batchllm bench --parts fleet`.",
+    "fleet's own costs: `python -m batchllm.bench.fleet`.",
 )
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(

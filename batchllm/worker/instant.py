@@ -1,5 +1,5 @@
 """`batchllm worker --engine instant`: a fleet worker whose engine answers at once, for
-simulating a fleet without GPUs or vLLM (bench --parts fleet).
+simulating a fleet without GPUs or vLLM (`python -m batchllm.bench.fleet`).
 
 Everything but generation is the real thing: the Celery worker, fair share, holds, leases and
 heartbeats, the runner's continuous feed with the model's real tokenizer and chat template,
