@@ -24,6 +24,20 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL. Default: SQLite at HOME/batchllm.db. "
         "For a fleet: postgresql+psycopg://user@host/db.",
     )
+    db_pool_size: int = Field(
+        default=5,
+        ge=1,
+        description="PostgreSQL connections a process keeps open for reuse (SQLAlchemy's "
+        "pool). A worker uses at most three at once (its shard, heartbeat and reconciler; "
+        "measured: two), so a fleet of N workers holds about 2N-3N whatever this is: raise "
+        "PostgreSQL's max_connections past 3N, or put PgBouncer in front, past ~30 workers.",
+    )
+    db_max_overflow: int = Field(
+        default=10,
+        ge=0,
+        description="Connections a process may open beyond db_pool_size in a burst (`serve` "
+        "under concurrent requests), closed again after it.",
+    )
     storage: str | None = Field(
         default=None,
         description="Where job inputs and outputs live: a local path or a pyarrow.fs URI "

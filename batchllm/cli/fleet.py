@@ -145,6 +145,16 @@ def cancel(job_id: str) -> None:
     "another dtype...) rebuild it for that job; the next job gets the worker's own engine "
     "back. Off: such jobs wait for a worker that serves them.",
 )
+@click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(["vllm", "instant"]),
+    default="vllm",
+    show_default=True,
+    help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers at once "
+    "with filler text (jobs record the hardware 'none (instant engine)'). For measuring a "
+    "fleet's own costs: `python -m batchllm.bench.fleet`.",
+)
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(
     "--concurrency",
@@ -182,6 +192,7 @@ def cancel(job_id: str) -> None:
 def worker(
     model: str,
     allow_rebuild: bool,
+    engine_kind: str,
     queues: str | None,
     concurrency: int,
     name: str | None,
@@ -230,14 +241,18 @@ def worker(
             "metrics on the next port",
             param_hint="'--metrics-port'",
         )
+    instant = engine_kind == "instant"
     if concurrency > 1:
-        from batchllm.engine.hardware import runs_on_cpu, visible_gpus
-        from batchllm.engine.preflight import check_worker_concurrency
+        if not instant:  # instant workers hold no GPU and no engine process
+            from batchllm.engine.hardware import runs_on_cpu, visible_gpus
+            from batchllm.engine.preflight import check_worker_concurrency
 
-        on_cpu = runs_on_cpu()
-        gpus = [] if on_cpu else visible_gpus()
-        check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
+            on_cpu = runs_on_cpu()
+            gpus = [] if on_cpu else visible_gpus()
+            check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
         child_args = _forwarded(model, allow_rebuild, queues, loglevel, click.get_current_context())
+        if instant:
+            child_args += ["--engine", "instant"]
         _supervise(concurrency, child_args, name, metrics_port, verbose)
         return
     if metrics_port is not None:
@@ -249,9 +264,15 @@ def worker(
     app = create_app()
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
     # Logged, not echoed: the console stays log lines (JSON ones under --log-format json).
-    logging.getLogger(__name__).info("%s: building the engine for %s", node, model)
+    logging.getLogger(__name__).info(
+        "%s: building the %s engine for %s",
+        node,
+        "INSTANT (simulation)" if instant else "vLLM",
+        model,
+    )
     try:
-        start_engine(model, options, allow_rebuild=allow_rebuild)  # logs "engine ready in"
+        # logs "engine ready in"
+        start_engine(model, options, allow_rebuild=allow_rebuild, instant=instant)
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
     app.worker_main(

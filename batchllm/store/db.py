@@ -101,7 +101,13 @@ def get_engine(settings: Settings | None = None) -> Engine:
             event.listen(engine, "connect", _sqlite_pragmas)
             upgrade(url)
         else:
-            engine = create_engine(url, pool_pre_ping=True)
+            # Per process: a fleet's connections are its workers times what each uses.
+            engine = create_engine(
+                url,
+                pool_pre_ping=True,
+                pool_size=settings.db_pool_size,
+                max_overflow=settings.db_max_overflow,
+            )
             if not _is_current(engine):
                 raise BatchLLMError(
                     f"the database at {engine.url.render_as_string(hide_password=True)} is not "

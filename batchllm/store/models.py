@@ -20,11 +20,13 @@ from sqlalchemy import (
     Enum,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -69,6 +71,15 @@ def _enum(kind: type[enum.Enum], name: str) -> Enum:
 
 class Job(Base):
     __tablename__ = "jobs"
+    # The reconciler's webhook pass reads only the jobs that announce their end.
+    __table_args__ = (
+        Index(
+            "ix_jobs_notified_status",
+            "status",
+            postgresql_where=text("notify_url IS NOT NULL"),
+            sqlite_where=text("notify_url IS NOT NULL"),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), index=True)
@@ -96,7 +107,8 @@ class Job(Base):
     shards_total: Mapped[int] = mapped_column(Integer, default=0)
     shards_done: Mapped[int] = mapped_column(Integer, default=0)
 
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Indexed: `batchllm jobs` lists the newest of a long history.
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
@@ -138,7 +150,8 @@ class Shard(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     index: Mapped[int] = mapped_column(Integer)
-    status: Mapped[ShardStatus] = mapped_column(_enum(ShardStatus, "shard_status"))
+    # Indexed: the reconciler finds the few running and queued shards among every shard ever.
+    status: Mapped[ShardStatus] = mapped_column(_enum(ShardStatus, "shard_status"), index=True)
     input_path: Mapped[str] = mapped_column(Text)
     rows: Mapped[int] = mapped_column(Integer)
     first_line: Mapped[int] = mapped_column(Integer)
@@ -224,6 +237,8 @@ class Batch(Base):
     """The Batch API's view of a job (same id): who owns it and its OpenAI fields."""
 
     __tablename__ = "batches"
+    # GET /v1/batches pages a key's newest batches.
+    __table_args__ = (Index("ix_batches_owner_created_at", "owner", "created_at"),)
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     owner: Mapped[str] = mapped_column(String(32), index=True)

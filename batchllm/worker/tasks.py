@@ -24,6 +24,7 @@ from batchllm.worker.delivery import process_shard
 from batchllm.worker.engines import EngineCache, WorkerEngine
 from batchllm.worker.fair_share import take_turn
 from batchllm.worker.holding import holding
+from batchllm.worker.instant import InstantWorkerEngine
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.runner import Outcome
 
@@ -48,10 +49,17 @@ def _json_logs(logger=None, **_kwargs) -> None:
         log_format.use_json(logger)
 
 
-def start_engine(model: str, options: EngineOptions, *, allow_rebuild: bool) -> WorkerEngine:
-    """Build this worker process's engine; the worker says ready (and takes tasks) after."""
+def start_engine(
+    model: str, options: EngineOptions, *, allow_rebuild: bool, instant: bool = False
+) -> WorkerEngine | InstantWorkerEngine:
+    """Build this worker process's engine; the worker says ready (and takes tasks) after.
+    `instant`: the simulation engine (worker/instant.py), never vLLM."""
     global _engines
-    engine = WorkerEngine(model, options, allow_rebuild=allow_rebuild)
+    engine: WorkerEngine | InstantWorkerEngine
+    if instant:
+        engine = InstantWorkerEngine(model, options)
+    else:
+        engine = WorkerEngine(model, options, allow_rebuild=allow_rebuild)
     _engines = engine
     engine.start()
     return engine

@@ -1,0 +1,88 @@
+"""`batchllm worker --engine instant`: a fleet worker whose engine answers at once, for
+simulating a fleet without GPUs or vLLM (`python -m batchllm.bench.fleet`).
+
+Everything but generation is the real thing: the Celery worker, fair share, holds, leases and
+heartbeats, the runner's continuous feed with the model's real tokenizer and chat template,
+Parquet parts, checkpoints, finalization and the reconciler. The InstantEngine
+(engine/testing.py) finishes every request at its max_tokens with filler text, so such a
+worker's rows are not model output: its jobs record the hardware "none (instant engine)" and
+its profile the dtype "instant", and it logs a warning saying so at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from batchllm.engine.testing import InstantEngine
+from batchllm.errors import EngineMismatch
+from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.worker import metrics
+from batchllm.worker.profile import EngineProfile, unmet_requirements
+
+log = logging.getLogger(__name__)
+
+INSTANT_DTYPE = "instant"  # the profile's dtype: `status` and `doctor --fleet` show it
+# The context an instant worker serves when the operator gives none (no KV cache to fit).
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def light_tokenizer(model: str) -> Any:
+    """The model's fast tokenizer without AutoTokenizer, whose import loads torch (measured:
+    a process of ~570 MB instead of ~80 MB). Models without a tokenizer.json get AutoTokenizer's."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(model)
+    except (OSError, ValueError, TypeError):
+        from batchllm.engine.sizing import load_tokenizer
+
+        log.info("%s: no fast tokenizer file; loading it with AutoTokenizer", model)
+        return load_tokenizer(model)
+
+
+class InstantWorkerEngine:
+    """A WorkerEngine (an EngineSource) over an InstantEngine: same start/unmet/get/close, no
+    vLLM imported, ~100 MB a process (the tokenizer and the worker itself)."""
+
+    def __init__(self, model: str, options: EngineOptions) -> None:
+        self.model, self.options = model, options
+        self.profile: EngineProfile | None = None
+        self.engine: InstantEngine | None = None
+
+    def start(self) -> EngineProfile:
+        started = time.monotonic()
+        max_model_len = self.options.max_model_len or DEFAULT_MAX_MODEL_LEN
+        self.engine = InstantEngine(
+            tokenizer=light_tokenizer(self.model),
+            max_model_len=max_model_len,
+            max_num_seqs=self.options.max_num_seqs or 256,
+        )
+        self.profile = EngineProfile.of(
+            self.model, self.options, max_model_len=max_model_len, dtype=INSTANT_DTYPE
+        )
+        metrics.engine_profile(self.profile.as_dict())
+        log.warning(
+            "INSTANT ENGINE (simulation): no generation, every request answers at once with "
+            "filler text; jobs record hardware %r. Never use for real jobs.",
+            InstantEngine.hardware,
+        )
+        log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.profile.describe())
+        return self.profile
+
+    def unmet(self, spec: JobSpec) -> list[str]:
+        assert self.profile is not None, "start() builds the engine first"
+        return unmet_requirements(spec, self.profile)
+
+    def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
+        unmet = self.unmet(spec)
+        if unmet:
+            raise EngineMismatch(unmet)
+        if self.engine is None:
+            self.start()
+        assert self.engine is not None
+        return self.engine
+
+    def close(self) -> None:
+        self.engine = None

@@ -1,0 +1,106 @@
+"""`batchllm worker --engine instant` (the fleet simulation's worker) runs a real job through the
+real Redis, PostgreSQL and Celery worker process, without vLLM, and says everywhere that it is
+a simulation; and the fleet bench part measures a small fleet of them end to end."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchllm.demo.workload import write_workload
+from batchllm.store.models import JobStatus, ShardStatus
+from batchllm.worker.registry import live_workers
+from tests.conftest import require
+from tests.integration.conftest import start_workers, stop_workers
+from tests.support.job_checks import (
+    assert_exactly_once,
+    expected_rows,
+    load_job,
+    output_rows,
+    wait_until_final,
+)
+
+pytestmark = pytest.mark.integration
+
+INSTANT_ARGS = ("--engine", "instant", "--max-model-len", "512")
+
+
+def _mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_an_instant_worker_runs_a_job_exactly_once_through_celery_and_labels_it_instant(
+    fleet_env, tiny_model, tmp_path
+):
+    (worker,) = start_workers(
+        ["instant1"],
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=INSTANT_ARGS,
+        ready_timeout=120,
+    )
+    try:
+        source = write_workload(
+            tmp_path / "prompts.jsonl",
+            requests=600,
+            max_tokens=(4, 16),
+            forms=("prompt", "chat", "openai_chat"),
+            bad_lines=3,
+            seed=5,
+        )
+        expected = expected_rows(source)
+        job = fleet_env.submit(source, tiny_model, shard_size=200, max_tokens=16)
+        assert job.shards_total == 3
+
+        job = wait_until_final(fleet_env, job.id, timeout=120)
+        job, shards = load_job(fleet_env, job.id)
+        assert job.status is JobStatus.COMPLETED, job.error
+        assert_exactly_once(output_rows(fleet_env, job.id), expected)
+        assert {s.status for s in shards} == {ShardStatus.COMPLETED}
+        assert {s.worker for s in shards} == {"celery@instant1"}
+        # Labelled: the job's hardware, `status`, the worker's log and its announced profile.
+        assert job.hardware == "none (instant engine)"
+        status = fleet_env.cli("status", job.id)
+        assert status.returncode == 0, status.stderr
+        assert "none (instant engine)" in status.stdout
+        assert "INSTANT ENGINE (simulation)" in worker.log()
+        (announced,) = live_workers(fleet_env.settings.broker_url)
+        assert announced["engine"]["dtype"] == "instant"
+        # No vLLM and no torch in the worker: a simulated fleet costs no GPU stack.
+        libraries = _mapped_libraries(worker.pid)
+        assert "libtorch" not in libraries and "vllm" not in libraries
+    finally:
+        stop_workers([worker])
+
+
+def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_model, tmp_path):
+    from batchllm.bench.fleet import measure_fleet
+    from batchllm.bench.services import _postgres_bin
+
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    try:
+        _postgres_bin()
+    except Exception as exc:
+        require(False, str(exc))
+    figures = measure_fleet(
+        tmp_path,
+        model=str(tiny_model),
+        workers=[2],
+        lines=2000,
+        shard_size=250,
+        concurrent_jobs=2,
+        max_connections=100,
+        say=lambda _text: None,
+    )
+    (run,) = figures["runs"]
+    one, several = run["one_job"], run["concurrent_jobs"]
+    assert (one["rows"], one["shards"], one["checkpoints"]) == (2000, 8, 8)
+    assert (several["jobs"], several["rows"]) == (2, 2000)
+    assert one["task_outcomes"]["completed"] == 8
+    assert 0 < one["first_row_s"] <= one["completed_s"]
+    assert 0 < one["pg_connections_peak"] <= 100
+    assert one["redis_commands_per_shard"] > 0
+    assert run["reconciler_pass"]["resent"] == 0
