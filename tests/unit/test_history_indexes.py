@@ -1,4 +1,4 @@
-"""The indexes a long history needs (migration 0010_scale, measured by bench/history.py on
+"""The indexes a long history needs (migration 0011, measured by bench/history.py on
 10,000 jobs): the migrated schema has them, SQLite's planner uses them for the queries that
 scanned every job or shard, and listing batches costs the same few statements for any page."""
 

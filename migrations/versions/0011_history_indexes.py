@@ -5,8 +5,8 @@
 - batches (owner, created_at): GET /v1/batches pages a key's newest batches.
 - jobs.status where notify_url is set: the reconciler's webhook pass reads only notified jobs.
 
-Revision ID: 0010_scale
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-01 11:00:00
 """
 
@@ -14,8 +14,8 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0010_scale'
-down_revision = '0009'
+revision = '0011'
+down_revision = '0010'
 branch_labels = None
 depends_on = None
 

@@ -1,6 +1,6 @@
 """api_keys.admin: an admin key sees every job in the dashboard (`keys create --admin`)
 
-Revision ID: 0010_dash
+Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-01 10:40:00
 """
@@ -9,7 +9,7 @@ from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0010_dash'
+revision = '0010'
 down_revision = '0009'
 branch_labels = None
 depends_on = None
