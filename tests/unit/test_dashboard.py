@@ -1,7 +1,7 @@
 """The dashboard's parts that need no browser or fleet: the login and its cookie, CSRF, who sees
 which job, the chart's series from checkpoints, and when a worker counts as silent (SQLite,
 the in-memory broker, FastAPI's TestClient). The browser tests are in
-tests/integration/test_dashboard.py."""
+tests/integration/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
