@@ -128,7 +128,12 @@ def test_prefix_and_overhead_parts_report_their_figures(bench):
     assert 0 < prefix["kv_cache_tokens"] < result["engine"]["kv_cache_tokens"]
     (size,) = result["overhead"]["sizes"]
     assert size["lines"] == OVERHEAD_LINES
-    assert size["rows_per_s"] > 0 and size["own_rows_per_s"] >= size["rows_per_s"]
+    # Two jobs timed one after the other: on a shared machine the one whose tokenization is
+    # taken out can still be the slower (723 against 819 rows/s on one CI run), so only what
+    # each figure is made of is checked here; how they compare is the bench's to report.
+    assert size["rows_per_s"] == pytest.approx(size["lines"] / size["seconds"])
+    assert size["own_rows_per_s"] == pytest.approx(1 / size["own_seconds_per_row"])
+    assert size["own_phases"]["tokenize"] > 0 and size["own_rows_per_s"] > 0
     assert size["peak_rss_bytes"] > 0
     assert size["share_of_engine_time"] > 0
     # The tokenization-only reference ran on the same lines in the same process.
