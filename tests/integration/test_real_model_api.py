@@ -270,7 +270,7 @@ def compared(
             ran=ran,
             served_manifest=json.loads((served_dir / "_manifest.json").read_text()),
             ran_manifest=json.loads((run.output / "_manifest.json").read_text()),
-            served_engine=built_engine(worker.log_path.read_text(errors="replace")),
+            served_engine=built_engine(worker.log()),
             ran_engine=built_engine(
                 "".join(p.read_text(errors="replace") for p in (work / "run-home").rglob("*.log"))
             ),
