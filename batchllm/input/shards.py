@@ -60,7 +60,7 @@ class _ShardWriter:
         storage: Storage,
         job_id: str,
         shard_size: int,
-        on_shard: Callable[[str], None] | None = None,
+        on_shard: Callable[[ShardInput], None] | None = None,
     ) -> None:
         self.storage, self.shard_size, self.on_shard = storage, shard_size, on_shard
         self.dir = storage.input_dir(job_id)
@@ -122,7 +122,7 @@ class _ShardWriter:
             raise _not_writable(self.storage, exc) from exc
         self.shards.append(self._current)
         if self.on_shard is not None:
-            self.on_shard(self._current.path)
+            self.on_shard(self._current)
         self._current, self._writer, self._sink = None, None, None
 
     def discard(self) -> None:
@@ -192,7 +192,7 @@ def store_input(
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
     table: TableColumns | None = None,
-    on_shard: Callable[[str], None] | None = None,
+    on_shard: Callable[[ShardInput], None] | None = None,
 ) -> StoredInput:
     """Validate `source` (a local path or a URI, streamed) line by line, or with `table` a
     Parquet or CSV file row by row, and store it as Parquet shards of `shard_size` rows.
@@ -200,7 +200,7 @@ def store_input(
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
     InputError lists the problems. Raises InputError when the file cannot be read or holds
     no request at all, StorageError when the shards cannot be written. `on_shard` is called
-    with each shard's path once it is stored (a `run` sizes it meanwhile).
+    with each shard once it is stored (a `run` sizes it meanwhile, `submit` queues it).
     """
     source = readable_input(source)
     result = StoredInput()

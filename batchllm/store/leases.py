@@ -14,7 +14,13 @@ from sqlalchemy.orm import Session
 from batchllm.errors import ShardBusy
 from batchllm.store.db import changed
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.store.state_machine import end_shard, requeue_shard, run_shard, start_job
+from batchllm.store.state_machine import (
+    TAKING_WORK,
+    end_shard,
+    requeue_shard,
+    run_shard,
+    start_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +102,7 @@ def requeue_stale_shards(
         .where(
             Shard.status == ShardStatus.RUNNING,
             Shard.heartbeat_at < stale,
-            Job.status.in_([JobStatus.IN_PROGRESS, JobStatus.QUEUED]),
+            Job.status.in_(TAKING_WORK),
             Job.local_run.is_(False),
         )
     ).all()

@@ -20,6 +20,7 @@ from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 log = logging.getLogger(__name__)
 
 RUNNABLE_JOBS = state_machine.RUNNABLE
+TAKING_WORK = state_machine.TAKING_WORK
 FINAL_JOBS = [status for status in JobStatus if status.is_final]
 
 

@@ -16,13 +16,20 @@ from sqlalchemy.orm import Session
 from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
 from batchllm.input.adapters import store_adapters
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import StoredInput, input_name, readable_input, store_input
+from batchllm.input.shards import (
+    ShardInput,
+    StoredInput,
+    input_name,
+    readable_input,
+    store_input,
+)
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope
-from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store.models import Job, JobStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
+from batchllm.store.shard_recording import ShardRecorder
 from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,12 @@ def new_job_id() -> str:
 class CreatedJob:
     job: Job
     stored: StoredInput
+    # What the job's caller must finish it in when its shards all ended during its validation
+    # (a fleet ran them meanwhile): FINALIZING, write its manifest (state_machine.end_validation).
+    ended: JobStatus | None = None
+
+
+ReleaseShards = Callable[[str, list[int]], None]
 
 
 def create_job(
@@ -47,14 +60,19 @@ def create_job(
     settings: Settings | None = None,
     local_run: bool = False,
     expires_at: datetime | None = None,
-    on_shard: Callable[[str], None] | None = None,
+    on_shard: Callable[[ShardInput], None] | None = None,
+    release: ReleaseShards | None = None,
     notify: WebhookTarget | None = None,
 ) -> CreatedJob:
-    """Validate and store the input, then record the job and its shards as `queued`.
+    """Validate and store the input, recording the job and its shards as `queued`.
 
-    A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
-    so does a job storage that cannot be written (StorageError). `notify`: where the job's end
-    is announced (store/webhooks.py).
+    `release(job_id, shard_ids)`: queue committed shards for the fleet. When the job's
+    max_model_len is given, it is called while validation goes on, with the shards stored so
+    far (shard_recording.py), so a big file starts working within seconds; otherwise, and
+    under --strict, once the whole file is stored. A file
+    refused under --strict leaves a `failed` job with the reason, like the OpenAI API; so does
+    a job storage that cannot be written (StorageError). `notify`: where the job's end is
+    announced (store/webhooks.py).
     """
     settings = settings or get_settings()
     source = readable_input(source)
@@ -81,7 +99,20 @@ def create_job(
                 notify_secret=notify.secret if notify else None,
             )
         )
+    # Streaming needs the context length up front: without it the first worker sizes the job
+    # from all of its rows (worker/engines.py), which must all be there.
+    stream = release is not None and not strict and spec.engine.max_model_len is not None
+    recorder = ShardRecorder(settings, job_id, release, stream=stream)
+
+    def stored_one(shard: ShardInput) -> None:
+        recorder.add(shard)
+        if on_shard is not None:
+            on_shard(shard)
+
     try:
+        # The output directory first: a worker may write the first shard's rows before the
+        # last one is stored.
+        storage.makedirs(storage.output_dir(job_id))
         stored = store_input(
             source,
             storage,
@@ -91,35 +122,26 @@ def create_job(
             adapters=frozenset(spec.adapters),
             task=spec.engine.task,
             table=spec.table,
-            on_shard=on_shard,
+            on_shard=stored_one,
         )
-        storage.makedirs(storage.output_dir(job_id))
     except (InputError, StorageError, OSError) as exc:
         error = exc
         if isinstance(exc, OSError):  # the output directory
-            error = StorageError(f"job storage {storage.display(storage.root)}: {exc}")
+            error = StorageError(
+                f"job storage {storage.display(storage.root)}: cannot write: {exc}"
+            )
         with session_scope(settings) as session:
             state_machine.fail_job(session, job_id, str(error))
         if error is exc:
             raise
         raise error from exc
     with session_scope(settings) as session:
+        recorder.record_rest(session)
+        ended = state_machine.end_validation(
+            session, job_id, shards_total=len(stored.shards), request_total=stored.total
+        )
         job = get_one(session, Job, job_id)
-        for shard in stored.shards:
-            session.add(
-                Shard(
-                    job_id=job_id,
-                    index=shard.index,
-                    status=ShardStatus.QUEUED,
-                    input_path=shard.path,
-                    rows=shard.rows,
-                    first_line=shard.first_line,
-                    last_line=shard.last_line,
-                )
-            )
-        job.request_total = stored.total
-        job.shards_total = len(stored.shards)
-        state_machine.queue_job(session, job_id)
+    recorder.release_rest()
     log.info(
         "job %s: %d requests (%d invalid) in %d shards",
         job_id,
@@ -127,7 +149,7 @@ def create_job(
         stored.invalid,
         len(stored.shards),
     )
-    return CreatedJob(job=job, stored=stored)
+    return CreatedJob(job=job, stored=stored, ended=ended)
 
 
 def get_job(session: Session, job_ref: str) -> Job:

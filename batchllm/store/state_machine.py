@@ -25,15 +25,39 @@ ACTIVE = (
     JobStatus.CANCELLING,
 )
 RUNNABLE = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
+# Jobs whose queued shards workers run: a job submitted to the fleet releases its shards while
+# it is still validating (store/shard_recording.py).
+TAKING_WORK = (JobStatus.VALIDATING, *RUNNABLE)
 
 
-def queue_job(session: Session, job_id: str) -> bool:
-    """validating -> queued, once its input is stored and its shards are recorded."""
-    return _move_job(session, job_id, (JobStatus.VALIDATING,), JobStatus.QUEUED)
+def end_validation(
+    session: Session, job_id: str, *, shards_total: int, request_total: int
+) -> JobStatus | None:
+    """validating -> queued once its input is stored and every shard recorded; in_progress
+    when workers already took shards it released while validating (store/shard_recording.py).
+    Returns, like end_shard, the state the caller must finish the job in when its shards have
+    all ended meanwhile (FINALIZING: write the manifest; CANCELLED/FAILED: already set).
+
+    The counts' UPDATE comes before the shards are counted done, in one transaction: it takes
+    the job's row lock (SQLite: the write lock), so a worker ending the last shard at the same
+    time either ended it before (and is counted here) or waits and then sees the final counts
+    and state in after_last_shard: one of the two moves the job on, never neither."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(shards_total=shards_total, request_total=request_total)
+    )
+    started = session.scalar(
+        select(Shard.id).where(Shard.job_id == job_id, Shard.started_at.is_not(None)).limit(1)
+    )
+    target = JobStatus.QUEUED if started is None else JobStatus.IN_PROGRESS
+    _move_job(session, job_id, (JobStatus.VALIDATING,), target)
+    return after_last_shard(session, job_id)
 
 
 def start_job(session: Session, job_id: str) -> bool:
-    """queued -> in_progress, when a worker claims its first shard."""
+    """queued -> in_progress, when a worker claims its first shard (a job still validating
+    moves on when its validation ends: end_validation)."""
     return _move_job(session, job_id, (JobStatus.QUEUED,), JobStatus.IN_PROGRESS)
 
 
@@ -171,10 +195,11 @@ _ENDED_JOBS = "batchllm.jobs_ended"
 
 
 def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
-    done, total = session.execute(
-        select(Job.shards_done, Job.shards_total).where(Job.id == job_id)
+    done, total, status = session.execute(
+        select(Job.shards_done, Job.shards_total, Job.status).where(Job.id == job_id)
     ).one()
-    if done < total:
+    if done < total or status == JobStatus.VALIDATING:
+        # Still validating: more shards are coming (end_validation moves it on).
         return None
     failed = session.scalar(
         select(func.count())

@@ -1,4 +1,4 @@
-"""Submitting a job to the fleet: validate and store, commit, and only then enqueue."""
+"""Submitting a job to the fleet: validate and store, commit shards, and only then enqueue them."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import select
+from celery import Celery
 
 from batchllm.errors import BatchLLMError
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
-from batchllm.store.models import Job, Shard
+from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_job
+from batchllm.worker.finalize import finalize_job
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +36,26 @@ def submit_job(
     on_stored: Callable[[StoredInput], None] | None = None,
     notify: WebhookTarget | None = None,
 ) -> Job:
-    """Create the job and its shards, then enqueue one task per shard on the model's queue.
+    """Create the job and its shards, enqueueing one task per shard on the model's queue.
 
-    Tasks go out only after the database commit, so a worker never sees a shard that is not
-    there yet. If the broker cannot be reached, the job is marked failed and the error says so.
-    `expires_at` ends the job `expired` when it passes; `before_dispatch(job_id)` runs between
-    the commit and the first task (the Batch API records its batch there); `on_stored(stored)`
-    once the input is stored (its counts: lines, invalid lines, shards); `notify`: where the
-    job's end is announced.
+    Tasks go out only after their shards' database commit, so a worker never sees a shard that
+    is not there yet; with the job's max_model_len given they go out while validation goes on
+    (store/shard_recording.py). If the broker cannot be reached, the job is marked failed and
+    the error says so. `expires_at` ends the job `expired` when it passes;
+    `before_dispatch(job_id)` runs between the job's creation and its first task (the Batch API
+    records its batch there); `on_stored(stored)` once the input is stored (its counts: lines,
+    invalid lines, shards); `notify`: where the job's end is announced.
     """
     settings = settings or get_settings()
+    app = create_app(settings)  # one for every release of the job's shards
+    sent: list[int] = []
+
+    def release(job_id: str, shard_ids: list[int]) -> None:
+        if not sent and before_dispatch is not None:
+            before_dispatch(job_id)
+        send_shards(job_id, spec, shard_ids, settings=settings, app=app)
+        sent.extend(shard_ids)
+
     created = service.create_job(
         source,
         spec,
@@ -51,24 +63,45 @@ def submit_job(
         strict=strict,
         settings=settings,
         expires_at=expires_at,
+        release=release,
         notify=notify,
     )
     job_id = created.job.id
+    log.info("job %s: %d shard tasks on queue %s", job_id, len(sent), queue_for_job(spec))
+    if created.ended is JobStatus.FINALIZING:
+        # Its shards all ran while it was validating: nobody else will finish it.
+        finalize_job(
+            job_id,
+            storage=Storage.of(settings),
+            settings=settings,
+            hardware=None,
+            vllm_version=None,
+        )
     if on_stored is not None:
         on_stored(created.stored)
-    if before_dispatch is not None:
-        before_dispatch(job_id)
     with session_scope(settings) as session:
-        shard_ids = list(
-            session.scalars(select(Shard.id).where(Shard.job_id == job_id).order_by(Shard.index))
-        )
-    return dispatch_shards(job_id, spec, shard_ids, settings=settings)
+        return get_one(session, Job, job_id)
 
 
 def dispatch_shards(job_id: str, spec: JobSpec, shard_ids: list[int], *, settings: Settings) -> Job:
+    """Send the tasks of these shards (a retry's) and return the job as it is then."""
+    send_shards(job_id, spec, shard_ids, settings=settings)
+    log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue_for_job(spec))
+    with session_scope(settings) as session:
+        return get_one(session, Job, job_id)
+
+
+def send_shards(
+    job_id: str,
+    spec: JobSpec,
+    shard_ids: list[int],
+    *,
+    settings: Settings,
+    app: Celery | None = None,
+) -> None:
     """Send one task per shard (committed `queued` before) to the queue of the job's engine
     kind; the job ends failed, saying so, when the broker cannot be reached."""
-    app = create_app(settings)
+    app = app or create_app(settings)
     queue = queue_for_job(spec)
     try:
         with app.connection_for_write() as conn:
@@ -80,10 +113,8 @@ def dispatch_shards(job_id: str, spec: JobSpec, shard_ids: list[int], *, setting
         with session_scope(settings) as session:
             state_machine.fail_job(session, job_id, message)
         raise BatchLLMError(message) from exc
-    log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue)
     with session_scope(settings) as session:
         recovery.mark_dispatched(session, shard_ids)
-        return get_one(session, Job, job_id)
 
 
 def _without_password(url: str) -> str:

@@ -110,7 +110,7 @@ def _unfinished_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
         .outerjoin(Batch, Batch.job_id == Job.id)
         .where(
             Job.model == model,
-            Job.status.in_(recovery.RUNNABLE_JOBS),
+            Job.status.in_(recovery.TAKING_WORK),
             Job.local_run.is_(False),
         )
     ).all()

@@ -13,7 +13,7 @@ from pathlib import Path
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import readable_input
+from batchllm.input.shards import ShardInput, readable_input
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
@@ -180,7 +180,7 @@ def _create(
     once, not after an engine start it did not need.
     """
 
-    def create(on_shard: Callable[[str], None] | None = None) -> str:
+    def create(on_shard: Callable[[ShardInput], None] | None = None) -> str:
         created = service.create_job(
             source,
             spec,
@@ -229,14 +229,14 @@ def _create(
 
 
 def _create_and_size(
-    create: Callable[[Callable[[str], None]], str], spec: JobSpec, settings: Settings
+    create: Callable[[Callable[[ShardInput], None]], str], spec: JobSpec, settings: Settings
 ) -> tuple[str, BaseException | None]:
     """Create the job while sizing its context on another thread, shard by shard as they are
     stored (worker/sizing_pass.py): the two overlap instead of running one after the other.
     Returns the job id and the sizing pass's error (the job exists then: the caller fails it)."""
     sizer = BackgroundSizer(spec, Storage.of(settings))
     try:
-        job_id = create(sizer.shard_stored)
+        job_id = create(lambda shard: sizer.shard_stored(shard.path))
     except BaseException:
         sizer.abandon()
         raise

@@ -108,3 +108,76 @@ def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_m
     assert 0 < one["pg_connections_peak"] <= 100
     assert one["redis_commands_per_shard"] > 0
     assert run["reconciler_pass"]["resent"] == 0
+
+
+def test_a_worker_runs_a_jobs_shards_while_the_submit_is_still_validating_its_file(
+    fleet_env, tiny_model, tmp_path, monkeypatch
+):
+    """Shards go to the fleet as validation stores them (store/shard_recording.py): a worker
+    process completes the first shard before the second is even stored, and when the last shard
+    ends before the validation does (no shard's end may finish a validating job), the submit
+    itself finalizes the job."""
+    from batchllm.store import shard_recording
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job, Shard
+    from tests.support.job_checks import wait_for
+
+    (worker,) = start_workers(
+        ["stream1"],
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=INSTANT_ARGS,
+        ready_timeout=120,
+    )
+    settings = fleet_env.settings
+    seen: dict[str, object] = {}
+
+    def shard_states(job_id: str) -> tuple[JobStatus, int, list[ShardStatus]]:
+        with session_scope(settings) as session:
+            job = session.get(Job, job_id)
+            shards = session.query(Shard).filter(Shard.job_id == job_id).order_by(Shard.index)
+            return job.status, job.shards_total, [s.status for s in shards]
+
+    def all_done(job_id: str, count: int):
+        def check():
+            state = shard_states(job_id)
+            return state if state[2].count(ShardStatus.COMPLETED) >= count else None
+
+        return wait_for(check, timeout=120, what=lambda: f"{count} shard(s) done\n{worker.log()}")
+
+    real_add, real_record_rest = (
+        shard_recording.ShardRecorder.add,
+        shard_recording.ShardRecorder.record_rest,
+    )
+
+    def add(self, shard):
+        if shard.index == 1:  # shard 0 is out: let the worker finish it before storing more
+            seen["first_done"] = all_done(self.job_id, 1)
+        return real_add(self, shard)
+
+    def record_rest(self, session):
+        seen["all_done"] = all_done(self.job_id, 3)
+        return real_record_rest(self, session)
+
+    monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(shard_recording.ShardRecorder, "add", add)
+    monkeypatch.setattr(shard_recording.ShardRecorder, "record_rest", record_rest)
+    try:
+        source = write_workload(
+            tmp_path / "prompts.jsonl", requests=600, max_tokens=(4, 16), bad_lines=2, seed=8
+        )
+        expected = expected_rows(source)
+        job = fleet_env.submit(source, tiny_model, shard_size=200, max_tokens=16)
+
+        # The first shard was done while the file was still being validated, one shard stored.
+        assert seen["first_done"] == (JobStatus.VALIDATING, 1, [ShardStatus.COMPLETED])
+        assert seen["all_done"] == (JobStatus.VALIDATING, 3, [ShardStatus.COMPLETED] * 3)
+        # No worker could finish it (it was validating): the submit did, before returning.
+        assert job.status is JobStatus.COMPLETED, job.error
+        job, shards = load_job(fleet_env, job.id)
+        assert (job.shards_total, job.shards_done, job.request_total) == (3, 3, len(expected))
+        assert_exactly_once(output_rows(fleet_env, job.id), expected)
+        assert {s.worker for s in shards} == {"celery@stream1"}
+    finally:
+        stop_workers([worker])
