@@ -43,8 +43,11 @@ def queued_tasks(redis: PrivateRedis, queue: str) -> int:
 def time_submit(
     source: Path, settings: Settings, redis: PrivateRedis, *, max_model_len: int | None
 ) -> dict[str, Any]:
+    from sqlalchemy import func, select
+
     from batchllm.store import service
     from batchllm.store.db import session_scope
+    from batchllm.store.models import Shard
     from batchllm.worker.celery_app import queue_for_job
     from batchllm.worker.dispatch import submit_job
 
@@ -54,14 +57,20 @@ def time_submit(
         sampling=SamplingDefaults(max_tokens=32),
     )
     first_task: list[float] = []
+    stored_then: list[int] = []
+
+    def first_queued(job_id: str) -> None:  # right before the first task is sent
+        first_task.append(time.monotonic())
+        with session_scope(settings) as session:
+            stored_then.append(
+                session.scalar(
+                    select(func.count()).select_from(Shard).where(Shard.job_id == job_id)
+                )
+            )
+
     started = time.monotonic()
     job = submit_job(
-        source,
-        spec,
-        shard_size=SHARD_SIZE,
-        settings=settings,
-        # Called right before the job's first task is sent, its shards committed.
-        before_dispatch=lambda _job_id: first_task.append(time.monotonic()),
+        source, spec, shard_size=SHARD_SIZE, settings=settings, before_dispatch=first_queued
     )
     ended = time.monotonic()
     tasks = queued_tasks(redis, queue_for_job(spec))
@@ -76,6 +85,7 @@ def time_submit(
         "shards": job.shards_total,
         "status_when_submit_returned": job.status.value,
         "first_shard_queued_s": first_task[0] - started,
+        "shards_stored_when_first_queued": stored_then[0],
         "whole_file_stored_s": ended - started,
         "lines_per_s": job.request_total / (ended - started),
     }

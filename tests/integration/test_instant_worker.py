@@ -110,6 +110,35 @@ def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_m
     assert run["reconciler_pass"]["resent"] == 0
 
 
+def test_the_first_shard_bench_times_a_streamed_and_a_whole_file_submit(tmp_path, monkeypatch):
+    """bench/first_shard.py on a private Redis: both submits leave one task per shard there
+    (the bench refuses its figures otherwise); the streamed one queued its first shard before
+    the rest of the file was stored, the other only after."""
+    from batchllm.bench import first_shard
+
+    require(shutil.which("redis-server") is not None, "redis-server is not installed")
+    monkeypatch.setattr(first_shard, "SHARD_SIZE", 5_000)
+    figures = first_shard.measure(30_000, tmp_path)
+
+    streamed, whole = figures["streamed"], figures["queued_after_validation"]
+    assert (
+        (streamed["lines"], streamed["shards"])
+        == (whole["lines"], whole["shards"])
+        == (
+            30_000,
+            6,
+        )
+    )
+    assert streamed["status_when_submit_returned"] == whole["status_when_submit_returned"]
+    assert streamed["status_when_submit_returned"] == JobStatus.QUEUED.value
+    # The streamed submit sent its first task with one shard stored, the other with all six.
+    assert streamed["shards_stored_when_first_queued"] == 1
+    assert whole["shards_stored_when_first_queued"] == 6
+    assert 0 < streamed["first_shard_queued_s"] < streamed["whole_file_stored_s"]
+    assert 0 < whole["first_shard_queued_s"] < whole["whole_file_stored_s"]
+    assert not (tmp_path / "input.jsonl").exists()
+
+
 def test_a_worker_runs_a_jobs_shards_while_the_submit_is_still_validating_its_file(
     fleet_env, tiny_model, tmp_path, monkeypatch
 ):
