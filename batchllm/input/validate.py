@@ -529,14 +529,18 @@ def _duplicate(custom_id: str, first: int) -> LineProblem:
 
 
 def _line_chunks(path: str | Path, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
-    """The file's non-blank lines, a list per chunk, after a first pass has collected the
-    default-shaped custom_ids it gives (custom_ids.py)."""
-    if not is_uri(path):
-        path = Path(path)
-    with open_input(path) as handle:
-        chunks = iter_line_chunks(handle, limit, wanted=may_give_default_id)
-        ids.collect_given(line for chunk in chunks for line in chunk)
-    with open_input(path) as handle:
+    """The file's non-blank lines, a list per chunk. The first pass, which collects the
+    default-shaped custom_ids the file gives (custom_ids.py), runs when the first line without
+    a custom_id needs its default, over the whole file on a handle of its own."""
+    source = path if is_uri(path) else Path(path)
+
+    def given_lines() -> Iterator[Line]:
+        with open_input(source) as handle:
+            for chunk in iter_line_chunks(handle, limit, wanted=may_give_default_id):
+                yield from chunk
+
+    ids.defer_first_pass(given_lines)
+    with open_input(source) as handle:
         yield from iter_line_chunks(handle, limit)
 
 

@@ -135,6 +135,40 @@ def test_given_ids_that_repeat_are_still_duplicates(tmp_path):
     assert "first on line 1" in items[1].message
 
 
+@pytest.mark.parametrize("path", ["rows", "lines"])
+def test_a_file_whose_lines_all_give_ids_is_read_once_and_one_needing_a_default_twice(
+    tmp_path, monkeypatch, path
+):
+    """The first pass (the given ids of the default shape) runs only for a default: a 10M-line
+    file stores no shard before it ends. Both validation paths: stored rows and read_requests."""
+    from batchllm.input import validate
+
+    opened: list[str] = []
+    real_open = validate.open_input
+
+    def counting_open(source):
+        opened.append(str(source))
+        return real_open(source)
+
+    monkeypatch.setattr(validate, "open_input", counting_open)
+
+    def ids_of(lines: list[dict]) -> list[str]:
+        source = write(tmp_path / "in.jsonl", lines)
+        if path == "lines":
+            return [item.custom_id for item in read_requests(source)]
+        storage = Storage(str(tmp_path / f"store-{len(opened)}"))
+        stored = store_input(source, storage, "job_x", shard_size=10)
+        return [r.custom_id for r in iter_shard_rows(storage, stored.shards[0].path)]
+
+    given = [{"custom_id": f"line-{n}", "prompt": "a"} for n in (3, 1)]
+    assert ids_of(given) == ["line-3", "line-1"]
+    assert len(opened) == 1
+    opened.clear()
+    # The default of line 3 is given by line 1, which the validation passed before it asked.
+    assert ids_of([*given, {"prompt": "b"}]) == ["line-3", "line-1", "line-3-2"]
+    assert len(opened) == 2
+
+
 def test_moved_defaults_reach_the_stored_input_rows(tmp_path):
     source = write(tmp_path / "in.jsonl", [{"prompt": "a"}, {"custom_id": "line-1", "prompt": "b"}])
     storage = Storage(str(tmp_path / "store"))
