@@ -69,10 +69,11 @@ def create_job(
     `release(job_id, shard_ids)`: queue committed shards for the fleet. When the job's
     max_model_len is given, it is called while validation goes on, with the shards stored so
     far (shard_recording.py), so a big file starts working within seconds; otherwise, and
-    under --strict, once the whole file is stored. A file
-    refused under --strict leaves a `failed` job with the reason, like the OpenAI API; so does
-    a job storage that cannot be written (StorageError). `notify`: where the job's end is
-    announced (store/webhooks.py).
+    under --strict, once the whole file is stored.
+
+    A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
+    so does a job storage that cannot be written (StorageError). `notify`: where the job's end
+    is announced (store/webhooks.py).
     """
     settings = settings or get_settings()
     source = readable_input(source)
