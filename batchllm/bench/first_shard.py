@@ -62,11 +62,8 @@ def time_submit(
     def first_queued(job_id: str) -> None:  # right before the first task is sent
         first_task.append(time.monotonic())
         with session_scope(settings) as session:
-            stored_then.append(
-                session.scalar(
-                    select(func.count()).select_from(Shard).where(Shard.job_id == job_id)
-                )
-            )
+            count = select(func.count()).select_from(Shard).where(Shard.job_id == job_id)
+            stored_then.append(int(session.scalar(count) or 0))
 
     started = time.monotonic()
     job = submit_job(
