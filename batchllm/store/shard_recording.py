@@ -48,7 +48,6 @@ class ShardRecorder:
         self._pending: list[ShardInput] = []
         self._unreleased: list[int] = []  # recorded at the end, released after its commit
         self._released_at: float | None = None
-        self.released = 0
 
     def add(self, shard: ShardInput) -> None:
         """A shard validation just stored."""
@@ -104,4 +103,3 @@ class ShardRecorder:
         if self.release is None or not ids:
             return
         self.release(self.job_id, ids)
-        self.released += len(ids)

@@ -45,6 +45,18 @@ def every_shard_at_once(monkeypatch):
     monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
 
 
+def _create(settings, tmp_path, lines: int, releases: Releases, spec=None, **options):
+    """A job of `lines` items in 10-line shards, its shards released to `releases`."""
+    return service.create_job(
+        write_items(tmp_path / "in.jsonl", lines),
+        spec or make_spec(),
+        shard_size=10,
+        settings=settings,
+        release=releases,
+        **options,
+    )
+
+
 def _shard_ids(settings, job_id: str) -> list[int]:
     with session_scope(settings) as session:
         return [s.id for s in sorted(session.get(Job, job_id).shards, key=lambda s: s.index)]
@@ -54,13 +66,7 @@ def test_shards_are_released_while_the_job_is_still_validating(
     settings, tmp_path, every_shard_at_once
 ):
     releases = Releases(settings)
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", 50),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
-        release=releases,
-    )
+    created = _create(settings, tmp_path, 50, releases)
 
     shard_ids = _shard_ids(settings, created.job.id)
     assert len(shard_ids) == 5
@@ -82,13 +88,7 @@ def test_shards_released_half_a_second_apart_go_in_batches(settings, tmp_path, m
     clock = iter(range(0, 10_000))  # each reading of the clock: 0.2 s later
     monkeypatch.setattr(shard_recording.time, "monotonic", lambda: next(clock) * 0.2)
     releases = Releases(settings)
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", 100),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
-        release=releases,
-    )
+    created = _create(settings, tmp_path, 100, releases)
     # The first shard at once, then one release every third shard (0.6 s >= 0.5 s).
     assert [len(ids) for ids, *_ in releases.calls] == [1, 3, 3, 3]
     assert releases.released == _shard_ids(settings, created.job.id)
@@ -104,14 +104,7 @@ def test_nothing_is_released_before_the_whole_file_is_stored_when_it_must_be(
     if why != "strict":
         spec = spec.model_copy(update={"engine": EngineOptions()})
     releases = Releases(settings)
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", 30),
-        spec,
-        shard_size=10,
-        settings=settings,
-        strict=why == "strict",
-        release=releases,
-    )
+    created = _create(settings, tmp_path, 30, releases, spec, strict=why == "strict")
     assert len(releases.calls) == 1
     ids, status, shards_total, lines = releases.calls[0]
     assert (ids, status, shards_total, lines) == (
@@ -138,13 +131,7 @@ def test_no_shard_end_finishes_a_job_that_is_still_validating(
     """Its shards all ran during the validation: their ends leave it validating (more shards may
     come), and the end of the validation moves it to finalizing for its caller to complete."""
     releases = Releases(settings, run_them=True)
-    created = service.create_job(
-        write_items(tmp_path / "in.jsonl", 25),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
-        release=releases,
-    )
+    created = _create(settings, tmp_path, 25, releases)
     # Each shard was released, and ran to its end, while the job was validating.
     assert [call[1:] for call in releases.calls] == [
         (JobStatus.VALIDATING, 1, 10),
