@@ -21,15 +21,21 @@ import sys
 import threading
 import time
 
+BUILDS_LINE = "engine builds: "
 STREAMS = {
     "fleet": ["tests/integration", "tests/faults"],
     "local": ["tests/unit", "tests/engine", "tests/security", "tests/smoke"],
 }
 
 
-def pump(name: str, proc: subprocess.Popen[str], lock: threading.Lock) -> None:
+def pump(
+    name: str, proc: subprocess.Popen[str], lock: threading.Lock, builds: dict[str, int]
+) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
+        # Each session's closing lines count its engine builds (tests/conftest.py).
+        if line.startswith(BUILDS_LINE):
+            builds[name] = int(line.removeprefix(BUILDS_LINE))
         with lock:
             sys.stdout.write(f"[{name}] {line}")
             sys.stdout.flush()
@@ -39,6 +45,7 @@ def main(extra: list[str]) -> int:
     lock = threading.Lock()
     started = time.monotonic()
     procs: dict[str, subprocess.Popen[str]] = {}
+    builds: dict[str, int] = {}
     threads = []
     for name, paths in STREAMS.items():
         # -v: one line per test, so interleaved output still says which test each line is.
@@ -52,7 +59,7 @@ def main(extra: list[str]) -> int:
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        thread = threading.Thread(target=pump, args=(name, procs[name], lock), daemon=True)
+        thread = threading.Thread(target=pump, args=(name, procs[name], lock, builds), daemon=True)
         thread.start()
         threads.append(thread)
     codes = {name: proc.wait() for name, proc in procs.items()}
@@ -60,7 +67,9 @@ def main(extra: list[str]) -> int:
         thread.join()
     minutes = (time.monotonic() - started) / 60
     summary = ", ".join(f"{name} exit {code}" for name, code in codes.items())
+    counted = ", ".join(f"{name} {count}" for name, count in builds.items())
     print(f"test streams: {summary}; {minutes:.1f} min in all")
+    print(f"engine builds: {sum(builds.values())} in all ({counted})")
     # pytest's 5 is "no tests collected": a stream filtered empty by -k is not a failure.
     return 0 if all(code in (0, 5) for code in codes.values()) else 1
 

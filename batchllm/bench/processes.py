@@ -20,6 +20,7 @@ from pathlib import Path
 
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
+from batchllm.engine.build_log import note_engine_build
 from batchllm.worker.stopping import stop_child
 
 # vLLM at INFO in both contenders: run-batch's markers are INFO lines, and both logs then show
@@ -115,6 +116,8 @@ def run_vllm_batch(source: Path, workdir: Path, *, model: str, limits: EngineLim
         "--disable-log-stats",
         *limits.flags(),
     ]
+    # run-batch builds an engine of its own in its process, which the engine module never sees.
+    note_engine_build(f"vllm run-batch {model}")
     done = _timed(
         command,
         log_path=workdir / "run-batch.log",

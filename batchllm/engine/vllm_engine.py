@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from batchllm.engine.build_log import note_engine_build
 from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
 from batchllm.engine.images import (
     ImageProcessor,
@@ -245,6 +246,7 @@ class VllmEngine:
         try:
             with _explicit_cpu_kv_cache(self.is_cpu and options.kv_cache_memory_bytes is not None):
                 self.llm = vllm.LLM(**kwargs)
+            note_engine_build(f"vllm {model}")
         except Exception as exc:
             raise EngineUnavailable(f"vLLM could not start for model {model!r}: {exc}") from exc
         finally:

@@ -18,7 +18,7 @@ from unittest import mock
 import pytest
 
 from batchllm.bench.workload import Workload, iter_requests
-from tests.conftest import require
+from tests.support.skips import require
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40

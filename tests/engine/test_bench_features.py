@@ -19,7 +19,7 @@ import pytest
 
 from batchllm.bench import embed, features
 from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
-from tests.conftest import require
+from tests.support.skips import require
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40

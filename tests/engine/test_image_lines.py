@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow.dataset as ds
 
 from batchllm.engine.demo_vlm import TOKENS_PER_IMAGE
-from tests.conftest import require
 from tests.support.cli import local_env, run_cli
+from tests.support.skips import require
 
 ENGINE_SECONDS = 900  # an engine start takes minutes on a loaded 2-core machine
 

@@ -21,8 +21,8 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchllm.input.schemas import LineError, Request
-from tests.conftest import require
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
+from tests.support.skips import require
 
 pytestmark = pytest.mark.engine
 

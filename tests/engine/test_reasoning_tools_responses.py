@@ -20,8 +20,8 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from tests.conftest import require
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
+from tests.support.skips import require
 
 pytestmark = pytest.mark.engine
 

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
-from tests.conftest import require
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
+from tests.support.skips import require
 
 pytestmark = pytest.mark.engine
 

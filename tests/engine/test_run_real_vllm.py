@@ -30,8 +30,8 @@ from batchllm.store.job_view import job_view
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.engines import EngineCache
 from batchllm.worker.local import run_job
-from tests.conftest import require
 from tests.support.cli import local_env, run_cli
+from tests.support.skips import require
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
-from tests.faults import harness
-from tests.faults.harness import (
+from tests.support import faults as harness
+from tests.support.faults import (
     WORKER_SETTINGS,
     FaultEnv,
     Pool,
@@ -27,6 +26,7 @@ from tests.faults.harness import (
     tail,
 )
 from tests.support.fleet import fleet_env_vars, settings_of
+from tests.support.skips import require
 
 
 @pytest.fixture(scope="session")

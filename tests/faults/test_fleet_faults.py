@@ -31,7 +31,7 @@ from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
-from tests.faults.harness import (
+from tests.support.faults import (
     FaultEnv,
     Pool,
     Worker,

@@ -25,17 +25,17 @@ import psutil
 import pytest
 
 from batchllm.demo.workload import write_workload
-from tests.conftest import require
-from tests.faults.harness import (
+from tests.support.faults import (
     RedisServer,
     alive_of,
     descendants,
     engine_processes,
-    free_port,
     kill_recorded,
 )
 from tests.support.fleet import REPO, tail
 from tests.support.job_checks import wait_for
+from tests.support.ports import free_port
+from tests.support.skips import require
 
 pytestmark = pytest.mark.faults
 

@@ -25,7 +25,6 @@ import pytest
 import redis
 
 from batchllm.settings import Settings
-from tests.conftest import require
 from tests.support.fleet import (
     HOST,
     WORKER_ENGINE_ARGS,
@@ -35,10 +34,9 @@ from tests.support.fleet import (
     settings_of,
     submit,
 )
+from tests.support.services import postgres_database, redis_database
+from tests.support.skips import require
 
-REDIS_PORT = 6379
-POSTGRES_PORT = 5432
-POSTGRES_USERS = ("root", "postgres")
 # Small enough that a shard of the tiny model commits several checkpoints, and that a killed
 # worker's shard is taken over within a test: its lease expires after 10 s and the surviving
 # worker's sweeper queues it again. Redis's own redelivery is an hour away, so a passing kill
@@ -49,70 +47,11 @@ WORKER_SETTINGS = {
     "BATCHLLM_LEASE_SECONDS": "10",
     "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
 }
-_SESSION_MARK = "batchllm-integration-session"
 
 _running: list[Worker] = []
 
 
 # -- services ------------------------------------------------------------------------------
-
-
-@contextmanager
-def _postgres_database(name: str) -> Iterator[str]:
-    """A fresh database on the local PostgreSQL, dropped afterwards; yields its URL."""
-    try:
-        import psycopg
-    except ImportError as exc:
-        require(False, f"psycopg is not installed: {exc}")
-    errors = []
-    for user in POSTGRES_USERS:
-        try:
-            admin = psycopg.connect(
-                host=HOST,
-                port=POSTGRES_PORT,
-                user=user,
-                dbname="test",
-                autocommit=True,
-                connect_timeout=3,
-            )
-            break
-        except psycopg.Error as exc:
-            errors.append(f"{user}: {exc}")
-    else:
-        require(
-            False,
-            f"PostgreSQL is not reachable at {HOST}:{POSTGRES_PORT} (database "
-            f"`test`): " + "; ".join(errors),
-        )
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield f"postgresql+psycopg://{user}@{HOST}:{POSTGRES_PORT}/{name}"
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextmanager
-def _redis_database(token: str) -> Iterator[tuple[redis.Redis, str]]:
-    """An empty database on the local Redis, marked as ours so that a test session running
-    beside this one picks another; flushed afterwards. Yields a client and its URL."""
-    try:
-        redis.Redis(host=HOST, port=REDIS_PORT, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        require(False, f"Redis is not reachable at {HOST}:{REDIS_PORT}: {exc}")
-    for index in range(15, 0, -1):
-        client = redis.Redis(host=HOST, port=REDIS_PORT, db=index, socket_connect_timeout=3)
-        try:
-            if client.dbsize() == 0 and client.set(_SESSION_MARK, token, nx=True):
-                break
-        except redis.ResponseError:  # the server has fewer databases
-            continue
-    else:
-        require(False, f"no empty Redis database on {HOST}:{REDIS_PORT} for the fleet tests")
-    try:
-        yield client, f"redis://{HOST}:{REDIS_PORT}/{index}"
-    finally:
-        client.flushdb()
 
 
 @dataclass
@@ -140,8 +79,8 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     token = uuid.uuid4().hex[:12]
     with (
-        _redis_database(token) as (broker, broker_url),
-        _postgres_database(f"batchllm_it_{token}") as url,
+        redis_database(token) as (broker, broker_url),
+        postgres_database(f"batchllm_it_{token}") as url,
     ):
         from batchllm.store.db import get_engine, upgrade
 

@@ -30,7 +30,7 @@ from tests.integration.test_batch_api import (
     jsonl,
     wait_for,
 )
-from tests.s3server import S3Server, moto_server
+from tests.support.s3server import S3Server, moto_server
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402

@@ -30,6 +30,7 @@ from batchllm.store.models import StoredFile
 from tests.integration.conftest import FleetEnv, Worker, stop_workers
 from tests.support import job_checks
 from tests.support.fleet import HOST, REPO
+from tests.support.ports import free_port
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402
@@ -57,12 +58,6 @@ BATCH_SECONDS = 300
 
 
 # -- the server, its keys and the worker ----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 class Server:

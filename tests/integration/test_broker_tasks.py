@@ -16,7 +16,7 @@ from batchllm.settings import Settings
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
 from batchllm.worker.holding import holding
-from tests.integration.conftest import _redis_database
+from tests.support.services import redis_database
 
 FIRST, SECOND = "batchllm.test-first", "batchllm.test-second"
 
@@ -34,7 +34,7 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
 def broker() -> Iterator[tuple[redis.Redis, str, Celery]]:
     """An empty database of the local Redis (skipped, or failed under CI, without one); the
     Celery app sends to it. Flushed afterwards."""
-    with _redis_database(uuid.uuid4().hex[:12]) as (client, url):
+    with redis_database(uuid.uuid4().hex[:12]) as (client, url):
         app = create_app(Settings(broker_url=url))
         try:
             yield client, url, app

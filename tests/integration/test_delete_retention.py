@@ -23,9 +23,9 @@ from batchllm.store import service
 from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Batch, Checkpoint, Job, Shard, StoredFile, utcnow
 from batchllm.worker.reconciler import reconcile_once
-from tests.integration.conftest import _postgres_database
-from tests.s3server import S3Server, moto_server
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, write_items
+from tests.support.s3server import S3Server, moto_server
+from tests.support.services import postgres_database
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def place(request, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         infos = fs.get_file_info(pafs.FileSelector(bucket, recursive=True))
         return sorted(i.path for i in infos if i.type == pafs.FileType.File)
 
-    with _postgres_database(f"batchllm_delete_{tmp_path.name[-20:]}".lower()) as url:
+    with postgres_database(f"batchllm_delete_{tmp_path.name[-20:]}".lower()) as url:
         upgrade(url)
         settings = Settings(
             **common, database_url=url, storage=f"s3://{bucket}/jobs", s3_endpoint=server.endpoint

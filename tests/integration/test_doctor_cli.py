@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
-from tests.integration.conftest import FleetEnv, _postgres_database
+from tests.integration.conftest import FleetEnv
 from tests.support.fleet import REPO
+from tests.support.services import postgres_database
 
 pytestmark = pytest.mark.integration
 
@@ -181,7 +182,7 @@ def test_a_fleet_on_the_real_postgresql_and_redis_is_ready_and_shows_queue_depth
 
 
 def test_a_postgresql_database_without_the_schema_is_a_problem_and_is_left_alone(tmp_path):
-    with _postgres_database(f"batchllm_doctor_{uuid.uuid4().hex[:12]}") as url:
+    with postgres_database(f"batchllm_doctor_{uuid.uuid4().hex[:12]}") as url:
         done = doctor(tmp_path, clean_env(tmp_path / "home", BATCHLLM_DATABASE_URL=url))
         again = doctor(tmp_path, clean_env(tmp_path / "home", BATCHLLM_DATABASE_URL=url))
 

@@ -12,7 +12,6 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.registry import live_workers
-from tests.conftest import require
 from tests.integration.conftest import start_workers, stop_workers
 from tests.support.job_checks import (
     assert_exactly_once,
@@ -21,6 +20,7 @@ from tests.support.job_checks import (
     output_rows,
     wait_until_final,
 )
+from tests.support.skips import require
 
 pytestmark = pytest.mark.integration
 

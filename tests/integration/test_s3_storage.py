@@ -30,7 +30,6 @@ from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, part_name
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
-from tests.conftest import require
 from tests.integration.conftest import (
     FleetEnv,
     start_workers,
@@ -38,7 +37,6 @@ from tests.integration.conftest import (
     tails,
     warm_up,
 )
-from tests.s3server import S3Server, moto_server
 from tests.support.cli import run_cli
 from tests.support.fleet import REPO
 from tests.support.job_checks import (
@@ -50,6 +48,8 @@ from tests.support.job_checks import (
     wait_until_final,
 )
 from tests.support.output_rows import OutputRow, write_part
+from tests.support.s3server import S3Server, moto_server
+from tests.support.skips import require
 
 pytestmark = pytest.mark.integration
 

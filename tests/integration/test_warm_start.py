@@ -18,7 +18,7 @@ from batchllm.bench.processes import EngineLimits
 from batchllm.bench.report import warm_text
 from batchllm.bench.warm import JOBS, run_warm
 from batchllm.client import Client
-from tests.conftest import require
+from tests.support.skips import require
 
 pytestmark = pytest.mark.integration
 

@@ -17,14 +17,9 @@ from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
 from tests.integration.conftest import Worker
 from tests.support.job_checks import load_job, wait_for, wait_until_final
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:

@@ -23,6 +23,7 @@ import pytest
 from batchllm.api import keys
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -31,12 +32,6 @@ MAX_STORED_BYTES = 5 * 1024 * 1024
 MAX_ACTIVE_BATCHES = 3
 HEADER_TIMEOUT = 4.0
 RECONCILE_SECONDS = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.security.conftest import HEADER_TIMEOUT, Served
-from tests.security.rawhttp import closed_by_server, connect, parse_response, read_response
+from tests.support.rawhttp import closed_by_server, connect, parse_response, read_response
 
 pytestmark = pytest.mark.security
 

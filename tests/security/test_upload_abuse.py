@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from batchllm.store.db import session_scope
 from batchllm.store.models import StoredFile
 from tests.security.conftest import MAX_FILE_BYTES, Served
-from tests.security.rawhttp import (
+from tests.support.rawhttp import (
     TempProbe,
     connect,
     read_response,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
+from tests.support.skips import require
 
 pytestmark = pytest.mark.smoke
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from tests.support.cli import REPO, run_cli
-from tests.worker_logs import named_log_tail
+from tests.support.worker_logs import named_log_tail
 
 HOST = "127.0.0.1"
 __all__ = ["REPO", "run_cli"]

@@ -34,6 +34,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.ports import free_port
 
 MODEL = make_spec().model
 
@@ -316,12 +317,6 @@ def test_the_gauges_read_the_window_and_the_requests_in_flight_of_their_model():
 
 
 # -- serving ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_metrics_server_serves_the_process_registry(small_commits, tmp_path):

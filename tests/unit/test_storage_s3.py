@@ -30,7 +30,6 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from batchllm.worker.local import run_job
 from batchllm.worker.runner import Outcome, ShardRunner
-from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
@@ -39,6 +38,7 @@ from tests.support.fake_runs import (
     write_items,
 )
 from tests.support.output_rows import OutputRow, write_part
+from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
 
 # -- parsing (no server) ----------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ from batchllm.input.shards import validated_chunks
 from batchllm.settings import get_settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
-from tests.s3server import moto_server
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits
+from tests.support.s3server import moto_server
 
 
 def stored(source: str | Path, **columns: str) -> tuple[list[dict], list[str]]:

@@ -13,3 +13,36 @@ TESTS = Path(__file__).resolve().parents[1]
 def test_every_test_module_has_a_name_no_other_folder_uses():
     names = Counter(path.name for path in TESTS.rglob("test_*.py"))
     assert [name for name, count in names.items() if count > 1] == []
+
+
+def _tests_imports(path: Path) -> list[str]:
+    """The `tests.*` modules a file imports, at any depth (function-level imports too)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [name for name in names if name == "tests" or name.startswith("tests.")]
+    return found
+
+
+def test_test_files_share_code_only_through_tests_support():
+    # A test module or conftest imported by another runs its fixtures and hooks twice and ties
+    # two suites together; what suites share lives in tests/support.
+    offenders = {
+        str(path.relative_to(TESTS)): bad
+        for path in TESTS.rglob("*.py")
+        if (
+            bad := [
+                name
+                for name in _tests_imports(path)
+                if name != "tests.support" and not name.startswith("tests.support.")
+            ]
+        )
+    }
+    assert offenders == {}

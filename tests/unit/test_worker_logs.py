@@ -1,8 +1,8 @@
-"""The failure reports' tail of a quiet worker's named log (tests/worker_logs.py)."""
+"""The failure reports' tail of a quiet worker's named log (tests/support/worker_logs.py)."""
 
 from __future__ import annotations
 
-from tests.worker_logs import named_log_tail
+from tests.support.worker_logs import named_log_tail
 
 
 def test_the_log_the_console_names_is_tailed(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
+from tests.support.skips import require
 
 HOST = "127.0.0.1"
 ACCESS_KEY = "batchllm-test"

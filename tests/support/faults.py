@@ -24,8 +24,8 @@ import psutil
 from batchllm.settings import Settings
 from tests.support.fleet import HOST, WorkerProcess, run_cli, submit, tail
 from tests.support.job_checks import wait_for
+from tests.support.ports import free_port
 
-MACHINE_PORTS = frozenset({5432, 6379})  # the machine's own services: never ours
 DATABASE = "batchllm_faults"
 
 # A killed worker's shard is taken over within a lease (10 s) plus a reconcile interval (5 s);
@@ -43,15 +43,6 @@ _started_pids: list[tuple[int, float]] = []  # (pid, create_time) of everything 
 
 
 # -- small helpers -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if port not in MACHINE_PORTS:
-            return port
 
 
 def _remember(pid: int) -> None:
