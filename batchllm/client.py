@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# The output layer registers, on import, the tidying of ended jobs' output as part of every
+# commit (store/db.py `before_commit`): a job this client cancels is tidied like any other.
+import batchllm.output  # noqa: F401
 from batchllm.errors import BatchLLMError
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.schemas import JobSpec
@@ -278,7 +281,6 @@ class Client:
             time.sleep(poll)
 
     def cancel(self, job: Job | str) -> Job:
-        from batchllm.output import commit
         from batchllm.store import service
         from batchllm.store.db import session_scope
 
@@ -286,7 +288,6 @@ class Client:
             cancelled = service.cancel_job(
                 session, _id(job), lease_seconds=self.settings.lease_seconds
             )
-            commit.tidy_ended_jobs(session)
             return Job.of(cancelled)
 
     def retry(

@@ -15,7 +15,6 @@ from starlette.concurrency import run_in_threadpool
 from batchllm.api import batches_routes, dashboard, files_routes
 from batchllm.api.errors import install_handlers
 from batchllm.api.guard import RequestGuard
-from batchllm.output import commit
 from batchllm.settings import Settings, get_settings
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
@@ -69,7 +68,6 @@ class _CountRequests:
 def expire_due_batches(settings: Settings) -> None:
     with session_scope(settings) as session:
         ended = recovery.expire_jobs(session, settings.lease_seconds)
-        commit.tidy_ended_jobs(session)
     for job_id in ended:
         log.warning("batch %s: its completion window passed; it expired", job_id)
 

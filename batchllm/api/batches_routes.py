@@ -17,7 +17,6 @@ from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
-from batchllm.output import commit
 from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
@@ -183,7 +182,6 @@ def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
         # Read at the moment it is asked for: a batch past its window is expired now, whether
         # or not a reconciler has run since (the server's own round comes every few seconds).
         recovery.expire_jobs(session, settings.lease_seconds, job_id)
-        commit.tidy_ended_jobs(session)
     with session_scope(settings) as session:
         batch = _owned_batch(session, job_id, owner)
         job = batch.job
@@ -213,7 +211,6 @@ def list_batches(
     settings = request.app.state.settings
     with session_scope(settings) as session:
         recovery.expire_jobs(session, settings.lease_seconds)
-        commit.tidy_ended_jobs(session)
     with session_scope(settings) as session:
         query = (
             select(Batch)
@@ -244,7 +241,6 @@ def cancel_batch(
         _owned_batch(session, batch_id, owner)
         try:
             service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
-            commit.tidy_ended_jobs(session)
         except JobStateError as exc:
             raise ApiError(409, str(exc), code="batch_not_cancellable") from None
     return _render(settings, owner, batch_id)

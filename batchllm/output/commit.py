@@ -4,7 +4,8 @@
 A row counts once because a part file counts only once its checkpoint is committed: a worker
 that dies between the two leaves a file that resume (`resume_shard`) or the job's end
 (`tidy_ended_jobs`, finalize) deletes, and its rows run again. The state machine only notes
-which jobs ended; the storage I/O of tidying is done here."""
+which jobs ended; the storage I/O of tidying is done here, before the transaction that ended
+them commits (a `before_commit` hook of store/db.py), whichever caller ended them."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from batchllm.output.parts import (
 )
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store.db import session_scope
+from batchllm.store.db import before_commit, session_scope
 from batchllm.store.models import Checkpoint, Job, Shard, ShardStatus
 from batchllm.store.state_machine import take_ended_jobs
 
@@ -267,6 +268,7 @@ def tidy_unrecorded_parts(session: Session, storage: Storage, job_id: str) -> li
     return removed
 
 
+@before_commit
 def tidy_ended_jobs(session: Session) -> None:
     """Tidy the output of every job this transaction ended without completing it (cancelled,
     expired, failed). A storage error is logged, not raised: the job's end must not be undone."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -117,13 +117,29 @@ def get_engine(settings: Settings | None = None) -> Engine:
         return engine
 
 
+# What a transaction's changes bring with them, done just before it commits, whoever made the
+# change: the layers above the store register them (output/commit.py tidies the part files of
+# the jobs a transaction ended), so no caller of a state change has a chore to remember.
+_BEFORE_COMMIT: list[Callable[[Session], None]] = []
+
+
+def before_commit(hook: Callable[[Session], None]) -> Callable[[Session], None]:
+    """Run `hook(session)` before every commit of `session_scope` (once per hook)."""
+    if hook not in _BEFORE_COMMIT:
+        _BEFORE_COMMIT.append(hook)
+    return hook
+
+
 @contextmanager
 def session_scope(settings: Settings | None = None) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error."""
+    """A session that commits on success (after the registered `before_commit` hooks) and
+    rolls back on error."""
     factory = sessionmaker(get_engine(settings), expire_on_commit=False)
     with factory() as session:
         try:
             yield session
+            for hook in _BEFORE_COMMIT:
+                hook(session)
             session.commit()
         except BaseException:
             session.rollback()

@@ -362,8 +362,12 @@ def complete_job(
 
 
 def fail_job(session: Session, job_id: str, error: str) -> None:
-    session.execute(
+    """An active job -> failed, with or without a worker (the one failure path): its output is
+    tidied like any other ended job's."""
+    if changed(
+        session,
         update(Job)
         .where(Job.id == job_id, Job.status.in_(ACTIVE))
-        .values(status=JobStatus.FAILED, error=error, finished_at=utcnow())
-    )
+        .values(status=JobStatus.FAILED, error=error, finished_at=utcnow()),
+    ):
+        note_job_ended(session, job_id)

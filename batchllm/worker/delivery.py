@@ -9,7 +9,6 @@ from collections.abc import Callable
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied, EngineMismatch, EngineSettingsError
 from batchllm.input.schemas import JobSpec
-from batchllm.output import commit
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import leases
@@ -59,7 +58,6 @@ def _process_shard(
         # No engine needed: the claim itself ends a shard of a cancelling job as cancelled.
         with session_scope(settings) as session:
             leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
-            commit.tidy_ended_jobs(session)
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from batchllm.errors import JobNotFound
-from batchllm.output import commit
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
@@ -89,7 +88,6 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
         done.cancelled_jobs = recovery.end_stale_shards_of_cancelled_jobs(
             session, settings.lease_seconds
         ) + recovery.end_cancelling_jobs_without_shards(session)
-        commit.tidy_ended_jobs(session)
     for job_id in done.cancelled_jobs:
         log.warning(
             "job %s ended (cancelled, or expired): its remaining shards had no live worker",

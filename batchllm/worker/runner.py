@@ -25,7 +25,6 @@ from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
 from batchllm.input.structured import field_of, satisfies
-from batchllm.output import commit
 from batchllm.output.parts import OutputBuffer, Part
 from batchllm.output.row_errors import ENGINE_ERROR, INVALID_REQUEST, REQUEST_REJECTED, code_of
 from batchllm.settings import Settings, get_settings
@@ -160,7 +159,6 @@ class ShardRunner:
                     claimed = leases.claim_shard(
                         session, shard_id, self.worker, self.settings.lease_seconds
                     )
-                    commit.tidy_ended_jobs(session)  # the claim may end a cancelling job
             except ShardBusy as exc:
                 log.info("%s", exc)
                 self._outcomes[shard_id] = Outcome.BUSY
@@ -417,7 +415,6 @@ class ShardRunner:
             next_step = state_machine.end_shard(
                 session, state.shard_id, status, error, attempt=state.attempt
             )
-            commit.tidy_ended_jobs(session)
         self._shard_ended(state, outcome)
         if next_step is JobStatus.FINALIZING:
             finalize_job(

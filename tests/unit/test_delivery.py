@@ -209,7 +209,8 @@ def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job
 def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_path):
     """A part file no checkpoint records (its worker died before the commit) is not output of
     a job that ends cancelled either: readers of the directory see committed rows only. The
-    state machine only ends the job; the commit protocol's owner deletes the file."""
+    state machine only ends the job; the commit protocol's owner deletes the file as the
+    transaction commits, with no call from the caller."""
     settings = small_commits
     job_id, _ = create_items_job(settings, tmp_path, 20, shard_size=12)
     storage = Storage(settings.resolved_storage)
@@ -219,7 +220,6 @@ def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_
     with session_scope(settings) as session:
         job = service.cancel_job(session, job_id)
         assert job.status is JobStatus.CANCELLED
-        assert storage.exists(orphan)
-        commit.tidy_ended_jobs(session)
+        assert storage.exists(orphan)  # until the end commits
 
     assert not storage.exists(orphan)

@@ -23,7 +23,7 @@ from batchllm.api.dashboard.chart import chart_svg
 from batchllm.api.dashboard.format import FILTERS
 from batchllm.api.dashboard.session import Viewer
 from batchllm.errors import JobStateError
-from batchllm.output import commit, stream
+from batchllm.output import stream
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -208,7 +208,6 @@ async def _job_action(request: Request, job_id: str, act: Any) -> Response:
 def _cancel(settings: Any, job_id: str) -> str:
     with session_scope(settings) as db:
         service.cancel_job(db, job_id, lease_seconds=settings.lease_seconds)
-        commit.tidy_ended_jobs(db)
     return "cancel requested: running shards stop within a step"
 
 
