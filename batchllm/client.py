@@ -328,9 +328,8 @@ class Client:
 
         with session_scope(self.settings) as session:
             row = service.get_job(session, _id(job))
-            job_id, root = row.id, row.storage_root
-        # The storage the job was created in, which settings changed since do not move.
-        storage = Storage(root, s3_endpoint=self.settings.s3_endpoint or "")
+            job_id = row.id
+        storage = Storage.for_job(row, self.settings)
         return output_dataset(storage, storage.output_dir(job_id))
 
     def iter_results(

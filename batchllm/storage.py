@@ -20,7 +20,7 @@ import functools
 import posixpath
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pyarrow.fs as pafs
@@ -90,6 +90,13 @@ def _s3_filesystem(netloc: str, query: str) -> pafs.FileSystem:
     return pafs.FileSystem.from_uri(uri)[0]
 
 
+class StoredJob(Protocol):
+    """What `Storage.for_job` needs of a job (store/models.py's Job)."""
+
+    @property
+    def storage_root(self) -> str: ...
+
+
 class Storage:
     """The job storage at `root`: a local path or a URI; `s3_endpoint` as for
     `filesystem_for`."""
@@ -109,6 +116,13 @@ class Storage:
     def of(cls, settings: Settings) -> Storage:
         """The job storage these settings name, on their S3 endpoint if they give one."""
         return cls(settings.resolved_storage, s3_endpoint=settings.s3_endpoint or "")
+
+    @classmethod
+    def for_job(cls, job: StoredJob, settings: Settings) -> Storage:
+        """The storage a job was created in: the root recorded on the job (settings changed
+        since do not move its files), on these settings' S3 endpoint. Every reader and writer
+        of an existing job's files comes through here."""
+        return cls(job.storage_root, s3_endpoint=settings.s3_endpoint or "")
 
     def job_dir(self, job_id: str) -> str:
         return posixpath.join(self.root, job_id)

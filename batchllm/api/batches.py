@@ -219,7 +219,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
 
     storage = Storage.of(settings)
     directory = storage.batch_results_dir(job.id)
-    counts = export_openai_to(job, storage, directory)
+    counts = export_openai_to(job, storage, directory, settings=settings)
     made = [
         StoredFile(
             id=f"file-{job.id.removeprefix('job_')}-{kind}",

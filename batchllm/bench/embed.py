@@ -76,7 +76,7 @@ def _job(
         raise BenchFailed(f"embedding job {run.extra['job_id']}: {run.failed} error rows")
     with session_scope(settings) as session:
         out_dir = get_one(session, Job, run.extra["job_id"]).output_dir
-    table = read_output(Storage(settings.resolved_storage), out_dir).sort_by("line")
+    table = read_output(Storage.of(settings), out_dir).sort_by("line")
     return run, table.column("embedding").to_pylist()
 
 

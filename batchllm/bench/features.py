@@ -226,7 +226,7 @@ def _run_job(engines: _TimedEngines, spec: JobSpec, source: Path, settings: Sett
             f"bench job {job.id} ended {job.status.value} with {job.request_failed} error "
             f"rows: {job.error or 'see its output'}"
         )
-    table = read_output(Storage(settings.resolved_storage), job.output_dir)
+    table = read_output(Storage.of(settings), job.output_dir)
     run = Run(
         seconds=ended - stored_at[0],
         requests=job.request_completed,

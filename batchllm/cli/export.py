@@ -39,13 +39,15 @@ def export(job_id: str, out_dir: Path, fmt: str, force: bool) -> None:
       batchllm export job_3f2a -o results/
     """
     from batchllm.output.openai_files import export_openai
+    from batchllm.settings import get_settings
     from batchllm.store import service
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    settings = get_settings()
+    with session_scope(settings) as session:
         job = service.get_job(session, job_id)
     try:
-        counts = export_openai(job, out_dir, overwrite=force)
+        counts = export_openai(job, out_dir, settings=settings, overwrite=force)
     except FileExistsError as exc:
         raise click.ClickException(f"{exc}; pass --force to replace it") from None
     click.echo(f"{counts.output_path}  {counts.output:,} lines")

@@ -91,9 +91,10 @@ def run(
     row = job_row(ended.id)
     if output is not None and ended.status == "completed":
         from batchllm.output.export import copy_output
+        from batchllm.settings import get_settings
 
         try:
-            copy_output(row, output)
+            copy_output(row, output, settings=get_settings())
         except OSError as exc:  # the destination changed since the check before the job
             raise click.ClickException(
                 f"job {row.id} completed (its results are in {row.output_dir}), but copying "

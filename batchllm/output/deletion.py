@@ -42,7 +42,7 @@ def delete_job(settings: Settings, job_ref: str) -> DeletedJob:
         _refuse_unended(job)
         deleted = DeletedJob(id=job.id, status=job.status.value)
         result_files = _result_files(session, job.id)
-        storage = Storage(job.storage_root, s3_endpoint=settings.s3_endpoint or "")
+        storage = Storage.for_job(job, settings)
 
     _delete_files(storage, job.id, [path for _, path in result_files], deleted)
 

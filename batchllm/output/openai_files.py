@@ -42,6 +42,7 @@ from batchllm.output.responses_body import (
     response_body,
 )
 from batchllm.output.row_errors import code_of
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus
 
@@ -79,11 +80,13 @@ class ExportCounts:
     not_run: int = 0  # input lines without a row: a cancelled or failed job never ran them
 
 
-def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> ExportCounts:
+def export_openai(
+    job: Job, out_dir: Path, *, settings: Settings, overwrite: bool = False
+) -> ExportCounts:
     """Write the job's rows as OpenAI batch output and error files into `out_dir` (created if
     missing). JobStateError when the job is not finished or has no output; FileExistsError
     when either file exists and not `overwrite`. Both files appear only when complete."""
-    storage, shards = _exportable(job)
+    storage, shards = _exportable(job, settings)
     counts = ExportCounts(out_dir / OUTPUT_NAME, out_dir / ERRORS_NAME)
     existing = [p for p in (counts.output_path, counts.errors_path) if Path(p).exists()]
     if existing and not overwrite:
@@ -93,10 +96,12 @@ def export_openai(job: Job, out_dir: Path, *, overwrite: bool = False) -> Export
     return counts
 
 
-def export_openai_to(job: Job, target: Storage, directory: str) -> ExportCounts:
+def export_openai_to(
+    job: Job, target: Storage, directory: str, *, settings: Settings
+) -> ExportCounts:
     """The same two files into `directory`, a path in the storage `target` (e.g. a prefix in
     a bucket), replacing any there; their paths in `target` are in the counts."""
-    storage, shards = _exportable(job)
+    storage, shards = _exportable(job, settings)
     counts = ExportCounts(
         posixpath.join(directory, OUTPUT_NAME), posixpath.join(directory, ERRORS_NAME)
     )
@@ -104,13 +109,13 @@ def export_openai_to(job: Job, target: Storage, directory: str) -> ExportCounts:
     return counts
 
 
-def _exportable(job: Job) -> tuple[Storage, list[_Shard]]:
+def _exportable(job: Job, settings: Settings) -> tuple[Storage, list[_Shard]]:
     if not job.status.is_final:
         raise JobStateError(
             f"job {job.id} is {job.status.value}; only a finished job (completed, cancelled "
             "or failed) can be exported"
         )
-    storage = Storage(job.storage_root)
+    storage = Storage.for_job(job, settings)
     shards = _shards(storage, job.id)
     if not shards:
         raise JobStateError(

@@ -77,7 +77,7 @@ def iter_committed_batches(
             ended = job.status.is_final
             if storage is None:
                 # The storage the job was created in, which later settings do not move.
-                storage = Storage(job.storage_root, s3_endpoint=settings.s3_endpoint or "")
+                storage = Storage.for_job(job, settings)
             new = [name for name in committed_parts(session, storage, job_ref) if name not in seen]
         for name in new:
             seen.add(name)

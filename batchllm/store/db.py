@@ -121,6 +121,7 @@ def get_engine(settings: Settings | None = None) -> Engine:
 # change: the layers above the store register them (output/commit.py tidies the part files of
 # the jobs a transaction ended), so no caller of a state change has a chore to remember.
 _BEFORE_COMMIT: list[Callable[[Session], None]] = []
+SETTINGS_KEY = "batchllm.settings"
 
 
 def before_commit(hook: Callable[[Session], None]) -> Callable[[Session], None]:
@@ -136,6 +137,8 @@ def session_scope(settings: Settings | None = None) -> Iterator[Session]:
     rolls back on error."""
     factory = sessionmaker(get_engine(settings), expire_on_commit=False)
     with factory() as session:
+        # The hooks reach what these settings name (the job storage's S3 endpoint).
+        session.info[SETTINGS_KEY] = settings or get_settings()
         try:
             yield session
             for hook in _BEFORE_COMMIT:

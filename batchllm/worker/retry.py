@@ -56,7 +56,7 @@ def plan_retry(settings: Settings, job_ref: str, *, all_errors: bool) -> RetryPl
             )
         if not job.shards:
             raise JobStateError(f"job {job.id} {job.status.value} before it stored any input")
-        storage = Storage(job.storage_root)
+        storage = Storage.for_job(job, settings)
         shards = [(s, commit.checkpoints_of(session, s.id)) for s in job.shards]
         job_id, next_attempt = job.id, job.attempt + 1
     shard_ids: list[int] = []

@@ -95,7 +95,7 @@ class ShardRunner:
     ) -> None:
         self.engine = engine
         self.settings = settings or get_settings()
-        self.storage = Storage(self.settings.resolved_storage)
+        self.storage = Storage.of(self.settings)
         self.worker = worker
         self.window = window or 4 * engine.max_num_seqs
         self.on_progress = on_progress or (lambda rows, tokens: None)

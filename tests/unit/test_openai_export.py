@@ -162,7 +162,7 @@ def exported(small_commits, tmp_path) -> tuple[Job, Path]:
     job = run_job(source, make_spec(), settings=small_commits, engines=FakeEngines(LogprobEngine()))
     assert job.status is JobStatus.COMPLETED
     out = tmp_path / "export"
-    counts = export_openai(job, out)
+    counts = export_openai(job, out, settings=small_commits)
     assert (counts.output, counts.errors, counts.not_run) == (10, 5, 0)
     assert (counts.output_path, counts.errors_path) == (out / OUTPUT_NAME, out / ERRORS_NAME)
     return job, out
@@ -287,7 +287,9 @@ def vllm_check(*paths: Path) -> dict[str, dict]:
 
 def test_every_line_validates_against_vllms_batch_request_output(exported, small_commits, tmp_path):
     _, out = exported
-    embedded = export_openai(embedding_job(small_commits, tmp_path), tmp_path / "embeddings")
+    embedded = export_openai(
+        embedding_job(small_commits, tmp_path), tmp_path / "embeddings", settings=small_commits
+    )
     # One child process for every file: vLLM's import is most of the test's time.
     results = vllm_check(out / OUTPUT_NAME, out / ERRORS_NAME, embedded.output_path)
 
@@ -310,13 +312,13 @@ def test_every_line_validates_against_vllms_batch_request_output(exported, small
                 assert result["completion"] == "text_completion", custom_id
 
 
-def test_exporting_again_gives_the_same_bytes_and_needs_overwrite(exported):
+def test_exporting_again_gives_the_same_bytes_and_needs_overwrite(exported, small_commits):
     job, out = exported
     first = (out / OUTPUT_NAME).read_bytes(), (out / ERRORS_NAME).read_bytes()
 
     with pytest.raises(FileExistsError):
-        export_openai(job, out)
-    export_openai(job, out, overwrite=True)
+        export_openai(job, out, settings=small_commits)
+    export_openai(job, out, settings=small_commits, overwrite=True)
 
     assert ((out / OUTPUT_NAME).read_bytes(), (out / ERRORS_NAME).read_bytes()) == first
     assert sorted(p.name for p in out.iterdir()) == [ERRORS_NAME, OUTPUT_NAME]  # no temp files
@@ -364,7 +366,7 @@ def embedding_job(settings, tmp_path: Path) -> Job:
 
 
 def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
-    counts = export_openai(embedding_job(settings, tmp_path), tmp_path / "out")
+    counts = export_openai(embedding_job(settings, tmp_path), tmp_path / "out", settings=settings)
 
     assert (counts.output, counts.errors) == (2, 0)
     lines = read_jsonl(counts.output_path)
@@ -391,7 +393,7 @@ def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(
         [[answer, OutputRow("line-4", 4, "ok", "four", "length", 2, 1)], [answer]],
     )
 
-    counts = export_openai(job, tmp_path / "out")
+    counts = export_openai(job, tmp_path / "out", settings=settings)
 
     assert (counts.output, counts.errors, counts.not_run) == (2, 0, 3)
     lines = read_jsonl(counts.output_path)
@@ -406,7 +408,7 @@ def test_an_expired_job_lists_the_lines_it_never_ran_as_batch_expired_errors(set
         settings, job_id, JobStatus.EXPIRED, [[OutputRow("line-3", 3, "ok", "three", "stop", 2, 1)]]
     )
 
-    counts = export_openai(job, tmp_path / "out")
+    counts = export_openai(job, tmp_path / "out", settings=settings)
 
     assert (counts.output, counts.errors, counts.not_run) == (1, 3, 3)
     assert [x["custom_id"] for x in read_jsonl(counts.output_path)] == ["line-3"]
@@ -431,7 +433,7 @@ def test_the_command_refuses_an_unfinished_job_and_existing_files(settings, tmp_
         "can be exported"
     ]
     with pytest.raises(JobStateError):
-        export_openai(service_job(settings, job_id), tmp_path / "out")
+        export_openai(service_job(settings, job_id), tmp_path / "out", settings=settings)
     assert not (tmp_path / "out").exists()
 
     end(settings, job_id, JobStatus.COMPLETED, [[OutputRow("line-1", 1, "ok", "b", "stop", 1, 1)]])

@@ -259,7 +259,7 @@ def download(request: Request, job_id: str, name: str) -> Response:
         writer.close()
     else:
         try:
-            counts = export_openai(job, Path(scratch.name))
+            counts = export_openai(job, Path(scratch.name), settings=settings)
         except JobStateError as exc:
             scratch.cleanup()
             return JSONResponse({"error": str(exc)}, status_code=409)
