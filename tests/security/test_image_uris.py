@@ -24,14 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from batchllm.input.images import ImageProblem, open_image, shown
 from batchllm.input.validate import LineProblem, parse_line, read_row_chunks
 from batchllm.settings import get_settings
 from tests.s3server import S3Server, moto_server
+from tests.security.conftest import start_serve, stop_serve
 
 pytestmark = pytest.mark.security
+
+CHAT = "/v1/chat/completions"
 
 
 def png(width: int = 8, height: int = 6) -> bytes:
@@ -576,3 +582,70 @@ def test_a_body_sent_a_byte_at_a_time_ends_at_the_fetch_timeout(
     elapsed = time.monotonic() - started
     assert ONE_TEXT in (message or ""), message
     assert elapsed < 4, f"{elapsed:.1f} s"
+
+
+# -- through `batchllm serve` -------------------------------------------------------------------
+
+
+def test_batch_create_on_serve_refuses_the_probes_and_no_request_leaves(
+    s3_server: S3Server, recorder: Recorder, images: ImageServer, tmp_path: Path
+) -> None:
+    """The server's own validation (a real `batchllm serve`): the rows naming store options, a
+    climb out of the bucket and a loopback URL are failed requests, the image inside the prefix
+    is not, and neither the recorder nor the loopback image server hears a thing."""
+    bucket, other = s3_server.new_bucket(), s3_server.new_bucket()
+    fs = s3_server.filesystem()
+    for key in (f"{bucket}/ok/b.png", f"{other}/secret.png"):
+        with fs.open_output_stream(key) as out:
+            out.write(png())
+    env = s3_server.env(bucket)
+    del env["BATCHLLM_STORAGE"]  # the job storage stays local; images come from the prefix
+    served = start_serve(
+        tmp_path,
+        **env,
+        BATCHLLM_IMAGE_S3_PREFIX=f"s3://{bucket}/ok/",
+        BATCHLLM_ALLOW_HTTP_IMAGES="true",
+    )
+    urls = {
+        "inside": f"s3://{bucket}/ok/b.png",
+        "steer": f"s3://{bucket}/ok/b.png?endpoint_override={recorder.address}&scheme=http",
+        "escape": f"s3://{bucket}/ok/../../{other}/secret.png",
+        "loopback": f"{images.base}/cat.png",
+    }
+    lines = b""
+    for custom_id, url in urls.items():
+        body = image_line(url) | {"model": "tiny"}
+        del body["custom_id"]
+        line = {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body}
+        lines += json.dumps(line).encode() + b"\n"
+    try:
+        with httpx.Client(base_url=served.base_url, headers=served.new_key(), timeout=60) as client:
+            uploaded = client.post(
+                "/v1/files",
+                files={"file": ("images.jsonl", lines, "application/jsonl")},
+                data={"purpose": "batch"},
+            )
+            assert uploaded.status_code == 200, uploaded.text
+            created = client.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": uploaded.json()["id"],
+                    "endpoint": CHAT,
+                    "completion_window": "24h",
+                },
+            )
+            assert created.status_code == 200, created.text
+            batch = client.get(f"/v1/batches/{created.json()['id']}").json()
+    finally:
+        stop_serve(served)
+    assert batch["request_counts"]["total"] == 4, batch
+    shards = Path(served.settings.resolved_storage, batch["id"], "input").glob("shard-*.parquet")
+    rows = pa.concat_tables(pq.read_table(shard) for shard in shards).to_pylist()
+    stored = {row["custom_id"]: (row["kind"], row["error"] or "") for row in rows}
+    assert stored.keys() == urls.keys()
+    assert stored["inside"] == ("chat", "")
+    assert stored["steer"][0] == "invalid" and "has a query or fragment" in stored["steer"][1]
+    assert stored["escape"][0] == "invalid" and "climbs above the bucket" in stored["escape"][1]
+    assert stored["loopback"][0] == "invalid" and ONE_TEXT in stored["loopback"][1]
+    assert recorder.requests == []
+    assert images.paths == []
