@@ -50,7 +50,7 @@ class ImageChecks:
         self.settings = settings or get_settings()
         self.deadline = time.monotonic() + self.settings.image_fetch_deadline
         self._pool: ThreadPoolExecutor | None = None  # started by the file's first http image
-        self._verdicts: dict[str, Future[None]] = {}
+        self._verdicts: dict[str, Future[str | None]] = {}
 
     @contextlib.contextmanager
     def prefetching(self, urls: Iterable[str]) -> Iterator[None]:
@@ -61,7 +61,7 @@ class ImageChecks:
                 if url not in self._verdicts and url[:8].lower().startswith(
                     ("http://", "https://")
                 ):
-                    self._verdicts[url] = self._started().submit(self._open, url)
+                    self._verdicts[url] = self._started().submit(self._verdict, url)
         token = _current.set(self)
         try:
             yield
@@ -77,9 +77,13 @@ class ImageChecks:
             self._open(url)
             return
         try:
-            verdict.result(timeout=max(0.0, self.deadline - time.monotonic()) + _DECODE_GRACE)
+            problem = verdict.result(
+                timeout=max(0.0, self.deadline - time.monotonic()) + _DECODE_GRACE
+            )
         except FutureTimeout:
             raise ImageProblem(fetch_failed(url)) from None
+        if problem is not None:
+            raise ImageProblem(problem)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -88,6 +92,15 @@ class ImageChecks:
 
     def _open(self, url: str) -> None:
         open_image(url, self.settings, deadline=self.deadline)  # the pixels are dropped
+
+    def _verdict(self, url: str) -> str | None:
+        """The problem of a prefetched image as text: an exception kept in its future would
+        keep its traceback's frames, and with them the image's bytes, until the chunk ends."""
+        try:
+            self._open(url)
+        except ImageProblem as exc:
+            return str(exc)
+        return None
 
     def _started(self) -> ThreadPoolExecutor:
         if self._pool is None:
