@@ -210,8 +210,9 @@ class Settings(BaseSettings):
     image_fetch_deadline: float = Field(
         default=120.0,
         gt=0,
-        description="Seconds all http(s) image fetches of one input file may take together "
-        "at validation; images not fetched by then are error rows.",
+        description="Seconds the validation of one input file may wait for its http(s) "
+        "images in all (its other work does not count); once spent, the file's remaining "
+        "http(s) images are error rows.",
     )
     image_fetch_workers: int = Field(
         default=4,

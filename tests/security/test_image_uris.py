@@ -685,3 +685,34 @@ def test_a_parquet_table_s_images_are_fetched_concurrently_and_checked_the_same_
     )
     assert images.most_in_flight >= 2
     assert sorted(images.paths) == sorted(f"/delay/{i}.png" for i in range(8))
+
+
+def test_the_deadline_counts_the_wait_for_images_only_and_once_spent_fetches_nothing(
+    http_on: pytest.MonkeyPatch, images: ImageServer
+) -> None:
+    """A long file's other work does not use up its images' time (an image late in a file
+    that takes minutes to validate is still fetched); waiting for images does, and once it is
+    spent the file's remaining http images are refused without a request."""
+    from batchllm.input.images import ImageChecks, check_image
+
+    configure(
+        http_on,
+        BATCHLLM_IMAGE_HTTP_ALLOW_NETWORKS="127.0.0.1/32",
+        BATCHLLM_IMAGE_FETCH_DEADLINE="1.5",
+    )
+    checks = ImageChecks()
+    try:
+        time.sleep(2)  # the validation of other lines
+        with checks.prefetching([f"{images.base}/cat.png"]):
+            check_image(f"{images.base}/cat.png")
+        slow, late = f"{images.base}/slow/1", f"{images.base}/delay/1.png"
+        with checks.prefetching([slow]):
+            started = time.monotonic()
+            with pytest.raises(ImageProblem, match=ONE_TEXT):
+                check_image(slow)
+            assert time.monotonic() - started < 3
+        with checks.prefetching([late]), pytest.raises(ImageProblem, match=ONE_TEXT):
+            check_image(late)
+    finally:
+        checks.close()
+    assert images.paths == ["/cat.png", "/slow/1"]

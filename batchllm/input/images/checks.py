@@ -1,13 +1,15 @@
 """Checking an input file's images at validation: each opened and decoded once, its http(s)
-images fetched ahead, a few at a time, and all of them within one deadline.
+images fetched ahead, a few at a time, and the time spent waiting for them bounded per file.
 
 Validation reads a file a chunk of lines (or rows) at a time and checks its lines one by one.
 An `ImageChecks` lives as long as one file's validation: before a chunk is checked, the http(s)
 URLs its lines name are handed to a small pool (BATCHLLM_IMAGE_FETCH_WORKERS threads), which
 fetches and decodes them while the lines are checked; a line's check then waits for its
-image's verdict (kept as a verdict, not as pixels, so memory stays that of the few images in
-flight). Every fetch of the file ends by BATCHLLM_IMAGE_FETCH_DEADLINE after its validation
-began: a file of slow images costs that long at most, not BATCHLLM_IMAGE_FETCH_TIMEOUT each.
+image's verdict (kept as text, never as pixels, so memory stays that of the few images in
+flight). The validation waits BATCHLLM_IMAGE_FETCH_DEADLINE seconds for a file's http images
+in all (its other work, however long, does not count): a file of slow images costs that long,
+not BATCHLLM_IMAGE_FETCH_TIMEOUT each; once it is spent, the file's remaining http images are
+error rows without a fetch.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import ContextVar
 from typing import Any
@@ -26,16 +28,12 @@ from batchllm.input.images.reading import open_image
 from batchllm.input.images.web import fetch_failed
 from batchllm.settings import Settings, get_settings
 
-# A verdict decoded by the deadline is still a verdict: a fetch ends by the deadline, the
-# decoding of what it got may take a moment longer.
-_DECODE_GRACE = 2.0
-
 _current: ContextVar[ImageChecks | None] = ContextVar("image_checks", default=None)
 
 
 def check_image(url: str) -> None:
     """Check that an image reference opens and decodes; ImageProblem saying why not. Inside
-    `ImageChecks.prefetching` the chunk's fetches (and the file's deadline) are used."""
+    `ImageChecks.prefetching` the chunk's fetches (and the file's time for them) are used."""
     checks = _current.get()
     if checks is None:
         open_image(url)
@@ -43,12 +41,16 @@ def check_image(url: str) -> None:
         checks.check(url)
 
 
+def _is_http(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
 class ImageChecks:
     """One input file's image checks (see the module's docstring); `close` when done."""
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or get_settings()
-        self.deadline = time.monotonic() + self.settings.image_fetch_deadline
+        self.left = self.settings.image_fetch_deadline  # seconds still to wait for images
         self._pool: ThreadPoolExecutor | None = None  # started by the file's first http image
         self._verdicts: dict[str, Future[str | None]] = {}
 
@@ -56,11 +58,9 @@ class ImageChecks:
     def prefetching(self, urls: Iterable[str]) -> Iterator[None]:
         """Fetch the http(s) images among `urls` ahead while the body checks lines:
         check_image in it uses those fetches."""
-        if self.settings.allow_http_images:
+        if self.settings.allow_http_images and self.left > 0:
             for url in urls:
-                if url not in self._verdicts and url[:8].lower().startswith(
-                    ("http://", "https://")
-                ):
+                if url not in self._verdicts and _is_http(url):
                     self._verdicts[url] = self._started().submit(self._verdict, url)
         token = _current.set(self)
         try:
@@ -72,32 +72,39 @@ class ImageChecks:
             self._verdicts.clear()
 
     def check(self, url: str) -> None:
-        verdict = self._verdicts.get(url)
-        if verdict is None:  # not an http(s) image, or one the scan of the lines missed
-            self._open(url)
+        if not _is_http(url):
+            open_image(url, self.settings)
             return
+        started = time.monotonic()
         try:
-            problem = verdict.result(
-                timeout=max(0.0, self.deadline - time.monotonic()) + _DECODE_GRACE
-            )
-        except FutureTimeout:
-            raise ImageProblem(fetch_failed(url)) from None
+            verdict = self._verdicts.get(url)
+            if verdict is None:  # one the scan of the lines missed: fetched here
+                problem = self._verdict(url, deadline=started + max(self.left, 0.0))
+            else:
+                problem = verdict.result(timeout=max(self.left, 0.0))
+        except (FutureTimeout, CancelledError):  # the file's time for images ran out
+            problem = fetch_failed(url)
+        finally:
+            self.left -= time.monotonic() - started
+            if self.left <= 0:
+                for pending in self._verdicts.values():
+                    pending.cancel()
         if problem is not None:
             raise ImageProblem(problem)
 
     def close(self) -> None:
         if self._pool is not None:
-            # Fetches still running end by the deadline; nobody waits for them.
+            # Fetches still running end by their own timeout; nobody waits for them.
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _open(self, url: str) -> None:
-        open_image(url, self.settings, deadline=self.deadline)  # the pixels are dropped
-
-    def _verdict(self, url: str) -> str | None:
-        """The problem of a prefetched image as text: an exception kept in its future would
-        keep its traceback's frames, and with them the image's bytes, until the chunk ends."""
+    def _verdict(self, url: str, deadline: float | None = None) -> str | None:
+        """An image's problem as text (None: it opens and decodes). Text, not the exception:
+        one kept in a future would keep its traceback's frames, and with them the image's
+        bytes, until the chunk ends."""
+        if self.left <= 0:  # the file's time for images is spent
+            return fetch_failed(url)
         try:
-            self._open(url)
+            open_image(url, self.settings, deadline=deadline)  # the pixels are dropped
         except ImageProblem as exc:
             return str(exc)
         return None
