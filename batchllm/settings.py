@@ -5,10 +5,11 @@ Nothing else in batchllm reads the environment; code asks `get_settings()`.
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -190,7 +191,34 @@ class Settings(BaseSettings):
         default=False,
         description="Let chat lines name images by http(s) URL, fetched when the line is "
         "validated and again when it runs. Off: only data: URLs, local paths under "
-        "BATCHLLM_IMAGE_ROOT and s3:// objects.",
+        "BATCHLLM_IMAGE_ROOT and s3:// objects. Only public addresses are fetched (see "
+        "image_http_allow_networks).",
+    )
+    image_http_allow_networks: str = Field(
+        default="",
+        description="Comma-separated networks (CIDR, e.g. 10.1.2.0/24,127.0.0.1/32) that "
+        "http(s) images may be fetched from besides public addresses: for a private "
+        "deployment's image server or a test's local one. Empty: public addresses only "
+        "(loopback, private, link-local, shared, multicast and reserved addresses refused). "
+        "Cloud metadata addresses are refused even inside these networks.",
+    )
+    image_fetch_timeout: float = Field(
+        default=20.0,
+        gt=0,
+        description="Seconds one http(s) image fetch may take, redirects and body included.",
+    )
+    image_fetch_deadline: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds the validation of one input file may wait for its http(s) "
+        "images in all (its other work does not count); once spent, the file's remaining "
+        "http(s) images are error rows.",
+    )
+    image_fetch_workers: int = Field(
+        default=4,
+        ge=1,
+        le=32,
+        description="http(s) images of one input file fetched at once at validation.",
     )
     max_image_bytes: int = Field(
         default=20 * 1024 * 1024,
@@ -209,6 +237,18 @@ class Settings(BaseSettings):
         description="Run engines on a vLLM release other than the one batchllm supports "
         "(batchllm.engine.versions.SUPPORTED_VLLM) instead of refusing to start them.",
     )
+
+    @field_validator("image_http_allow_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{item!r} is not a network (CIDR, e.g. 10.0.0.0/8): {exc}"
+                ) from None
+        return value
 
     @model_validator(mode="after")
     def _expand_home(self) -> Settings:

@@ -82,6 +82,16 @@ def filesystem_for(uri: str, *, s3_endpoint: str | None = None) -> tuple[pafs.Fi
     return _s3_filesystem(parts.netloc, urlencode(sorted(query.items()))), path
 
 
+def s3_bucket_filesystem(bucket: str, *, s3_endpoint: str) -> pafs.FileSystem:
+    """The S3 filesystem of a bucket named by a tenant (an image's), on the deployment's
+    endpoint (`s3_endpoint`; "": AWS) and with no other options: unlike `filesystem_for`, no
+    query or user part of a URI can choose the server, scheme or credentials."""
+    if not bucket or any(c in bucket for c in "/?#@:%"):
+        raise BatchLLMError(f"{bucket!r} is not a bucket name")
+    options = endpoint_options(s3_endpoint) if s3_endpoint else {}
+    return _s3_filesystem(bucket, urlencode(sorted(options.items())))
+
+
 @functools.lru_cache(maxsize=16)
 def _s3_filesystem(netloc: str, query: str) -> pafs.FileSystem:
     """One S3 filesystem per bucket and options: building one starts an AWS client and, for

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from batchllm.errors import InputError
 from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
 from batchllm.input.custom_ids import CustomIds
+from batchllm.input.images import ImageChecks, image_urls
 from batchllm.input.lines import open_input
 from batchllm.input.rows import request_payload
 from batchllm.input.schemas import LineError, TableColumns
@@ -147,17 +148,32 @@ def read_table_chunks(
     and the LineErrors of its rows that cannot run (validate.read_row_chunks' contract)."""
     name = _name(source)
     ids = CustomIds()
+    images = ImageChecks()
     try:
         with _batches(source, table, task) as (_, batches):
             number = 1
             for batch in batches:
                 if not batch.num_rows:
                     continue
-                block = _checked_batch(batch, number, table, adapters, task)
+                with images.prefetching(_image_urls(batch, table)):
+                    block = _checked_batch(batch, number, table, adapters, task)
                 number += batch.num_rows
                 yield stored_block(block, ids, name)
     finally:
+        images.close()
         ids.close()
+
+
+def _image_urls(batch: pa.RecordBatch, table: TableColumns) -> Iterator[str]:
+    """The image URLs of a batch's messages, fetched ahead (input/images/checks.py)."""
+    if table.messages_column is None:
+        return iter(())
+    column = batch.column(str(table.messages_column))
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = column.filter(pc.fill_null(pc.match_substring(column, "image_url"), False))
+    elif "image_url" not in str(column.type):  # structs without image parts
+        return iter(())
+    return image_urls(column.to_pylist())
 
 
 def _checked_batch(

@@ -25,7 +25,7 @@ from batchllm.input.custom_ids import (
     given_id,
     may_give_default_id,
 )
-from batchllm.input.images import ImageProblem, open_image
+from batchllm.input.images import ImageChecks, ImageProblem, check_image, image_urls
 from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
 from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
@@ -328,8 +328,8 @@ def _responses_line(
 def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict[str, Any]]:
     """The messages as stored: ChatMessage.stored() (the text of text parts joined, a tool
     turn's id, an assistant turn's calls), except a message with images, which keeps its
-    parts; every image is opened and decoded here, so a bad one is this line's error naming
-    its part."""
+    parts; every image is opened and decoded here (images/checks.py), so a bad one is this
+    line's error naming its part."""
     stored: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not message.has_images():
@@ -346,7 +346,7 @@ def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict
                 raise LineProblem(field, f"images are for user messages, not {message.role}")
             url = _image_url(part, field)
             try:
-                open_image(url)
+                check_image(url)
             except ImageProblem as exc:
                 raise LineProblem(field, str(exc)) from None
             parts.append({"type": "image_url", "image_url": {"url": url}})
@@ -424,15 +424,20 @@ def read_requests(
     The file is read twice (custom_ids.py), each time from its start.
     """
     limit = max_line_bytes or get_settings().max_line_bytes
+    images = ImageChecks()
 
     def checked(lines: list[Line]) -> list[_Checked]:
-        return [_check(line, limit, adapters, task) for line in lines]
+        with images.prefetching(image_urls(line.raw for line in lines)):
+            return [_check(line, limit, adapters, task) for line in lines]
 
-    for resolved in _resolved_chunks(path, limit, checked):
-        for _, custom_id, item in resolved:
-            if isinstance(item, Request):
-                item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
-            yield item
+    try:
+        for resolved in _resolved_chunks(path, limit, checked):
+            for _, custom_id, item in resolved:
+                if isinstance(item, Request):
+                    item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
+                yield item
+    finally:
+        images.close()
 
 
 def read_row_chunks(
@@ -463,10 +468,14 @@ def read_row_chunks(
         return request.kind, "body" if "body" in obj else "top", sampling
 
     ids = CustomIds()
+    images = ImageChecks()
     try:
         for chunk in _line_chunks(path, limit, ids):
-            yield stored_block(columnar.check_block(chunk, one, judge), ids, _name(path))
+            with images.prefetching(image_urls(line.raw for line in chunk)):
+                block = columnar.check_block(chunk, one, judge)
+            yield stored_block(block, ids, _name(path))
     finally:
+        images.close()
         ids.close()
 
 

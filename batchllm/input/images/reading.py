@@ -1,34 +1,21 @@
-"""Images in chat lines: OpenAI's `{"type": "image_url", "image_url": {"url": ...}}` content
-parts, read from a `data:` URL, a local path under BATCHLLM_IMAGE_ROOT, an `s3://` object (read
-with the job storage's S3 settings) or, when BATCHLLM_ALLOW_HTTP_IMAGES is on, an http(s) URL.
-
-A line keeps its images as these references (the stored shard holds the URL, never pixels).
-Validation opens and decodes every image once, so a bad one is an error row naming its part
-before any engine time; the engine side opens them again when their row is prepared.
-"""
+"""Reading an image reference: the dispatch on its scheme, data: URLs and local paths under
+BATCHLLM_IMAGE_ROOT here (s3:// in s3.py, http(s) in web.py), and the decoding with Pillow
+under the size limits."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import io
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from batchllm.input.images.problem import ImageProblem, shown
+from batchllm.input.images.s3 import s3_bytes
+from batchllm.input.images.web import http_bytes
 from batchllm.settings import Settings, get_settings
-from batchllm.storage import filesystem_for
-
-# Bytes kept of a refused URL in messages: a data URL can be megabytes long.
-_SHOWN = 60
-_HTTP_TIMEOUT = 20.0
-
-
-class ImageProblem(Exception):
-    """An image that cannot be used; the message says why (without the field, which the
-    caller names)."""
 
 
 def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str]]:
@@ -41,21 +28,20 @@ def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str]
                     yield i, j, part["image_url"]["url"]
 
 
-def shown(url: str) -> str:
-    return url if len(url) <= _SHOWN else url[:_SHOWN] + "..."
-
-
-def read_image_bytes(url: str, settings: Settings | None = None) -> bytes:
+def read_image_bytes(
+    url: str, settings: Settings | None = None, *, deadline: float | None = None
+) -> bytes:
     """The encoded bytes an image reference names; ImageProblem when it names none this
-    process may read."""
+    process may read. `deadline` (time.monotonic()): when an http(s) fetch must have ended,
+    besides its own timeout."""
     settings = settings or get_settings()
     scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
     if scheme == "data":
         data = _data_url_bytes(url)
     elif scheme in ("http", "https"):
-        data = _http_bytes(url, settings)
+        data = http_bytes(url, settings, deadline)
     elif scheme == "s3":
-        data = _s3_bytes(url, settings)
+        data = s3_bytes(url, settings)
     elif scheme in ("", "file"):
         data = _local_bytes(unquote(urlsplit(url).path) if scheme else url, settings)
     else:
@@ -75,12 +61,18 @@ def _too_big(size: int, settings: Settings) -> ImageProblem:
     )
 
 
-def open_image(url: str, settings: Settings | None = None, *, decode: bool = True) -> Any:
+def open_image(
+    url: str,
+    settings: Settings | None = None,
+    *,
+    decode: bool = True,
+    deadline: float | None = None,
+) -> Any:
     """The image a reference names, as a PIL RGB image (`decode=False`: opened from its header
     only, its size known and its pixels decoded by `decoded` later); ImageProblem when it
     cannot be read, is not an image, or is over the size limits."""
     settings = settings or get_settings()
-    image = _opened(read_image_bytes(url, settings), settings)
+    image = _opened(read_image_bytes(url, settings, deadline=deadline), settings)
     return decoded(image) if decode else image
 
 
@@ -155,47 +147,3 @@ def _local_bytes(path: str, settings: Settings) -> bytes:
         raise ImageProblem(f"no such image file: {shown(path)}") from None
     except OSError as exc:
         raise ImageProblem(f"cannot read image file {shown(path)}: {exc.strerror}") from None
-
-
-def s3_image_prefix(settings: Settings) -> str | None:
-    """Where s3:// images may be read: BATCHLLM_IMAGE_S3_PREFIX, else the storage's bucket."""
-    if settings.image_s3_prefix:
-        return settings.image_s3_prefix
-    storage = settings.storage or ""
-    if storage.startswith("s3://"):
-        return "s3://" + storage[len("s3://") :].split("/", 1)[0] + "/"
-    return None
-
-
-def _s3_bytes(url: str, settings: Settings) -> bytes:
-    prefix = s3_image_prefix(settings)
-    if prefix is None:
-        raise ImageProblem(
-            "s3:// images are read from the job's S3 storage (BATCHLLM_STORAGE=s3://...) or "
-            "under BATCHLLM_IMAGE_S3_PREFIX; neither is set here"
-        )
-    if not url.startswith(prefix.rstrip("/") + "/"):
-        raise ImageProblem(f"image {shown(url)!r} is outside the allowed s3 prefix {prefix}")
-    try:
-        fs, path = filesystem_for(url, s3_endpoint=settings.s3_endpoint or "")
-        with fs.open_input_stream(path) as source:
-            return bytes(source.read(settings.max_image_bytes + 1))
-    except FileNotFoundError:
-        raise ImageProblem(f"no such image object: {shown(url)}") from None
-    except OSError as exc:
-        raise ImageProblem(f"cannot read image {shown(url)}: {_reason(exc)}") from None
-    except Exception as exc:  # an invalid URI, a missing bucket, a refused credential
-        raise ImageProblem(f"cannot read image {shown(url)}: {_reason(exc)}") from None
-
-
-def _http_bytes(url: str, settings: Settings) -> bytes:
-    if not settings.allow_http_images:
-        raise ImageProblem(
-            "http(s) image URLs are off (set BATCHLLM_ALLOW_HTTP_IMAGES=true to fetch them); "
-            "give the image as a data: URL, an s3:// object or a path under BATCHLLM_IMAGE_ROOT"
-        )
-    try:
-        with urllib.request.urlopen(url, timeout=_HTTP_TIMEOUT) as response:
-            return bytes(response.read(settings.max_image_bytes + 1))
-    except Exception as exc:  # DNS, refused, timeout, an HTTP error status
-        raise ImageProblem(f"cannot fetch image {shown(url)}: {_reason(exc)}") from None
