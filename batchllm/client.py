@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
+    from batchllm.jobs.estimate import Estimate
     from batchllm.store.models import Job as JobRow
     from batchllm.store.webhooks import WebhookTarget
-    from batchllm.worker.estimate import Estimate
 
 Requests = str | Path | Iterable[Mapping[str, Any]]
 
@@ -111,7 +111,7 @@ class Client:
         self.settings = settings or get_settings()
         self._engines: EngineSource | None = None
         if keep_engine:
-            from batchllm.worker.engines import EngineCache
+            from batchllm.execution.engines import EngineCache
 
             self._engines = EngineCache()
 
@@ -156,7 +156,7 @@ class Client:
     ) -> Job:
         """`submit` with a ready JobSpec (the CLI builds one from its flags). `shard_size`:
         rows per shard, default BATCHLLM_SHARD_SIZE."""
-        from batchllm.worker.dispatch import submit_job
+        from batchllm.jobs.submit import submit_job
 
         invalid: list[int] = []
         target = self._webhook(notify)
@@ -212,7 +212,7 @@ class Client:
     ) -> Job:
         """`run` with a ready JobSpec. `on_created(job)` once the job is stored (before the
         engine is up); `on_progress(rows, completion_tokens)` as rows finish."""
-        from batchllm.worker.local import run_job
+        from batchllm.jobs.local import run_job
 
         target = self._webhook(notify)
 
@@ -248,7 +248,7 @@ class Client:
 
     def dry_run_spec(self, requests: Requests, spec: JobSpec) -> Estimate:
         """`dry_run` with a ready JobSpec."""
-        from batchllm.worker.estimate import estimate_job
+        from batchllm.jobs.estimate import estimate_job
 
         with _as_file(requests) as path:
             return estimate_job(path, spec, settings=self.settings)
@@ -306,7 +306,7 @@ class Client:
         (vLLM in this process); a job `submit` created goes back to the fleet and is returned
         queued (`wait` for it). `on_started(lines, lines_without_row)` once the attempt is
         recorded. JobStateError for a job still running or with nothing to retry."""
-        from batchllm.worker.retry import retry_job
+        from batchllm.jobs.retry import retry_job
 
         row = retry_job(
             _id(job),

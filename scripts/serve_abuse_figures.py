@@ -17,7 +17,6 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.security.conftest import start_serve, stop_serve
 from tests.security.rawhttp import (
     TempProbe,
     closed_by_server,
@@ -27,6 +26,8 @@ from tests.security.rawhttp import (
     stream_chunked_upload,
     upload_head,
 )
+
+from tests.security.conftest import start_serve, stop_serve
 
 MB = 1 << 20
 

@@ -17,15 +17,15 @@ from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
+from batchllm.jobs.retry import retry_job
+from batchllm.jobs.submit import submit_job
 from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job
 from batchllm.store.states import JobStatus
-from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
-from batchllm.worker.retry import retry_job
 
 router = APIRouter()
 _MAX_METADATA = 16

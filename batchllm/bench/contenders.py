@@ -13,9 +13,9 @@ from pathlib import Path
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import Workload, iter_requests
+from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
-from batchllm.worker.engines import EngineCache
 
 
 def job_spec(
@@ -117,8 +117,8 @@ def run_generate(engine, prompts: Prompts, batch: int | None) -> Run:
 
 def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: Settings) -> Run:
     """The whole `run_job`, timed from the end of validation and storage to the finished job."""
+    from batchllm.jobs.local import run_job
     from batchllm.store.models import JobStatus
-    from batchllm.worker.local import run_job
 
     stored_at: list[float] = []
     with PeakRss() as memory:

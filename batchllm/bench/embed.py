@@ -21,10 +21,10 @@ from typing import Any
 from batchllm.bench.figures import BenchFailed, Contender, Run
 from batchllm.bench.memory import PeakRss
 from batchllm.demo.workload import sentence
+from batchllm.execution.engines import EngineCache
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
-from batchllm.worker.engines import EngineCache
 
 CONTENDERS = {
     "vllm_embed_texts": "raw vLLM: LLM.embed(texts)",

@@ -40,11 +40,11 @@ from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import TEMPERATURE, Request, Workload, iter_requests
 from batchllm.engine.prompts import Prepared
 from batchllm.engine.protocol import Adapter, Engine, Finished
+from batchllm.execution.engines import EngineCache
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from batchllm.store.models import Job
-from batchllm.worker.engines import EngineCache
 
 SCHEMA = {
     "type": "object",
@@ -205,10 +205,10 @@ class _Done:
 def _run_job(engines: _TimedEngines, spec: JobSpec, source: Path, settings: Settings) -> _Done:
     """The whole `run_job`, timed like the engine part's batchllm contender: from the end of
     validation and storage to the finished job. Error rows would make the figures meaningless."""
+    from batchllm.jobs.local import run_job
     from batchllm.output.parts import read_output
     from batchllm.storage import Storage
     from batchllm.store.models import JobStatus
-    from batchllm.worker.local import run_job
 
     engines.timeline = timeline = Timeline()
     stored_at: list[float] = []

@@ -111,7 +111,7 @@ def own_figures(given: dict[str, Any]) -> dict:
         "own_seconds_per_row": own / rows,
         "own_rows_per_s": rows / own,
         "own_phases": given["phases"],
-        # Every shard is queued once the whole file is validated and stored (worker/dispatch.py)
+        # Every shard is queued once the whole file is validated and stored (jobs/submit.py)
         "validated_and_stored_s": given["phases"]["validate_and_store"],
         "disk_bytes": given["disk_bytes"],
         "disk_bytes_per_million_rows": {
@@ -143,8 +143,8 @@ def _run_once(
     from batchllm.bench.contenders import bench_settings
     from batchllm.engine.sizing import load_tokenizer
     from batchllm.input.schemas import EngineOptions, SamplingDefaults
+    from batchllm.jobs.local import run_job
     from batchllm.store.models import JobStatus
-    from batchllm.worker.local import run_job
 
     engines = InstantEngines(load_tokenizer(model))
     spec = JobSpec(

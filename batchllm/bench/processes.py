@@ -21,7 +21,7 @@ from pathlib import Path
 from batchllm.bench.figures import BenchFailed, Run
 from batchllm.bench.memory import PeakRss
 from batchllm.engine.build_log import note_engine_build
-from batchllm.worker.stopping import stop_child
+from batchllm.process.stopping import stop_child
 
 # vLLM at INFO in both contenders: run-batch's markers are INFO lines, and both logs then show
 # the same engine start-up timeline.

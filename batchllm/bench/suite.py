@@ -198,7 +198,7 @@ def _shared_engine_parts(
         run_job_phase,
     )
     from batchllm.bench.workload import write_openai_chat
-    from batchllm.worker.engines import EngineCache
+    from batchllm.execution.engines import EngineCache
 
     workload = config.workload
     # Every timed run gets its own variant (distinct prompts); these are all that will run.

@@ -155,7 +155,7 @@ class WorkerProcess:
     def __init__(
         self, *, model: str, limits: EngineLimits, settings: Settings, log_path: Path
     ) -> None:
-        from batchllm.worker.stopping import PARENT_MARK
+        from batchllm.process.stopping import PARENT_MARK
 
         self.model = model
         self.name = f"bench-warm-{os.getpid()}@{socket.gethostname()}"
@@ -305,7 +305,7 @@ def time_job(
     spec: JobSpec, *, source: Path, lines: int, settings: Settings, timeout: float
 ) -> dict[str, Any]:
     """Submit one single-shard job, wait for it to end and read its timestamps."""
-    from batchllm.worker.dispatch import submit_job
+    from batchllm.jobs.submit import submit_job
 
     dispatched: list[datetime] = []
     job_id = submit_job(

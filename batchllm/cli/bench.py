@@ -314,7 +314,7 @@ def bench(
         natural_outputs=natural_outputs,
         seed=seed,
     )
-    from batchllm.worker.stopping import cleanups_run_on_signals
+    from batchllm.process.stopping import cleanups_run_on_signals
 
     with cleanups_run_on_signals():  # its run-batch and worker processes end with it
         result = run_bench(config, say=lambda line: click.echo(line, err=True))

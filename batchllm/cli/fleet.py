@@ -153,7 +153,7 @@ def cancel(job_id: str) -> None:
     show_default=True,
     help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers at once "
     "with filler text (jobs record the hardware 'none (instant engine)'). For measuring a "
-    "fleet's own costs: `python -m batchllm.bench.fleet`.",
+    "fleet's own costs: `python -m benchmarks.fleet`.",
 )
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(
@@ -218,7 +218,7 @@ def worker(
       batchllm worker --model meta-llama/Llama-3.1-8B-Instruct --max-model-len 8192 \\
         --concurrency 8 --metrics-port 9400
     """
-    from batchllm.worker.stopping import stop_with_parent
+    from batchllm.process.stopping import stop_with_parent
 
     options = worker_engine_from_flags(engine_flags)
     stop_with_parent()
@@ -306,7 +306,7 @@ def _forwarded(
 
 def _serve_metrics(port: int) -> None:
     """This process's Prometheus registry on PORT, or a clear error when the port is taken."""
-    from batchllm.worker.metrics import start_metrics_server
+    from batchllm.execution.metrics import start_metrics_server
 
     try:
         start_metrics_server(port)
@@ -333,7 +333,7 @@ def _quiet_console(log_format: str) -> None:
     if log is None:
         return
     if log_format == "json":
-        from batchllm.worker.log_format import use_json
+        from batchllm.process.log_format import use_json
 
         use_json()  # already for the line below; Celery's logging setup keeps the handlers
     # Logged, not echoed, so that --log-format json keeps the console one object per line.
@@ -346,7 +346,7 @@ def _supervise(
     """Run `count` single-process workers, GPU i visible to process i, restarting any that
     dies, and forward SIGTERM/SIGINT to them. Each child has its own metrics registry, served
     on metrics_port + i."""
-    from batchllm.worker.supervisor import child_env, supervise
+    from batchllm.process.supervisor import child_env, supervise
 
     commands = []
     for i in range(count):

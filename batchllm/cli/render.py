@@ -10,7 +10,7 @@ from batchllm.store.job_view import attempts_of, live_throughput
 from batchllm.store.models import Job
 
 if TYPE_CHECKING:
-    from batchllm.worker.estimate import Estimate
+    from batchllm.jobs.estimate import Estimate
 
 
 def fmt(value: float | None, digits: int = 1) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from batchllm.cli import cli
-from batchllm.worker.stopping import PARENT_MARK, cleanups_run_on_signals, stop_child
+from batchllm.process.stopping import PARENT_MARK, cleanups_run_on_signals, stop_child
 
 
 @cli.command()
@@ -82,7 +82,7 @@ def serve(
         click.echo(f"warning: {warning}", err=True)
     log_config: dict[str, Any] | None = uvicorn.config.LOGGING_CONFIG
     if log_format == "json":
-        from batchllm.worker.log_format import use_json
+        from batchllm.process.log_format import use_json
 
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None

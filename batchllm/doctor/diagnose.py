@@ -261,7 +261,7 @@ def check_broker(url: str, *, required_by: str | None) -> Section:
 
 def _live_workers(section: Section, url: str) -> None:
     """Each live worker and the engine it serves (jobs adapt to these engines)."""
-    from batchllm.worker.profile import EngineProfile
+    from batchllm.execution.profile import EngineProfile
     from batchllm.worker.registry import live_workers
 
     workers = live_workers(url)

@@ -21,7 +21,7 @@ SERVER_ERROR = "server_error"  # a pre-version-3 run failure no wording names
 # names them `batch_expired` in an expired batch's error file).
 RETRYABLE = frozenset({ENGINE_ERROR, SERVER_ERROR})
 
-# Pre-version-3 rows: the wording of engine/prompts.py and worker/runner.py (first match wins).
+# Pre-version-3 rows: the wording of engine/prompts.py and execution/runner.py (first match wins).
 _BY_WORDING = (
     ("max_model_len", CONTEXT_LENGTH_EXCEEDED),
     ("empty after tokenization", INVALID_PROMPT),

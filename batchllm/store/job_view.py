@@ -1,6 +1,6 @@
 """One job as a dict: the view `batchllm status --json` prints, from which the Client's Job and
 the output manifest take their figures, each in the shape its readers already know (client.Job,
-worker/finalize.manifest_of). The Batch API's batch object is OpenAI's shape (api/objects.py)."""
+execution/finalize.manifest_of). The Batch API's batch object is OpenAI's shape (api/objects.py)."""
 
 from __future__ import annotations
 

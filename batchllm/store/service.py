@@ -101,7 +101,7 @@ def create_job(
             )
         )
     # Streaming needs the context length up front: without it the first worker sizes the job
-    # from all of its rows (worker/engines.py), which must all be there.
+    # from all of its rows (execution/engines.py), which must all be there.
     stream = release is not None and not strict and spec.engine.max_model_len is not None
     recorder = ShardRecorder(settings, job_id, release, stream=stream)
 

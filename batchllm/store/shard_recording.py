@@ -11,7 +11,7 @@ end can finalize it (state_machine.after_last_shard), however many of its shards
 
 Without a release (`batchllm run`, which runs the shards itself), under --strict (nothing may
 run before the whole file passed) and for a job without a given max_model_len (the first worker
-sizes the job's context from all of its rows, worker/engines.py: sized from the shards stored so
+sizes the job's context from all of its rows, execution/engines.py: sized from the shards stored so
 far, it would be too short for a longer prompt further down the file), every shard is recorded
 at the end, in the transaction that ends the validation, and released after it.
 """

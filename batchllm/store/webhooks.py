@@ -1,5 +1,5 @@
 """Webhook bookkeeping in SQL: which ended jobs still owe their receiver an event, the claim of
-each attempt, and its outcome. The POST itself is worker/webhooks.py's.
+each attempt, and its outcome. The POST itself is execution/webhooks.py's.
 
 A job with a `notify_url` owes one event once it ends (completed, failed, cancelled, expired).
 Attempts are numbered 1, 2, ...; attempt n+1 is due `backoff(n)` after attempt n was written,

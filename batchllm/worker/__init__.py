@@ -1,1 +1,2 @@
-"""Running shards: the shard runner (used in-process by `batchllm run`) and the Celery worker."""
+"""The Celery fleet: the app and its task, what a worker does with a delivered shard, the
+broker's view, fair share between tenants, the live-worker registry and the reconciler."""

@@ -8,17 +8,17 @@ from collections.abc import Callable
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied, EngineMismatch, EngineSettingsError
+from batchllm.execution.engines import resolve_max_model_len
+from batchllm.execution.finalize import finalize_job
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.schemas import JobSpec
+from batchllm.process.log_format import note_job, shard_context
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import leases
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard
 from batchllm.store.state_machine import fail_job
-from batchllm.worker.engines import resolve_max_model_len
-from batchllm.worker.finalize import finalize_job
-from batchllm.worker.log_format import note_job, shard_context
-from batchllm.worker.runner import Outcome, ShardRunner
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from batchllm.errors import JobNotFound
+from batchllm.execution.finalize import finalize_job
+from batchllm.execution.webhooks import deliver_due
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
@@ -30,8 +32,6 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import utcnow
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_stored_spec
-from batchllm.worker.finalize import finalize_job
-from batchllm.worker.webhooks import deliver_due
 
 log = logging.getLogger(__name__)
 

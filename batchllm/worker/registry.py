@@ -11,8 +11,8 @@ import socket
 import time
 from typing import Any
 
+from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.input.schemas import JobSpec
-from batchllm.worker.profile import EngineProfile, unmet_requirements
 from batchllm.worker.redis_broker import WORKER_PREFIX, connect, is_redis, worker_key
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def register(
     engine: dict[str, Any] | None = None,
 ) -> None:
     """Announce `node` serving `models` for `ttl_seconds` (call again before it runs out),
-    with its engine profile (worker/profile.py EngineProfile.as_dict()) when it has one."""
+    with its engine profile (execution/profile.py EngineProfile.as_dict()) when it has one."""
     if not models or not is_redis(broker_url):
         return
     client = connect(broker_url)

@@ -16,17 +16,18 @@ from celery.signals import (
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from batchllm.engine.protocol import EngineSource
+from batchllm.execution.engines import EngineCache, WorkerEngine
+from batchllm.execution.instant import InstantWorkerEngine
+from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions
+from batchllm.process import log_format
 from batchllm.settings import get_settings
-from batchllm.worker import log_format, registry
+from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import process_shard
-from batchllm.worker.engines import EngineCache, WorkerEngine
 from batchllm.worker.fair_share import take_turn
 from batchllm.worker.holding import holding
-from batchllm.worker.instant import InstantWorkerEngine
 from batchllm.worker.reconciler import reconcile_forever
-from batchllm.worker.runner import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def start_engine(
     model: str, options: EngineOptions, *, allow_rebuild: bool, instant: bool = False
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine; the worker says ready (and takes tasks) after.
-    `instant`: the simulation engine (worker/instant.py), never vLLM."""
+    `instant`: the simulation engine (execution/instant.py), never vLLM."""
     global _engines
     engine: WorkerEngine | InstantWorkerEngine
     if instant:

@@ -1,4 +1,4 @@
-"""Indexes for a database with history (bench/history.py: 10,000 jobs, 100k shards)
+"""Indexes for a database with history (benchmarks/history.py: 10,000 jobs, 100k shards)
 
 - jobs.created_at: `batchllm jobs` lists the newest jobs (it sorted every job).
 - shards.status: the reconciler looks for running and queued shards among every shard ever.

@@ -20,7 +20,9 @@ import pytest
 from sqlalchemy import func, select
 
 from batchllm.demo.workload import write_workload
+from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
@@ -28,8 +30,6 @@ from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
-from batchllm.worker.engines import EngineCache
-from batchllm.worker.local import run_job
 from tests.support.cli import local_env, run_cli
 from tests.support.skips import require
 
@@ -498,8 +498,8 @@ def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
     tiny_model, engines, settings, tmp_path
 ):
     from batchllm import Client
+    from batchllm.execution.runner import ShardRunner
     from batchllm.store import service
-    from batchllm.worker.runner import ShardRunner
 
     settings.shard_size = 3
     source = tmp_path / "in.jsonl"

@@ -81,8 +81,8 @@ def test_an_instant_worker_runs_a_job_exactly_once_through_celery_and_labels_it_
 
 
 def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_model, tmp_path):
-    from batchllm.bench.fleet import measure_fleet
-    from batchllm.bench.services import _postgres_bin
+    from benchmarks.fleet import measure_fleet
+    from benchmarks.services import _postgres_bin
 
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     try:
@@ -111,10 +111,10 @@ def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_m
 
 
 def test_the_first_shard_bench_times_a_streamed_and_a_whole_file_submit(tmp_path, monkeypatch):
-    """bench/first_shard.py on a private Redis: both submits leave one task per shard there
+    """benchmarks/first_shard.py on a private Redis: both submits leave one task per shard there
     (the bench refuses its figures otherwise); the streamed one queued its first shard before
     the rest of the file was stored, the other only after."""
-    from batchllm.bench import first_shard
+    from benchmarks import first_shard
 
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     monkeypatch.setattr(first_shard, "SHARD_SIZE", 5_000)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import time
 
+from batchllm.execution.webhooks import verify
 from batchllm.input.schemas import JobSpec, SamplingDefaults
+from batchllm.jobs.submit import submit_job
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker.dispatch import submit_job
-from batchllm.worker.webhooks import verify
 from tests.integration.conftest import start_workers, stop_workers, tails
 from tests.support.fleet import ENGINE
 from tests.support.job_checks import load_job

@@ -96,7 +96,7 @@ def test_the_console_shows_batchllm_and_celery_lines_and_the_file_has_vllms_outp
     try:
         worker.wait_ready()
         job = run_job_through(worker, fleet_env, own_queue_model, tmp_path)
-        finished = f"batchllm.worker.finalize: job {job.id} completed: 5 ok, 1 failed"
+        finished = f"batchllm.execution.finalize: job {job.id} completed: 5 ok, 1 failed"
         wait_for(lambda: finished in worker.log(), timeout=30, what="the job's line on the console")
     finally:
         worker.stop()
@@ -133,7 +133,7 @@ def test_log_format_json_keeps_the_console_one_object_per_line(
         worker.stop()
     entries = [json.loads(line) for line in worker.log().splitlines()]
     assert {e["logger"].split(".")[0] for e in entries} == {"batchllm", "celery"}
-    finished = [e for e in entries if e["logger"] == "batchllm.worker.finalize"]
+    finished = [e for e in entries if e["logger"] == "batchllm.execution.finalize"]
     assert [(e["job_id"], e["level"]) for e in finished] == [(job.id, "INFO")]
     assert finished[0]["message"].startswith(f"job {job.id} completed: 5 ok, 1 failed")
     notice = next(e["message"] for e in entries if NOTICE.search(e["message"]))

@@ -71,7 +71,7 @@ def settings_of(env: dict[str, str]) -> Settings:
 
 def submit(settings: Settings, source: Path, model: Path | str, *, shard_size: int, **sampling):
     """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
-    from batchllm.worker.dispatch import submit_job
+    from batchllm.jobs.submit import submit_job
 
     spec = JobSpec(model=str(model), engine=ENGINE, sampling=SamplingDefaults(**sampling))
     return submit_job(source, spec, shard_size=shard_size, settings=settings)

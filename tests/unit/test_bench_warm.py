@@ -75,7 +75,7 @@ def test_the_worker_command_is_one_that_batchllm_worker_parses_with_its_engine_f
 
 
 def test_it_reads_the_engine_back_from_the_worker_metrics_modules_own_endpoint():
-    from batchllm.worker import metrics
+    from batchllm.execution import metrics
 
     port = _free_port()
     server = metrics.start_metrics_server(port, addr="127.0.0.1")

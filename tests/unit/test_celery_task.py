@@ -13,9 +13,9 @@ import pytest
 from celery.exceptions import Retry
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from batchllm.execution.runner import Outcome
 from batchllm.worker import tasks
 from batchllm.worker.celery_app import TASK_RUN_SHARD
-from batchllm.worker.runner import Outcome
 from batchllm.worker.tasks import run_shard
 
 QUEUE = "batchllm.models_fake"

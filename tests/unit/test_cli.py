@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchllm.cli import cli
+from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
 from batchllm.output.parts import part_name
@@ -20,7 +21,6 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
-from batchllm.worker.finalize import finalize_job
 from tests.support.output_rows import OutputRow, write_part
 
 REPO = Path(__file__).resolve().parents[2]

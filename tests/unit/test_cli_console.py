@@ -19,7 +19,7 @@ def record(logger: str, level: int = logging.INFO) -> logging.LogRecord:
 @pytest.mark.parametrize(
     ("logger", "level", "shown"),
     [
-        ("batchllm.worker.finalize", logging.INFO, True),
+        ("batchllm.execution.finalize", logging.INFO, True),
         ("batchllm.worker.tasks", logging.WARNING, True),
         ("batchllm", logging.DEBUG, True),
         ("celery.apps.worker", logging.INFO, True),  # `NODE ready.`
@@ -38,8 +38,8 @@ def test_the_worker_console_shows_batchllm_and_celery_lines_only(logger, level, 
 
 
 def test_the_run_console_shows_batchllm_warnings_only():
-    assert own_warnings(record("batchllm.worker.local", logging.WARNING))
-    assert not own_warnings(record("batchllm.worker.local", logging.INFO))
+    assert own_warnings(record("batchllm.jobs.local", logging.WARNING))
+    assert not own_warnings(record("batchllm.jobs.local", logging.INFO))
     assert not own_warnings(record("celery.apps.worker", logging.ERROR))
     assert not own_warnings(record("vllm.engine", logging.ERROR))
 
@@ -57,7 +57,7 @@ def test_worker_processes_of_concurrency_n_get_the_verbosity(monkeypatch, flags,
         started.extend(argv for argv, _env in commands)
         return 0
 
-    monkeypatch.setattr("batchllm.worker.supervisor.supervise", supervise)
+    monkeypatch.setattr("batchllm.process.supervisor.supervise", supervise)
 
     result = CliRunner().invoke(cli, [*flags, "worker", "-m", "tiny", "--concurrency", "2"])
 

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select, update
 
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
@@ -17,7 +18,6 @@ from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.delivery import process_shard
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     create_items_job,
@@ -55,7 +55,7 @@ def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
         )
     # The worker that ended the last shard died before it finalized the job.
     with monkeypatch.context() as patch:
-        patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
+        patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
     assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
     storage = Storage(settings.resolved_storage)

@@ -1,4 +1,4 @@
-"""--dry-run (worker/estimate.py): prompt tokens counted with the model's own tokenizer, the
+"""--dry-run (jobs/estimate.py): prompt tokens counted with the model's own tokenizer, the
 output bounded by max_tokens, the time from this model's recorded jobs on this hardware; no job
 and no engine. And the jobs' `usage` in OpenAI's Batch.usage shape."""
 

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import pytest
 
+from batchllm.execution import engines as engines_module
+from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec
-from batchllm.worker import engines as engines_module
-from batchllm.worker.engines import EngineCache
 
 MODEL = "/models/fake"
 

@@ -13,14 +13,14 @@ import signal
 import pytest
 
 from batchllm.errors import EngineDied, JobInterrupted
+from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.jobs.local import run_job
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.worker.delivery import process_shard
-from batchllm.worker.local import run_job
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
@@ -248,7 +248,7 @@ def test_an_engine_that_dies_while_requests_are_added_hands_the_shard_back_witho
 ):
     settings = small_commits
     job_id, (shard_id,) = create_items_job(settings, tmp_path, 40, shard_size=40)
-    monkeypatch.setattr("batchllm.worker.runner._PREPARE_BATCH", 4)  # feed as rows finish
+    monkeypatch.setattr("batchllm.execution.runner._PREPARE_BATCH", 4)  # feed as rows finish
     engine = FaultyEngine()
     # Dies during its 4th step: the runner next tops the window up, and `add` raises.
     engine.on_step = lambda n: setattr(engine, "dead", n >= 4)
@@ -361,7 +361,7 @@ def test_a_first_ctrl_c_stops_the_run_in_order_and_fails_the_job_with_its_commit
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
     engine = FakeEngine(on_step=interrupt_at(7))
     previous = signal.getsignal(signal.SIGINT)
@@ -383,7 +383,7 @@ def test_a_second_ctrl_c_stops_at_once_and_still_keeps_the_committed_rows(
 ):
     settings = small_commits
     # The run never reaches its control check: only the second Ctrl-C can stop it.
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 3600.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 3600.0)
     source = write_items(tmp_path / "in.jsonl", 40)
     engine = FakeEngine(on_step=interrupt_at(5, 7))
     previous = signal.getsignal(signal.SIGINT)
@@ -403,7 +403,7 @@ def test_a_ctrl_c_during_the_last_step_never_reports_a_completed_job_as_failed(
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 3600.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 3600.0)
     source = write_items(tmp_path / "in.jsonl", 40)
     engine = FakeEngine(on_step=interrupt_at(20))  # 40 rows, 4 every 2 steps: 20 is the last
     previous = signal.getsignal(signal.SIGINT)

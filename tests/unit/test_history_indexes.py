@@ -1,4 +1,4 @@
-"""The indexes a long history needs (migration 0011, measured by bench/history.py on
+"""The indexes a long history needs (migration 0011, measured by benchmarks/history.py on
 10,000 jobs): the migrated schema has them, SQLite's planner uses them for the queries that
 scanned every job or shard, and listing batches costs the same few statements for any page."""
 
@@ -11,10 +11,10 @@ from sqlalchemy import inspect, select
 
 from batchllm.api.app import create_app
 from batchllm.api.keys import create_key
-from batchllm.bench.history import StatementLog, populate
 from batchllm.settings import Settings
 from batchllm.store.db import get_engine, session_scope
 from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus
+from benchmarks.history import StatementLog, populate
 
 
 def _settings(tmp_path: Path) -> Settings:

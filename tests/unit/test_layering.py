@@ -1,11 +1,15 @@
 """The package's layers import only downwards:
-cli -> api -> bench -> doctor -> worker -> engine -> output -> store -> input.
+cli -> api -> bench -> doctor -> jobs -> worker -> execution -> engine -> output -> store -> input.
+
+jobs is a job's front doors (submit to the fleet, run locally, retry, estimate); worker the
+Celery fleet; execution running a shard through an engine, in a worker or in `run`.
 
 The last three are the pipeline's stages, each knowing only the ones before it: the input
 (read, validate, shard) knows no SQL; the store (jobs, shards, states, leases) reads and writes
 no part files; the output (the Parquet contract and the commit protocol) records its
-checkpoints in the store. The top-level modules (settings, errors, storage, heap, client, demo)
-sit outside the order: the foundation below every layer, or entry points above them."""
+checkpoints in the store. The top-level modules (settings, errors, storage, heap, the
+process/ plumbing, client, demo) sit outside the order: the foundation below every layer, or
+entry points above them."""
 
 from __future__ import annotations
 
@@ -19,14 +23,16 @@ LAYERS = [
     "api",
     "bench",
     "doctor",
+    "jobs",
     "worker",
+    "execution",
     "engine",
     "output",
     "store",
     "input",
 ]  # each may import the ones after it
 PACKAGE = Path(batchllm.__file__).parent
-FOUNDATION = ["settings", "errors", "storage", "heap"]  # may import no layer
+FOUNDATION = ["settings", "errors", "storage", "heap", "process"]  # may import no layer
 
 
 def imported_layers(path: Path) -> set[str]:
@@ -54,14 +60,19 @@ def test_no_module_imports_a_layer_above_its_own():
     assert upward == []
 
 
+def _foundation_files(name: str) -> list[Path]:
+    folder = PACKAGE / name
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{name}.py"]
+
+
 def test_the_foundation_imports_no_layer():
-    assert {m: imported_layers(PACKAGE / f"{m}.py") for m in FOUNDATION} == {
-        m: set() for m in FOUNDATION
-    }
+    assert {
+        m: set().union(*(imported_layers(f) for f in _foundation_files(m))) for m in FOUNDATION
+    } == {m: set() for m in FOUNDATION}
 
 
 def test_the_walk_sees_every_layer_and_catches_an_upward_import(tmp_path):
     assert all(any((PACKAGE / layer).rglob("*.py")) for layer in LAYERS)
     module = tmp_path / "m.py"
-    module.write_text("from batchllm.worker import runner\nimport batchllm.cli.run\n")
-    assert imported_layers(module) == {"worker", "cli"}
+    module.write_text("from batchllm.execution import runner\nimport batchllm.cli.run\n")
+    assert imported_layers(module) == {"execution", "cli"}

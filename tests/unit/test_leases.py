@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy, ShardLost
+from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
 from batchllm.output import commit
 from batchllm.output.parts import part_name
@@ -17,7 +18,6 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.worker.finalize import finalize_job
 from tests.support.output_rows import OutputRow, write_part
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import logging
 
-from batchllm.worker.log_format import JsonFormatter, note_job, shard_context
+from batchllm.process.log_format import JsonFormatter, note_job, shard_context
 
 
 def record(message: str, level: int = logging.WARNING) -> logging.LogRecord:
-    return logging.LogRecord("batchllm.worker.runner", level, __file__, 1, message, (), None)
+    return logging.LogRecord("batchllm.execution.runner", level, __file__, 1, message, (), None)
 
 
 def test_a_line_is_one_json_object_with_the_shard_and_job_it_is_about():
@@ -23,7 +23,7 @@ def test_a_line_is_one_json_object_with_the_shard_and_job_it_is_about():
     after = json.loads(formatter.format(record("idle again")))
 
     assert set(outside) == {"time", "level", "logger", "message"}
-    assert outside["level"] == "WARNING" and outside["logger"] == "batchllm.worker.runner"
+    assert outside["level"] == "WARNING" and outside["logger"] == "batchllm.execution.runner"
     assert before["shard_id"] == 17 and "job_id" not in before
     assert (inside["job_id"], inside["shard_id"], inside["message"]) == (
         "job_abc",

@@ -1,4 +1,4 @@
-"""Prometheus metrics (batchllm/worker/metrics.py): the shard runner on the fake engine counts
+"""Prometheus metrics (batchllm/execution/metrics.py): the shard runner on the fake engine counts
 rows, tokens and shard runs as the database does, across interrupts, crashes, resumes and
 failures; the engine cache, the token-rate window, the metrics server, `worker
 --metrics-port` and the API's /metrics.
@@ -21,12 +21,12 @@ from prometheus_client import REGISTRY
 from sqlalchemy import update
 
 from batchllm.cli import cli
+from batchllm.execution import metrics
+from batchllm.execution.engines import EngineCache
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
-from batchllm.worker import metrics
-from batchllm.worker.engines import EngineCache
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     crash_on_checkpoint,
@@ -125,7 +125,7 @@ def test_an_interrupted_shard_is_counted_handed_back_then_resumed(
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
     before = snapshot()
     stop = {"now": False}
@@ -217,7 +217,7 @@ def test_a_shard_that_fails_is_counted_failed(small_commits, tmp_path):
 
 def test_a_shard_taken_over_by_another_worker_is_counted_lost(small_commits, tmp_path, monkeypatch):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     _, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
     before = snapshot()
 
@@ -353,7 +353,7 @@ def test_worker_concurrency_gives_each_process_its_own_metrics_port(monkeypatch)
         started.extend(argv for argv, _env in commands)
         return 0
 
-    monkeypatch.setattr("batchllm.worker.supervisor.supervise", supervise)
+    monkeypatch.setattr("batchllm.process.supervisor.supervise", supervise)
 
     result = CliRunner().invoke(
         cli, ["worker", "-m", "tiny", "--concurrency", "3", "--metrics-port", "9400"]

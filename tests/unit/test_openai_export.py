@@ -19,13 +19,13 @@ from batchllm.cli import cli
 from batchllm.engine.protocol import Finished
 from batchllm.errors import JobStateError
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.output.parts import part_name
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, utcnow
-from batchllm.worker.local import run_job
 from tests.support.fake_runs import (
     MAX_MODEL_LEN,
     FakeEngine,

@@ -131,8 +131,8 @@ def test_the_run_command_refuses_a_memory_share_above_one_in_one_line(tmp_path):
 
 
 def test_a_workers_lora_rank_floor_raises_only_lora_engines():
+    from batchllm.execution.engines import with_min_lora_rank
     from batchllm.input.schemas import JobSpec
-    from batchllm.worker.engines import with_min_lora_rank
 
     plain = JobSpec(model="m")
     assert with_min_lora_rank(plain, 64) is plain

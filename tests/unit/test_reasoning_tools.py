@@ -11,9 +11,9 @@ import pytest
 
 from batchllm.engine.outputs import output_spec
 from batchllm.engine.protocol import Finished
+from batchllm.execution.runner import _satisfied, with_call_ids
 from batchllm.input.validate import LineProblem, parse_line
 from batchllm.output.responses_body import chat_message, is_responses, response_body
-from batchllm.worker.runner import _satisfied, with_call_ids
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import ShardBusy
+from batchllm.execution.runner import ShardRunner
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
 from batchllm.store import leases, recovery, service, state_machine
@@ -19,7 +20,6 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_model
 from batchllm.worker.reconciler import reconcile_once
-from batchllm.worker.runner import ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     create_items_job,
@@ -237,7 +237,7 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
         )
     # The worker that ends the last shard dies before it finalizes the job.
     with monkeypatch.context() as patch:
-        patch.setattr("batchllm.worker.runner.finalize_job", lambda *a, **k: None)
+        patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
     assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
     storage = Storage(settings.resolved_storage)

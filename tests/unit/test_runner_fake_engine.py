@@ -15,15 +15,15 @@ from sqlalchemy import update
 
 from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.worker.local import run_job
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     DEFAULT_MAX_TOKENS,
     MAX_MODEL_LEN,
@@ -89,7 +89,7 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
 
 class WarmEngines(FakeEngines):
     """Hands out an engine that keeps its own longer context, as a worker's warm engine does
-    for a job that fits in it (worker/engines.py EngineCache)."""
+    for a job that fits in it (execution/engines.py EngineCache)."""
 
     def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
         assert max_model_len <= self.engine.max_model_len
@@ -317,7 +317,7 @@ def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
     seen: dict[str, int] = {}
 
@@ -358,7 +358,7 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
 
     settings = small_commits
     settings.shard_size = 40
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", 0.0)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
     created = service.create_job(source, make_spec(), shard_size=40, settings=settings)
     with session_scope(settings) as session:

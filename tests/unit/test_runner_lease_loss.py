@@ -12,13 +12,13 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     make_spec,
@@ -65,7 +65,7 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
     control_interval, steps_after, noticed, small_commits, tmp_path, monkeypatch, caplog
 ):
     settings = small_commits
-    monkeypatch.setattr("batchllm.worker.runner._CONTROL_INTERVAL", control_interval)
+    monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", control_interval)
     created = service.create_job(
         write_items(tmp_path / "in.jsonl", ROWS), make_spec(), shard_size=ROWS, settings=settings
     )

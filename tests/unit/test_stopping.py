@@ -15,7 +15,7 @@ import pytest
 # would end the parent at once and leave the child under PID 1.
 PARENT = """
 import subprocess, sys, time
-from batchllm.worker.stopping import cleanups_run_on_signals, stop_child
+from batchllm.process.stopping import cleanups_run_on_signals, stop_child
 
 with cleanups_run_on_signals():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -58,7 +58,7 @@ def test_a_stop_signal_ends_the_child_and_then_the_process_by_sigterm(sig):
 
 
 def test_outside_the_block_the_previous_handlers_are_back():
-    from batchllm.worker.stopping import cleanups_run_on_signals
+    from batchllm.process.stopping import cleanups_run_on_signals
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     with cleanups_run_on_signals():

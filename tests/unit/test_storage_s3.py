@@ -17,10 +17,12 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.errors import BatchLLMError, InputError, StorageError
+from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.lines import has_requests, open_input
 from batchllm.input.schemas import LineError
 from batchllm.input.shards import input_name, readable_input, store_input
 from batchllm.input.validate import infer_task, read_requests
+from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output, remove_unrecorded_parts
 from batchllm.settings import get_settings
@@ -28,8 +30,6 @@ from batchllm.storage import Storage, endpoint_options, filesystem_for, is_uri
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
-from batchllm.worker.local import run_job
-from batchllm.worker.runner import Outcome, ShardRunner
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from batchllm.errors import InputError
+from batchllm.execution.runner import ShardRunner
 from batchllm.input.schemas import EngineOptions
+from batchllm.jobs import submit as dispatch
 from batchllm.store import service, shard_recording, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.worker import dispatch
-from batchllm.worker.runner import ShardRunner
 from tests.support.fake_runs import FakeEngine, make_spec, output_rows, write_items
 
 

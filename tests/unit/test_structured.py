@@ -26,6 +26,7 @@ from batchllm.cli.options import spec_from_flags
 from batchllm.cli.run import run as run_command
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError
+from batchllm.execution.shard_state import sampling_for
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import LineError, Request
 from batchllm.input.structured import (
@@ -44,7 +45,6 @@ from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
-from batchllm.worker.shard_state import sampling_for
 
 SCHEMA = {
     "type": "object",
@@ -805,7 +805,7 @@ def test_a_job_without_constraints_shows_no_structured_line(small_commits, tmp_p
 
 
 def run_job_on(engine: FakeEngine, source: Path, spec, settings) -> Job:
-    from batchllm.worker.local import run_job
+    from batchllm.jobs.local import run_job
 
     job = run_job(source, spec, settings=settings, engines=FakeEngines(engine))
     with session_scope(settings) as session:

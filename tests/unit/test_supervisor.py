@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from batchllm.worker.supervisor import supervise
+from batchllm.process.supervisor import supervise
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)

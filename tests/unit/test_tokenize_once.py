@@ -13,6 +13,7 @@ import pytest
 from batchllm.engine import chat_batch
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
+from batchllm.execution.engines import resolve_max_model_len
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.input.shards import iter_shard_rows
@@ -21,7 +22,6 @@ from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
-from batchllm.worker.engines import resolve_max_model_len
 
 WORDS = ["alpha", "beta", "gamma", "ünïcode", "日本語", "tab\there", "new\nline", "{{ x }}", "%"]
 
@@ -191,10 +191,10 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     tiny_model, settings, tmp_path
 ):
     from batchllm.engine.testing import InstantEngines
+    from batchllm.execution.sizing_pass import size_shards
+    from batchllm.jobs.local import run_job
     from batchllm.output.parts import read_output
     from batchllm.store.models import JobStatus
-    from batchllm.worker.local import run_job
-    from batchllm.worker.sizing_pass import size_shards
 
     settings = settings.model_copy(update={"shard_size": 40})
     source = write_chat_lines(tmp_path / "in.jsonl", 150, bad=2)
@@ -221,7 +221,7 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
 
 def test_a_refused_file_leaves_no_token_ids_behind(tiny_model, settings, tmp_path):
     from batchllm.errors import InputError
-    from batchllm.worker.local import run_job
+    from batchllm.jobs.local import run_job
 
     settings = settings.model_copy(update={"shard_size": 40})
     source = write_chat_lines(tmp_path / "in.jsonl", 100, bad=1)
@@ -234,8 +234,8 @@ def test_a_refused_file_leaves_no_token_ids_behind(tiny_model, settings, tmp_pat
 
 def test_a_failed_sizing_pass_fails_the_created_job_with_the_reason(settings, tmp_path):
     from batchllm.errors import BatchLLMError
+    from batchllm.jobs.local import run_job
     from batchllm.store.models import JobStatus
-    from batchllm.worker.local import run_job
 
     source = write_chat_lines(tmp_path / "in.jsonl", 10)
     missing = tmp_path / "no-such-model"

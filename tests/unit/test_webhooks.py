@@ -13,12 +13,12 @@ from batchllm.cli import cli
 from batchllm.client import Client
 from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import BatchLLMError
+from batchllm.execution import webhooks
+from batchllm.execution.webhooks import deliver_due, verify
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker import webhooks
-from batchllm.worker.webhooks import deliver_due, verify
 from tests.support.fake_runs import make_spec, write_items
 from tests.support.webhook_receiver import Receiver
 

@@ -12,15 +12,15 @@ from click.testing import CliRunner
 
 from batchllm.cli import cli
 from batchllm.errors import EngineMismatch
+from batchllm.execution.engines import WorkerEngine
+from batchllm.execution.profile import EngineProfile, unmet_requirements
+from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues
 from batchllm.worker.delivery import process_shard
-from batchllm.worker.engines import WorkerEngine
-from batchllm.worker.profile import EngineProfile, unmet_requirements
 from batchllm.worker.registry import waiting_reason
-from batchllm.worker.runner import Outcome
 from tests.support.fake_runs import create_items_job, small_commits
 
 __all__ = ["small_commits"]
@@ -252,7 +252,7 @@ def test_concurrency_children_get_the_engine_flags_given(monkeypatch):
     started: list[list[str]] = []
     monkeypatch.setattr("batchllm.engine.preflight.check_worker_concurrency", lambda *a, **k: None)
     monkeypatch.setattr(
-        "batchllm.worker.supervisor.supervise",
+        "batchllm.process.supervisor.supervise",
         lambda commands: started.extend(argv for argv, _env in commands) or 0,
     )
     result = CliRunner().invoke(

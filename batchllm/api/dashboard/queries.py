@@ -12,12 +12,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from batchllm.api.dashboard.session import Viewer
+from batchllm.execution.profile import EngineProfile
 from batchllm.output import stream
 from batchllm.settings import Settings
 from batchllm.store.job_view import live_throughput
 from batchllm.store.models import Batch, Checkpoint, Job, Shard
 from batchllm.store.states import JobStatus, ShardStatus
-from batchllm.worker.profile import EngineProfile
 
 PAGE_SIZE = 20
 PREVIEW_ROWS = 5

@@ -23,6 +23,7 @@ from batchllm.api.dashboard.chart import chart_svg
 from batchllm.api.dashboard.format import FILTERS
 from batchllm.api.dashboard.session import Viewer
 from batchllm.errors import JobStateError
+from batchllm.jobs.retry import retry_job
 from batchllm.output import stream
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.store import service
@@ -31,7 +32,6 @@ from batchllm.store.job_view import job_view
 from batchllm.store.models import Batch, Job
 from batchllm.store.states import JobStatus
 from batchllm.worker.registry import live_workers
-from batchllm.worker.retry import retry_job
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))

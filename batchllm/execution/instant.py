@@ -1,5 +1,5 @@
 """`batchllm worker --engine instant`: a fleet worker whose engine answers at once, for
-simulating a fleet without GPUs or vLLM (`python -m batchllm.bench.fleet`).
+simulating a fleet without GPUs or vLLM (`python -m benchmarks.fleet`).
 
 Everything but generation is the real thing: the Celery worker, fair share, holds, leases and
 heartbeats, the runner's continuous feed with the model's real tokenizer and chat template,
@@ -17,9 +17,9 @@ from typing import Any
 
 from batchllm.engine.testing import InstantEngine
 from batchllm.errors import EngineMismatch
+from batchllm.execution import metrics
+from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.input.schemas import EngineOptions, JobSpec
-from batchllm.worker import metrics
-from batchllm.worker.profile import EngineProfile, unmet_requirements
 
 log = logging.getLogger(__name__)
 

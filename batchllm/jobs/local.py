@@ -12,6 +12,10 @@ from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
+from batchllm.execution.engines import EngineCache, resolve_max_model_len
+from batchllm.execution.runner import ProgressFn, ShardRunner
+from batchllm.execution.sizing_pass import BackgroundSizer
+from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, readable_input
 from batchllm.settings import Settings, get_settings
@@ -20,10 +24,6 @@ from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker.engines import EngineCache, resolve_max_model_len
-from batchllm.worker.runner import ProgressFn, ShardRunner
-from batchllm.worker.sizing_pass import BackgroundSizer
-from batchllm.worker.webhooks import deliver_soon
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def _create_and_size(
     create: Callable[[Callable[[ShardInput], None]], str], spec: JobSpec, settings: Settings
 ) -> tuple[str, BaseException | None]:
     """Create the job while sizing its context on another thread, shard by shard as they are
-    stored (worker/sizing_pass.py): the two overlap instead of running one after the other.
+    stored (execution/sizing_pass.py): the two overlap instead of running one after the other.
     Returns the job id and the sizing pass's error (the job exists then: the caller fails it)."""
     sizer = BackgroundSizer(spec, Storage.of(settings))
     try:

@@ -10,15 +10,15 @@ import time
 from typing import TYPE_CHECKING
 
 from batchllm.errors import EngineMismatch
+from batchllm.execution import metrics
+from batchllm.execution.profile import VLLM_LORA_RANK, EngineProfile, unmet_requirements
+from batchllm.execution.sizing_pass import size_shards
 from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job
-from batchllm.worker import metrics
-from batchllm.worker.profile import VLLM_LORA_RANK, EngineProfile, unmet_requirements
-from batchllm.worker.sizing_pass import size_shards
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
     from batchllm.engine.vllm_engine import VllmEngine
@@ -142,7 +142,7 @@ class WorkerEngine:
     `start` before the worker takes its first task and kept for every job it serves.
 
     A job adapts to it: `get` hands out this engine for every job whose requirements it meets
-    (worker/profile.py) and raises EngineMismatch for the others, which wait for a worker
+    (execution/profile.py) and raises EngineMismatch for the others, which wait for a worker
     that serves them. Only with `allow_rebuild` does such a job get an engine built for it
     (the EngineCache way); the next job that fits the operator's settings gets them back.
     After the engine died, the next job rebuilds the operator's engine, as it was.

@@ -21,6 +21,9 @@ from typing import Any
 from batchllm.engine.prompts import token_count, within_context
 from batchllm.engine.protocol import Adapter, Engine, Finished
 from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
+from batchllm.execution import metrics
+from batchllm.execution.finalize import finalize_job
+from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
@@ -32,9 +35,6 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, ShardStatus
-from batchllm.worker import metrics
-from batchllm.worker.finalize import finalize_job
-from batchllm.worker.shard_state import ShardState, load_shard_state, sampling_for
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class ShardRunner:
         # (job, the line's override text) -> what its rows run under
         self._sampling_cache: dict[tuple[str, str | None], _Sampling] = {}
         self._stopping = False
-        # Prometheus (worker/metrics.py). The engine serves one model, so the per-step gauges
+        # Prometheus (execution/metrics.py). The engine serves one model, so the per-step gauges
         # go to the model of the shard claimed last; commits and shard ends to their own.
         self._metrics: metrics.ModelMetrics | None = None
         self._shard_started: dict[int, float] = {}
@@ -198,7 +198,7 @@ class ShardRunner:
             prepared = self.engine.prepare(runnable, state.spec.chat_template)
             limit = state.spec.engine.max_model_len
             if limit is not None and limit < self.engine.max_model_len:
-                # A warm engine with a longer context serves the job (worker/engines.py); the
+                # A warm engine with a longer context serves the job (execution/engines.py); the
                 # context the user gave still bounds its rows, as on an engine of its own.
                 prepared = within_context(runnable, prepared, limit, "the job's --max-model-len")
             errors += self._add_all(state, runnable, prepared)

@@ -4,7 +4,7 @@ GET /v1/batches and /v1/batches/{id}, and a reconciler pass. Every SQL statement
 timed; PostgreSQL's own execution time is summed (EXPLAIN ANALYZE) and the slowest statement's
 plan is kept, so an index is added where a plan says so.
 
-    python scripts/bench_history.py --jobs 10000 --output docs/bench-history.json
+    python -m benchmarks.history_run --jobs 10000 --output docs/bench-history.json
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchllm.bench.history import StatementLog, explain, populate, timed
-from batchllm.bench.services import PrivatePostgres, PrivateRedis
+from benchmarks.history import StatementLog, explain, populate, timed
+from benchmarks.services import PrivatePostgres, PrivateRedis
 
 
 def measure_history(jobs: int, work_dir: Path) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     figures = measure_history(args.jobs, args.work_dir)
-    figures["command"] = "python scripts/bench_history.py " + " ".join(argv or sys.argv[1:])
+    figures["command"] = "python -m benchmarks.history_run " + " ".join(argv or sys.argv[1:])
     figures["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(figures, indent=1, default=str)
     if args.output:

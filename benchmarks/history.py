@@ -1,7 +1,7 @@
 """A database with history, and the tools to see what reads cost on it: `populate` writes
 thousands of ended jobs (ten shards each, five checkpoints a shard), StatementLog times every
 SQL statement an operation sends, `execution_ms` and `explain` ask PostgreSQL what they cost
-it. scripts/bench_history.py drives them over `status`, `jobs`, the Batch API's list and
+it. benchmarks/history_run.py drives them over `status`, `jobs`, the Batch API's list and
 retrieve and a reconciler pass (the CLI and the API sit above the bench's layer).
 """
 

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import JobStateError
+from batchllm.execution.engines import EngineCache
+from batchllm.execution.runner import ProgressFn
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.local import fail_abandoned_runs, run_shards_here
+from batchllm.jobs.submit import dispatch_shards
 from batchllm.output import commit, replace
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, ShardStatus
-from batchllm.worker.dispatch import dispatch_shards
-from batchllm.worker.engines import EngineCache
-from batchllm.worker.local import fail_abandoned_runs, run_shards_here
-from batchllm.worker.runner import ProgressFn
 
 log = logging.getLogger(__name__)
 

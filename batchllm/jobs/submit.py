@@ -10,6 +10,7 @@ from pathlib import Path
 from celery import Celery
 
 from batchllm.errors import BatchLLMError
+from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.settings import Settings, get_settings
@@ -19,7 +20,6 @@ from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_job
-from batchllm.worker.finalize import finalize_job
 
 log = logging.getLogger(__name__)
 

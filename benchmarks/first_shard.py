@@ -7,7 +7,7 @@ Both submit to a private Redis with no worker listening and the embedded SQLite 
 nothing runs the shards: what is timed is the submit alone. The tasks in Redis are counted
 afterwards (one per shard, or the figures are refused) and each job is cancelled.
 
-    python -m batchllm.bench.first_shard --lines 10000000 --output docs/bench-first-shard.json
+    python -m benchmarks.first_shard --lines 10000000 --output docs/bench-first-shard.json
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.overhead import peak_rss, write_lines
-from batchllm.bench.services import PrivateRedis
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from benchmarks.services import PrivateRedis
 
 MODEL = "bench/first-shard"  # no worker serves it: the tasks stay queued
 SHARD_SIZE = 10_000  # the default BATCHLLM_SHARD_SIZE
@@ -45,11 +45,11 @@ def time_submit(
 ) -> dict[str, Any]:
     from sqlalchemy import func, select
 
+    from batchllm.jobs.submit import submit_job
     from batchllm.store import service
     from batchllm.store.db import session_scope
     from batchllm.store.models import Shard
     from batchllm.worker.celery_app import queue_for_job
-    from batchllm.worker.dispatch import submit_job
 
     spec = JobSpec(
         model=MODEL,

@@ -1,14 +1,14 @@
 """The fleet simulation: N `batchllm worker --engine instant` processes on a private Redis and
-PostgreSQL (bench/services.py), one job of M lines, then several jobs at once.
+PostgreSQL (benchmarks/services.py), one job of M lines, then several jobs at once.
 
-Everything but generation is real (worker/instant.py), so what is measured is what a fleet
+Everything but generation is real (execution/instant.py), so what is measured is what a fleet
 costs beyond its GPUs: the rows/s the fleet's own machinery sustains, the time from submit to
 the first committed row and to completion, shard-claim conflicts, PostgreSQL connections
 against max_connections, Redis commands per shard, and a reconciler pass over the history the
 runs leave. CPU seconds of the workers, PostgreSQL and Redis are recorded per run so that the
 report can say which of them bends the curve.
 
-    python -m batchllm.bench.fleet --workers 1,5,10,20 --lines 200000 --output fleet.json
+    python -m benchmarks.fleet --workers 1,5,10,20 --lines 200000 --output fleet.json
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any
 import batchllm
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.overhead import write_lines
-from batchllm.bench.services import PrivatePostgres, PrivateRedis
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from benchmarks.services import PrivatePostgres, PrivateRedis
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]
@@ -209,8 +209,8 @@ def _spec(model: str) -> JobSpec:
 def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: float) -> dict:
     """Submit the files one after another as fast as submit goes, then follow every job to its
     end; the figures of the whole set."""
+    from batchllm.jobs.submit import submit_job
     from batchllm.store.db import get_engine
-    from batchllm.worker.dispatch import submit_job
 
     settings = fleet.settings
     assert settings is not None
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         max_connections=args.max_connections,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
-    figures["command"] = "python -m batchllm.bench.fleet " + " ".join(argv or sys.argv[1:])
+    figures["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])
     figures["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(figures, indent=1)
     if args.output:

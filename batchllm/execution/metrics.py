@@ -239,7 +239,7 @@ def engine_stopped(model: str) -> None:
 
 
 def engine_profile(profile: dict[str, Any]) -> None:
-    """Show the worker's engine profile (worker/profile.py EngineProfile.as_dict()) as labels."""
+    """Show the worker's engine profile (execution/profile.py EngineProfile.as_dict()) as labels."""
     ENGINE_INFO.clear()  # one profile at a time: the one built last
     ENGINE_INFO.labels(
         model=profile["model"],
