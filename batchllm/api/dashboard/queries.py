@@ -49,6 +49,8 @@ def job_page(
     if model:
         query = query.where(Job.model == model)
     total = session.scalar(query.with_only_columns(func.count(Job.id)).order_by(None)) or 0
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    page = min(max(1, page), pages)
     rows = session.scalars(
         query.order_by(Job.created_at.desc(), Job.id.desc())
         .offset((page - 1) * PAGE_SIZE)
@@ -59,7 +61,7 @@ def job_page(
         "jobs": jobs,
         "models": models,
         "page": page,
-        "pages": max(1, math.ceil(total / PAGE_SIZE)),
+        "pages": pages,
         "total": total,
         "running": any(not j["final"] for j in jobs),
     }
@@ -257,6 +259,16 @@ def worker_rows(
             }
         )
     return sorted(rows, key=lambda r: (r["silent"], r["node"]))
+
+
+def without_hosts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as a key that is not an admin sees them: workers numbered, not named (a
+    Celery node name is NAME@HOST), without their hosts. Their models are those /v1/models
+    lists to every key."""
+    return [
+        {**row, "node": f"worker {number}", "host": None}
+        for number, row in enumerate(rows, start=1)
+    ]
 
 
 def running_shards(session: Session) -> list[dict[str, Any]]:
