@@ -166,7 +166,7 @@ def record_batch(
     max_active: int | None = None,
 ) -> None:
     """Record the job's batch. With `max_active`, the owner's unfinished batches are counted
-    and the batch inserted under one lock (ApiError 429 when it has that many already):
+    and the batch inserted under one lock (QuotaExceeded when it has that many already):
     counted apart, 30 concurrent creates with a quota of 3 had 15-27 accepted."""
     with session_scope(settings) as session:
         if max_active is not None:
@@ -184,8 +184,12 @@ def record_batch(
         )
 
 
+class QuotaExceeded(ApiError):
+    """A 429 for a key at its unfinished-batch quota."""
+
+
 def check_active_batches(session: Session, owner: str, limit: int) -> None:
-    """ApiError 429 when `owner` has `limit` unfinished batches."""
+    """QuotaExceeded when `owner` has `limit` unfinished batches."""
     active = session.scalar(
         select(func.count())
         .select_from(Batch)
@@ -193,7 +197,7 @@ def check_active_batches(session: Session, owner: str, limit: int) -> None:
         .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
     )
     if active is not None and active >= limit:
-        raise ApiError(
+        raise QuotaExceeded(
             429,
             f"this API key has {active:,} unfinished batches, the most it may have "
             "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",

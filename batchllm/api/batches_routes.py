@@ -23,14 +23,12 @@ from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch
-from batchllm.store.states import JobStatus
 from batchllm.worker.dispatch import submit_job
 from batchllm.worker.registry import served_models
 from batchllm.worker.retry import retry_job
 
 router = APIRouter()
 _MAX_METADATA = 16
-_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 class CreateBatch(BaseModel):
@@ -156,7 +154,7 @@ def create_batch(
         )
     except BatchLLMError as exc:
         raise ApiError(503, str(exc), code="service_unavailable") from None
-    except ApiError:  # over the quota when recorded: concurrent creates took the last slot
+    except batches.QuotaExceeded:  # when recorded: concurrent creates took the last slot
         if recording:
             batches.drop_unrecorded(settings, recording[0])
         raise
