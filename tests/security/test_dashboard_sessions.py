@@ -197,9 +197,14 @@ def test_workers_hosts_are_shown_to_an_admin_only(serve: Served) -> None:
         with _dashboard(serve, key) as client:
             page = client.get("/ui/workers")
             assert page.status_code == 200
-            assert "gpu-node-7" not in page.text and "worker 1" in page.text
+            # The worker's name without its host.
+            assert "gpu-node-7" not in page.text and 'data-worker="celery"' in page.text
+    with _dashboard(serve, alice) as client:
+        page = client.get(f"/ui/jobs/{job_id}")  # its shards' workers
+        assert page.status_code == 200 and "gpu-node-7" not in page.text
     with _dashboard(serve, ops) as client:
         assert node in client.get("/ui/workers").text
+        assert node in client.get(f"/ui/jobs/{job_id}").text
 
 
 def test_control_characters_in_a_custom_id_are_shown_escaped(serve: Served) -> None:

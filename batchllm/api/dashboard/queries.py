@@ -261,14 +261,16 @@ def worker_rows(
     return sorted(rows, key=lambda r: (r["silent"], r["node"]))
 
 
+def node_name(node: str | None) -> str | None:
+    """A worker's Celery node name (NAME@HOST) without its host, as a key that is not an
+    admin sees it."""
+    return None if node is None else node.partition("@")[0] or "worker"
+
+
 def without_hosts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows as a key that is not an admin sees them: workers numbered, not named (a
-    Celery node name is NAME@HOST), without their hosts. Their models are those /v1/models
-    lists to every key."""
-    return [
-        {**row, "node": f"worker {number}", "host": None}
-        for number, row in enumerate(rows, start=1)
-    ]
+    """The workers page's rows as a key that is not an admin sees them: no hosts. Their
+    models are those /v1/models lists to every key."""
+    return [{**row, "node": node_name(row["node"]), "host": None} for row in rows]
 
 
 def running_shards(session: Session) -> list[dict[str, Any]]:

@@ -159,10 +159,13 @@ def _job_context(request: Request, viewer: Viewer, job_id: str) -> dict[str, Any
         if job is None:
             return None
         view = job_view(job, shards=True)
+        shards = queries.shards_of(job, datetime.now(timezone.utc))
+        if not viewer.admin:  # the workers' hosts are the operator's to know
+            shards = [{**shard, "worker": queries.node_name(shard["worker"])} for shard in shards]
         context = {
             "job": view,
             "summary": queries.job_summary(job),
-            "shards": queries.shards_of(job, datetime.now(timezone.utc)),
+            "shards": shards,
             "chart": chart_svg(queries.series(db, job)),
             "final": job.status.is_final,
             "local_run": job.local_run,
@@ -317,7 +320,7 @@ def workers_page(request: Request) -> Response:
     rows = queries.worker_rows(
         registered, shards, now=time.time(), lease_seconds=settings.lease_seconds
     )
-    if not viewer.admin:
+    if not viewer.admin:  # the workers' hosts are the operator's to know
         rows = queries.without_hosts(rows)
         # The broker's error names its address.
         broker_error = broker_error and "the broker is unreachable"
