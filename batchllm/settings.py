@@ -159,6 +159,30 @@ class Settings(BaseSettings):
         "connection or the end of the previous response; a slower or idle connection is "
         "closed, so slow clients cannot hold the server's sockets.",
     )
+    api_body_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a request body may take before BATCHLLM_API_MIN_BODY_RATE applies "
+        "to it: a body that falls behind grace + bytes/rate is answered 408 and its "
+        "connection closed, so slow bodies cannot hold the server's sockets.",
+    )
+    api_min_body_rate: int = Field(
+        default=16 * 1024,
+        ge=1,
+        description="Bytes a second a request body must average after BATCHLLM_API_BODY_TIMEOUT "
+        "(a 200 MB upload may take about 3.5 hours at the default).",
+    )
+    api_login_max_failures: int = Field(
+        default=10,
+        ge=1,
+        description="Failed dashboard logins one client address may make within "
+        "BATCHLLM_API_LOGIN_WINDOW seconds; more are answered 429 without trying the key.",
+    )
+    api_login_window: float = Field(
+        default=300.0,
+        gt=0,
+        description="Seconds a failed dashboard login counts against its client address.",
+    )
     api_max_header_bytes: int = Field(
         default=16 * 1024,
         ge=1024,

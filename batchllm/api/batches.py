@@ -10,15 +10,22 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
 from batchllm.api import files
+from batchllm.api.errors import ApiError
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.lines import iter_lines
 from batchllm.input.schemas import JobSpec
+from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store import service
+from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
+from batchllm.store.locks import lock_name
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
+from batchllm.store.states import JobStatus
 from batchllm.store.webhooks import WebhookTarget
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -33,6 +40,7 @@ _MAX_LISTED = 100  # batch-level validation errors listed, as lines
 # custom_ids are echoed in every output line and kept in the error file: a bounded length, as
 # for the other strings the API stores.
 MAX_CUSTOM_ID = 512
+_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 def window_seconds(window: str) -> int | None:
@@ -155,8 +163,15 @@ def record_batch(
     window: str,
     input_file_id: str,
     errors: list[dict[str, Any]] | None = None,
+    max_active: int | None = None,
 ) -> None:
+    """Record the job's batch. With `max_active`, the owner's unfinished batches are counted
+    and the batch inserted under one lock (QuotaExceeded when it has that many already):
+    counted apart, 30 concurrent creates with a quota of 3 had 15-27 accepted."""
     with session_scope(settings) as session:
+        if max_active is not None:
+            lock_name(session, f"batch-quota:{owner}")
+            check_active_batches(session, owner, max_active)
         session.add(
             Batch(
                 job_id=job_id,
@@ -167,6 +182,35 @@ def record_batch(
                 errors=errors,
             )
         )
+
+
+class QuotaExceeded(ApiError):
+    """A 429 for a key at its unfinished-batch quota."""
+
+
+def check_active_batches(session: Session, owner: str, limit: int) -> None:
+    """QuotaExceeded when `owner` has `limit` unfinished batches."""
+    active = session.scalar(
+        select(func.count())
+        .select_from(Batch)
+        .join(Job)
+        .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
+    )
+    if active is not None and active >= limit:
+        raise QuotaExceeded(
+            429,
+            f"this API key has {active:,} unfinished batches, the most it may have "
+            "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",
+            code="batch_quota_exceeded",
+        )
+
+
+def drop_unrecorded(settings: Settings, job_id: str) -> None:
+    """End and delete a job whose batch was refused when it came to be recorded (its tasks
+    were never sent): the refused create leaves nothing behind."""
+    with session_scope(settings) as session:
+        state_machine.fail_job(session, job_id, "its batch was refused (quota)")
+    delete_job(settings, job_id)
 
 
 def expiry(window: str) -> datetime:

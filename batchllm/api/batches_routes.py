@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
 from batchllm.api import batches, files, keys
@@ -23,13 +23,11 @@ from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch, Job
-from batchllm.store.states import JobStatus
+from batchllm.store.models import Batch
 from batchllm.worker.registry import served_models
 
 router = APIRouter()
 _MAX_METADATA = 16
-_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 class CreateBatch(BaseModel):
@@ -88,7 +86,8 @@ def create_batch(
         if stored is None:
             raise not_found("file", body.input_file_id)
         session.expunge(stored)
-        _check_active_batches(session, owner, settings.api_max_active_batches)
+        # Refused here before any work; the count that holds is taken with the insert.
+        batches.check_active_batches(session, owner, settings.api_max_active_batches)
         notify = keys.webhook_of(session, owner)
     storage = Storage.of(settings)
     try:
@@ -129,7 +128,10 @@ def create_batch(
             code="model_not_found",
         )
 
+    recording: list[str] = []
+
     def record(job_id: str) -> None:
+        recording.append(job_id)
         batches.record_batch(
             settings,
             job_id,
@@ -137,6 +139,7 @@ def create_batch(
             endpoint=body.endpoint,
             window=body.completion_window,
             input_file_id=stored.id,
+            max_active=settings.api_max_active_batches,
         )
 
     try:
@@ -150,23 +153,11 @@ def create_batch(
         )
     except BatchLLMError as exc:
         raise ApiError(503, str(exc), code="service_unavailable") from None
+    except batches.QuotaExceeded:  # when recorded: concurrent creates took the last slot
+        if recording:
+            batches.drop_unrecorded(settings, recording[0])
+        raise
     return _render(settings, owner, job.id)
-
-
-def _check_active_batches(session, owner: str, limit: int) -> None:
-    active = session.scalar(
-        select(func.count())
-        .select_from(Batch)
-        .join(Job)
-        .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
-    )
-    if active >= limit:
-        raise ApiError(
-            429,
-            f"this API key has {active:,} unfinished batches, the most it may have "
-            "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",
-            code="batch_quota_exceeded",
-        )
 
 
 def _owned_batch(session, batch_id: str, owner: str) -> Batch:

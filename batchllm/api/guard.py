@@ -1,5 +1,5 @@
 """The first thing a request meets: its key and its body size are checked before a byte of the
-body is read.
+body is read, and the body has a deadline.
 
 FastAPI reads an UploadFile or Form parameter (spooling it to temp files) before the route's
 code and its dependencies run, so a key or size check there comes after the client's bytes were
@@ -7,10 +7,18 @@ taken: a gigabyte sent without a key would be written to disk first. This ASGI m
 before that: a request without a live key is answered 401 unread, a declared Content-Length over
 the limit 413 unread, and a body streamed (chunked) past the limit is cut off there, so the temp
 space a refused upload takes is bounded by the limit, not by what the client sends.
+
+Bodies have a deadline too (uvicorn has none, and api/http.py bounds only heads): a body must
+arrive at BATCHLLM_API_MIN_BODY_RATE bytes a second after a grace of BATCHLLM_API_BODY_TIMEOUT
+seconds, or it is answered 408 and its connection closed. Measured before: an upload sending a
+byte every 2 s held its connection and file descriptor for as long as the client liked. The
+dashboard's forms (the login needs no key) are small: their bodies have a limit of their own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -26,10 +34,18 @@ UPLOAD = ("POST", "/v1/files")
 FRAMING = 64 * 1024
 # Every other body is a small JSON object (create batch): a megabyte is far over any of them.
 OTHER_BODY_LIMIT = 1 << 20
+# The dashboard's forms (an API key, a CSRF token, a path to return to): a few hundred bytes.
+FORM_BODY_LIMIT = 16 * 1024
+FORM_PATHS = "/ui"
 
 
-class _BodyTooLarge(Exception):
-    """Raised out of `receive` to stop whatever is reading the body."""
+class _Refused(Exception):
+    """Raised out of `receive` to stop whatever is reading the body; it is answered with
+    `error` instead."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class RequestGuard:
@@ -63,42 +79,67 @@ class RequestGuard:
     def _body_limit(self, scope: dict[str, Any]) -> int:
         if (scope["method"], scope["path"]) == UPLOAD:
             return self.settings.api_max_file_bytes + FRAMING
+        if scope["path"].startswith(FORM_PATHS):
+            return FORM_BODY_LIMIT
         return OTHER_BODY_LIMIT
 
     def _too_large(self, scope: dict[str, Any]) -> ApiError:
         if (scope["method"], scope["path"]) == UPLOAD:
             return ApiError(413, too_large(self.settings.api_max_file_bytes), code="file_too_large")
         return ApiError(
-            413, f"the request body is over {OTHER_BODY_LIMIT:,} bytes", code="request_too_large"
+            413,
+            f"the request body is over {self._body_limit(scope):,} bytes",
+            code="request_too_large",
+        )
+
+    def _too_slow(self) -> ApiError:
+        return ApiError(
+            408,
+            f"the request body came slower than {self.settings.api_min_body_rate:,} bytes a "
+            f"second after {self.settings.api_body_timeout:g} s (BATCHLLM_API_MIN_BODY_RATE, "
+            "BATCHLLM_API_BODY_TIMEOUT)",
+            code="request_timeout",
         )
 
     async def _capped(self, scope: dict[str, Any], receive: Any, send: Any, limit: int) -> None:
         received = 0
-        over = False
+        body_done = False
+        refused: ApiError | None = None
+        started = time.monotonic()
+        grace, rate = self.settings.api_body_timeout, self.settings.api_min_body_rate
 
         async def capped_receive() -> dict[str, Any]:
-            nonlocal received, over
-            message = await receive()
+            nonlocal received, body_done, refused
+            if body_done:  # what a response waits for after the body: the client leaving
+                return await receive()
+            # The body may take the grace, and then as long as its bytes so far allow.
+            left = started + grace + received / rate - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                refused = self._too_slow()
+                raise _Refused(refused) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:
-                    over = True
-                    raise _BodyTooLarge
+                    refused = self._too_large(scope)
+                    raise _Refused(refused)
             return message
 
-        async def quiet_once_over(message: dict[str, Any]) -> None:
-            # FastAPI answers a body it could not finish reading with its own 400; the 413
-            # below replaces it.
-            if not over:
+        async def quiet_once_refused(message: dict[str, Any]) -> None:
+            # FastAPI answers a body it could not finish reading with its own 400; the
+            # refusal below replaces it.
+            if refused is None:
                 await send(message)
 
         try:
-            await self.app(scope, capped_receive, quiet_once_over)
+            await self.app(scope, capped_receive, quiet_once_refused)
         except Exception:
-            if not over:
+            if refused is None:
                 raise
-        if over:
-            await _refuse(self._too_large(scope), scope, receive, send)
+        if refused is not None:
+            await _refuse(refused, scope, receive, send)
 
 
 def too_large(limit: int) -> str:

@@ -217,6 +217,19 @@ class ApiKey(Base):
     webhook_secret: Mapped[str | None] = mapped_column(String(128))
 
 
+class DashboardSession(Base):
+    """A dashboard login (api/dashboard/session.py). The browser holds a random token; only its
+    SHA-256 is stored, so whoever reads the database cannot make a session of it, and logging
+    out deletes the row: a replayed cookie finds nothing."""
+
+    __tablename__ = "dashboard_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), ForeignKey("api_keys.id"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+
+
 class StoredFile(Base):
     """A file uploaded to the Batch API (`/v1/files`), or one it wrote (a batch's output and
     error files). `owner` is the API key's id that may see it."""

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import MutableHeaders
 
+from batchllm.api.dashboard.login_limit import LoginLimit
 from batchllm.api.dashboard.routes import _LoginNeeded, login_redirect, router
 
 # The page loads only its own script and stylesheet; the progress bars' widths are inline
@@ -48,6 +49,8 @@ class _PageHeaders:
 
 
 def install(app: FastAPI) -> None:
+    settings = app.state.settings
+    app.state.login_limit = LoginLimit(settings.api_login_max_failures, settings.api_login_window)
     app.include_router(router)
     app.mount(
         "/ui/static", StaticFiles(directory=Path(__file__).parent / "static"), name="ui-static"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 
 
@@ -31,4 +32,29 @@ def count(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
-FILTERS = {"seconds": seconds, "rate": rate, "moment": moment, "count": count}
+# Control (NUL, ESC), format (RTL override, zero-width), surrogate, private-use and unassigned
+# characters, and the line and paragraph separators.
+_INVISIBLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def visible(value: object) -> str:
+    """A tenant's string (a custom_id, a model name) as a person can read it: every character
+    that would act on the page instead of showing (an RTL override reversing what follows it,
+    a NUL) written as its escape, e.g. \\u202e. HTML escaping is the template's, after this."""
+    text = "" if value is None else str(value)
+    return "".join(
+        ch if unicodedata.category(ch) not in _INVISIBLE else _escape(ord(ch)) for ch in text
+    )
+
+
+def _escape(code: int) -> str:
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+FILTERS = {
+    "seconds": seconds,
+    "rate": rate,
+    "moment": moment,
+    "count": count,
+    "visible": visible,
+}

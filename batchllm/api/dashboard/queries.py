@@ -49,6 +49,8 @@ def job_page(
     if model:
         query = query.where(Job.model == model)
     total = session.scalar(query.with_only_columns(func.count(Job.id)).order_by(None)) or 0
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    page = min(max(1, page), pages)
     rows = session.scalars(
         query.order_by(Job.created_at.desc(), Job.id.desc())
         .offset((page - 1) * PAGE_SIZE)
@@ -59,7 +61,7 @@ def job_page(
         "jobs": jobs,
         "models": models,
         "page": page,
-        "pages": max(1, math.ceil(total / PAGE_SIZE)),
+        "pages": pages,
         "total": total,
         "running": any(not j["final"] for j in jobs),
     }
@@ -257,6 +259,18 @@ def worker_rows(
             }
         )
     return sorted(rows, key=lambda r: (r["silent"], r["node"]))
+
+
+def node_name(node: str | None) -> str | None:
+    """A worker's Celery node name (NAME@HOST) without its host, as a key that is not an
+    admin sees it."""
+    return None if node is None else node.partition("@")[0] or "worker"
+
+
+def without_hosts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers page's rows as a key that is not an admin sees them: no hosts. Their
+    models are those /v1/models lists to every key."""
+    return [{**row, "node": node_name(row["node"]), "host": None} for row in rows]
 
 
 def running_shards(session: Session) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@ small script that refetches a page's live part every two seconds while something
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -21,6 +22,7 @@ from starlette.responses import Response
 from batchllm.api.dashboard import queries, session
 from batchllm.api.dashboard.chart import chart_svg
 from batchllm.api.dashboard.format import FILTERS
+from batchllm.api.dashboard.login_limit import LoginLimit
 from batchllm.api.dashboard.session import Viewer
 from batchllm.errors import JobStateError
 from batchllm.jobs.retry import retry_job
@@ -94,8 +96,17 @@ async def login(request: Request) -> Response:
         return _render(
             request, "login.html", {"next": target, "error": "form expired: try again"}, 403
         )
+    limit: LoginLimit = request.app.state.login_limit
+    client = request.client.host if request.client else ""
+    wait = limit.retry_after(client)
+    if wait is not None:
+        error = f"too many failed logins: try again in {math.ceil(wait)} s"
+        response = _render(request, "login.html", {"next": target, "error": error}, 429)
+        response.headers["retry-after"] = str(math.ceil(wait))
+        return response
     value = await run_in_threadpool(session.login, request, str(form.get("key", "")))
     if value is None:
+        limit.failed(client)
         return _render(
             request, "login.html", {"next": target, "error": "no live API key like that"}, 401
         )
@@ -109,16 +120,25 @@ async def logout(request: Request) -> Response:
     form = await request.form()
     response = RedirectResponse("/ui/login", status_code=303)
     if session.csrf_ok(request, str(form.get("csrf", ""))):
+        await run_in_threadpool(session.logout, request)
         session.set_session(request, response, None)
     return response
 
 
+def _page_number(page: str) -> int:
+    # Whatever a link or a hand-typed URL says: a page past the last shows the last
+    # (job_page clamps it before SQL sees it), garbage or a negative number the first.
+    if not (page.isascii() and page.isdigit()):
+        return 1
+    return int(page) if len(page) <= 18 else 10**18  # int() refuses over 4,300 digits
+
+
 @router.get("/ui")
-def jobs_page(request: Request, status: str = "", model: str = "", page: int = 1) -> Response:
+def jobs_page(request: Request, status: str = "", model: str = "", page: str = "1") -> Response:
     viewer = _viewer(request)
     status = status if status in STATUSES else ""
     with session_scope(request.app.state.settings) as db:
-        data = queries.job_page(db, viewer, status=status, model=model, page=max(1, page))
+        data = queries.job_page(db, viewer, status=status, model=model, page=_page_number(page))
     query = {k: v for k, v in (("status", status), ("model", model)) if v}
     context = {
         **data,
@@ -127,7 +147,7 @@ def jobs_page(request: Request, status: str = "", model: str = "", page: int = 1
         "status": status,
         "model": model,
         "query": query,
-        "live_url": "/ui?" + urlencode({**query, "page": max(1, page), "fragment": 1}),
+        "live_url": "/ui?" + urlencode({**query, "page": data["page"], "fragment": 1}),
     }
     return _page_or_fragment(request, "jobs.html", "jobs_live.html", context)
 
@@ -139,10 +159,13 @@ def _job_context(request: Request, viewer: Viewer, job_id: str) -> dict[str, Any
         if job is None:
             return None
         view = job_view(job, shards=True)
+        shards = queries.shards_of(job, datetime.now(timezone.utc))
+        if not viewer.admin:  # the workers' hosts are the operator's to know
+            shards = [{**shard, "worker": queries.node_name(shard["worker"])} for shard in shards]
         context = {
             "job": view,
             "summary": queries.job_summary(job),
-            "shards": queries.shards_of(job, datetime.now(timezone.utc)),
+            "shards": shards,
             "chart": chart_svg(queries.series(db, job)),
             "final": job.status.is_final,
             "local_run": job.local_run,
@@ -296,5 +319,9 @@ def workers_page(request: Request) -> Response:
     rows = queries.worker_rows(
         registered, shards, now=time.time(), lease_seconds=settings.lease_seconds
     )
+    if not viewer.admin:  # the workers' hosts are the operator's to know
+        rows = queries.without_hosts(rows)
+        # The broker's error names its address.
+        broker_error = broker_error and "the broker is unreachable"
     context = {"workers": rows, "broker_error": broker_error, "viewer": viewer}
     return _page_or_fragment(request, "workers.html", "workers_live.html", context)

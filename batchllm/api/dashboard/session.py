@@ -1,12 +1,15 @@
-"""Who is looking at the dashboard: a login with an API key leaves a session cookie, and each
-form carries a CSRF token.
+"""Who is looking at the dashboard: a login with an API key starts a session kept on the
+server, and each form carries a CSRF token bound to that session.
 
-The session cookie names the key and an expiry, signed with HMAC-SHA256 keyed by the key's
-stored hash: no server secret to configure or share between `serve` processes, every request
-checks that the key is still live (a revoked key's sessions end at once), and the key itself is
-never stored in the browser. The cookie is HttpOnly (no script reads it) and SameSite=Strict
-(another site's page cannot send it); the forms also carry a double-submit token, checked
-against a second cookie, and a cross-site Origin is refused before anything is read.
+The session cookie holds a random token; the database holds only its SHA-256, with the key and
+an expiry (dashboard_sessions). So whoever reads the database cannot make a session cookie (they
+were signed with the key's stored hash before, which the database holds: any admin session could
+be forged from it), logging out deletes the row (a replayed cookie finds nothing), and every
+request checks that the key is still live (a revoked key's sessions end at once). The key itself
+is never stored in the browser. The cookie is HttpOnly (no script reads it) and SameSite=Strict
+(another site's page cannot send it). A logged-in page's forms carry HMAC(session token): a token
+of that session alone. The login form, before any session, carries a double-submit token checked
+against a second cookie; a cross-site Origin is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -14,16 +17,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import time
 from dataclasses import dataclass
+from datetime import timedelta
 from urllib.parse import urlsplit
 
 from fastapi import Request
+from sqlalchemy import delete, select
 from starlette.responses import Response
 
 from batchllm.api.keys import LOCAL_OWNER, live_key
 from batchllm.store.db import session_scope
-from batchllm.store.models import ApiKey
+from batchllm.store.models import ApiKey, DashboardSession, utcnow
 
 SESSION_COOKIE = "batchllm_session"
 CSRF_COOKIE = "batchllm_csrf"
@@ -41,21 +45,38 @@ class Viewer:
     login: bool  # signed in with a key (False: a --no-auth server)
 
 
-def _sign(row: ApiKey, payload: str) -> str:
-    return hmac.new(row.key_hash.encode(), payload.encode(), hashlib.sha256).hexdigest()
-
-
-def session_value(row: ApiKey, now: float | None = None) -> str:
-    expires = int((now if now is not None else time.time()) + SESSION_SECONDS)
-    payload = f"{row.id}.{expires}"
-    return f"{payload}.{_sign(row, payload)}"
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def login(request: Request, key: str) -> str | None:
-    """The session cookie's value for a live key, or None."""
-    with session_scope(request.app.state.settings) as session:
-        row = live_key(session, key.strip())
-        return session_value(row) if row is not None else None
+    """A new session's token (the cookie's value) for a live key, or None."""
+    with session_scope(request.app.state.settings) as db:
+        row = live_key(db, key.strip())
+        if row is None:
+            return None
+        now = utcnow()
+        # Ended sessions go as new ones start: the table holds about the live ones.
+        db.execute(delete(DashboardSession).where(DashboardSession.expires_at < now))
+        token = secrets.token_urlsafe(32)
+        db.add(
+            DashboardSession(
+                token_hash=_digest(token),
+                key_id=row.id,
+                created_at=now,
+                expires_at=now + timedelta(seconds=SESSION_SECONDS),
+            )
+        )
+        return token
+
+
+def logout(request: Request) -> None:
+    """End the request's session on the server: its cookie is no session any more."""
+    token = request.cookies.get(SESSION_COOKIE)
+    if not token or not request.app.state.auth:
+        return
+    with session_scope(request.app.state.settings) as db:
+        db.execute(delete(DashboardSession).where(DashboardSession.token_hash == _digest(token)))
 
 
 def viewer_of(request: Request) -> Viewer | None:
@@ -63,16 +84,20 @@ def viewer_of(request: Request) -> Viewer | None:
     state = request.app.state
     if not state.auth:
         return Viewer(owner=LOCAL_OWNER, name="local", admin=state.dashboard_sees_all, login=False)
-    value = request.cookies.get(SESSION_COOKIE, "")
-    key_id, _, rest = value.partition(".")
-    expires, _, signature = rest.partition(".")
-    if not key_id or not expires.isdigit() or int(expires) < time.time():
+    token = request.cookies.get(SESSION_COOKIE, "")
+    if not token:
         return None
-    with session_scope(state.settings) as session:
-        row = session.get(ApiKey, key_id)
-        if row is None or row.revoked_at is not None:
-            return None
-        if not hmac.compare_digest(signature, _sign(row, f"{key_id}.{expires}")):
+    with session_scope(state.settings) as db:
+        row = db.scalar(
+            select(ApiKey)
+            .join(DashboardSession, DashboardSession.key_id == ApiKey.id)
+            .where(
+                DashboardSession.token_hash == _digest(token),
+                DashboardSession.expires_at > utcnow(),
+                ApiKey.revoked_at.is_(None),
+            )
+        )
+        if row is None:
             return None
         return Viewer(owner=row.id, name=row.name, admin=bool(row.admin), login=True)
 
@@ -94,9 +119,21 @@ def set_session(request: Request, response: Response, value: str | None) -> None
     )
 
 
+def _session_csrf(request: Request) -> str | None:
+    # Derived from the session's token, which only the browser holding the cookie has: a
+    # token taken from another session (or set by another page) does not pass for this one.
+    token = request.cookies.get(SESSION_COOKIE) if request.app.state.auth else None
+    if not token:
+        return None
+    return hmac.new(token.encode(), b"batchllm-dashboard-csrf", hashlib.sha256).hexdigest()
+
+
 def csrf_token(request: Request) -> str:
-    """The token the page's forms carry: the CSRF cookie's, or a new one (`ensure_csrf` sets
-    it on the response)."""
+    """The token the page's forms carry: the session's, or before a login the CSRF cookie's,
+    or a new one (`ensure_csrf` sets it on the response)."""
+    bound = _session_csrf(request)
+    if bound is not None:
+        return bound
     token = request.cookies.get(CSRF_COOKIE) or getattr(request.state, "new_csrf", None)
     if not token:
         token = request.state.new_csrf = secrets.token_urlsafe(24)
@@ -118,7 +155,7 @@ def ensure_csrf(request: Request, response: Response) -> None:
 
 def csrf_ok(request: Request, submitted: str) -> bool:
     """A form POST is the dashboard's own: same-origin (when the browser says) and its token
-    matches the cookie's."""
+    is the session's (before a login: matches the CSRF cookie's)."""
     origin = request.headers.get("origin")
     if origin and origin != "null":
         parts = urlsplit(origin)
@@ -126,5 +163,8 @@ def csrf_ok(request: Request, submitted: str) -> bool:
             return False
     elif origin == "null":
         return False
-    cookie = request.cookies.get(CSRF_COOKIE, "")
-    return bool(cookie) and hmac.compare_digest(cookie, submitted)
+    expected = _session_csrf(request) or request.cookies.get(CSRF_COOKIE, "")
+    # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+    return bool(expected) and hmac.compare_digest(
+        expected.encode(), submitted.encode("utf-8", "replace")
+    )
