@@ -195,6 +195,33 @@ def _build_tokenizer(extra_tokens: tuple[str, ...] = ()) -> Any:
     return wrapped
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, Any]:
+    """The token ids a config and a generation config name (and nothing else: sampling
+    defaults in a generation config would silently change vLLM's default SamplingParams)."""
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def tiny_llama_config(tokenizer: Any) -> Any:
+    """The tiny Llama text model of the demo model and of the demo VLM's text side."""
+    from transformers import LlamaConfig
+
+    # head_dim = 256 / 4 = 64: vLLM's CPU attention rejects small head sizes such as 16.
+    return LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        **special_token_ids(tokenizer),
+    )
+
+
 def build_demo_model(
     directory: str | pathlib.Path, *, seed: int = 0, extra_tokens: tuple[str, ...] = ()
 ) -> pathlib.Path:
@@ -206,27 +233,13 @@ def build_demo_model(
     to bfloat16 anyway, and logs a warning for every float32 tensor it loads.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(extra_tokens)
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    # head_dim = 256 / 4 = 64: vLLM's CPU attention rejects small head sizes such as 16.
-    config = LlamaConfig(
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=2048,
-        **ids,
-    )
+    ids = special_token_ids(tokenizer)
+    config = tiny_llama_config(tokenizer)
     # fork_rng keeps the caller's global torch RNG untouched while seeding the weight init.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

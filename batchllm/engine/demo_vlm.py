@@ -14,7 +14,7 @@ import logging
 import pathlib
 from typing import Any
 
-from batchllm.engine.demo_model import _build_tokenizer
+from batchllm.engine.demo_model import _build_tokenizer, special_token_ids, tiny_llama_config
 
 logger = logging.getLogger(__name__)
 
@@ -42,30 +42,16 @@ def build_demo_vlm(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.P
         Idefics3Config,
         Idefics3ForConditionalGeneration,
         Idefics3VisionConfig,
-        LlamaConfig,
     )
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     processor = build_demo_vlm_processor()
     tokenizer = processor.tokenizer
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    # head_dim 64 on the text side (vLLM's CPU attention); the vision tower's attention
-    # (head_dim 32) runs through torch's SDPA.
-    text = LlamaConfig(
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=2048,
-        **ids,
-    )
+    ids = special_token_ids(tokenizer)
+    # The demo model's text side (head_dim 64, as vLLM's CPU attention needs); the vision
+    # tower's attention (head_dim 32) runs through torch's SDPA.
+    text = tiny_llama_config(tokenizer)
     vision = Idefics3VisionConfig(
         hidden_size=64,
         intermediate_size=128,
