@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Table, bindparam, insert, select, update
+from sqlalchemy import CursorResult, Table, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardLost
@@ -163,6 +163,32 @@ def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_s
 
 def _rowcount(result: Any) -> int:
     return cast("CursorResult[Any]", result).rowcount
+
+
+def replace_checkpoint(
+    session: Session, old: Checkpoint, *, path: str | None, kept: Part, seq: int
+) -> None:
+    """A recorded part rewritten without some of its lines (a retry's rows replace them,
+    output/replace.py): the old file's checkpoint goes and the rewritten file's comes, holding
+    the kept rows' counts and the old run's engine time and job attempt; with `path` None
+    nothing of the part was kept. The counts the rows leave go through `take_off`."""
+    session.execute(delete(Checkpoint).where(Checkpoint.id == old.id))
+    if path is None:
+        return
+    session.add(
+        Checkpoint(
+            shard_id=old.shard_id,
+            seq=seq,
+            path=path,
+            rows=kept.rows_ok + kept.rows_failed,
+            rows_ok=kept.rows_ok,
+            rows_failed=kept.rows_failed,
+            prompt_tokens=kept.prompt_tokens,
+            completion_tokens=kept.completion_tokens,
+            engine_seconds=old.engine_seconds,
+            job_attempt=old.job_attempt,
+        )
+    )
 
 
 def checkpoints_of(session: Session, shard_id: int) -> list[Checkpoint]:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.output import commit
@@ -197,23 +197,10 @@ def _swap(
     )
     kept_seq = seq + 1
     for rewrite in rewrites:
-        session.execute(delete(Checkpoint).where(Checkpoint.id == rewrite.old.id))
+        commit.replace_checkpoint(
+            session, rewrite.old, path=rewrite.path, kept=rewrite.kept, seq=kept_seq
+        )
         if rewrite.path is not None:
-            kept = rewrite.kept
-            session.add(
-                Checkpoint(
-                    shard_id=shard_id,
-                    seq=kept_seq,
-                    path=rewrite.path,
-                    rows=kept.rows_ok + kept.rows_failed,
-                    rows_ok=kept.rows_ok,
-                    rows_failed=kept.rows_failed,
-                    prompt_tokens=kept.prompt_tokens,
-                    completion_tokens=kept.completion_tokens,
-                    engine_seconds=rewrite.old.engine_seconds,
-                    job_attempt=rewrite.old.job_attempt,
-                )
-            )
             kept_seq += 1
         commit.take_off(
             session,
