@@ -86,6 +86,14 @@ class Settings(BaseSettings):
         "fails instead of going back to the queue: a request that kills the engine must not "
         "loop forever.",
     )
+    served_models: list[str] | None = Field(
+        default=None,
+        description="The exact model names this deployment serves, as a JSON list "
+        "('[\"/models/llama-8b\"]'). Set, `serve` refuses a batch for any other name at "
+        "create (400, model_not_found), whether or not its workers are up right now. Unset, "
+        "`serve` accepts any name (it waits for a worker of exactly that name) unless "
+        "started with --require-served-model, which asks the live workers' registry.",
+    )
     max_shard_failures: int = Field(
         default=3,
         ge=1,

@@ -122,13 +122,11 @@ def create_batch(
             notify=notify,
         )
         return _render(settings, owner, job_id)
-    if request.app.state.require_served_model and model not in served_models(settings.broker_url):
-        raise ApiError(
-            400,
-            f"no worker serves model {model!r} (start one: batchllm worker --model {model})",
-            param="body.model",
-            code="model_not_found",
-        )
+    unserved = batches.unserved_model(
+        model, settings, require_live=request.app.state.require_served_model
+    )
+    if unserved is not None:
+        raise ApiError(400, unserved, param="body.model", code="model_not_found")
 
     def record(job_id: str) -> None:
         batches.record_batch(

@@ -48,9 +48,8 @@ def unencodable_field(value: Any, prefix: str = "") -> str | None:
     return None
 
 
-def unencodable_message(field: str) -> str:
-    """The error text of a line refused for unencodable text in `field`."""
-    return (
-        f"field '{field}' holds text that is not valid Unicode (a lone surrogate escape such "
-        "as \\udc00); encode the text as UTF-8 or as a surrogate pair"
-    )
+# The error of a line refused for it (the LineError names the field).
+UNENCODABLE = (
+    "text that is not valid Unicode (a lone surrogate escape such as \\udc00); encode it as "
+    "UTF-8 or as a surrogate pair"
+)
