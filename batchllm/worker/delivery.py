@@ -46,7 +46,6 @@ def process_shard(
         except Exception as exc:
             # Counted, recorded on the shard and retried with backoff, within a bound: never
             # sent again at once to fail again (worker/shard_failures.py).
-            log.exception("shard %s: its run failed", shard_id)
             again = shard_failed(shard_id, exc, worker=worker, settings=settings)
             return Outcome.RETRYING if again else Outcome.FAILED
 

@@ -57,8 +57,10 @@ def shard_failed(shard_id: int, exc: BaseException, *, worker: str, settings: Se
             delay=lambda n: retry_delay(n, settings),
         )
     if failures is None:  # e.g. the runner ended it failed, with this error
+        log.error("shard %s: its run failed and it has ended: %s", shard_id, error, exc_info=exc)
         return False
     if failures < settings.max_shard_failures:
+        # One line a failure; the traceback with the first only (the same one, most likely).
         log.error(
             "shard %s failed (%d of %d allowed; again in %.0f s): %s",
             shard_id,
@@ -66,10 +68,16 @@ def shard_failed(shard_id: int, exc: BaseException, *, worker: str, settings: Se
             settings.max_shard_failures,
             retry_delay(failures, settings),
             error,
+            exc_info=exc if failures == 1 else None,
         )
         return True
     message = f"the shard failed {failures} times (BATCHLLM_MAX_SHARD_FAILURES); the last: {error}"
-    log.error("shard %s: %s; its remaining rows become error rows", shard_id, message)
+    log.error(
+        "shard %s: %s; its remaining rows become error rows",
+        shard_id,
+        message,
+        exc_info=exc if failures == 1 else None,
+    )
     give_up(shard_id, message, worker=worker, settings=settings)
     return False
 
