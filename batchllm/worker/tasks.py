@@ -131,7 +131,7 @@ def run_shard(self, shard_id: int) -> str:
     queue = (self.request.delivery_info or {}).get("routing_key")
     node = self.request.hostname or "worker"
     settings = get_settings()
-    own = shard_id
+    delivered = shard_id  # the shard whose task this is
     try:
         # Priorities and fair share: this task may be another queued shard's turn.
         shard_id = take_turn(
@@ -165,7 +165,7 @@ def run_shard(self, shard_id: int) -> str:
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
         self.app.send_task(self.name, args=(shard_id,), queue=queue)
         log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
-    elif outcome is Outcome.RETRYING and shard_id == own:
+    elif outcome is Outcome.RETRYING and shard_id == delivered:
         # Its run failed and was counted: the task comes back after the shard's backoff. (A
         # shard that took another's turn still has its own task in the broker.)
         self.app.send_task(

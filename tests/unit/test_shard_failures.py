@@ -12,6 +12,7 @@ from sqlalchemy import update
 
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
+from batchllm.store.job_view import job_view
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.fair_share import backoff_left, next_shard
@@ -103,6 +104,9 @@ def test_a_failing_shard_is_counted_backed_off_and_ends_as_error_rows_after_the_
             8,
             12,
         )
+    with session_scope(settings) as session:
+        (shown, _) = job_view(session.get(Job, job_id), shards=True)["shards"]
+    assert (shown["failures"], shown["error"]) == (3, shard.error)  # what `status` shows
     rows = output_rows(settings, job_id)
     assert len(rows) == 20
     failed = [row for row in rows if row["status"] == "error"]
