@@ -17,6 +17,7 @@ from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
+from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
 from batchllm.output import commit
 from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
@@ -43,6 +44,11 @@ class CreateBatch(BaseModel):
 
 
 def _check_request(body: CreateBatch) -> dict[str, str]:
+    unencodable = unencodable_field(body.model_dump())
+    if unencodable is not None:  # JSON allows a lone surrogate; no response could echo it
+        raise ApiError(
+            400, f"{unencodable}: {UNENCODABLE}", param=unencodable, code="invalid_value"
+        )
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(
             400,

@@ -116,3 +116,30 @@ def test_lone_surrogates_in_custom_id_or_content_are_error_lines_not_a_500(setti
     assert rows[1].error.startswith("field 'custom_id': text that is not valid Unicode")
     assert rows[2].custom_id == "poison-content"
     assert rows[2].error.startswith("field 'body.messages.0.content': text that is not valid")
+
+
+def test_a_lone_surrogate_in_the_create_request_itself_is_a_400_naming_the_field(settings):
+    client = TestClient(create_app(settings, auth=True), raise_server_exceptions=False)
+    headers = _tenant(settings)
+    upload = client.post(
+        "/v1/files",
+        headers=headers,
+        files={"file": ("input.jsonl", (_line("a") + "\n").encode(), "application/jsonl")},
+        data={"purpose": "batch"},
+    )
+    file_id = upload.json()["id"]
+    # Raw JSON: the escape as a client sends it (metadata values are echoed in every response).
+    raw = (
+        f'{{"input_file_id": "{file_id}", "endpoint": "{CHAT}", "completion_window": "24h", '
+        '"metadata": {"team": "x\\udc00"}}'
+    )
+
+    response = client.post(
+        "/v1/batches", headers={**headers, "Content-Type": "application/json"}, content=raw
+    )
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("metadata.team", "invalid_value")
+    with session_scope(settings) as session:
+        assert session.scalars(select(Job)).all() == []
