@@ -506,8 +506,10 @@ class ShardRunner:
             shard_metrics.shard_stopped(outcome.value)
 
     def _fail_active(self, exc: BaseException) -> None:
-        """A fatal error: keep what finished, then hand the shards back (interrupt, engine
-        death: their other rows run again) or fail them (any other error)."""
+        """A fatal error: keep what finished, then hand the shards back: their other rows run
+        again. An engine death past BATCHLLM_MAX_SHARD_ATTEMPTS fails the shard; any other error
+        goes to the caller, which counts it against the shard's bound with a backoff
+        (worker/shard_failures.py) or, in `batchllm run`, ends the job failed."""
         try:  # none of the rows in flight is a result now; never leave them in the engine
             self.engine.abort(list(self._pending))
         except Exception:
@@ -518,7 +520,7 @@ class ShardRunner:
         elif isinstance(exc, KeyboardInterrupt):
             outcome = Outcome.INTERRUPTED
         else:
-            outcome = None
+            outcome = Outcome.RETRYING
         for state in list(self._active):
             state.inflight = 0
             try:
@@ -534,15 +536,8 @@ class ShardRunner:
                         error=f"the engine died on run {state.attempt} of this shard "
                         f"(BATCHLLM_MAX_SHARD_ATTEMPTS): {exc}",
                     )
-                elif outcome is not None:
-                    self._hand_back(state, outcome)
                 else:
-                    self._end(
-                        state,
-                        ShardStatus.FAILED,
-                        Outcome.FAILED,
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
+                    self._hand_back(state, outcome)
             except Exception:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).

@@ -245,3 +245,36 @@ def test_the_task_of_a_failed_shard_comes_back_after_its_backoff_not_at_once(
     assert len(calls) == 1
     assert 35 < sent.calls[-1]["countdown"] <= 40
     assert _shard(settings, shard_id).failures == 1
+
+
+def test_an_error_mid_shard_keeps_its_committed_rows_and_counts_one_failure(
+    small_commits, tmp_path
+):
+    settings = small_commits  # commits every 5 rows
+    settings.shard_retry_seconds = 30.0
+    job_id, (shard_id, _) = create_items_job(settings, tmp_path, 20, shard_size=12)
+
+    def bug_at(step: int) -> None:
+        if step == 4:
+            raise RuntimeError("a bug in the feed")
+
+    engines = FakeEngines(FakeEngine(on_step=bug_at))
+    outcome = process_shard(shard_id, worker="w1", engines=engines, settings=settings)
+
+    assert outcome is Outcome.RETRYING  # not failed at once: retried after its backoff
+    shard = _shard(settings, shard_id)
+    assert (shard.status, shard.failures) == (ShardStatus.QUEUED, 1)
+    assert shard.error == "RuntimeError: a bug in the feed"
+    kept = len(output_rows(settings, job_id))
+    assert 0 < kept < 12  # what finished before the error, committed
+    assert 25 < backoff_left(shard_id, settings=settings) <= 30
+
+    # Its next run resumes after the committed rows and completes the shard.
+    _past_backoff(settings, shard_id)
+    assert (
+        process_shard(shard_id, worker="w1", engines=FakeEngines(FakeEngine()), settings=settings)
+        is Outcome.COMPLETED
+    )
+    rows = [row for row in output_rows(settings, job_id) if row["line"] <= 12]
+    assert sorted(row["line"] for row in rows) == list(range(1, 13))
+    assert {row["status"] for row in rows} == {"ok"}
