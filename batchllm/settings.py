@@ -87,6 +87,28 @@ class Settings(BaseSettings):
         "fails instead of going back to the queue: a request that kills the engine must not "
         "loop forever.",
     )
+    served_models: list[str] | None = Field(
+        default=None,
+        description="The exact model names this deployment serves, as a JSON list "
+        "('[\"/models/llama-8b\"]'). Set, `serve` refuses a batch for any other name at "
+        "create (400, model_not_found), whether or not its workers are up right now. Unset, "
+        "`serve` accepts any name (it waits for a worker of exactly that name) unless "
+        "started with --require-served-model, which asks the live workers' registry.",
+    )
+    max_shard_failures: int = Field(
+        default=3,
+        ge=1,
+        description="A shard whose run failed with an error no single row explains (its "
+        "sizing, its storage, a bug) this many times ends: the rows it has not committed "
+        "become error rows (error_code shard_failed) and its job ends with its other results. "
+        "Each failure is recorded on the shard (`status` shows it) and retried after a backoff.",
+    )
+    shard_retry_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="The wait before a failed shard runs again; it doubles after each failure "
+        "(up to 10 minutes). Meanwhile the shard's queue runs other shards.",
+    )
     reconcile_seconds: float = Field(
         default=30.0,
         gt=0,

@@ -17,6 +17,7 @@ from batchllm.api.files_routes import content_missing
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
+from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
 from batchllm.jobs.retry import retry_job
 from batchllm.jobs.submit import submit_job
 from batchllm.output.deletion import delete_job
@@ -40,6 +41,11 @@ class CreateBatch(BaseModel):
 
 
 def _check_request(body: CreateBatch) -> dict[str, str]:
+    unencodable = unencodable_field(body.model_dump())
+    if unencodable is not None:  # JSON allows a lone surrogate; no response could echo it
+        raise ApiError(
+            400, f"{unencodable}: {UNENCODABLE}", param=unencodable, code="invalid_value"
+        )
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(
             400,
@@ -120,13 +126,11 @@ def create_batch(
             notify=notify,
         )
         return _render(settings, owner, job_id)
-    if request.app.state.require_served_model and model not in served_models(settings.broker_url):
-        raise ApiError(
-            400,
-            f"no worker serves model {model!r} (start one: batchllm worker --model {model})",
-            param="body.model",
-            code="model_not_found",
-        )
+    unserved = batches.unserved_model(
+        model, settings, require_live=request.app.state.require_served_model
+    )
+    if unserved is not None:
+        raise ApiError(400, unserved, param="body.model", code="model_not_found")
 
     recording: list[str] = []
 

@@ -48,6 +48,11 @@ def status(job_id: str, as_json: bool) -> None:
             for s in data["shards"]
         ]
         click.echo(table(["shard", "status", "done", "attempts", "worker"], rows))
+    for shard in data["shards"]:
+        if shard["failures"]:  # runs that failed as a whole (execution/shard_failures.py)
+            click.echo(
+                f"shard {shard['index']}: {shard['failures']} failed run(s); last: {shard['error']}"
+            )
     if "webhook" in data:
         _echo_webhook(data["webhook"])
 

@@ -278,7 +278,7 @@ def _live_workers(section: Section, url: str) -> None:
 
 
 def _queue_depths(client: Any) -> dict[str, int]:
-    """Tasks waiting per Celery queue (batchllm.<model>, see celery_app.queue_for_model)."""
+    """Tasks waiting per Celery queue (batchllm.<model>#<digest>, see celery_app.queue_for_model)."""
     depths: dict[str, int] = {}
     for raw in client.scan_iter(match="batchllm.*", count=500):
         if client.type(raw) not in (b"list", "list"):

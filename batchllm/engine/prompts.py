@@ -7,6 +7,7 @@ The same code sizes a job's context length, so sizing and running agree on every
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,9 @@ from batchllm.engine.images import (
     template_messages,
 )
 from batchllm.input.rows import TEMPLATE_OPTIONS, InputRow
+from batchllm.output.row_errors import INVALID_PROMPT
+
+log = logging.getLogger(__name__)
 
 Encode = Callable[[list[str], bool], list[list[int]]]
 
@@ -133,22 +137,60 @@ def prepare_prompts(
         else:
             groups[False].extend((i, None, text) for i, text in zip(plain_chats, rendered))
     encode = batch_encoder(tokenizer)
+    refused: dict[int, Refusal] = {}  # rows a text of which the tokenizer refused
     for special, items in groups.items():
         if not items:
             continue
-        encoded = encode([text for _, _, text in items], special)
+        encoded = _encode_each(encode, [text for _, _, text in items], special)
         for (i, j, _), ids in zip(items, encoded):
-            if j is None:
+            if isinstance(ids, Refusal):
+                refused.setdefault(i, ids)
+            elif j is None:
                 results[i] = ids
             else:
                 lists[i][j] = ids
     for i, per_text in lists.items():
         results[i] = per_text
     for i in with_images:
-        results[i] = _image_prompt(tokenizer, rows[i], chat_template, images, encode)
+        try:
+            results[i] = _image_prompt(tokenizer, rows[i], chat_template, images, encode)
+        except Exception as exc:  # one row's images or text: its error row, not the batch's
+            results[i] = Refusal(f"the prompt could not be prepared: {_named(exc)}")
+    for i, refusal in refused.items():
+        results[i] = refusal
     if max_model_len is not None:
         return within_context(rows, results, max_model_len, "the engine's max_model_len")
     return results
+
+
+class Refusal(str):
+    """Why a row cannot run, raised by the tokenizer or the row's own preparation: it carries
+    its error code from here (the runner writes it as the row's `error_code`)."""
+
+    code = INVALID_PROMPT
+
+
+def _named(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _encode_each(encode: Encode, texts: list[str], special: bool) -> list[list[int] | Refusal]:
+    """The texts' ids in one batch call; when the tokenizer refuses the batch (one text it
+    cannot take, e.g. a lone surrogate that slipped past validation, raises for the whole
+    call), each text alone, so only the texts it refuses fail."""
+    try:
+        return list(encode(texts, special))
+    except Exception:
+        log.warning(
+            "the tokenizer refused a batch of %d texts; tokenizing them one by one", len(texts)
+        )
+    each: list[list[int] | Refusal] = []
+    for text in texts:
+        try:
+            each.append(encode([text], special)[0])
+        except Exception as exc:
+            each.append(Refusal(f"the prompt could not be tokenized: {_named(exc)}"))
+    return each
 
 
 def within_context(

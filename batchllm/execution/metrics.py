@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 
 _MODEL = ("model",)
 # The reasons a shard run ends without finishing or failing its shard (runner.Outcome values).
-STOP_REASONS = ("cancelled", "interrupted", "engine_died", "lost")
+STOP_REASONS = ("cancelled", "interrupted", "engine_died", "lost", "retrying")
 # Shards run for minutes to hours (BATCHLLM_SHARD_SIZE rows each).
 _SHARD_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, float("inf"))
 RATE_WINDOW_SECONDS = 10
@@ -68,7 +68,8 @@ SHARDS_STOPPED = Counter(
     "batchllm_shards_stopped",
     "Shard runs that ended without finishing or failing their shard, by reason: cancelled "
     "(the job was cancelled), interrupted (worker shutdown; handed back), engine_died (handed "
-    "back), lost (its lease ran out and another worker took it over).",
+    "back), lost (its lease ran out and another worker took it over), retrying (an error "
+    "ended the run; handed back, counted against BATCHLLM_MAX_SHARD_FAILURES).",
     ("model", "reason"),
 )
 SHARD_SECONDS = Histogram(

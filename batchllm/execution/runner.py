@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.engine.prompts import token_count, within_context
+from batchllm.engine.prompts import Refusal, token_count, within_context
 from batchllm.engine.protocol import Adapter, Engine, Finished
-from batchllm.errors import BatchLLMError, EngineDied, ShardBusy, ShardLost
+from batchllm.errors import EngineDied, ShardBusy, ShardLost
 from batchllm.execution import metrics
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
@@ -59,6 +59,7 @@ class Outcome(str, enum.Enum):
     BUSY = "busy"  # running on another live worker; try again later
     WAITING = "waiting"  # this worker's engine cannot run the job; for a worker that can
     LOST = "lost"  # this worker's lease ran out and another worker took the shard over
+    RETRYING = "retrying"  # its run failed (counted on the shard); it runs again after a backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +196,7 @@ class ShardRunner:
                         row.custom_id, row.line, row.error or "invalid line", INVALID_REQUEST
                     )
         if runnable:
-            prepared = self.engine.prepare(runnable, state.spec.chat_template)
+            prepared = self._prepare(runnable, state.spec.chat_template)
             limit = state.spec.engine.max_model_len
             if limit is not None and limit < self.engine.max_model_len:
                 # A warm engine with a longer context serves the job (execution/engines.py); the
@@ -205,6 +206,28 @@ class ShardRunner:
         if errors:
             self.on_progress(errors, 0)
         return False
+
+    def _prepare(self, rows: list[InputRow], chat_template: str | None) -> list[Any]:
+        """The rows' prepared ids; when preparing the batch raises, each row alone, so a row
+        that raises becomes its own error row instead of failing its shard (and, sent again,
+        failing it again)."""
+        try:
+            return self.engine.prepare(rows, chat_template)
+        except EngineDied:
+            raise
+        except Exception as exc:
+            log.warning("preparing %d rows failed (%s); preparing them one by one", len(rows), exc)
+        prepared: list[Any] = []
+        for row in rows:
+            try:
+                prepared.extend(self.engine.prepare([row], chat_template))
+            except EngineDied:
+                raise
+            except Exception as exc:
+                prepared.append(
+                    Refusal(f"the prompt could not be prepared: {type(exc).__name__}: {exc}")
+                )
+        return prepared
 
     def _add_all(self, state: ShardState, rows: list[InputRow], prepared: list[Any]) -> int:
         """Add a batch's prepared rows to the engine; returns how many were refused (each
@@ -231,15 +254,17 @@ class ShardRunner:
         try:
             for row, ids in zip(rows, prepared, strict=True):
                 if isinstance(ids, str):  # tokenization refused it (e.g. over the context)
-                    # engine/prompts.py's own messages, classified where they are made
-                    state.buffer.failed(row.custom_id, row.line, ids, code_of(None, ids))
+                    # engine/prompts.py's own messages: a Refusal carries its code, the
+                    # others are classified where they are made
+                    code = code_of(getattr(ids, "code", None), ids)
+                    state.buffer.failed(row.custom_id, row.line, ids, code)
                     refused += 1
                     continue
                 sampling = cache.get((job, row.sampling))
                 if sampling is None:
                     try:
                         sampling = self._sampling(state, row)
-                    except BatchLLMError as exc:  # e.g. a parser this vLLM does not have
+                    except Exception as exc:  # e.g. a parser this vLLM does not have
                         state.buffer.failed(
                             row.custom_id,
                             row.line,
@@ -256,7 +281,7 @@ class ShardRunner:
                     add(request_id, ids, sampling.params, sampling.adapter)
                 except EngineDied:
                     raise
-                except BatchLLMError as exc:  # vLLM refused this one request, not the job
+                except Exception as exc:  # vLLM refused this one request, not the job
                     self._refused(state, row, ids, sampling, exc)
                     refused += 1
                     continue
@@ -478,8 +503,10 @@ class ShardRunner:
             shard_metrics.shard_stopped(outcome.value)
 
     def _fail_active(self, exc: BaseException) -> None:
-        """A fatal error: keep what finished, then hand the shards back (interrupt, engine
-        death: their other rows run again) or fail them (any other error)."""
+        """A fatal error: keep what finished, then hand the shards back: their other rows run
+        again. An engine death past BATCHLLM_MAX_SHARD_ATTEMPTS fails the shard; any other error
+        goes to the caller, which counts it against the shard's bound with a backoff
+        (execution/shard_failures.py) or, in `batchllm run`, ends the job failed."""
         try:  # none of the rows in flight is a result now; never leave them in the engine
             self.engine.abort(list(self._pending))
         except Exception:
@@ -490,7 +517,7 @@ class ShardRunner:
         elif isinstance(exc, KeyboardInterrupt):
             outcome = Outcome.INTERRUPTED
         else:
-            outcome = None
+            outcome = Outcome.RETRYING
         for state in list(self._active):
             state.inflight = 0
             try:
@@ -506,15 +533,8 @@ class ShardRunner:
                         error=f"the engine died on run {state.attempt} of this shard "
                         f"(BATCHLLM_MAX_SHARD_ATTEMPTS): {exc}",
                     )
-                elif outcome is not None:
-                    self._hand_back(state, outcome)
                 else:
-                    self._end(
-                        state,
-                        ShardStatus.FAILED,
-                        Outcome.FAILED,
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
+                    self._hand_back(state, outcome)
             except Exception:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).

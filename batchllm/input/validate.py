@@ -47,6 +47,12 @@ from batchllm.input.schemas import (
 )
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
+from batchllm.input.unicode_text import (
+    UNENCODABLE,
+    encodable,
+    may_hold_surrogates,
+    unencodable_field,
+)
 from batchllm.settings import get_settings
 from batchllm.storage import is_uri
 
@@ -401,6 +407,13 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str)
             ),
         )
     obj, problem = _decode(line.raw)
+    if problem is None and may_hold_surrogates(line.raw):
+        field = unencodable_field(obj)
+        if field is not None:
+            given = given_id(obj)
+            # An unencodable custom_id is not given: the line's error row gets its default id.
+            given = given if given is not None and encodable(given) else None
+            return line.number, given, LineProblem(field, UNENCODABLE)
     if problem is None:
         try:
             return line.number, given_id(obj), parse_line(obj, line.number, adapters, task)

@@ -15,11 +15,14 @@ INVALID_PROMPT = "invalid_prompt"  # empty after tokenization, or the chat templ
 REQUEST_REJECTED = "request_rejected"  # vLLM refused the request (e.g. its constraint)
 ENGINE_ERROR = "engine_error"  # the engine ended the request without an answer
 SERVER_ERROR = "server_error"  # a pre-version-3 run failure no wording names
+# Its shard failed BATCHLLM_MAX_SHARD_FAILURES times on an error no row explains; the row
+# never ran (execution/shard_failures.py).
+SHARD_FAILED = "shard_failed"
 
 # Failures of the run, not of the request: running the request again may well succeed. Lines a
 # cancelled or expired job never ran have no row at all; a retry runs them too (OpenAI's export
 # names them `batch_expired` in an expired batch's error file).
-RETRYABLE = frozenset({ENGINE_ERROR, SERVER_ERROR})
+RETRYABLE = frozenset({ENGINE_ERROR, SERVER_ERROR, SHARD_FAILED})
 
 # Pre-version-3 rows: the wording of engine/prompts.py and execution/runner.py (first match wins).
 _BY_WORDING = (

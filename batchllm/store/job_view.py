@@ -67,6 +67,7 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
                 "completion_tokens": s.completion_tokens,
                 "engine_seconds": s.engine_seconds,
                 "attempts": s.attempts,
+                "failures": s.failures,
                 "worker": s.worker,
                 "error": s.error,
             }

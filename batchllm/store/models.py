@@ -165,6 +165,11 @@ class Shard(Base):
     next_seq: Mapped[int] = mapped_column(Integer, default=0)
 
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Runs that failed with an error no row explains (execution/shard_failures.py): counted, the
+    # last one's message in `error`; the shard is not run again before `retry_at` (backoff),
+    # and its rows become error rows once BATCHLLM_MAX_SHARD_FAILURES runs have failed.
+    failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retry_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     worker: Mapped[str | None] = mapped_column(String(256))
     # Refreshed every second by the worker running the shard: a redelivered shard is taken over
     # only when its heartbeat is older than the lease, so a live worker is never doubled.

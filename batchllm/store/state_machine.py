@@ -5,7 +5,8 @@ conditional SQL UPDATE, so concurrent workers on PostgreSQL cannot both win it."
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
@@ -162,6 +163,39 @@ def requeue_shard(
             synchronize_session=False
         )
     return bool(changed(session, statement))
+
+
+def count_shard_failure(
+    session: Session, shard_id: int, error: str, *, worker: str, delay: Callable[[int], float]
+) -> int | None:
+    """A run of a shard failed with an error no row explains: count it, keep its message,
+    and put the shard back (queued, not run before `delay(failures)` seconds from now). A shard
+    running under another worker is not touched. Returns the failures so far, None when the
+    shard had ended or is not this worker's."""
+    counted = changed(
+        session,
+        update(Shard)
+        .where(
+            Shard.id == shard_id,
+            or_(
+                Shard.status == ShardStatus.QUEUED,
+                and_(Shard.status == ShardStatus.RUNNING, Shard.worker == worker),
+            ),
+        )
+        .values(status=ShardStatus.QUEUED, failures=Shard.failures + 1, error=error)
+        .execution_options(synchronize_session=False),
+    )
+    if not counted:
+        return None
+    failures = int(session.scalar(select(Shard.failures).where(Shard.id == shard_id)) or 0)
+    retry_at = utcnow() + timedelta(seconds=delay(failures))
+    session.execute(
+        update(Shard)
+        .where(Shard.id == shard_id)
+        .values(retry_at=retry_at)
+        .execution_options(synchronize_session=False)
+    )
+    return failures
 
 
 def end_shard(

@@ -6,6 +6,7 @@ redelivered one resumes from the shard's checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from celery import Celery
@@ -19,8 +20,14 @@ TASK_RUN_SHARD = "batchllm.run_shard"
 def queue_for_model(model: str) -> str:
     """The queue of a model's plain generation jobs. Shards are routed by model, so a worker
     never receives a shard of a model it does not serve, and a job for a model no worker
-    serves waits without blocking anything else."""
-    return "batchllm." + re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-180:]
+    serves waits without blocking anything else.
+
+    The name is exact: a readable part (the name's characters other than letters, digits and
+    `_.-` replaced, for operators) and a digest of the whole name as given, so two names that
+    differ in any character ("models_tiny" and "/models/tiny") never share a queue."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-120:]
+    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"batchllm.{readable}#{digest}"
 
 
 # Jobs that need an engine built for them go to a queue of their kind: only workers whose

@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied, EngineMismatch, EngineSettingsError
 from batchllm.execution.engines import resolve_max_model_len
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.shard_failures import shard_failed
 from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
 from batchllm.settings import Settings, get_settings
@@ -22,6 +25,8 @@ from batchllm.store.state_machine import fail_job
 
 log = logging.getLogger(__name__)
 
+DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
+
 
 def process_shard(
     shard_id: int,
@@ -31,8 +36,17 @@ def process_shard(
     should_stop: Callable[[], bool] = lambda: False,
     settings: Settings | None = None,
 ) -> Outcome:
+    settings = settings or get_settings()
     with shard_context(shard_id):
-        return _process_shard(shard_id, worker, engines, should_stop, settings or get_settings())
+        try:
+            return _process_shard(shard_id, worker, engines, should_stop, settings)
+        except DATABASE_ERRORS:
+            raise  # not the shard's fault: the task sends it again once the database is back
+        except Exception as exc:
+            # Counted, recorded on the shard and retried with backoff, within a bound: never
+            # sent again at once to fail again (execution/shard_failures.py).
+            again = shard_failed(shard_id, exc, worker=worker, settings=settings)
+            return Outcome.RETRYING if again else Outcome.FAILED
 
 
 def _process_shard(
@@ -63,6 +77,17 @@ def _process_shard(
         # The worker that ended the last shard died before finishing the job: finish it here.
         finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
         return Outcome.SKIPPED
+    own_model = getattr(engines, "model", None)
+    if own_model is not None and spec.model != own_model:
+        # Before the sizing pass, which loads the job's model's config and tokenizer: a worker
+        # never loads a model other than its own (a tenant names the job's model).
+        log.warning(
+            "job %s is for model %r; this worker serves %r: it waits for a worker of its model",
+            job_id,
+            spec.model,
+            own_model,
+        )
+        return Outcome.WAITING
     max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
     try:
         engine = engines.get(spec, max_model_len)

@@ -12,6 +12,9 @@ the same queue (model and engine kind) in this order:
    take turns, so one tenant's 100 queued batches delay another's one by at most one shard;
 3. the job's own turn the same way among one tenant's jobs, then the older job, then the
    lower shard index.
+A shard whose last run failed (execution/shard_failures.py) takes no turn until its backoff
+has passed, and its failure counts as its job's latest turn: a failing shard never goes
+ahead of others again and again.
 The task's own shard, when it lost its turn, is queued on the broker again, so every queued
 shard keeps a task (the reconciler's invariant) and the turn's winner's task, when it comes,
 finds its shard running or done and steps aside.
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from batchllm.input.schemas import PRIORITIES
@@ -77,34 +80,38 @@ def order(waiting: list[Waiting], *, now: datetime, aging_seconds: float) -> lis
     return [job.job_id for job in sorted(waiting, key=key) if job.has_queued]
 
 
+def _ready(now: datetime) -> ColumnElement[bool]:
+    """A queued shard that may run now: never failed, or its backoff has passed."""
+    return and_(
+        Shard.status == ShardStatus.QUEUED, or_(Shard.retry_at.is_(None), Shard.retry_at <= now)
+    )
+
+
 def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
     """The shard to run for a task of `shard_id`: itself unless it is queued and another
-    queued shard of its queue comes first in the order above."""
+    queued shard of its queue comes first in the order above, or it is backing off after a
+    failure while another can run."""
     shard = session.get(Shard, shard_id)
     if shard is None or shard.status is not ShardStatus.QUEUED:
         return shard_id  # running elsewhere, done, gone: the task's usual path handles it
+    now = utcnow()
     queue = queue_for_stored_spec(shard.job.spec)
     turns = order(
-        _unfinished_jobs(session, shard.job.model, queue), now=utcnow(), aging_seconds=aging_seconds
+        _unfinished_jobs(session, shard.job.model, queue, now), now=now, aging_seconds=aging_seconds
     )
     if not turns:
         return shard_id
     first = turns[0]
-    if first == shard.job_id:
+    if first == shard.job_id and (shard.retry_at is None or shard.retry_at <= now):
         return shard_id
     chosen = session.scalar(
-        select(Shard.id)
-        .where(Shard.job_id == first, Shard.status == ShardStatus.QUEUED)
-        .order_by(Shard.index)
-        .limit(1)
+        select(Shard.id).where(Shard.job_id == first, _ready(now)).order_by(Shard.index).limit(1)
     )
     return chosen if chosen is not None else shard_id
 
 
-def _unfinished_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
-    has_queued = (
-        select(Shard.id).where(Shard.job_id == Job.id, Shard.status == ShardStatus.QUEUED).exists()
-    )
+def _unfinished_jobs(session: Session, model: str, queue: str, now: datetime) -> list[Waiting]:
+    has_queued = select(Shard.id).where(Shard.job_id == Job.id, _ready(now)).exists()
     rows = session.execute(
         select(Job.id, Job.spec, Job.created_at, Batch.owner, has_queued.label("has_queued"))
         .outerjoin(Batch, Batch.job_id == Job.id)
@@ -117,20 +124,22 @@ def _unfinished_jobs(session: Session, model: str, queue: str) -> list[Waiting]:
     jobs = [row for row in rows if queue_for_stored_spec(row.spec) == queue]
     if not jobs:
         return []
-    last_started = dict(
-        session.execute(
-            select(Shard.job_id, func.max(Shard.started_at))
+    # A failed run counts as a turn taken when it can run again: until then, the latest.
+    last_started = {
+        job_id: max(filter(None, (_aware(started), _aware(retry))), default=None)
+        for job_id, started, retry in session.execute(
+            select(Shard.job_id, func.max(Shard.started_at), func.max(Shard.retry_at))
             .where(Shard.job_id.in_([row.id for row in jobs]))
             .group_by(Shard.job_id)
         ).all()
-    )
+    }
     return [
         Waiting(
             job_id=row.id,
             tenant=row.owner or row.id,
             priority=row.spec.get("priority", "normal"),
             created_at=row.created_at,
-            last_started=_aware(last_started.get(row.id)),
+            last_started=last_started.get(row.id),
             has_queued=bool(row.has_queued),
         )
         for row in jobs
@@ -157,3 +166,16 @@ def take_turn(shard_id: int, *, settings: Settings, requeue: Callable[[int], Non
             recovery.mark_dispatched(session, [shard_id])
         log.info("shard %s takes the turn of shard %s (priority, fair share)", chosen, shard_id)
     return chosen
+
+
+def backoff_left(shard_id: int, *, settings: Settings) -> float:
+    """Seconds until a queued shard that failed may run again (0: it may run now)."""
+    with session_scope(settings) as session:
+        retry_at = _aware(
+            session.scalar(
+                select(Shard.retry_at).where(
+                    Shard.id == shard_id, Shard.status == ShardStatus.QUEUED
+                )
+            )
+        )
+    return max(0.0, (retry_at - utcnow()).total_seconds()) if retry_at is not None else 0.0

@@ -13,7 +13,6 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache, WorkerEngine
@@ -24,8 +23,8 @@ from batchllm.process import log_format
 from batchllm.settings import get_settings
 from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
-from batchllm.worker.delivery import process_shard
-from batchllm.worker.fair_share import take_turn
+from batchllm.worker.delivery import DATABASE_ERRORS, process_shard
+from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.reconciler import reconcile_forever
 
@@ -39,7 +38,6 @@ _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
 _RETRY_WAITING_SECONDS = 15
-_DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
 _MAX_RETRY_SECONDS = 60
 
 
@@ -134,6 +132,7 @@ def run_shard(self, shard_id: int) -> str:
     queue = (self.request.delivery_info or {}).get("routing_key")
     node = self.request.hostname or "worker"
     settings = get_settings()
+    delivered = shard_id  # the shard whose task this is
     try:
         # Priorities and fair share: this task may be another queued shard's turn.
         shard_id = take_turn(
@@ -141,12 +140,18 @@ def run_shard(self, shard_id: int) -> str:
             settings=settings,
             requeue=lambda own: self.app.send_task(self.name, args=(own,), queue=queue),
         )
+        waiting = backoff_left(shard_id, settings=settings)
+        if waiting > 0:
+            # A shard that failed runs again only after its backoff; its task waits that long
+            # (fair share gave no other shard of the queue this turn).
+            self.app.send_task(self.name, args=(shard_id,), queue=queue, countdown=waiting)
+            return Outcome.WAITING.value
         # Held while the engine builds, before the claim: the reconciler leaves this task be.
         with holding(settings.broker_url, shard_id, node, settings.lease_seconds):
             outcome = process_shard(
                 shard_id, worker=node, engines=_engines, should_stop=_stop.is_set
             )
-    except _DATABASE_ERRORS as exc:
+    except DATABASE_ERRORS as exc:
         # Acknowledging this delivery would lose the shard's task; send it again with backoff.
         # (If the broker is down too, the reconciler re-sends it once both are back.)
         delay = min(5 * 2**self.request.retries, _MAX_RETRY_SECONDS)
@@ -161,6 +166,15 @@ def run_shard(self, shard_id: int) -> str:
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
         self.app.send_task(self.name, args=(shard_id,), queue=queue)
         log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
+    elif outcome is Outcome.RETRYING and shard_id == delivered:
+        # Its run failed and was counted: the task comes back after the shard's backoff. (A
+        # shard that took another's turn still has its own task in the broker.)
+        self.app.send_task(
+            self.name,
+            args=(shard_id,),
+            queue=queue,
+            countdown=backoff_left(shard_id, settings=settings),
+        )
     elif outcome is Outcome.WAITING:
         self.app.send_task(
             self.name, args=(shard_id,), queue=queue, countdown=_RETRY_WAITING_SECONDS

@@ -49,6 +49,7 @@ SERIES = {
     "failed": ("batchllm_shards_failed_total", {}),
     "interrupted": ("batchllm_shards_stopped_total", {"reason": "interrupted"}),
     "lost": ("batchllm_shards_stopped_total", {"reason": "lost"}),
+    "retrying": ("batchllm_shards_stopped_total", {"reason": "retrying"}),
     "durations": ("batchllm_shard_duration_seconds_count", {}),
 }
 
@@ -197,7 +198,7 @@ def test_rows_lost_in_a_crash_are_counted_once_when_they_run_again(
     assert delta["finished"] == 2
 
 
-def test_a_shard_that_fails_is_counted_failed(small_commits, tmp_path):
+def test_a_shard_run_that_fails_is_counted_as_handed_back_for_a_retry(small_commits, tmp_path):
     settings = small_commits
     _, (shard_id,) = create(settings, tmp_path, 8, shard_size=10)
     before = snapshot()
@@ -210,8 +211,8 @@ def test_a_shard_that_fails_is_counted_failed(small_commits, tmp_path):
         ShardRunner(FakeEngine(on_step=explode), worker="w1", settings=settings).run([shard_id])
 
     delta = since(before)
-    assert (delta["started"], delta["failed"]) == (1, 1)
-    assert "finished" not in delta and "durations" not in delta
+    assert (delta["started"], delta["retrying"]) == (1, 1)
+    assert "failed" not in delta and "finished" not in delta and "durations" not in delta
     assert value("batchllm_requests_in_flight") == 0
 
 
