@@ -17,10 +17,11 @@ from typing import Any
 
 from batchllm.input.images import ImageProblem, decoded, image_parts, open_image
 from batchllm.input.rows import InputRow
+from batchllm.output.row_errors import INVALID_PROMPT, Refusal
 
 log = logging.getLogger(__name__)
 
-NO_IMAGES = "model does not accept images"
+NO_IMAGES = Refusal("model does not accept images", INVALID_PROMPT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,22 +109,23 @@ def template_messages(row: InputRow) -> list[dict[str, Any]]:
 
 def prepare_image_row(
     row: InputRow, ids: list[int], processor: ImageProcessor | None
-) -> ImagePrompt | str:
+) -> ImagePrompt | Refusal:
     """An image row's ImagePrompt from its rendered ids, or why it cannot run."""
     if processor is None or not processor.accepts_images:
         return NO_IMAGES
     parts = list(image_parts(row.chat_messages()))
     placed = sum(1 for i in ids if i == processor.image_token_id)
     if placed != len(parts):
-        return (
+        return Refusal(
             f"the chat template placed {placed} image token(s) for {len(parts)} image(s); "
-            "it must render each image part (pass a --chat-template that does)"
+            "it must render each image part (pass a --chat-template that does)",
+            INVALID_PROMPT,
         )
     images = []
     for i, j, url in parts:
         try:
             images.append(open_image(url, decode=False))
         except ImageProblem as exc:  # readable at validation, gone or changed since
-            return f"field 'messages.{i}.content.{j}.image_url': {exc}"
+            return Refusal(f"field 'messages.{i}.content.{j}.image_url': {exc}", INVALID_PROMPT)
     tokens = len(ids) - len(images) + sum(processor.image_tokens(images))
     return ImagePrompt(ids=ids, images=images, tokens=tokens)

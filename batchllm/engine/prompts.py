@@ -20,7 +20,7 @@ from batchllm.engine.images import (
     template_messages,
 )
 from batchllm.input.rows import TEMPLATE_OPTIONS, InputRow
-from batchllm.output.row_errors import INVALID_PROMPT
+from batchllm.output.row_errors import CONTEXT_LENGTH_EXCEEDED, INVALID_PROMPT, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def batch_encoder(tokenizer: Any) -> Encode:
 
 # Token ids of a row: one prompt, or one per text of a list embedding input, or a chat prompt
 # with its images; or why it cannot run.
-Prepared = list[int] | list[list[int]] | ImagePrompt | str
+Prepared = list[int] | list[list[int]] | ImagePrompt | Refusal
 
 
 def token_count(prepared: Any) -> int:
@@ -106,7 +106,7 @@ def prepare_prompts(
     """For each row: its prompt token ids (a list of them for a list embedding input; with
     its decoded images for a chat row with images, through the model's processor `images`,
     without which such a row cannot run), or an error message (row stays in place)."""
-    results: list[Prepared] = [""] * len(rows)
+    results: list[Prepared] = [Refusal("not prepared")] * len(rows)
     lists: dict[int, list[list[int]]] = {}  # rows with a list input: their texts' ids
     # (row index, position in a list input or None, text), by whether special tokens are added
     groups: dict[bool, list[tuple[int, int | None, str]]] = {True: [], False: []}
@@ -163,13 +163,6 @@ def prepare_prompts(
     return results
 
 
-class Refusal(str):
-    """Why a row cannot run, raised by the tokenizer or the row's own preparation: it carries
-    its error code from here (the runner writes it as the row's `error_code`)."""
-
-    code = INVALID_PROMPT
-
-
 def _named(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -199,7 +192,9 @@ def within_context(
     """The prepared ids of rows that fit a context of `max_model_len` tokens; for the others,
     why they cannot run, naming the `limit` they break."""
     return [
-        ids if isinstance(ids, str) else _checked(ids, max_model_len, row.kind == "embed", limit)
+        ids
+        if isinstance(ids, Refusal)
+        else _checked(ids, max_model_len, row.kind == "embed", limit)
         for row, ids in zip(rows, prepared, strict=True)
     ]
 
@@ -222,7 +217,7 @@ def _render_one(
         # A chat template already holds the special tokens; a plain prompt gets them added.
         groups[row.kind != "chat"].append((i, None, render(tokenizer, row, chat_template)))
     except Exception as exc:  # a template can raise on unusual message orders
-        results[i] = f"chat template failed: {exc}"
+        results[i] = Refusal(f"chat template failed: {exc}", INVALID_PROMPT)
 
 
 def _image_prompt(
@@ -237,7 +232,7 @@ def _image_prompt(
     try:
         text = render(tokenizer, row, chat_template, template_messages(row))
     except Exception as exc:  # a template can raise on unusual message orders
-        return f"chat template failed: {exc}"
+        return Refusal(f"chat template failed: {exc}", INVALID_PROMPT)
     return prepare_image_row(row, encode([text], False)[0], images)
 
 
@@ -246,21 +241,25 @@ def _checked(prepared: Any, max_model_len: int, embed: bool, limit: str) -> Prep
     an embedding input only for itself."""
     if isinstance(prepared, ImagePrompt):
         if prepared.tokens >= max_model_len:
-            return (
+            return Refusal(
                 f"prompt is {prepared.tokens} tokens with its images; {limit} is "
-                f"{max_model_len} (prompt plus at least one output token must fit)"
+                f"{max_model_len} (prompt plus at least one output token must fit)",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         return prepared
     sequences = prepared if prepared and isinstance(prepared[0], list) else [prepared]
     for ids in sequences:
         if not ids:
-            return "prompt is empty after tokenization"
+            return Refusal("prompt is empty after tokenization", INVALID_PROMPT)
         if embed and len(ids) > max_model_len:
-            return f"input is {len(ids)} tokens; {limit} is {max_model_len}"
+            return Refusal(
+                f"input is {len(ids)} tokens; {limit} is {max_model_len}", CONTEXT_LENGTH_EXCEEDED
+            )
         if not embed and len(ids) >= max_model_len:
-            return (
+            return Refusal(
                 f"prompt is {len(ids)} tokens; {limit} is {max_model_len} "
-                "(prompt plus at least one output token must fit)"
+                "(prompt plus at least one output token must fit)",
+                CONTEXT_LENGTH_EXCEEDED,
             )
     fits: Prepared = prepared
     return fits

@@ -17,6 +17,7 @@ from batchllm.engine.images import ImagePrompt, has_images, load_image_processor
 from batchllm.engine.prompts import prepare_prompts, token_count
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import SamplingDefaults
+from batchllm.output.row_errors import Refusal
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class ContextSizer:
         best = 0
         kept: dict[int, list[int] | ImagePrompt] = {}
         for row, ids in zip(runnable, prepared, strict=True):
-            if isinstance(ids, str) or not ids:
+            if isinstance(ids, Refusal) or not ids:
                 continue
             if isinstance(ids, ImagePrompt):  # the feed opens its images again
                 tokens = token_count(ids)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.engine.prompts import Refusal, token_count, within_context
+from batchllm.engine.prompts import token_count, within_context
 from batchllm.engine.protocol import Adapter, Engine, Finished
 from batchllm.errors import EngineDied, ShardBusy, ShardLost
 from batchllm.execution import metrics
@@ -29,7 +29,12 @@ from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
 from batchllm.input.structured import field_of, satisfies
 from batchllm.output.parts import OutputBuffer, Part
-from batchllm.output.row_errors import ENGINE_ERROR, INVALID_REQUEST, REQUEST_REJECTED, code_of
+from batchllm.output.row_errors import (
+    ENGINE_ERROR,
+    INVALID_REQUEST,
+    REQUEST_REJECTED,
+    Refusal,
+)
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
@@ -234,7 +239,7 @@ class ShardRunner:
         gets its error row). One loop with everything it calls bound once: this runs for every
         row of a job."""
         if state.job_id not in self._started_jobs and any(
-            not isinstance(ids, str) for ids in prepared
+            not isinstance(ids, Refusal) for ids in prepared
         ):
             self._started_jobs.add(state.job_id)
             with session_scope(self.settings) as session:
@@ -253,11 +258,8 @@ class ShardRunner:
         )
         try:
             for row, ids in zip(rows, prepared, strict=True):
-                if isinstance(ids, str):  # tokenization refused it (e.g. over the context)
-                    # engine/prompts.py's own messages: a Refusal carries its code, the
-                    # others are classified where they are made
-                    code = code_of(getattr(ids, "code", None), ids)
-                    state.buffer.failed(row.custom_id, row.line, ids, code)
+                if isinstance(ids, Refusal):  # refused where it was prepared (e.g. too long)
+                    state.buffer.failed(row.custom_id, row.line, ids, ids.code)
                     refused += 1
                     continue
                 sampling = cache.get((job, row.sampling))

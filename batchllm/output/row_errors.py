@@ -5,6 +5,7 @@ whenever it is needed: `batchllm retry` must tell a request the engine failed (w
 again) from one that can never succeed (invalid, over the context), and a decision that rests
 on wording would change silently the day a message is reworded. Rows written before version 3
 have no code; `code_of` classifies them by the wording of the messages of that time, once, here.
+New refusals carry their code from where they arise (`Refusal`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ _BY_WORDING = (
     ("rejected by vLLM", REQUEST_REJECTED),
     ("vLLM ended the request", ENGINE_ERROR),
 )
+
+
+class Refusal(str):
+    """Why a row cannot run, as its error row's message, with its code decided where the
+    refusal arises (tokenizing, a chat template, the context, an image): the runner writes
+    `code` as the row's `error_code` and never reads the wording. A str, so it reads as the
+    message wherever one is shown."""
+
+    code: str
+
+    def __new__(cls, message: str, code: str = INVALID_PROMPT) -> Refusal:
+        refusal = super().__new__(cls, message)
+        refusal.code = code
+        return refusal
 
 
 def code_of(code: str | None, message: str | None, *, invalid: bool = False) -> str:
