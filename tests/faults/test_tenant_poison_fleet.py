@@ -25,9 +25,9 @@ from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, JobStatus, ShardStatus
-from tests.conftest import require
 from tests.support.fleet import HOST, WorkerProcess, fleet_env_vars, settings_of
 from tests.support.job_checks import load_job, output_rows, wait_until_final
+from tests.support.skips import require
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.security.rawhttp import (
+
+from tests.security.conftest import Served, start_serve, stop_serve
+from tests.support.rawhttp import (
     BOUNDARY,
     connect,
     multipart_preamble,
@@ -27,8 +29,6 @@ from tests.security.rawhttp import (
     read_response,
     upload_head,
 )
-
-from tests.security.conftest import Served, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 
