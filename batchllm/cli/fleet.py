@@ -370,13 +370,16 @@ def reconcile(loop: bool) -> None:
     when no worker is up, or to see what it would find."""
     import threading
 
-    from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app
+    from batchllm.settings import get_settings
+    from batchllm.worker.celery_app import create_app
     from batchllm.worker.reconciler import reconcile_forever, reconcile_once
+    from batchllm.worker.shard_tasks import send_shard_tasks
 
-    app = create_app()
+    settings = get_settings()
+    app = create_app(settings)
 
     def send(shard_id: int, queue: str) -> None:
-        app.send_task(TASK_RUN_SHARD, args=(shard_id,), queue=queue)
+        send_shard_tasks(app, [shard_id], queue, settings=settings)
 
     if loop:
         reconcile_forever(send, threading.Event())

@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from celery import Celery
+from sqlalchemy.exc import SQLAlchemyError
 
 from batchllm.errors import BatchLLMError
 from batchllm.execution.finalize import finalize_job
@@ -15,11 +16,12 @@ from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
-from batchllm.store import recovery, service, state_machine
+from batchllm.store import service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_job
+from batchllm.worker.celery_app import create_app, queue_for_job
+from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +108,14 @@ def send_shards(
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=2)
-            for shard_id in shard_ids:
-                app.send_task(TASK_RUN_SHARD, args=(shard_id,), queue=queue, connection=conn)
+            send_shard_tasks(app, shard_ids, queue, settings=settings, connection=conn)
+    except SQLAlchemyError:
+        raise
     except Exception as exc:
         message = f"could not reach the broker at {_without_password(settings.broker_url)}: {exc}"
         with session_scope(settings) as session:
             state_machine.fail_job(session, job_id, message)
         raise BatchLLMError(message) from exc
-    with session_scope(settings) as session:
-        recovery.mark_dispatched(session, shard_ids)
 
 
 def _without_password(url: str) -> str:

@@ -161,9 +161,7 @@ def take_turn(shard_id: int, *, settings: Settings, requeue: Callable[[int], Non
     with session_scope(settings) as session:
         chosen = next_shard(session, shard_id, aging_seconds=settings.priority_aging_seconds)
     if chosen != shard_id:
-        requeue(shard_id)
-        with session_scope(settings) as session:
-            recovery.mark_dispatched(session, [shard_id])
+        requeue(shard_id)  # worker/shard_tasks.py: sent and marked dispatched
         log.info("shard %s takes the turn of shard %s (priority, fair share)", chosen, shard_id)
     return chosen
 

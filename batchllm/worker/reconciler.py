@@ -67,6 +67,8 @@ def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
     done = Pass()
     with session_scope(settings) as session:
         stale = leases.requeue_stale_shards(session, settings.lease_seconds)
+        # Queued again and dispatched in one step: the lost-task check below (or another
+        # reconciler) must not take the moment between the two for a lost task.
         recovery.mark_dispatched(session, [shard_id for shard_id, _ in stale])
     for shard_id, spec in stale:
         log.warning(

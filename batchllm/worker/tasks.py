@@ -27,6 +27,7 @@ from batchllm.worker.delivery import DATABASE_ERRORS, process_shard
 from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.reconciler import reconcile_forever
+from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def _register_forever(node: str, models: list[str]) -> None:
 
 
 def _send_shard(shard_id: int, queue: str) -> None:
-    run_shard.apply_async((shard_id,), queue=queue)
+    send_shard_tasks(run_shard.app, [shard_id], queue, settings=get_settings())
 
 
 @worker_shutdown.connect
@@ -138,13 +139,13 @@ def run_shard(self, shard_id: int) -> str:
         shard_id = take_turn(
             shard_id,
             settings=settings,
-            requeue=lambda own: self.app.send_task(self.name, args=(own,), queue=queue),
+            requeue=lambda own: send_shard_tasks(self.app, [own], queue, settings=settings),
         )
         waiting = backoff_left(shard_id, settings=settings)
         if waiting > 0:
             # A shard that failed runs again only after its backoff; its task waits that long
             # (fair share gave no other shard of the queue this turn).
-            self.app.send_task(self.name, args=(shard_id,), queue=queue, countdown=waiting)
+            send_shard_tasks(self.app, [shard_id], queue, settings=settings, countdown=waiting)
             return Outcome.WAITING.value
         # Held while the engine builds, before the claim: the reconciler leaves this task be.
         with holding(settings.broker_url, shard_id, node, settings.lease_seconds):
@@ -164,23 +165,26 @@ def run_shard(self, shard_id: int) -> str:
         raise self.retry(exc=exc, countdown=delay, queue=queue) from None
     if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
         # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
-        self.app.send_task(self.name, args=(shard_id,), queue=queue)
+        send_shard_tasks(self.app, [shard_id], queue, settings=settings)
         log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
     elif outcome is Outcome.RETRYING and shard_id == delivered:
         # Its run failed and was counted: the task comes back after the shard's backoff. (A
         # shard that took another's turn still has its own task in the broker.)
-        self.app.send_task(
-            self.name,
-            args=(shard_id,),
-            queue=queue,
+        send_shard_tasks(
+            self.app,
+            [shard_id],
+            queue,
+            settings=settings,
             countdown=backoff_left(shard_id, settings=settings),
         )
     elif outcome is Outcome.WAITING:
-        self.app.send_task(
-            self.name, args=(shard_id,), queue=queue, countdown=_RETRY_WAITING_SECONDS
+        send_shard_tasks(
+            self.app, [shard_id], queue, settings=settings, countdown=_RETRY_WAITING_SECONDS
         )
     elif outcome is Outcome.BUSY:
         # A duplicate delivery while another worker holds the shard: look again later, so the
         # shard still has a task if that worker dies.
-        self.app.send_task(self.name, args=(shard_id,), queue=queue, countdown=_RETRY_BUSY_SECONDS)
+        send_shard_tasks(
+            self.app, [shard_id], queue, settings=settings, countdown=_RETRY_BUSY_SECONDS
+        )
     return outcome.value

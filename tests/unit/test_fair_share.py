@@ -9,7 +9,9 @@ from sqlalchemy import update
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
+from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.fair_share import effective_level, next_shard, take_turn
+from batchllm.worker.shard_tasks import send_shard_tasks
 from tests.support.fake_runs import make_spec, write_items
 
 AGING = 600.0
@@ -100,12 +102,26 @@ def test_a_low_job_that_waited_two_aging_periods_goes_before_a_fresh_high_one(se
 def test_a_task_that_gives_its_turn_away_queues_its_own_shard_again(settings, tmp_path):
     low = _job(settings, tmp_path, "low", 2, priority="low")
     high = _job(settings, tmp_path, "high", 1, priority="high")
-    sent: list[int] = []
-    assert take_turn(low[0], settings=settings, requeue=sent.append) == high[0]
-    assert sent == [low[0]]
+    app = _RecordingApp()
+
+    def requeue(own: int) -> None:
+        send_shard_tasks(app, [own], "q", settings=settings)
+
+    assert take_turn(low[0], settings=settings, requeue=requeue) == high[0]
+    assert app.sent == [(TASK_RUN_SHARD, (low[0],), "q")]
     with session_scope(settings) as session:
         assert session.get(Shard, low[0]).status is ShardStatus.QUEUED
         assert session.get(Shard, low[0]).dispatched_at is not None
+
+
+class _RecordingApp:
+    """The Celery app's send_task, recorded instead of sent to a broker."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, tuple, str]] = []
+
+    def send_task(self, name, args=(), queue=None, **options):
+        self.sent.append((name, tuple(args), queue))
 
 
 def test_a_running_or_done_shards_task_keeps_its_own_shard(settings, tmp_path):
