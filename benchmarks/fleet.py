@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from batchllm.engine.demo_model import build_demo_model
+        from batchllm.engine.models.demo_model import build_demo_model
 
         model = str(args.work_dir / "model")
         if not (Path(model) / "config.json").exists():

@@ -67,7 +67,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         import transformers
     except ImportError as exc:
         require(False, f"torch/transformers not installed: {exc}")
-    from batchllm.engine.demo_model import build_demo_model
+    from batchllm.engine.models.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("model") / "tiny")
 
@@ -80,14 +80,14 @@ def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
         import transformers
     except ImportError as exc:
         require(False, f"torch/transformers not installed: {exc}")
-    from batchllm.engine.demo_vlm import build_demo_vlm
+    from batchllm.engine.models.demo_vlm import build_demo_vlm
 
     return build_demo_vlm(tmp_path_factory.mktemp("model") / "tiny-vlm")
 
 
 def _real_model(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real model prepared from its PyPI package (`make install` installs both packages)."""
-    from batchllm.engine.real_models import PACKAGES, ModelPackageMissing, prepare
+    from batchllm.engine.models.real_models import PACKAGES, ModelPackageMissing, prepare
 
     package = PACKAGES[kind]
     try:

@@ -109,7 +109,7 @@ def resolve_model(config: BenchConfig, say: Say) -> str:
         return config.model
     path = config.output / "model"
     if not (path / "config.json").exists():
-        from batchllm.engine.demo_model import build_demo_model
+        from batchllm.engine.models.demo_model import build_demo_model
 
         say(f"building the tiny demo model in {path}")
         build_demo_model(path)

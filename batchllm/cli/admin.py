@@ -63,18 +63,18 @@ def demo_model(directory: Path, kind: str, seed: int, adapters: int) -> None:
     if kind == "vlm":
         if adapters:
             raise click.UsageError("--lora is for --kind tiny")
-        from batchllm.engine.demo_vlm import build_demo_vlm
+        from batchllm.engine.models.demo_vlm import build_demo_vlm
 
         click.echo(f"demo vision-language model written to {build_demo_vlm(directory, seed=seed)}")
         return
     if kind != "tiny":
         if seed or adapters:
             raise click.UsageError("--seed and --lora are for --kind tiny")
-        from batchllm.engine.real_models import prepare
+        from batchllm.engine.models.real_models import prepare
 
         click.echo(f"{kind} model ready in {prepare(kind, directory)}")
         return
-    from batchllm.engine.demo_model import build_demo_adapters, build_demo_model
+    from batchllm.engine.models.demo_model import build_demo_adapters, build_demo_model
 
     path = build_demo_model(directory, seed=seed)
     click.echo(f"demo model written to {path}")

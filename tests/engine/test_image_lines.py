@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 
-from batchllm.engine.demo_vlm import TOKENS_PER_IMAGE
+from batchllm.engine.models.demo_vlm import TOKENS_PER_IMAGE
 from tests.support.cli import local_env, run_cli
 from tests.support.skips import require
 

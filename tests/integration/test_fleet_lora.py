@@ -75,7 +75,7 @@ def wait_for_status_line(fleet_env, job_id: str, text: str, workers, timeout: fl
 
 
 def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model, tmp_path):
-    from batchllm.engine.demo_model import build_demo_adapters
+    from batchllm.engine.models.demo_model import build_demo_adapters
 
     workers = start_workers([PLAIN_WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
     (plain,) = workers

@@ -165,7 +165,7 @@ def test_a_file_of_image_lines_validates_to_rows_and_error_rows(images_dir: Path
 @pytest.fixture(scope="module")
 def vlm_processor() -> Any:
     pytest.importorskip("transformers")
-    from batchllm.engine.demo_vlm import build_demo_vlm_processor
+    from batchllm.engine.models.demo_vlm import build_demo_vlm_processor
 
     return build_demo_vlm_processor()
 
@@ -175,7 +175,7 @@ def chat_row(line: int, messages: list[dict[str, Any]]) -> InputRow:
 
 
 def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_processor) -> None:
-    from batchllm.engine.demo_vlm import TOKENS_PER_IMAGE
+    from batchllm.engine.models.demo_vlm import TOKENS_PER_IMAGE
 
     tokenizer = vlm_processor.tokenizer
     rows = [

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from batchllm.cli import cli
 from batchllm.demo import write_chat, write_embed
-from batchllm.engine import real_models
-from batchllm.engine.real_models import CHAT, EMBED, ModelPackage, ModelPackageMissing
+from batchllm.engine.models import real_models
+from batchllm.engine.models.real_models import CHAT, EMBED, ModelPackage, ModelPackageMissing
 
 REPO = Path(__file__).resolve().parents[2]
 

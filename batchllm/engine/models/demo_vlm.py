@@ -14,7 +14,7 @@ import logging
 import pathlib
 from typing import Any
 
-from batchllm.engine.demo_model import _build_tokenizer, special_token_ids, tiny_llama_config
+from batchllm.engine.models.demo_model import _build_tokenizer, special_token_ids, tiny_llama_config
 
 logger = logging.getLogger(__name__)
 
