@@ -28,10 +28,9 @@ import pytest
 from batchllm.api import keys
 from batchllm.store.db import session_scope
 from batchllm.store.states import JobStatus
-from tests.integration.conftest import FleetEnv, Worker, stop_workers
-from tests.integration.test_batch_api import Server
 from tests.support import job_checks
-from tests.support.fleet import REPO
+from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers
+from tests.support.serve import Server
 from tests.support.skips import require
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -20,8 +20,7 @@ from batchllm.store.models import Job, JobStatus, ShardStatus
 
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).
-from tests.integration.conftest import start_workers, stop_workers, tails
-from tests.support.fleet import WORKER_ENGINE_ARGS
+from tests.support.fleet import WORKER_ENGINE_ARGS, start_workers, stop_workers, tails
 from tests.support.job_checks import load_job
 
 WORKER = "lora@test"

@@ -52,8 +52,8 @@ import pytest
 from batchllm.demo import PERSON_SCHEMA
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
-from tests.integration.conftest import FleetEnv, Worker, stop_workers
-from tests.integration.test_batch_api import (
+from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail
+from tests.support.serve import (
     CHAT,
     Api,
     Server,
@@ -63,7 +63,6 @@ from tests.integration.test_batch_api import (
     upload,
     wait_status,
 )
-from tests.support.fleet import REPO, tail
 
 openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion  # noqa: E402

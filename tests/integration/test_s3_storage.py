@@ -30,15 +30,15 @@ from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, part_name
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
-from tests.integration.conftest import (
+from tests.support.cli import run_cli
+from tests.support.fleet import (
+    REPO,
     FleetEnv,
     start_workers,
     stop_workers,
     tails,
     warm_up,
 )
-from tests.support.cli import run_cli
-from tests.support.fleet import REPO
 from tests.support.job_checks import (
     assert_exactly_once,
     checkpoints_of,

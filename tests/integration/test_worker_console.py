@@ -21,8 +21,7 @@ import pytest
 
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
-from tests.integration.conftest import Worker
-from tests.support.fleet import REPO, WORKER_ENGINE_ARGS
+from tests.support.fleet import REPO, WORKER_ENGINE_ARGS, Worker
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
