@@ -412,7 +412,9 @@ class TestServiceOutages:
 
 
 class TestEngineLoss:
-    """kill -9 of a worker's VLLM::EngineCore process (the engine dies, the worker lives)."""
+    """kill -9 of a worker's VLLM::EngineCore process (the engine dies, the worker lives). The
+    vLLM worker that rebuilds its engine in the first case is the one of the next cases (the
+    second and TestWorkerLoss's first), so each kill costs one engine build, not two."""
 
     def test_a_killed_engine_loses_no_row_and_its_worker_serves_again_or_exits(
         self, pool, engine_pool, fault_env, tmp_path, recovery
@@ -462,6 +464,43 @@ class TestEngineLoss:
                 None,
                 f"{victim.name} rebuilt its engine and served the next job",
             )
+
+    def test_with_one_worker_a_killed_engine_still_lets_the_job_complete(
+        self, pool, engine_pool, fault_env, tmp_path, recovery
+    ):
+        """The only worker loses its engine mid-shard. It rebuilds its engine, or it exits
+        non-zero and the test restarts it, as its supervisor (systemd, Kubernetes) would."""
+        pool.ensure(0)
+        (solo,) = engine_pool.ensure(1)
+        source = workload(tmp_path, seed=19)
+        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
+        wait_mid_shard(fault_env, job.id, [solo])
+        core = solo.engine_core()
+        assert core is not None, f"no EngineCore process under {solo.name}"
+        solo.record_descendants()
+        core.kill()
+        killed_at = time.monotonic()
+        restarts: list[str] = []
+        current = [solo]
+
+        def supervise(_polled):
+            worker = current[0]
+            if not worker.alive():
+                code = worker.proc.returncode
+                assert code != 0, f"{worker.name} exited with 0 with a job left"
+                restarts.append(f"{worker.name} exited with {code}")
+                current[0] = engine_pool.replace(worker)
+
+        job, shards = wait_until_final(fault_env, job.id, current, on_poll=supervise)
+        took = time.monotonic() - killed_at
+        assert_completed_exactly_once(fault_env, job, shards, source, current)
+        recovery(
+            "one worker, engine kill -> completed",
+            took,
+            "; ".join(restarts) + " -> restarted by the test"
+            if restarts
+            else f"{solo.name} rebuilt its engine (no restart)",
+        )
 
 
 class TestWorkerLoss:
@@ -538,43 +577,6 @@ class TestWorkerLoss:
         assert "handed back" in victim.log(), victim.tail()
         recovery("SIGTERM -> worker exited 0", exited, f"{victim.name} on shard {shard.index}")
         recovery("SIGTERM -> completed", took, "shard handed back, no lease wait")
-
-    def test_with_one_worker_a_killed_engine_still_lets_the_job_complete(
-        self, pool, engine_pool, fault_env, tmp_path, recovery
-    ):
-        """The only worker loses its engine mid-shard. It rebuilds its engine, or it exits
-        non-zero and the test restarts it, as its supervisor (systemd, Kubernetes) would."""
-        pool.ensure(0)
-        (solo,) = engine_pool.ensure(1)
-        source = workload(tmp_path, seed=19)
-        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        wait_mid_shard(fault_env, job.id, [solo])
-        core = solo.engine_core()
-        assert core is not None, f"no EngineCore process under {solo.name}"
-        solo.record_descendants()
-        core.kill()
-        killed_at = time.monotonic()
-        restarts: list[str] = []
-        current = [solo]
-
-        def supervise(_polled):
-            worker = current[0]
-            if not worker.alive():
-                code = worker.proc.returncode
-                assert code != 0, f"{worker.name} exited with 0 with a job left"
-                restarts.append(f"{worker.name} exited with {code}")
-                current[0] = engine_pool.replace(worker)
-
-        job, shards = wait_until_final(fault_env, job.id, current, on_poll=supervise)
-        took = time.monotonic() - killed_at
-        assert_completed_exactly_once(fault_env, job, shards, source, current)
-        recovery(
-            "one worker, engine kill -> completed",
-            took,
-            "; ".join(restarts) + " -> restarted by the test"
-            if restarts
-            else f"{solo.name} rebuilt its engine (no restart)",
-        )
 
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
         self, pool, engine_pool, fault_env, tmp_path, recovery
