@@ -302,8 +302,8 @@ def tails(workers: list[Worker]) -> str:
 
 
 def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir: Path) -> None:
-    """One small shard per worker, so each builds its engine (the slow part, and slower for one
-    worker than the other) before the tests time or balance anything."""
+    """One small shard per worker, so each has built its engine (the slow part of a vLLM
+    worker) and taken work before the tests time or balance anything."""
     from batchllm.demo.workload import write_workload
     from batchllm.store.db import session_scope
     from batchllm.store.models import Job, JobStatus
