@@ -155,6 +155,15 @@ def cancel(job_id: str) -> None:
     "with filler text (jobs record the hardware 'none (instant engine)'). For measuring a "
     "fleet's own costs: `python -m benchmarks.fleet`.",
 )
+@click.option(
+    "--instant-step-seconds",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --engine instant: each engine step takes this long and gives every running "
+    "request one token, so a request takes max_tokens steps (0: answers at once). Gives a "
+    "simulated job a duration set by the clock, e.g. to cancel it or kill its worker part-way.",
+)
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(
     "--concurrency",
@@ -193,6 +202,7 @@ def worker(
     model: str,
     allow_rebuild: bool,
     engine_kind: str,
+    instant_step_seconds: float,
     queues: str | None,
     concurrency: int,
     name: str | None,
@@ -252,7 +262,12 @@ def worker(
             check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
         child_args = _forwarded(model, allow_rebuild, queues, loglevel, click.get_current_context())
         if instant:
-            child_args += ["--engine", "instant"]
+            child_args += [
+                "--engine",
+                "instant",
+                "--instant-step-seconds",
+                str(instant_step_seconds),
+            ]
         _supervise(concurrency, child_args, name, metrics_port, verbose)
         return
     if metrics_port is not None:
@@ -272,7 +287,13 @@ def worker(
     )
     try:
         # logs "engine ready in"
-        start_engine(model, options, allow_rebuild=allow_rebuild, instant=instant)
+        start_engine(
+            model,
+            options,
+            allow_rebuild=allow_rebuild,
+            instant=instant,
+            instant_step_seconds=instant_step_seconds,
+        )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
     app.worker_main(

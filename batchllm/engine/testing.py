@@ -175,16 +175,31 @@ class _Params:
 class InstantEngine:
     """An Engine whose generation answers at once: every request finishes at its max_tokens in
     the step after it was added. Preparation is the real one (the model's tokenizer and chat
-    template, vllm_engine's sampling settings)."""
+    template, vllm_engine's sampling settings).
+
+    `step_seconds` > 0 paces it instead: each step takes that long and gives every running
+    request (at most `max_num_seqs`) one token, so a request finishes after max_tokens steps.
+    A job then takes a time set by the clock, not by the machine: long enough for a test to
+    cancel it, expire it or kill its worker part-way, on any machine."""
 
     version = "instant"
     hardware = "none (instant engine)"
 
-    def __init__(self, *, tokenizer: Any, max_model_len: int, max_num_seqs: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        step_seconds: float = 0.0,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.step_seconds = step_seconds
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
+        # request id -> [prompt tokens, max tokens, tokens generated]: paced requests only
+        self._running: dict[str, list[int]] = {}
         self.prepare_seconds = 0.0  # tokenization, which vLLM does for text prompts too
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
@@ -201,29 +216,48 @@ class InstantEngine:
         self._queue.append((request_id, len(token_ids), params.max_tokens))
 
     def step(self) -> list[Finished]:
+        if self.step_seconds > 0:
+            return self._paced_step()
         done = []
         for _ in range(min(self.max_num_seqs, len(self._queue))):
             request_id, prompt_tokens, max_tokens = self._queue.popleft()
-            done.append(
-                Finished(
-                    request_id=request_id,
-                    finish_reason="length",
-                    text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=max_tokens,
-                )
-            )
+            done.append(_finished(request_id, prompt_tokens, max_tokens))
+        return done
+
+    def _paced_step(self) -> list[Finished]:
+        time.sleep(self.step_seconds)
+        while self._queue and len(self._running) < self.max_num_seqs:
+            request_id, prompt_tokens, max_tokens = self._queue.popleft()
+            self._running[request_id] = [prompt_tokens, max_tokens, 0]
+        done = []
+        for request_id, state in list(self._running.items()):
+            state[2] += 1
+            if state[2] >= state[1]:
+                del self._running[request_id]
+                done.append(_finished(request_id, state[0], state[1]))
         return done
 
     def has_unfinished(self) -> bool:
-        return bool(self._queue)
+        return bool(self._queue or self._running)
 
     def abort(self, request_ids: list[str]) -> None:
         gone = set(request_ids)
         self._queue = collections.deque(q for q in self._queue if q[0] not in gone)
+        for request_id in gone:
+            self._running.pop(request_id, None)
 
     def shutdown(self) -> None:
         pass
+
+
+def _finished(request_id: str, prompt_tokens: int, max_tokens: int) -> Finished:
+    return Finished(
+        request_id=request_id,
+        finish_reason="length",
+        text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
+        prompt_tokens=prompt_tokens,
+        completion_tokens=max_tokens,
+    )
 
 
 class InstantEngines:

@@ -46,8 +46,9 @@ class InstantWorkerEngine:
     """A WorkerEngine (an EngineSource) over an InstantEngine: same start/unmet/get/close, no
     vLLM imported, ~100 MB a process (the tokenizer and the worker itself)."""
 
-    def __init__(self, model: str, options: EngineOptions) -> None:
+    def __init__(self, model: str, options: EngineOptions, *, step_seconds: float = 0.0) -> None:
         self.model, self.options = model, options
+        self.step_seconds = step_seconds  # InstantEngine's pace: 0 answers at once
         self.profile: EngineProfile | None = None
         self.engine: InstantEngine | None = None
 
@@ -58,11 +59,14 @@ class InstantWorkerEngine:
             tokenizer=light_tokenizer(self.model),
             max_model_len=max_model_len,
             max_num_seqs=self.options.max_num_seqs or 256,
+            step_seconds=self.step_seconds,
         )
         self.profile = EngineProfile.of(
             self.model, self.options, max_model_len=max_model_len, dtype=INSTANT_DTYPE
         )
         metrics.engine_profile(self.profile.as_dict())
+        # Counted as a vLLM worker counts its engine: a simulated fleet's metrics read the same.
+        metrics.engine_started(self.model, time.monotonic() - started)
         log.warning(
             "INSTANT ENGINE (simulation): no generation, every request answers at once with "
             "filler text; jobs record hardware %r. Never use for real jobs.",

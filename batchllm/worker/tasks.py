@@ -50,14 +50,20 @@ def _json_logs(logger=None, **_kwargs) -> None:
 
 
 def start_engine(
-    model: str, options: EngineOptions, *, allow_rebuild: bool, instant: bool = False
+    model: str,
+    options: EngineOptions,
+    *,
+    allow_rebuild: bool,
+    instant: bool = False,
+    instant_step_seconds: float = 0.0,
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine; the worker says ready (and takes tasks) after.
-    `instant`: the simulation engine (execution/instant.py), never vLLM."""
+    `instant`: the simulation engine (execution/instant.py), never vLLM, paced by
+    `instant_step_seconds` (engine/testing.py's InstantEngine)."""
     global _engines
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
-        engine = InstantWorkerEngine(model, options)
+        engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
     else:
         engine = WorkerEngine(model, options, allow_rebuild=allow_rebuild)
     _engines = engine

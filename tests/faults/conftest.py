@@ -1,6 +1,8 @@
-"""Fixtures for the fault suite (tests/faults): the private Redis and PostgreSQL, the pool of
-real workers, the recovery-time table printed at the end of the run, and worker and service log
-tails attached to a failing test's report. The machinery itself is in harness.py.
+"""Fixtures for the fault suite (tests/faults): the private Redis and PostgreSQL, the pools of
+real worker processes (`pool`: paced instant engines, for the cases about orchestration;
+`engine_pool`: vLLM engines, for the cases about the engine and its processes), the
+recovery-time table printed at the end of the run, and worker and service log tails attached to
+a failing test's report. The machinery itself is in tests/support/faults.py.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tests.support.faults import (
     stop_all_workers,
     tail,
 )
-from tests.support.fleet import fleet_env_vars, settings_of
+from tests.support.fleet import INSTANT_ARGS, fleet_env_vars, settings_of
 from tests.support.skips import require
 
 
@@ -84,16 +86,36 @@ def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         postgres.destroy()
 
 
-@pytest.fixture(scope="module")
+# The fault cases catch a shard part-way (some rows committed, many to go) by polling the
+# database: at one token per request every 50 ms, a 250-row shard of 24-80 tokens runs 1.2-4 s
+# and commits its rows over ~3 s, whatever the machine's speed.
+FAULT_INSTANT_ARGS = (*INSTANT_ARGS, "--instant-step-seconds", "0.05")
+
+
+@pytest.fixture(scope="session")
 def pool(fault_env: FaultEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    workers = Pool(fault_env, tmp_path_factory.mktemp("workers"))
+    """Paced instant-engine workers (ready in seconds), shared by the session's cases."""
+    workers = Pool(
+        fault_env,
+        tmp_path_factory.mktemp("workers"),
+        engine_args=FAULT_INSTANT_ARGS,
+        label="faults",
+    )
     try:
         yield workers
     finally:
-        for worker in list(workers.workers):
-            worker.terminate()
-        for worker in list(workers.workers):
-            worker.stop()
+        workers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(fault_env: FaultEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    """vLLM workers (an engine build each, 20-90 s), shared by the session's cases whose
+    subject is the engine or its processes."""
+    workers = Pool(fault_env, tmp_path_factory.mktemp("engine-workers"), label="engine")
+    try:
+        yield workers
+    finally:
+        workers.stop_all()
 
 
 # -- recovery times ------------------------------------------------------------------------

@@ -9,9 +9,12 @@ row has a finish reason other than stop/length or fewer tokens than it asked for
 runs with ignore_eos, so an `ok` row cut short by an abort would show). The measured recovery
 time of each case goes to the "fault recovery times" table at the end of the run.
 
-The workers live in one module-wide pool: the cases that kill nothing share a warm pair; a case
-that kills a worker leaves the next one to start a replacement (one engine start), and the
-cases are ordered so that as few engines as possible are built.
+The workers live in session-wide pools (tests/faults/conftest.py). The cases about
+orchestration (services going away, a worker killed mid-shard or while finalizing, a cancel)
+run paced instant-engine workers, which start in seconds. The cases whose subject is the engine
+or its processes (an EngineCore killed, a worker's engine processes dying with it) run one vLLM
+worker beside an instant partner that takes over what it loses, and are ordered so that as few
+engines as possible are built.
 """
 
 from __future__ import annotations
@@ -260,8 +263,23 @@ def end_active_jobs(env: FaultEnv) -> None:
         pass
 
 
+def instant_workers(pool: Pool, engine_pool: Pool, count: int) -> list[Worker]:
+    """`count` instant-engine workers, and no vLLM worker left to take the case's shards."""
+    engine_pool.ensure(0)
+    return pool.ensure(count)
+
+
+def engine_and_partner(pool: Pool, engine_pool: Pool) -> tuple[Worker, Worker]:
+    """A vLLM worker (the case's subject) and an instant-engine partner on the same queue,
+    which takes over what the vLLM worker loses. The vLLM worker is proven alone first."""
+    pool.ensure(0)
+    (engine_worker,) = engine_pool.ensure(1)
+    (partner,) = pool.ensure(1)
+    return engine_worker, partner
+
+
 @pytest.fixture(autouse=True)
-def settle(request, fault_env: FaultEnv, pool: Pool):
+def settle(request, fault_env: FaultEnv, pool: Pool, engine_pool: Pool):
     """After each case: both services up again, no job left running; after a failed case the
     workers are proven (or replaced) before the next case relies on them."""
     yield
@@ -272,7 +290,7 @@ def settle(request, fault_env: FaultEnv, pool: Pool):
     end_active_jobs(fault_env)
     report = getattr(request.node, "rep_call", None)
     if report is None or report.failed:
-        pool.suspect = True
+        pool.suspect = engine_pool.suspect = True
 
 
 # -- the cases -----------------------------------------------------------------------------
@@ -282,9 +300,9 @@ class TestPrivateFleet:
     """The harness itself: the private services and a warm pair run a job to completion."""
 
     def test_a_pair_of_workers_completes_a_job_on_the_private_redis_and_postgres(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         assert fault_env.redis.port not in (6379,) and fault_env.postgres.port != 5432
         source = workload(tmp_path, seed=10)
         started = time.monotonic()
@@ -305,9 +323,9 @@ class TestServiceOutages:
     """A warm pair; Redis and PostgreSQL go away and come back while a job runs."""
 
     def test_a_redis_restart_while_shard_tasks_wait_in_the_queue_loses_no_shard(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         source = workload(tmp_path, seed=11)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
 
@@ -329,9 +347,9 @@ class TestServiceOutages:
         recovery("redis restart -> completed", took, f"{waiting} queued tasks were lost")
 
     def test_a_redis_restart_while_shards_run_loses_no_row(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         source = workload(tmp_path, seed=12, tokens=LONG_TOKENS)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(LONG_TOKENS))
 
@@ -357,9 +375,9 @@ class TestServiceOutages:
         )
 
     def test_postgresql_down_for_30_seconds_mid_job_loses_no_row(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         source = workload(tmp_path, seed=13)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
         wait_mid_shard(fault_env, job.id, pair)
@@ -394,17 +412,18 @@ class TestServiceOutages:
 
 
 class TestEngineLoss:
-    """kill -9 of a worker's VLLM::EngineCore process (the engine dies, the worker lives)."""
+    """kill -9 of a worker's VLLM::EngineCore process (the engine dies, the worker lives). The
+    vLLM worker that rebuilds its engine in the first case is the one of the next cases (the
+    second and TestWorkerLoss's first), so each kill costs one engine build, not two."""
 
     def test_a_killed_engine_loses_no_row_and_its_worker_serves_again_or_exits(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
-        workers = by_name(pair)
+        victim, partner = engine_and_partner(pool, engine_pool)
+        pair = [victim, partner]
         source = workload(tmp_path, seed=14)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, pair)
-        victim = workers[shard.worker]
+        shard = wait_mid_shard(fault_env, job.id, [victim])
         core = victim.engine_core()
         assert core is not None, f"no EngineCore process under {victim.name}"
         victim.record_descendants()
@@ -446,20 +465,55 @@ class TestEngineLoss:
                 f"{victim.name} rebuilt its engine and served the next job",
             )
 
+    def test_with_one_worker_a_killed_engine_still_lets_the_job_complete(
+        self, pool, engine_pool, fault_env, tmp_path, recovery
+    ):
+        """The only worker loses its engine mid-shard. It rebuilds its engine, or it exits
+        non-zero and the test restarts it, as its supervisor (systemd, Kubernetes) would."""
+        pool.ensure(0)
+        (solo,) = engine_pool.ensure(1)
+        source = workload(tmp_path, seed=19)
+        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
+        wait_mid_shard(fault_env, job.id, [solo])
+        core = solo.engine_core()
+        assert core is not None, f"no EngineCore process under {solo.name}"
+        solo.record_descendants()
+        core.kill()
+        killed_at = time.monotonic()
+        restarts: list[str] = []
+        current = [solo]
+
+        def supervise(_polled):
+            worker = current[0]
+            if not worker.alive():
+                code = worker.proc.returncode
+                assert code != 0, f"{worker.name} exited with 0 with a job left"
+                restarts.append(f"{worker.name} exited with {code}")
+                current[0] = engine_pool.replace(worker)
+
+        job, shards = wait_until_final(fault_env, job.id, current, on_poll=supervise)
+        took = time.monotonic() - killed_at
+        assert_completed_exactly_once(fault_env, job, shards, source, current)
+        recovery(
+            "one worker, engine kill -> completed",
+            took,
+            "; ".join(restarts) + " -> restarted by the test"
+            if restarts
+            else f"{solo.name} rebuilt its engine (no restart)",
+        )
+
 
 class TestWorkerLoss:
     """kill -9 of a worker's main process mid-shard, as an OOM killer would."""
 
     def test_a_worker_killed_mid_shard_loses_no_row_and_leaves_no_engine_process(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
-        workers = by_name(pair)
+        victim, survivor = engine_and_partner(pool, engine_pool)
+        pair = [victim, survivor]
         source = workload(tmp_path, seed=15)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, pair)
-        victim = workers[shard.worker]
-        survivor = next(w for w in pair if w is not victim)
+        shard = wait_mid_shard(fault_env, job.id, [victim])
         children = victim.record_descendants()
         assert any("VLLM" in t or "EngineCore" in t for t in alive_of(children).values()), (
             f"no engine process recorded under {victim.name}: {alive_of(children)}"
@@ -495,20 +549,18 @@ class TestWorkerLoss:
         )
 
     def test_a_worker_stopped_with_sigterm_hands_its_shard_back_at_once_and_exits_cleanly(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
         """A warm shutdown (a deploy, a scale-down): the running shard commits its finished
         rows and goes back to the queue without waiting for a lease; the worker exits 0 and
         takes its engine processes with it."""
-        pair = pool.ensure(2)
-        workers = by_name(pair)
+        victim, survivor = engine_and_partner(pool, engine_pool)
+        pair = [victim, survivor]
         source = workload(tmp_path, seed=21)
         # Long shards, stopped with most of the shard to go: a 250-row shard here can finish in
         # the second before the runner sees the stop, and then there is nothing to hand back.
         job = fault_env.submit(source, shard_size=1000, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, pair, min_left=600)
-        victim = workers[shard.worker]
-        survivor = next(w for w in pair if w is not victim)
+        shard = wait_mid_shard(fault_env, job.id, [victim], min_left=600)
         children = victim.record_descendants()
         stopped_at = time.monotonic()
         victim.terminate()
@@ -527,9 +579,9 @@ class TestWorkerLoss:
         recovery("SIGTERM -> completed", took, "shard handed back, no lease wait")
 
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=16, tokens=(48, 120))
         expected = expected_rows(source)
@@ -564,9 +616,9 @@ class TestWorkerLoss:
         )
 
     def test_two_faults_in_one_job_a_worker_kill_and_a_redis_restart_lose_no_row(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         workers = by_name(pair)
         source = workload(tmp_path, seed=17)
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
@@ -595,7 +647,7 @@ class TestWorkerLoss:
         )
 
     def test_a_job_whose_worker_is_killed_while_finalizing_is_finalized_by_the_reconciler(
-        self, pool, fault_env, tmp_path, recovery
+        self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
         """A worker killed between the job's move to `finalizing` and its completion.
 
@@ -612,7 +664,7 @@ class TestWorkerLoss:
         Whether the killed worker had already written `_SUCCESS` when it died depends on where
         its completing UPDATE is flushed; the test reports it in the recovery table.
         """
-        pair = pool.ensure(2)
+        pair = instant_workers(pool, engine_pool, 2)
         source = workload(tmp_path, seed=18, tokens=(8, 24))
         job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=24)
         with fault_env.postgres.connect() as conn:
@@ -676,42 +728,6 @@ class TestWorkerLoss:
             f"{victim.name} (ended the last shard: {last_ender}) killed "
             f"{opened_at - killed_at:.1f}s before the gate opened; _SUCCESS "
             f"{'already' if early_success else 'not yet'} written then",
-        )
-
-    def test_with_one_worker_a_killed_engine_still_lets_the_job_complete(
-        self, pool, fault_env, tmp_path, recovery
-    ):
-        """The only worker loses its engine mid-shard. It rebuilds its engine, or it exits
-        non-zero and the test restarts it, as its supervisor (systemd, Kubernetes) would."""
-        (solo,) = pool.ensure(1)
-        source = workload(tmp_path, seed=19)
-        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        wait_mid_shard(fault_env, job.id, [solo])
-        core = solo.engine_core()
-        assert core is not None, f"no EngineCore process under {solo.name}"
-        solo.record_descendants()
-        core.kill()
-        killed_at = time.monotonic()
-        restarts: list[str] = []
-        current = [solo]
-
-        def supervise(_polled):
-            worker = current[0]
-            if not worker.alive():
-                code = worker.proc.returncode
-                assert code != 0, f"{worker.name} exited with 0 with a job left"
-                restarts.append(f"{worker.name} exited with {code}")
-                current[0] = pool.replace(worker)
-
-        job, shards = wait_until_final(fault_env, job.id, current, on_poll=supervise)
-        took = time.monotonic() - killed_at
-        assert_completed_exactly_once(fault_env, job, shards, source, current)
-        recovery(
-            "one worker, engine kill -> completed",
-            took,
-            "; ".join(restarts) + " -> restarted by the test"
-            if restarts
-            else f"{solo.name} rebuilt its engine (no restart)",
         )
 
 

@@ -1,8 +1,9 @@
 """`batchllm serve` with its storage in a bucket (BATCHLLM_STORAGE=s3://bucket/prefix on moto's
 S3 server): the official `openai` client uploads a file, creates a batch that a real worker
-runs, and downloads the output and error files. Each object is also read straight from the
-bucket, with a pyarrow filesystem built independently of batchllm, and nothing lands on the
-local disk's default storage.
+runs (on the instant engine: the storage is the subject, not generation), and downloads the
+output and error files. Each object is also read straight from the bucket, with a pyarrow
+filesystem built independently of batchllm, and nothing lands on the local disk's default
+storage.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import pytest
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, StoredFile
-from tests.integration.conftest import FleetEnv, Worker, stop_workers
-from tests.integration.test_batch_api import (
+from tests.support.fleet import INSTANT_ARGS, FleetEnv, Worker, stop_workers
+from tests.support.s3server import S3Server, moto_server
+from tests.support.serve import (
     CHAT,
-    FIRST_BATCH_SECONDS,
     Server,
     assert_invalid_lines,
     assert_ok_lines,
@@ -30,7 +31,6 @@ from tests.integration.test_batch_api import (
     jsonl,
     wait_for,
 )
-from tests.support.s3server import S3Server, moto_server
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402
@@ -94,7 +94,13 @@ def s3_api(
         assert settings.resolved_storage == f"s3://{bucket}/{PREFIX}"
         s3_fleet = FleetEnv(settings=settings, env=env, redis=fleet_env.redis)
         key = create_key(s3_fleet, "s3-tenant")
-        worker = Worker("api-s3@test", model=model, env=env, log_path=work / "worker.log")
+        worker = Worker(
+            "api-s3@test",
+            model=model,
+            env=env,
+            log_path=work / "worker.log",
+            engine_args=INSTANT_ARGS,
+        )
         server = Server(env, work / "serve.log")
         try:
             server.wait_healthy()
@@ -126,7 +132,7 @@ def test_a_batch_runs_from_upload_to_output_download_with_every_file_in_the_buck
 
     done = wait_for(
         ended,
-        timeout=FIRST_BATCH_SECONDS,  # the worker's engine is built while the batch waits
+        timeout=300,
         what=lambda: f"batch {batch.id} to end{s3_api.logs()}",
     )
     assert done.status == "completed", f"{done}{s3_api.logs()}"

@@ -1,25 +1,21 @@
 """`batchllm serve` end to end, driven by the official `openai` client: a real server process
-with API keys, a real `batchllm worker` running the tiny model through vLLM, the isolated
-PostgreSQL database and Redis database of conftest's fleet_env.
+with API keys, a real `batchllm worker` on the paced instant engine (the tiny model's tokenizer
+and chat template; every request answers with filler text at its max_tokens, one token per
+20 ms: tests/support/fleet.py), the isolated PostgreSQL database and Redis database of
+conftest's fleet_env. What is checked is the API and the fleet, not generation: the served
+answers of a real model are tests/integration/test_real_model_api.py's subject, tool-call
+parsing tests/engine/test_reasoning_tools_responses.py's.
 
-One worker serves every batch of the module: the first batch builds its engine (the slow part),
-the others find it warm. Its reconciler runs every 2 s, so completion windows of seconds expire
-within a test.
+One worker serves every batch of the module. Its reconciler runs every 2 s, so completion
+windows of seconds expire within a test.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -27,22 +23,30 @@ from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
 from batchllm.store.models import StoredFile
-from tests.integration.conftest import FleetEnv, Worker, stop_workers
-from tests.support import job_checks
-from tests.support.fleet import HOST, REPO
-from tests.support.ports import free_port
+from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv, Worker, stop_workers
+from tests.support.serve import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    Api,
+    Server,
+    assert_invalid_lines,
+    assert_ok_lines,
+    chat_line,
+    completion_line,
+    create_key,
+    jsonl,
+    read_jsonl,
+    upload,
+    wait_for,
+    wait_status,
+)
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402
-from openai.types import Batch, Completion, FileObject  # noqa: E402
+from openai.types import Batch, Completion  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
-from openai.types.shared import ErrorObject  # noqa: E402
 
-T = TypeVar("T")
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
 MAX_FILE_BYTES = 4 * 1024 * 1024
 # A 1x1 PNG.
 PNG_DATA_URL = (
@@ -50,100 +54,15 @@ PNG_DATA_URL = (
     "/pLvAAAAAElFTkSuQmCC"
 )
 RECONCILE_SECONDS = "2"
-# Long enough that cancelling or expiring it always finds rows done and rows left: about
-# 100 s on a loaded 2-core machine (~100 rows/s), and it is stopped after a few seconds.
+# Long enough that cancelling or expiring it always finds rows done and rows left: on the
+# paced instant engine 256 rows of 16-48 tokens take about a second, so 10,000 about 40 s
+# whatever the machine, and it is stopped after a few seconds.
 BIG_LINES = 10_000
-FIRST_BATCH_SECONDS = 600  # the engine is built while the first batch waits
+FIRST_BATCH_SECONDS = 300
 BATCH_SECONDS = 300
 
 
-# -- the server, its keys and the worker ----------------------------------------------------
-
-
-class Server:
-    """A `batchllm serve` process in its own process group, its output in a log file."""
-
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://{HOST}:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "serve", "--host", HOST, "--port", str(self.port)],
-            env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).json() == {"status": "ok"}:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"serve not up after {timeout:.0f}s:\n{self.tail()}")
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
-        self._log.close()
-
-
-@dataclass
-class Api:
-    fleet_env: FleetEnv
-    server: Server
-    worker: Worker
-    model: str
-    keys: dict[str, str]
-
-    def client(self, key: str | None = None, **options: Any) -> OpenAI:
-        # No retries: a 409 or 5xx must show, not be retried away.
-        return OpenAI(
-            base_url=f"{self.server.base_url}/v1",
-            api_key=key if key is not None else self.keys["alice"],
-            max_retries=0,
-            timeout=120,
-            **options,
-        )
-
-    def logs(self) -> str:
-        return (
-            f"\n--- serve log (tail) ---\n{self.server.tail()}"
-            f"\n--- worker log (tail) ---\n{self.worker.tail()}"
-        )
-
-    @property
-    def files_dir(self) -> Path:
-        return Path(self.fleet_env.settings.resolved_storage) / "files"
-
-
-def create_key(fleet_env: FleetEnv, name: str) -> str:
-    done = fleet_env.cli("keys", "create", name)
-    assert done.returncode == 0, done.stderr
-    key = done.stdout.strip()
-    assert key.startswith("sk-batchllm-") and "\n" not in key, done.stdout
-    return key
+# -- the server and its worker ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +82,7 @@ def api(
         model=tiny_model,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
         log_path=work / "worker.log",
+        engine_args=PACED_INSTANT_ARGS,
     )
     server = Server(env, work / "serve.log")
     try:
@@ -175,70 +95,6 @@ def api(
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def wait_for(check: Callable[[], T | None], *, timeout: float, what: Callable[[], str]) -> T:
-    return job_checks.wait_for(check, timeout=timeout, what=what, interval=0.5)
-
-
-def wait_status(api: Api, client: OpenAI, batch_id: str, status: str, timeout: float) -> Batch:
-    last: list[Batch] = []
-
-    def reached() -> Batch | None:
-        batch = client.batches.retrieve(batch_id)
-        last[:] = [batch]
-        if batch.status in ("failed", "completed", "cancelled", "expired"):
-            assert batch.status == status, f"batch {batch.status}: {batch}{api.logs()}"
-            return batch
-        return None
-
-    return wait_for(
-        reached,
-        timeout=timeout,
-        what=lambda: f"batch {batch_id} to be {status} (last: {last}){api.logs()}",
-    )
-
-
-def jsonl(lines: list[dict[str, Any] | str]) -> bytes:
-    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
-
-
-def upload(client: OpenAI, content: bytes, name: str = "input.jsonl") -> FileObject:
-    file = client.files.create(file=(name, content), purpose="batch")
-    assert (file.purpose, file.bytes, file.filename) == ("batch", len(content), name)
-    return file
-
-
-def read_jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    assert file_id is not None
-    stored = client.files.retrieve(file_id)
-    content = client.files.content(file_id).content
-    assert (stored.purpose, stored.bytes) == ("batch_output", len(content))
-    return [json.loads(line) for line in content.decode().splitlines()]
-
-
-def chat_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": CHAT,
-        "body": {
-            "model": model,
-            "messages": [{"role": "user", "content": f"Say something about {custom_id}."}],
-            "max_tokens": 8,
-            "temperature": 0,
-            **body,
-        },
-    }
-
-
-def completion_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": COMPLETIONS,
-        "body": {"model": model, "prompt": f"Once upon {custom_id}", "max_tokens": 8, **body},
-    }
 
 
 def big_batch(api: Api) -> bytes:
@@ -265,36 +121,6 @@ def big_batch(api: Api) -> bytes:
 
 def big_tokens(i: int) -> int:
     return 16 + i % 33
-
-
-def assert_ok_lines(
-    lines: list[dict[str, Any]], response_type: type, model: str
-) -> tuple[int, int]:
-    """Every output line as OpenAI writes it; returns the summed (prompt, completion) tokens."""
-    prompt = completion = 0
-    for line in lines:
-        assert line["id"].startswith("batch_req_") and line["error"] is None, line
-        response = line["response"]
-        assert response["status_code"] == 200 and response["request_id"], line
-        body = response_type.model_validate(response["body"])
-        assert body.model == model and len(body.choices) == 1
-        assert body.usage is not None
-        assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
-        prompt += body.usage.prompt_tokens
-        completion += body.usage.completion_tokens
-    assert len({line["id"] for line in lines}) == len(lines)
-    return prompt, completion
-
-
-def assert_invalid_lines(lines: list[dict[str, Any]], params: dict[str, str | None]) -> None:
-    """Every error line a 400 answer naming the parameter at fault, as OpenAI writes it."""
-    assert sorted(line["custom_id"] for line in lines) == sorted(params)
-    for line in lines:
-        assert line["id"].startswith("batch_req_") and line["error"] is None, line
-        assert line["response"]["status_code"] == 400, line
-        error = ErrorObject.model_validate(line["response"]["body"]["error"])
-        assert error.type == "invalid_request_error" and error.message and error.code, line
-        assert error.param == params[line["custom_id"]], line
 
 
 def refused_batch(client: OpenAI) -> Batch:
@@ -476,7 +302,9 @@ def test_a_completions_batch_completes(api: Api) -> None:
 
 def test_a_responses_batch_answers_with_response_objects(api: Api) -> None:
     """/v1/responses lines through serve and a fleet worker: Response objects the SDK parses,
-    a forced tool call as a function_call item, the batch's tool parser from its metadata."""
+    a line's tools and forced tool choice carried to its answer. (That a forced tool call comes
+    back as a function_call item is the real engine's part: tests/engine/
+    test_reasoning_tools_responses.py::test_responses_lines_give_response_objects_the_sdk_parses.)"""
     from openai.types.responses import Response
 
     city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
@@ -528,8 +356,11 @@ def test_a_responses_batch_answers_with_response_objects(api: Api) -> None:
     assert text.output[0].type == "message" and text.usage.output_tokens <= 6
     assert text.status == ("incomplete" if text.usage.output_tokens == 6 else "completed")
     tool = Response.model_validate(output["resp-tool"]["response"]["body"])
-    assert tool.output[0].type == "function_call" and tool.output[0].name == "get_weather"
-    assert tool.output[0].call_id.startswith("call_")
+    assert tool.object == "response" and tool.model == api.model
+    assert tool.tool_choice.type == "function" and tool.tool_choice.name == "get_weather"
+    assert [t.name for t in tool.tools] == ["get_weather"]
+    # The instant engine answers every line at its max_output_tokens.
+    assert (tool.status, tool.usage.output_tokens) == ("incomplete", 30)
     assert_invalid_lines(read_jsonl(client, batch.error_file_id), {"resp-bad": "text.format.type"})
 
 

@@ -1,6 +1,7 @@
 """The dashboard (/ui) in a real browser: headless Chromium (Debian's package) driven by
-Playwright, against a real `batchllm serve` with API keys and a real `batchllm worker` running the
-tiny model, on conftest's isolated PostgreSQL and Redis databases.
+Playwright, against a real `batchllm serve` with API keys and a real `batchllm worker` on the paced
+instant engine (the pages are the subject, not generation), on conftest's isolated PostgreSQL
+and Redis databases.
 
 The tests look at what a person would: the batch's row and its progress appear and move without
 a reload, the chart gains points as checkpoints commit, the job ends completed with its errors
@@ -28,18 +29,17 @@ import pytest
 from batchllm.api import keys
 from batchllm.store.db import session_scope
 from batchllm.store.states import JobStatus
-from tests.integration.conftest import FleetEnv, Worker, stop_workers
-from tests.integration.test_batch_api import Server
 from tests.support import job_checks
-from tests.support.fleet import REPO
+from tests.support.fleet import PACED_INSTANT_ARGS, REPO, FleetEnv, Worker, stop_workers
+from tests.support.serve import Server
 from tests.support.skips import require
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = REPO / "docs" / "img"
 CHAT = "/v1/chat/completions"
-# Long enough to watch (2,000 lines took 23-30 s on a loaded 2-core machine but 8 s on a
-# quiet one, two page refreshes: too close to a job that ends before the chart moves), short
-# enough for the suite: rows generate 16-48 tokens each (ignore_eos).
+# Long enough to watch, short enough for the suite: rows generate 16-48 tokens each on the
+# paced instant engine (one token per request every 20 ms, 256 at a time), so 4,000 lines take
+# about 16 s and 8,000 about 32 s whatever the machine's speed.
 FOLLOWED_LINES = 4000
 CANCELLED_LINES = 8000
 SHARD_SIZE = "500"
@@ -136,6 +136,7 @@ def dashboard(
         model=tiny_model,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
         log_path=work / "worker.log",
+        engine_args=PACED_INSTANT_ARGS,
     )
     server = Server(env, work / "serve.log")
     try:

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
-from tests.integration.conftest import FleetEnv
-from tests.support.fleet import REPO
+from tests.support.fleet import REPO, FleetEnv
 from tests.support.services import postgres_database
 
 pytestmark = pytest.mark.integration

@@ -1,9 +1,8 @@
 """The Celery worker fleet end to end: real Redis and PostgreSQL, real `batchllm worker`
-processes running the tiny model through vLLM.
-
-Every job uses the same engine options (conftest.ENGINE: --enforce-eager, --max-model-len 512),
-so each worker builds its engine once, while its pair warms up, and keeps it for the jobs of
-its test class.
+processes on the paced instant engine (tests/support/fleet.py PACED_INSTANT_ARGS: the tiny
+model's tokenizer and chat template, one token per running request every 20 ms), so a job lasts
+long enough to be cancelled or to lose a worker part-way on any machine. The fleet, not
+generation, is the subject; each test class has its own pair of workers.
 """
 
 from __future__ import annotations

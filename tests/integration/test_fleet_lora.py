@@ -1,4 +1,7 @@
-"""A LoRA job on the worker fleet: real Redis and PostgreSQL, real `batchllm worker` processes.
+"""A LoRA job on the worker fleet: real Redis and PostgreSQL, real `batchllm worker` processes:
+the LoRA worker builds a real vLLM engine (the adapter's effect on the text is the subject); the
+plain worker, which must leave the job alone, runs the instant engine (its queues and its
+profile, not its generation, keep the job off it).
 
 Workers own their engines, and jobs adapt to them. The job is submitted with `--lora a=PATH`
 while only a worker without LoRA is up: it waits (its queue is the LoRA one, `status` says
@@ -20,8 +23,7 @@ from batchllm.store.models import Job, JobStatus, ShardStatus
 
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).
-from tests.integration.conftest import start_workers, stop_workers, tails
-from tests.support.fleet import WORKER_ENGINE_ARGS
+from tests.support.fleet import INSTANT_ARGS, WORKER_ENGINE_ARGS, start_workers, stop_workers, tails
 from tests.support.job_checks import load_job
 
 WORKER = "lora@test"
@@ -77,7 +79,13 @@ def wait_for_status_line(fleet_env, job_id: str, text: str, workers, timeout: fl
 def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model, tmp_path):
     from batchllm.engine.models.demo_model import build_demo_adapters
 
-    workers = start_workers([PLAIN_WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
+    workers = start_workers(
+        [PLAIN_WORKER],
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=INSTANT_ARGS,
+    )
     (plain,) = workers
     try:
         # The adapter exists only now, outside the fleet's storage.
@@ -98,8 +106,12 @@ def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model
         job_id = submitted.stdout.split()[0]
         shutil.rmtree(original)  # the job runs from its stored copy
 
-        shown = wait_for_status_line(fleet_env, job_id, "waiting: none of the 1 live", workers)
-        assert f"{PLAIN_WORKER}: needs LoRA adapters" in shown
+        # Not "none of the 1 live": a worker an earlier test killed stays listed as live until
+        # its registry key expires (tests/integration/test_fleet.py kills one just before).
+        shown = wait_for_status_line(
+            fleet_env, job_id, f"{PLAIN_WORKER}: needs LoRA adapters", workers
+        )
+        assert "waiting: none of the" in shown, shown
         job, shards = load_job(fleet_env, job_id)
         assert job.status is JobStatus.QUEUED
         assert {(s.status, s.worker) for s in shards} == {(ShardStatus.QUEUED, None)}

@@ -1,5 +1,5 @@
 """`batchllm retry` of a fleet job on real services: real Redis and PostgreSQL, a real
-`batchllm worker` running the tiny model through vLLM.
+`batchllm worker` on the instant engine (the retry is the subject, not generation).
 
 A job `batchllm submit` created is cancelled while no worker is up, so none of its lines has a
 row and its shard tasks are still in the broker. A worker then starts and drains those stale
@@ -17,7 +17,7 @@ from batchllm.input.schemas import JobSpec
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.broker_tasks import shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_job
-from tests.integration.conftest import start_workers, stop_workers, tails
+from tests.support.fleet import INSTANT_ARGS, start_workers, stop_workers, tails
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
@@ -62,9 +62,8 @@ def test_a_cancelled_fleet_job_is_retried_on_the_fleet_with_one_row_per_line(
     shard_ids = {s.id for s in shards}
     assert shard_ids_in_broker(broker_url, {queue}, TASK_RUN_SHARD) >= shard_ids
 
-    # A loaded machine can take minutes to import vLLM and build the engine.
     workers = start_workers(
-        [WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path, ready_timeout=600
+        [WORKER], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path, engine_args=INSTANT_ARGS
     )
     try:
         # The cancelled shards' tasks are drained first, so the retry's own tasks are the only
@@ -81,9 +80,9 @@ def test_a_cancelled_fleet_job_is_retried_on_the_fleet_with_one_row_per_line(
 
         # Attempt 2: every line back to the fleet, followed to its end.
         try:
-            retried = fleet_env.cli("retry", job_id, "--wait", timeout=600)
+            retried = fleet_env.cli("retry", job_id, "--wait", timeout=300)
         except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"retry --wait still running after 600 s{tails(workers)}") from exc
+            raise AssertionError(f"retry --wait still running after 300 s{tails(workers)}") from exc
         assert retried.returncode == 0, retried.stdout + retried.stderr + tails(workers)
         assert f"retrying {LINES} line(s) of {job_id} ({LINES} never answered)" in retried.stderr
         assert f"{job_id}: attempt 2 queued on the fleet" in retried.stderr

@@ -12,7 +12,7 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.registry import live_workers
-from tests.integration.conftest import start_workers, stop_workers
+from tests.support.fleet import start_workers, stop_workers
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,

@@ -1,8 +1,9 @@
-"""Priorities and webhooks on a real fleet: one `batchllm worker` on the tiny model, real Redis
-and PostgreSQL. A low-priority job of many shards is submitted first and a high-priority one
-after: the worker runs the high job's shards before the low job's remaining ones, and the low
-job completes too. The high job's `notify` URL, a receiver in this process, gets its signed
-batch.completed event from the worker's reconciler."""
+"""Priorities and webhooks on a real fleet: one `batchllm worker` on the paced instant engine
+(the order of shards is the subject, not generation), real Redis and PostgreSQL. A
+low-priority job of many shards is submitted first and a high-priority one after: the worker
+runs the high job's shards before the low job's remaining ones, and the low job completes too.
+The high job's `notify` URL, a receiver in this process, gets its signed batch.completed event
+from the worker's reconciler."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ from batchllm.jobs.submit import submit_job
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
-from tests.integration.conftest import start_workers, stop_workers, tails
-from tests.support.fleet import ENGINE
+from tests.support.fleet import ENGINE, PACED_INSTANT_ARGS, start_workers, stop_workers, tails
 from tests.support.job_checks import load_job
 from tests.support.webhook_receiver import Receiver
 
 SECRET = "whsec_fleet-test"
-# Enough low shards (each a fraction of a second here) to still be queued when the high job,
+# Enough low shards (each at least 8 paced steps, ~0.2 s) to still be queued when the high job,
 # validated and sized after the low one started, arrives.
 LOW_SHARDS = 40
 ROWS_PER_SHARD = 4
@@ -63,7 +63,13 @@ def test_a_high_job_submitted_second_runs_first_and_announces_its_end(
     fleet_env, tiny_model, tmp_path
 ):
     receiver = Receiver()
-    workers = start_workers(["prio@test"], fleet_env=fleet_env, model=tiny_model, log_dir=tmp_path)
+    workers = start_workers(
+        ["prio@test"],
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=PACED_INSTANT_ARGS,
+    )
     try:
         low = _submit(
             fleet_env,

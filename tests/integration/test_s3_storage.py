@@ -1,8 +1,9 @@
 """Jobs with their storage in object storage: a real S3-compatible server (moto's server mode,
 started on 127.0.0.1 for this module) holds the inputs, the part files, `_manifest.json` and
-`_SUCCESS` of a `batchllm run` job, of a fleet job and of a fleet job whose worker is killed
-mid-shard. Each output is read back from the bucket, independently of batchllm's own reader,
-with pyarrow and with DuckDB: exactly one row per input line.
+`_SUCCESS` of a `batchllm run` job (a real engine), of a fleet job and of a fleet job whose
+worker is killed mid-shard (paced instant-engine workers). Each output is read back from the
+bucket, independently of batchllm's own reader, with pyarrow and with DuckDB: exactly one row
+per input line.
 
 DuckDB reads the bucket through pyarrow: its own S3 reader, the httpfs extension, is downloaded
 by DuckDB on first use (no network here, and the extension builds on PyPI are for older DuckDB
@@ -30,15 +31,16 @@ from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, part_name
 from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
-from tests.integration.conftest import (
+from tests.support.cli import run_cli
+from tests.support.fleet import (
+    PACED_INSTANT_ARGS,
+    REPO,
     FleetEnv,
     start_workers,
     stop_workers,
     tails,
     warm_up,
 )
-from tests.support.cli import run_cli
-from tests.support.fleet import REPO
 from tests.support.job_checks import (
     assert_exactly_once,
     checkpoints_of,
@@ -167,54 +169,18 @@ def vllm_installed() -> None:
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
 
 
-def test_batchllm_run_of_a_local_file_writes_its_output_to_the_bucket(
+def test_batchllm_run_of_an_s3_input_writes_its_output_to_the_bucket(
     vllm_installed, s3_server, bucket, s3_env, tiny_model, tmp_path
 ):
-    source = write_workload(
+    """One `batchllm run` (one real engine build: `run` has no instant engine) reads its
+    input from the bucket, stores its job there, and `--output` copies the dataset out."""
+    local = write_workload(
         tmp_path / "prompts.jsonl",
         requests=60,
         prompt_words=(4, 16),
         forms=("prompt", "chat", "openai_chat"),
         bad_lines=3,
         seed=11,
-    )
-    expected = expected_rows(source)
-    copy = tmp_path / "copy"
-    started = time.monotonic()
-
-    ran = batchllm(
-        "run",
-        str(source),
-        "--model",
-        str(tiny_model),
-        "--max-tokens",
-        "8",
-        *ENGINE_FLAGS,
-        "--output",
-        str(copy),
-        env=run_env(s3_env, tmp_path / "home"),
-        timeout=600,
-    )
-    took = time.monotonic() - started
-
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "status     completed" in ran.stdout, ran.stdout
-    assert "requests   60/60 done: 57 ok, 3 error" in ran.stdout, ran.stdout
-    job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    assert f"s3://{bucket}/{PREFIX}/{job_id}/output" in ran.stdout  # where the results are
-    counts = read_back(s3_server, bucket, job_id, expected)
-    # `--output` copied the dataset out of the bucket.
-    copied = ds.dataset(str(copy), format="parquet").to_table()
-    assert sorted(copied.column("line").to_pylist()) == list(range(1, 61))
-    assert (copy / MANIFEST_NAME).is_file() and (copy / SUCCESS_NAME).is_file()
-    print(f"\nbatchllm run (local input, s3 storage): {counts}, {took:.0f} s with engine start")
-
-
-def test_batchllm_run_of_an_s3_input(
-    vllm_installed, s3_server, bucket, s3_env, tiny_model, tmp_path
-):
-    local = write_workload(
-        tmp_path / "prompts.jsonl", requests=40, prompt_words=(4, 16), bad_lines=2, seed=12
     )
     expected = expected_rows(local)
     uri = upload(s3_server, f"{bucket}/in/run-prompts.jsonl", local)
@@ -224,6 +190,7 @@ def test_batchllm_run_of_an_s3_input(
     assert missing.returncode == 2, missing.stderr
     assert "no such file" in missing.stderr, missing.stderr
 
+    copy = tmp_path / "copy"
     started = time.monotonic()
     ran = batchllm(
         "run",
@@ -233,18 +200,26 @@ def test_batchllm_run_of_an_s3_input(
         "--max-tokens",
         "8",
         *ENGINE_FLAGS,
+        "--output",
+        str(copy),
         env=env,
         timeout=600,
     )
     took = time.monotonic() - started
 
     assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "requests   40/40 done: 38 ok, 2 error" in ran.stdout, ran.stdout
+    assert "status     completed" in ran.stdout, ran.stdout
+    assert "requests   60/60 done: 57 ok, 3 error" in ran.stdout, ran.stdout
     job_id = ran.stdout.split("job        ", 1)[1].split()[0]
+    assert f"s3://{bucket}/{PREFIX}/{job_id}/output" in ran.stdout  # where the results are
     status = batchllm("status", job_id, "--json", env=env, timeout=120)
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["input_file"] == uri
     counts = read_back(s3_server, bucket, job_id, expected)
+    # `--output` copied the dataset out of the bucket.
+    copied = ds.dataset(str(copy), format="parquet").to_table()
+    assert sorted(copied.column("line").to_pylist()) == list(range(1, 61))
+    assert (copy / MANIFEST_NAME).is_file() and (copy / SUCCESS_NAME).is_file()
     print(f"\nbatchllm run {uri}: {counts}, {took:.0f} s with engine start")
 
 
@@ -268,11 +243,15 @@ def s3_fleet_env(fleet_env: FleetEnv, s3_env: dict[str, str]) -> FleetEnv:
 
 @pytest.fixture(scope="module")
 def s3_pair(s3_fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory):
-    """Two workers whose storage is the bucket, their engines warmed up by a first job (which
-    also runs with its storage in the bucket)."""
+    """Two workers (paced instant engines: the storage is the subject) whose storage is the
+    bucket, proven by a first job (which also runs with its storage in the bucket)."""
     work_dir = tmp_path_factory.mktemp("s3-workers")
     workers = start_workers(
-        ["s3w1@test", "s3w2@test"], fleet_env=s3_fleet_env, model=tiny_model, log_dir=work_dir
+        ["s3w1@test", "s3w2@test"],
+        fleet_env=s3_fleet_env,
+        model=tiny_model,
+        log_dir=work_dir,
+        engine_args=PACED_INSTANT_ARGS,
     )
     try:
         warm_up(workers, fleet_env=s3_fleet_env, model=tiny_model, work_dir=work_dir)

@@ -4,8 +4,10 @@ holds batchllm's and Celery's lines only, while vLLM's output, its engine proces
 the interpreter's warnings are in the log file the console names. `-v` keeps everything on the
 console.
 
-The workers get VLLM_LOGGING_LEVEL=INFO, so vLLM has much to say (its engine processes too):
-all of it must reach the file and none the console."""
+The vLLM worker gets VLLM_LOGGING_LEVEL=INFO, so vLLM has much to say (its engine processes
+too): all of it must reach the file and none the console. That is the one real engine here; the
+JSON console and `-v` run instant-engine workers: the same redirection (cli/fleet.py
+_quiet_console, whatever the format) of Celery's banner and the interpreter's warnings."""
 
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ import pytest
 
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
-from tests.integration.conftest import Worker
-from tests.support.fleet import REPO, WORKER_ENGINE_ARGS
+from tests.support.fleet import INSTANT_ARGS, REPO, Worker
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
@@ -73,14 +74,19 @@ def named_log(console: str, fleet_env, worker: Worker) -> Path:
     return log
 
 
-def assert_vllm_output_in(log: Path) -> str:
+def assert_celery_output_in(log: Path) -> str:
     text = log.read_text(errors="replace")
-    assert VLLM_OWN_LINE.search(text), text[-3000:]
-    assert ENGINE_PROCESS_LINE in text, text[-3000:]
-    assert "Loading safetensors checkpoint shards" in text  # an engine process's stderr
     if os.geteuid() == 0:  # Celery warns about running as root: an interpreter warning
         assert "py.warnings" in text and "SecurityWarning" in text
     assert "[queues]" in text  # Celery's banner: sys.__stdout__, fd 1
+    return text
+
+
+def assert_vllm_output_in(log: Path) -> str:
+    text = assert_celery_output_in(log)
+    assert VLLM_OWN_LINE.search(text), text[-3000:]
+    assert ENGINE_PROCESS_LINE in text, text[-3000:]
+    assert "Loading safetensors checkpoint shards" in text  # an engine process's stderr
     return text
 
 
@@ -118,8 +124,9 @@ def test_log_format_json_keeps_the_console_one_object_per_line(
     worker = Worker(
         "quiet-json@test",
         model=own_queue_model,
-        env=fleet_env.worker_env(VLLM_LOGGING_LEVEL="INFO", BATCHLLM_LOG_FORMAT="json"),
+        env=fleet_env.worker_env(BATCHLLM_LOG_FORMAT="json"),
         log_path=tmp_path / "console.txt",
+        engine_args=INSTANT_ARGS,
     )
     try:
         worker.wait_ready()
@@ -137,19 +144,19 @@ def test_log_format_json_keeps_the_console_one_object_per_line(
     assert [(e["job_id"], e["level"]) for e in finished] == [(job.id, "INFO")]
     assert finished[0]["message"].startswith(f"job {job.id} completed: 5 ok, 1 failed")
     notice = next(e["message"] for e in entries if NOTICE.search(e["message"]))
-    assert_vllm_output_in(named_log(notice, fleet_env, worker))
+    assert_celery_output_in(named_log(notice, fleet_env, worker))
 
 
 def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(
     fleet_env, own_queue_model: Path, tmp_path: Path
 ):
     """`batchllm -v worker`: today's console (Celery's banner, warnings), no file. Ends at
-    `ready.`, which comes once the worker's own engine is built (a small, eager one)."""
+    `ready.`, which comes once the worker's own (instant) engine is built."""
     console_path = tmp_path / "console.txt"
     with console_path.open("wb") as console:
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchllm", "-v", "worker", "--model", str(own_queue_model)]
-            + ["--name", "loud@test", *WORKER_ENGINE_ARGS],
+            + ["--name", "loud@test", *INSTANT_ARGS],
             env=fleet_env.worker_env(),
             cwd=REPO,
             stdout=console,
@@ -162,7 +169,7 @@ def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(
                     "loud@test ready." in console_path.read_text(errors="replace")
                     or proc.poll() is not None
                 ),
-                timeout=240,
+                timeout=120,
                 what="the verbose worker to be ready",
             )
         finally:

@@ -1,5 +1,6 @@
-"""`batchllm worker --metrics-port`: a real worker (real Redis, PostgreSQL and vLLM on the tiny
-model) runs a job, then its /metrics shows the job's rows and tokens as the database has them.
+"""`batchllm worker --metrics-port`: a real worker (real Redis and PostgreSQL, the instant engine
+on the tiny model's tokenizer: the metrics are the subject, not generation) runs a job, then its
+/metrics shows the job's rows and tokens as the database has them.
 
 The port is given through BATCHLLM_METRICS_PORT, the flag's environment variable, so the
 conftest's Worker starts the process unchanged."""
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchllm.demo.workload import write_workload
 from batchllm.store.models import JobStatus
-from tests.integration.conftest import Worker
+from tests.support.fleet import INSTANT_ARGS, Worker
 from tests.support.job_checks import load_job, wait_for, wait_until_final
 from tests.support.ports import free_port
 
@@ -46,6 +47,7 @@ def test_a_worker_that_ran_a_job_shows_its_rows_and_tokens(
         model=tiny_model,
         env=fleet_env.worker_env(BATCHLLM_METRICS_PORT=str(port)),
         log_path=tmp_path / "worker.log",
+        engine_args=INSTANT_ARGS,
     )
     try:
         worker.wait_ready()
@@ -59,18 +61,17 @@ def test_a_worker_that_ran_a_job_shows_its_rows_and_tokens(
         assert info == {
             "model": str(tiny_model),
             "task": "generate",
-            "max_model_len": "512",  # tests/support/fleet.py WORKER_ENGINE_ARGS
-            "dtype": info["dtype"],
+            "max_model_len": "512",  # tests/support/fleet.py INSTANT_ARGS
+            "dtype": "instant",  # a vLLM engine's own dtype: tests/engine/test_run_real_vllm.py
             "quantization": "none",
             "max_lora_rank": "0",
         }
-        assert info["dtype"] in ("bfloat16", "float32")  # float32 on CPUs without bf16
         source = write_workload(
             tmp_path / "prompts.jsonl", requests=30, max_tokens=(4, 24), bad_lines=2, seed=3
         )
         submitted = fleet_env.submit(source, tiny_model, shard_size=12)
         assert submitted.shards_total == 3
-        wait_until_final(fleet_env, submitted.id, timeout=420)
+        wait_until_final(fleet_env, submitted.id, timeout=120)
         job, shards = load_job(fleet_env, submitted.id)
         assert job.status is JobStatus.COMPLETED, job.error
         assert (job.request_completed, job.request_failed) == (28, 2)  # 2 of the 30 are bad

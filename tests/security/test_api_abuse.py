@@ -14,7 +14,7 @@ import pytest
 
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
-from tests.security.conftest import MAX_ACTIVE_BATCHES, MAX_STORED_BYTES, Served
+from tests.support.serve import MAX_ACTIVE_BATCHES, MAX_STORED_BYTES, Served
 
 pytestmark = pytest.mark.security
 

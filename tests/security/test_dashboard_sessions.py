@@ -26,7 +26,7 @@ from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import ApiKey, Job, Shard, utcnow
 from batchllm.store.states import JobStatus, ShardStatus
-from tests.security.conftest import Served, start_serve, stop_serve
+from tests.support.serve import Served, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 

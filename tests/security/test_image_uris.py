@@ -32,8 +32,8 @@ import pytest
 from batchllm.input.images import ImageProblem, open_image, shown
 from batchllm.input.validate import LineProblem, parse_line, read_row_chunks
 from batchllm.settings import get_settings
-from tests.security.conftest import start_serve, stop_serve
 from tests.support.s3server import S3Server, moto_server
+from tests.support.serve import start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 

@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from batchllm.settings import Settings
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Batch, Job
-from tests.security.conftest import (
+from tests.support.serve import (
     HOST,
     MAX_ACTIVE_BATCHES,
     REPO,

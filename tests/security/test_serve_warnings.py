@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from batchllm.cli.serve import exposure_warnings
-from tests.security.conftest import start_serve, stop_serve
+from tests.support.serve import start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 

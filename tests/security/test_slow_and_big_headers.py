@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from tests.security.conftest import HEADER_TIMEOUT, Served
 from tests.support.rawhttp import closed_by_server, connect, parse_response, read_response
+from tests.support.serve import HEADER_TIMEOUT, Served
 
 pytestmark = pytest.mark.security
 

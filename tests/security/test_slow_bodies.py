@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.security.conftest import Served, start_serve, stop_serve
 from tests.support.rawhttp import (
     BOUNDARY,
     connect,
@@ -29,6 +28,7 @@ from tests.support.rawhttp import (
     read_response,
     upload_head,
 )
+from tests.support.serve import Served, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 

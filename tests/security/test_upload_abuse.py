@@ -8,7 +8,6 @@ from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
 from batchllm.store.models import StoredFile
-from tests.security.conftest import MAX_FILE_BYTES, Served
 from tests.support.rawhttp import (
     TempProbe,
     connect,
@@ -16,6 +15,7 @@ from tests.support.rawhttp import (
     stream_chunked_upload,
     upload_head,
 )
+from tests.support.serve import MAX_FILE_BYTES, Served
 
 pytestmark = pytest.mark.security
 

@@ -1,5 +1,7 @@
 """The fault suite's harness: a private Redis and PostgreSQL that tests stop and start, real
-`batchllm worker` processes that tests kill, and a pool that keeps warm workers across cases.
+`batchllm worker` processes that tests kill, and pools that keep warm workers across cases: one
+of (paced) instant-engine workers for the cases about orchestration, one of vLLM workers for
+the cases whose subject is the engine or its processes.
 
 Nothing here touches the machine's own Redis (6379) or PostgreSQL (5432): both services run on
 free ports from temporary directories. Every process started here (and every engine process
@@ -22,7 +24,7 @@ from pathlib import Path
 import psutil
 
 from batchllm.settings import Settings
-from tests.support.fleet import HOST, WorkerProcess, run_cli, submit, tail
+from tests.support.fleet import HOST, WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit, tail
 from tests.support.job_checks import wait_for
 from tests.support.ports import free_port
 
@@ -407,13 +409,22 @@ class Worker(WorkerProcess):
     start time) so that the suite can check them after a kill and end any that outlive their
     worker."""
 
-    def __init__(self, name: str, *, env: FaultEnv, core: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        env: FaultEnv,
+        core: int,
+        log_path: Path,
+        engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+    ) -> None:
         super().__init__(
             name,
             model=env.model,
             env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)),
             log_path=log_path,
             append=True,
+            engine_args=engine_args,
         )
         self.core = core
         self.recorded: dict[int, float] = {}
@@ -484,13 +495,24 @@ def stop_all_workers() -> None:
 
 
 class Pool:
-    """The suite's warm workers. Tests ask for the number they need; dead workers are
-    replaced, extra ones stopped, and new (or suspect) ones are proven to take shards with a
-    warm engine before the test starts timing anything."""
+    """Warm workers kept across tests (session-wide: tests/faults/conftest.py). Tests ask for
+    the number they need; dead workers are replaced, extra ones stopped, and new (or suspect)
+    ones are proven to take shards with a warm engine before the test starts timing anything.
+    `engine_args` says which engine its workers run (vLLM's flags, or tests/support/fleet.py's
+    INSTANT_ARGS / PACED_INSTANT_ARGS); `label` names them (w1@LABEL, w2@LABEL ...)."""
 
-    def __init__(self, env: FaultEnv, log_dir: Path) -> None:
+    def __init__(
+        self,
+        env: FaultEnv,
+        log_dir: Path,
+        *,
+        engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+        label: str = "faults",
+    ) -> None:
         self.env = env
         self.log_dir = log_dir
+        self.engine_args = engine_args
+        self.label = label
         self.workers: list[Worker] = []
         self.serial = 0
         self.suspect = False
@@ -506,8 +528,14 @@ class Pool:
             used = [w.core for w in self.alive()]
             core = min(range(cpus), key=used.count)
             self.serial += 1
-            name = f"w{self.serial}@faults"
-            worker = Worker(name, env=self.env, core=core, log_path=self.log_dir / f"{name}.log")
+            name = f"w{self.serial}@{self.label}"
+            worker = Worker(
+                name,
+                env=self.env,
+                core=core,
+                log_path=self.log_dir / f"{name}.log",
+                engine_args=self.engine_args,
+            )
             self.workers.append(worker)
             started.append(worker)
         for worker in started:
@@ -528,9 +556,16 @@ class Pool:
             extra.stop()
             self.workers.remove(extra)
         started = self._start(count - len(self.alive()))
-        if started or self.suspect:
+        if count and (started or self.suspect):
             self.probe()
         return self.alive()
+
+    def stop_all(self) -> None:
+        for worker in list(self.workers):
+            worker.terminate()
+        for worker in list(self.workers):
+            worker.stop()
+        self.workers.clear()
 
     def replace(self, worker: Worker) -> Worker:
         """Start a new worker in place of one that exited (what a supervisor does)."""

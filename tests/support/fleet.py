@@ -1,10 +1,14 @@
 """What the integration and fault suites share about a fleet under test: the environment its
 workers and the test process read their settings from, submitting a job and running the CLI
-the way a user does, and one `batchllm worker` process with its log.
+the way a user does, one `batchllm worker` process with its log, and the integration suite's
+fleet (FleetEnv, Worker, start_workers ... below).
 
-Each suite keeps what is its own: the integration suite uses the machine's Redis and
-PostgreSQL (a private database in each), the fault suite private servers it stops and starts,
-and kills workers in ways of its own (tests/faults/harness.py)."""
+The integration suite uses the machine's Redis and PostgreSQL (a private database in each,
+tests/integration/conftest.py); the fault suite private servers it stops and starts, and kills
+workers in ways of its own (tests/support/faults.py).
+
+Workers run the instant engine (INSTANT_ARGS, PACED_INSTANT_ARGS) unless the engine is what a
+test is about: orchestration needs a worker process, Redis and PostgreSQL, not vLLM."""
 
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis
 
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
@@ -28,6 +35,13 @@ __all__ = ["REPO", "run_cli"]
 # (an explicit max_model_len up to its own) run on it as it is.
 ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
 WORKER_ENGINE_ARGS = ("--enforce-eager", "--max-model-len", "512")
+# The instant engine (batchllm/engine/testing.py): the model's real tokenizer and chat
+# template, every request answered at its max_tokens with filler text; ready in ~1-2 s.
+INSTANT_ARGS = ("--engine", "instant", "--max-model-len", "512")
+# Paced: one token per request every 20 ms, so a 64-token row takes ~1.3 s whatever the
+# machine's speed; for tests that must catch a job running (cancel, expire, kill mid-shard).
+INSTANT_STEP_SECONDS = 0.02
+PACED_INSTANT_ARGS = (*INSTANT_ARGS, "--instant-step-seconds", str(INSTANT_STEP_SECONDS))
 
 
 def fleet_env_vars(
@@ -162,3 +176,151 @@ class WorkerProcess:
 
     def close_log(self) -> None:
         self._log.close()
+
+
+# -- the integration suite's fleet -------------------------------------------------------
+
+# Small enough that a shard of the tiny model commits several checkpoints, and that a killed
+# worker's shard is taken over within a test: its lease expires after 10 s and the surviving
+# worker's sweeper queues it again. Redis's own redelivery is an hour away, so a passing kill
+# test shows that the sweeper, not the broker, recovered the shard.
+WORKER_SETTINGS = {
+    "BATCHLLM_COMMIT_ROWS": "100",
+    "BATCHLLM_COMMIT_SECONDS": "2",
+    "BATCHLLM_LEASE_SECONDS": "10",
+    "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
+}
+
+running: list[Worker] = []  # the integration suite's live workers, for failure reports
+
+
+# -- services ------------------------------------------------------------------------------
+
+
+@dataclass
+class FleetEnv:
+    """Where the fleet under test keeps its state: what workers and the test process share."""
+
+    settings: Settings
+    env: dict[str, str]
+    redis: redis.Redis  # the broker's database
+
+    def worker_env(self, **extra: str) -> dict[str, str]:
+        return {**self.env, **extra}
+
+    def submit(self, source: Path, model: Path | str, *, shard_size: int, max_tokens: int = 64):
+        """Submit a job to the fleet the way `batchllm submit` does; returns the Job row."""
+        return submit(self.settings, source, model, shard_size=shard_size, max_tokens=max_tokens)
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`batchllm ARGS` as a user on this fleet runs it."""
+        return run_cli(self.env, *args, timeout=timeout)
+
+
+# -- workers -------------------------------------------------------------------------------
+
+
+class Worker(WorkerProcess):
+    """One `batchllm worker` of the integration fleet, killed with its whole group."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        model: Path,
+        env: dict[str, str],
+        log_path: Path,
+        engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+    ) -> None:
+        super().__init__(
+            name, model=model, env=env, log_path=log_path, append=False, engine_args=engine_args
+        )
+        running.append(self)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: the worker, its EngineCore and engine workers."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """Warm shutdown first (vLLM cleans up its shared memory), then kill what is left."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        self.close_log()
+        if self in running:
+            running.remove(self)
+
+
+def start_workers(
+    names: list[str],
+    *,
+    fleet_env: FleetEnv,
+    model: Path,
+    log_dir: Path,
+    engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+    ready_timeout: float = 240,
+) -> list[Worker]:
+    """Start the workers and wait until each consumes its queue. On two cores, each worker's
+    engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
+    workers = []
+    try:
+        for i, name in enumerate(names):
+            cores = str(i % (os.cpu_count() or 1))
+            workers.append(
+                Worker(
+                    name,
+                    model=model,
+                    log_path=log_dir / f"{name}.log",
+                    env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores),
+                    engine_args=engine_args,
+                )
+            )
+        for worker in workers:
+            worker.wait_ready(ready_timeout)
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.stop()
+
+
+def tails(workers: list[Worker]) -> str:
+    return "".join(f"\n--- {w.name} log (tail) ---\n{w.tail()}" for w in workers)
+
+
+def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir: Path) -> None:
+    """One small shard per worker, so each has built its engine (the slow part of a vLLM
+    worker) and taken work before the tests time or balance anything."""
+    from batchllm.demo.workload import write_workload
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job, JobStatus
+
+    source = write_workload(work_dir / "warm-up.jsonl", requests=4 * len(workers))
+    job_id = fleet_env.submit(source, model, shard_size=4, max_tokens=8).id
+    deadline = time.monotonic() + 240
+    while True:
+        with session_scope(fleet_env.settings) as session:
+            job = session.get(Job, job_id)
+            status, workers_used = job.status, {s.worker for s in job.shards}
+        if status.is_final:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"warm-up job still {status.value} after 240s" + tails(workers))
+        time.sleep(0.5)
+    assert status is JobStatus.COMPLETED, f"warm-up job {status.value}: {job.error}" + tails(
+        workers
+    )
+    assert workers_used == {w.name for w in workers}, f"warm-up shards ran on {workers_used}"
