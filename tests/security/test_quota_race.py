@@ -31,13 +31,12 @@ from tests.support.serve import (
     start_serve,
     stop_serve,
 )
+from tests.support.services import postgres_database
 
 pytestmark = pytest.mark.security
 
 CHAT = "/v1/chat/completions"
 CREATES = 30
-POSTGRES_PORT = 5432
-POSTGRES_USERS = ("root", "postgres")
 
 
 def _line(custom_id: str) -> bytes:
@@ -92,76 +91,10 @@ def test_30_concurrent_creates_accept_exactly_the_quota_on_sqlite(tmp_path: Path
         stop_serve(served)
 
 
-@contextmanager
-def _postgres_database() -> Iterator[str]:
-    """A fresh database on the local PostgreSQL, dropped afterwards; yields its URL."""
-    import psycopg
-
-    errors = []
-    for user in POSTGRES_USERS:
-        try:
-            admin = psycopg.connect(
-                host=HOST, port=POSTGRES_PORT, user=user, dbname="test", autocommit=True
-            )
-            break
-        except psycopg.Error as exc:
-            errors.append(f"{user}: {exc}")
-    else:
-        pytest.fail(f"PostgreSQL is not reachable at {HOST}:{POSTGRES_PORT}: {errors}")
-    name = f"batchllm_quota_{uuid.uuid4().hex[:12]}"
-    with admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-        try:
-            yield f"postgresql+psycopg://{user}@{HOST}:{POSTGRES_PORT}/{name}"
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def _serve_on_postgres(work: Path, url: str) -> Served:
-    """`batchllm serve` on the database at `url` (the conftest's server is SQLite only)."""
-    home, tmpdir = work / "home", work / "tmp"
-    tmpdir.mkdir(parents=True)
-    env = {
-        **os.environ,
-        "BATCHLLM_HOME": str(home),
-        "BATCHLLM_DATABASE_URL": url,
-        "BATCHLLM_BROKER_URL": "memory://",
-        "BATCHLLM_API_MAX_ACTIVE_BATCHES": str(MAX_ACTIVE_BATCHES),
-        "TMPDIR": str(tmpdir),
-    }
-    env.pop("BATCHLLM_STORAGE", None)
-    port = free_port()
-    log_path = work / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "serve", "--host", HOST, "--port", str(port)],
-            env=env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    settings = Settings(home=home, database_url=url, storage=None, broker_url="memory://")
-    served = Served(proc, port, settings, tmpdir, log_path)
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited with {proc.returncode}:\n{served.log()}")
-        try:
-            if httpx.get(f"{served.base_url}/health", timeout=2).status_code == 200:
-                return served
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_serve(served)
-            raise AssertionError(f"serve not up after 60 s:\n{served.log()}")
-        time.sleep(0.2)
-
-
 def test_30_concurrent_creates_accept_exactly_the_quota_on_postgresql(tmp_path: Path) -> None:
-    with _postgres_database() as url:
+    with postgres_database(f"batchllm_quota_{uuid.uuid4().hex[:12]}") as url:
         upgrade(url)
-        served = _serve_on_postgres(tmp_path, url)
+        served = start_serve(tmp_path, database_url=url)
         try:
             _race(served)
         finally:

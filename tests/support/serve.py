@@ -266,7 +266,9 @@ class Served(Server):
     the upload tests measure) and the in-memory broker: a batch is recorded and "dispatched" to
     nowhere (no Redis, no worker), so it stays in progress until its window passes."""
 
-    def __init__(self, work: Path, *args: str, **env_extra: str) -> None:
+    def __init__(
+        self, work: Path, *args: str, database_url: str | None = None, **env_extra: str
+    ) -> None:
         home, self.tmpdir = work / "home", work / "tmp"
         self.tmpdir.mkdir(parents=True)
         env = {
@@ -283,8 +285,12 @@ class Served(Server):
         }
         for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):
             env.pop(name, None)
+        if database_url is not None:  # e.g. a PostgreSQL database instead of the home's SQLite
+            env["BATCHLLM_DATABASE_URL"] = database_url
         # The same database and storage, for keys and direct checks.
-        self.settings = Settings(home=home, database_url=None, storage=None, broker_url="memory://")
+        self.settings = Settings(
+            home=home, database_url=database_url, storage=None, broker_url="memory://"
+        )
         super().__init__(env, work / "serve.log", *args)
 
     def new_key(self, name: str = "tenant") -> dict[str, str]:
@@ -294,8 +300,10 @@ class Served(Server):
         return {"Authorization": f"Bearer {key}"}
 
 
-def start_serve(work: Path, *args: str, **env_extra: str) -> Served:
-    served = Served(work, *args, **env_extra)
+def start_serve(
+    work: Path, *args: str, database_url: str | None = None, **env_extra: str
+) -> Served:
+    served = Served(work, *args, database_url=database_url, **env_extra)
     try:
         served.wait_healthy(60)
     except BaseException:
