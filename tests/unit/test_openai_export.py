@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import update
 
-from batchllm.cli import cli
 from batchllm.engine.protocol import Finished
 from batchllm.errors import JobStateError
 from batchllm.input.schemas import EngineOptions, JobSpec
@@ -26,6 +24,7 @@ from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, utcnow
 from batchllm.worker.local import run_job
+from tests.support.cli import invoke
 from tests.support.fake_runs import (
     MAX_MODEL_LEN,
     FakeEngine,
@@ -414,10 +413,6 @@ def test_an_expired_job_lists_the_lines_it_never_ran_as_batch_expired_errors(set
     assert [x["custom_id"] for x in errors] == ["line-1", "line-2", "line-4"]
     assert {x["error"]["code"] for x in errors} == {"batch_expired"}
     assert all(x["response"] is None for x in errors)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 def test_the_command_refuses_an_unfinished_job_and_existing_files(settings, tmp_path):
