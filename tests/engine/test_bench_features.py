@@ -22,7 +22,7 @@ from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
 from tests.support.skips import require
 
 # The module fixture runs the bench's features and embed parts: two engine builds.
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40
