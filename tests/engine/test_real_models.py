@@ -25,6 +25,9 @@ import pytest
 from batchllm.demo import PERSON_SCHEMA
 from tests.support.cli import local_env, run_cli
 
+# The module's fixtures convert and run the real models (SmolLM2, MiniLM): an engine each.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 48
 CAPITALS = {
@@ -130,13 +133,6 @@ def chat_lines() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(chat_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(chat_model)
-
-
-@pytest.fixture(scope="module")
 def chat_job(chat_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("real-chat")
     lines = chat_lines()
@@ -185,21 +181,23 @@ def test_short_questions_end_on_the_end_of_turn_token_with_the_right_answer(chat
     assert len(right) >= 4, {c: rows[f"capital-{c}"]["text"] for c in CAPITALS}
 
 
-def test_the_models_chat_template_and_default_system_prompt_are_applied(chat_job, tokenizer):
+def test_the_models_chat_template_and_default_system_prompt_are_applied(chat_job, chat_tokenizer):
     rows, lines = chat_job["rows"], chat_job["lines"]
 
     def template_tokens(messages: list[dict[str, str]]) -> int:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return len(tokenizer.encode(text, add_special_tokens=False))
+        text = chat_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return len(chat_tokenizer.encode(text, add_special_tokens=False))
 
     default = lines["capital-Japan"]["messages"]
     assert rows["capital-Japan"]["prompt_tokens"] == template_tokens(default)
     default_system = "You are a helpful AI assistant named SmolLM"
-    assert default_system in tokenizer.apply_chat_template(default, tokenize=False)
+    assert default_system in chat_tokenizer.apply_chat_template(default, tokenize=False)
     # A system prompt of the line's own replaces the default one, not adds to it.
     own = lines["own-system"]["messages"]
     assert rows["own-system"]["prompt_tokens"] == template_tokens(own)
-    assert default_system not in tokenizer.apply_chat_template(own, tokenize=False)
+    assert default_system not in chat_tokenizer.apply_chat_template(own, tokenize=False)
     assert rows["own-system"]["prompt_tokens"] < rows["capital-Japan"]["prompt_tokens"]
 
 
@@ -230,7 +228,7 @@ def test_several_samples_at_temperature_one_differ(chat_job):
     assert row["text"] == texts[0]
 
 
-def test_log_probabilities_are_real_and_the_greedy_token_is_the_likeliest(chat_job, tokenizer):
+def test_log_probabilities_are_real_and_the_greedy_token_is_the_likeliest(chat_job, chat_tokenizer):
     row = chat_job["rows"]["logprobs"]
     tokens = row["logprobs"]
     assert len(tokens) == row["completion_tokens"] > 0
@@ -243,7 +241,7 @@ def test_log_probabilities_are_real_and_the_greedy_token_is_the_likeliest(chat_j
         assert top[0]["token"] == token["token"], token
         assert math.isclose(top[0]["logprob"], token["logprob"], abs_tol=1e-3)
     # The end-of-turn token is generated (and counted) too; the text leaves it out.
-    assert tokens[-1]["token"] == tokenizer.eos_token == "<|im_end|>"
+    assert tokens[-1]["token"] == chat_tokenizer.eos_token == "<|im_end|>"
     assert "".join(t["token"] for t in tokens[:-1]) == row["text"]
     assert "Tokyo" in row["text"]
 
@@ -260,15 +258,17 @@ def test_the_context_is_sized_to_the_job_not_to_the_models_8k(chat_job):
     assert sized < MODEL_CONTEXT
 
 
-def test_rows_sharing_a_long_system_prompt_all_run(chat_job, tokenizer):
+def test_rows_sharing_a_long_system_prompt_all_run(chat_job, chat_tokenizer):
     rows, lines = chat_job["rows"], chat_job["lines"]
     shared = [cid for cid in rows if cid.startswith("shared-")]
     assert len(shared) == 4
     for cid in shared:
-        text = tokenizer.apply_chat_template(
+        text = chat_tokenizer.apply_chat_template(
             lines[cid]["messages"], tokenize=False, add_generation_prompt=True
         )
-        assert rows[cid]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+        assert rows[cid]["prompt_tokens"] == len(
+            chat_tokenizer.encode(text, add_special_tokens=False)
+        )
         assert rows[cid]["status"] == "ok" and rows[cid]["text"].strip()
 
 

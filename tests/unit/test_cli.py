@@ -21,6 +21,7 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
+from tests.support.cli import invoke
 from tests.support.output_rows import OutputRow, write_part
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,10 +35,6 @@ def command_paths(group: click.Group = cli, prefix: tuple[str, ...] = ()) -> lis
         else:
             paths.append(prefix + (name,))
     return paths
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 @pytest.mark.parametrize("path", command_paths(), ids=lambda p: " ".join(p) or "batchllm")

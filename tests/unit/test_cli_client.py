@@ -5,18 +5,13 @@ real SQLite database and storage."""
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
 from batchllm import Client
-from batchllm.cli import cli
 from batchllm.input.schemas import JobSpec
 from batchllm.settings import get_settings
 from batchllm.store import service
+from tests.support.cli import invoke
 from tests.support.fake_runs import FakeEngine, FakeEngines
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 @pytest.fixture

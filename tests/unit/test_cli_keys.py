@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
 from batchllm.api.keys import create_key, list_keys
-from batchllm.cli import cli
 from batchllm.store.db import session_scope
 from batchllm.store.models import ApiKey
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
+from tests.support.cli import invoke
 
 
 def live(settings) -> dict[str, str]:

@@ -11,19 +11,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from batchllm.cli import cli
 from batchllm.cli.options import require_local_model
 from batchllm.errors import JobNotFound
 from batchllm.input.schemas import JobSpec
 from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
+from tests.support.cli import invoke
 
 
 def no_jobs(settings) -> bool:

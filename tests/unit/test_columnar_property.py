@@ -169,7 +169,7 @@ def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple
     ]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lines=st.lists(line_bytes, min_size=1, max_size=40),
     task=st.sampled_from(["generate", "generate", "embed"]),

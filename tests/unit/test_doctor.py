@@ -11,9 +11,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from batchllm.cli import cli
 from batchllm.doctor import diagnose as doctor
 from batchllm.doctor.diagnose import (
     Report,
@@ -36,6 +34,7 @@ from batchllm.engine import hardware, versions
 from batchllm.engine.hardware import EngineProcess, Gpu
 from batchllm.settings import Settings
 from batchllm.store.db import upgrade
+from tests.support.cli import invoke as cli_invoke
 
 H100 = Gpu(0, "GPU-aaaa", "NVIDIA H100", 81559, 80000, 90)
 T4 = Gpu(1, "GPU-bbbb", "Tesla T4", 15360, 15000, 75)
@@ -426,7 +425,7 @@ def fake_report(*, problem: str | None = None) -> Report:
 
 def invoke(monkeypatch, report: Report, *args: str):
     monkeypatch.setattr(doctor, "diagnose", lambda **_: report)
-    return CliRunner().invoke(cli, ["doctor", *args], prog_name="batchllm")
+    return cli_invoke("doctor", *args)
 
 
 def test_the_command_exits_1_with_one_problem_line_per_problem_on_stderr(monkeypatch):

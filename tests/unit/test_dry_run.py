@@ -21,13 +21,6 @@ from batchllm.store.job_view import job_view
 from batchllm.store.models import Batch, Job, JobStatus, utcnow
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def record_job(settings, model: str, *, hardware: str, tokens: tuple[int, int], wall: float):
     now = utcnow()
     with session_scope(settings) as session:

@@ -1,149 +1,34 @@
 """`batchllm export --format openai`: a job's rows as OpenAI batch output and error files, checked
-against the `openai` package's own response types and vLLM's BatchRequestOutput."""
+against the `openai` package's own response types (vLLM's BatchRequestOutput: in the engine
+suite, tests/engine/test_openai_export_vllm.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner
-from sqlalchemy import update
 
-from batchllm.cli import cli
-from batchllm.engine.protocol import Finished
 from batchllm.errors import JobStateError
-from batchllm.input.schemas import EngineOptions, JobSpec
-from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
-from batchllm.output.parts import part_name
-from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, utcnow
-from tests.support.fake_runs import (
-    MAX_MODEL_LEN,
-    FakeEngine,
-    FakeEngines,
-    make_spec,
-    small_commits,
+from batchllm.store.models import Job, JobStatus
+from tests.support.cli import invoke
+from tests.support.fake_runs import small_commits
+from tests.support.openai_export_jobs import (
+    EXPECTED,
+    create,
+    embedding_job,
+    end,
+    export_every_form,
 )
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow
 
 openai_types = pytest.importorskip("openai.types")
 from openai.types import Completion, CreateEmbeddingResponse  # noqa: E402
 from openai.types.chat import ChatCompletion  # noqa: E402
 from openai.types.shared import ErrorObject  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-class LogprobEngine(FakeEngine):
-    """The fake engine, also answering `n` samples and per-token log probabilities: one token
-    per word of the answer, the word itself the likeliest alternative, the last one masked
-    (-inf, as vLLM reports a token a constraint ruled out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.params: dict[str, dict] = {}
-
-    def add(self, request_id, token_ids, params, adapter=None) -> None:
-        super().add(request_id, token_ids, params, adapter)
-        self.params[request_id] = params
-
-    def step(self) -> list[Finished]:
-        done = super().step()
-        for out in done:
-            params = self.params.pop(out.request_id)
-            top_k, n = params.get("logprobs"), params.get("n") or 1
-            samples = [
-                {
-                    "index": i,
-                    "text": out.text + (f" wörld{i}" if i else " wörld"),
-                    "finish_reason": "length",
-                    "completion_tokens": out.completion_tokens,
-                    "logprobs": None,
-                }
-                for i in range(n)
-            ]
-            if top_k is not None:
-                for sample in samples:
-                    sample["logprobs"] = [
-                        {
-                            "token": " " + word,
-                            "logprob": -0.5 * (j + 1),
-                            "top_logprobs": [
-                                {"token": " " + word, "logprob": -0.5 * (j + 1)},
-                                {"token": " alt", "logprob": float("-inf")},
-                            ][:top_k],
-                        }
-                        for j, word in enumerate(sample["text"].split())
-                    ]
-            out.text, out.logprobs = samples[0]["text"], samples[0]["logprobs"]
-            out.choices = samples if n > 1 else None
-        return done
-
-
-def chat_body(**extra: Any) -> dict:
-    return {"messages": [{"role": "user", "content": "hello there"}], **extra}
-
-
-# (custom_id, line) in file order; the kind each exports as is in EXPECTED below.
-LINES: list[dict | str] = [
-    {"custom_id": "oa-chat", "method": "POST", "url": "/v1/chat/completions", "body": chat_body()},
-    {
-        "custom_id": "oa-cmpl",
-        "method": "POST",
-        "url": "/v1/completions",
-        "body": {"prompt": "once upon a time", "max_tokens": 3},
-    },
-    {"custom_id": "plain-prompt", "prompt": "a plain prompt"},
-    {"custom_id": "plain-chat", "messages": [{"role": "user", "content": "hi"}]},
-    {
-        "custom_id": "bad-max-tokens",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": chat_body(max_tokens=0),
-    },
-    {"custom_id": "bad-role", "messages": [{"role": "robot", "content": "beep"}]},
-    {"custom_id": "chat-n2", "messages": [{"role": "user", "content": "two please"}], "n": 2},
-    {"custom_id": "cmpl-n2-lp", "prompt": "two with logprobs", "n": 2, "logprobs": 2},
-    {
-        "custom_id": "oa-chat-lp",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": chat_body(logprobs=True, top_logprobs=2),
-    },
-    {"custom_id": "cmpl-lp0", "prompt": "logprobs without alternatives", "logprobs": 0},
-    {"custom_id": "too-long", "prompt": " ".join(["long"] * (MAX_MODEL_LEN + 3))},
-    "{broken json",
-    {"custom_id": "typo", "prompt": "x", "temprature": 0.5},
-    {"custom_id": "plain-prompt-2", "prompt": "another plain prompt"},
-    {"custom_id": "plain-chat-2", "messages": [{"role": "user", "content": "again"}]},
-]
-# custom_id -> the file it lands in and its response object (or error param and code)
-EXPECTED = {
-    "oa-chat": ("output", "chat.completion"),
-    "oa-cmpl": ("output", "text_completion"),
-    "plain-prompt": ("output", "text_completion"),
-    "plain-chat": ("output", "chat.completion"),
-    "bad-max-tokens": ("errors", ("max_tokens", "invalid_value")),
-    "bad-role": ("errors", ("messages.0.role", "invalid_value")),
-    "chat-n2": ("output", "chat.completion"),
-    "cmpl-n2-lp": ("output", "text_completion"),
-    "oa-chat-lp": ("output", "chat.completion"),
-    "cmpl-lp0": ("output", "text_completion"),
-    "too-long": ("errors", "context_length_exceeded"),
-    "line-12": ("errors", (None, "invalid_json")),
-    "typo": ("errors", ("temprature", "unknown_parameter")),
-    "plain-prompt-2": ("output", "text_completion"),
-    "plain-chat-2": ("output", "chat.completion"),
-}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -152,20 +37,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def exported(small_commits, tmp_path) -> tuple[Job, Path]:
-    """A job of every line form run on the fake engine over two shards (12 rows each), its
-    part files committed out of line order (the runner groups prompts), exported."""
-    source = tmp_path / "in.jsonl"
-    source.write_text(
-        "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in LINES),
-        encoding="utf-8",
-    )
-    job = run_job(source, make_spec(), settings=small_commits, engines=FakeEngines(LogprobEngine()))
-    assert job.status is JobStatus.COMPLETED
-    out = tmp_path / "export"
-    counts = export_openai(job, out, settings=small_commits)
-    assert (counts.output, counts.errors, counts.not_run) == (10, 5, 0)
-    assert (counts.output_path, counts.errors_path) == (out / OUTPUT_NAME, out / ERRORS_NAME)
-    return job, out
+    return export_every_form(small_commits, tmp_path)
 
 
 def test_ok_rows_go_to_the_output_file_and_error_rows_to_the_error_file_in_line_order(exported):
@@ -247,71 +119,6 @@ def test_refused_lines_are_400s_naming_the_field_and_failed_requests_carry_an_er
 
 # vLLM's models in a child process: its import takes seconds and configures logging and
 # torch for the whole process, which the other tests in this one must not inherit.
-_VLLM_CHECK = """
-import json, sys
-from vllm.entrypoints.launchers.run_batch import BatchRequestOutput
-from vllm.entrypoints.openai.completion.protocol import CompletionResponse
-results = {}
-for path in sys.argv[1:]:
-    for text in open(path, encoding="utf-8"):
-        line = json.loads(text)
-        result = results[line["custom_id"]] = {}
-        try:
-            parsed = BatchRequestOutput.model_validate(line)
-            result["whole"] = type(parsed.response and parsed.response.body).__name__
-        except Exception as exc:
-            result["whole"] = "refused: " + str(exc).splitlines()[0]
-        body = (line["response"] or {}).get("body")
-        if line["response"] is not None:
-            envelope = dict(line, response=dict(line["response"], body=None))
-            result["envelope"] = BatchRequestOutput.model_validate(envelope).id == line["id"]
-        if isinstance(body, dict) and body.get("object") == "text_completion":
-            result["completion"] = CompletionResponse.model_validate(body).object
-print(json.dumps(results))
-"""
-
-
-def vllm_check(*paths: Path) -> dict[str, dict]:
-    pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "ERROR"}
-    done = subprocess.run(
-        [sys.executable, "-c", _VLLM_CHECK, *map(str, paths)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-def test_every_line_validates_against_vllms_batch_request_output(exported, small_commits, tmp_path):
-    _, out = exported
-    embedded = export_openai(
-        embedding_job(small_commits, tmp_path), tmp_path / "embeddings", settings=small_commits
-    )
-    # One child process for every file: vLLM's import is most of the test's time.
-    results = vllm_check(out / OUTPUT_NAME, out / ERRORS_NAME, embedded.output_path)
-
-    assert set(results) == set(EXPECTED) | {"line-1", "line-2"}
-    for custom_id, result in results.items():
-        kind = EXPECTED.get(custom_id, ("output", "embedding"))[1]
-        if kind == "chat.completion":
-            assert result["whole"] == "ChatCompletionResponse", custom_id
-        elif kind == "embedding":
-            assert result["whole"] == "EmbeddingResponse", custom_id
-        elif kind == "context_length_exceeded":
-            assert result["whole"] == "NoneType", custom_id  # response null, error set
-        else:
-            # vLLM 0.32's batch runner serves no /v1/completions (its response union lacks
-            # CompletionResponse) and puts a 400's error beside the response, not in the body
-            # as OpenAI does: the envelope is checked with the body apart, a text completion
-            # body against vLLM's own CompletionResponse.
-            assert result["envelope"] is True, (custom_id, result)
-            if kind == "text_completion":
-                assert result["completion"] == "text_completion", custom_id
-
-
 def test_exporting_again_gives_the_same_bytes_and_needs_overwrite(exported, small_commits):
     job, out = exported
     first = (out / OUTPUT_NAME).read_bytes(), (out / ERRORS_NAME).read_bytes()
@@ -325,44 +132,6 @@ def test_exporting_again_gives_the_same_bytes_and_needs_overwrite(exported, smal
 
 
 # -- jobs built by hand: embeddings, a cancelled job, a running one ---------------------------
-
-
-def create(settings, tmp_path: Path, lines: list[dict], spec: JobSpec | None = None) -> str:
-    source = tmp_path / "hand.jsonl"
-    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    created = service.create_job(source, spec or make_spec(), shard_size=10, settings=settings)
-    return created.job.id
-
-
-def end(settings, job_id: str, status: JobStatus, rows: list[list[OutputRow]]) -> Job:
-    """Write each list of rows as one part file of shard 0 and end the job in `status`."""
-    storage = Storage(settings.resolved_storage)
-    for seq, part in enumerate(rows):
-        write_part(storage, storage.output_dir(job_id), part_name(0, seq, 1), part)
-    with session_scope(settings) as session:
-        session.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(status=status, finished_at=utcnow() + timedelta(seconds=5))
-        )
-        return session.get(Job, job_id)
-
-
-def embedding_job(settings, tmp_path: Path) -> Job:
-    """A finished embedding job of two lines: one text, a list of two."""
-    spec = JobSpec(model="/models/embedder", engine=EngineOptions(task="embed"))
-    job_id = create(settings, tmp_path, [{"input": "one"}, {"input": ["two", "three"]}], spec)
-    return end(
-        settings,
-        job_id,
-        JobStatus.COMPLETED,
-        [
-            [
-                OutputRow("line-2", 2, "ok", prompt_tokens=4, embeddings=[[0.5, 0.25], [1.0, 0]]),
-                OutputRow("line-1", 1, "ok", prompt_tokens=2, embedding=[0.125, -1.0]),
-            ]
-        ],
-    )
 
 
 def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
@@ -416,10 +185,6 @@ def test_an_expired_job_lists_the_lines_it_never_ran_as_batch_expired_errors(set
     assert [x["custom_id"] for x in errors] == ["line-1", "line-2", "line-4"]
     assert {x["error"]["code"] for x in errors} == {"batch_expired"}
     assert all(x["response"] is None for x in errors)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 def test_the_command_refuses_an_unfinished_job_and_existing_files(settings, tmp_path):

@@ -82,7 +82,7 @@ def physical_lines(data: bytes) -> list[bytes]:
     return pieces
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(files())
 def test_every_non_blank_line_yields_exactly_one_row_with_its_line_number(data):
     with tempfile.TemporaryDirectory() as tmp:

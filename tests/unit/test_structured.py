@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 import pytest
-from click.testing import CliRunner
 from test_runner_fake_engine import (
     FakeEngine,
     FakeEngines,
@@ -21,7 +20,6 @@ from test_runner_fake_engine import (
     small_commits,
 )
 
-from batchllm.cli import cli
 from batchllm.cli.options import spec_from_flags
 from batchllm.cli.run import run as run_command
 from batchllm.engine.protocol import Finished
@@ -45,6 +43,7 @@ from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
+from tests.support.cli import invoke
 
 SCHEMA = {
     "type": "object",
@@ -564,10 +563,6 @@ def test_all_new_settings_of_one_openai_chat_line_are_stored_together(tmp_path):
 
 
 # -- the CLI flags ------------------------------------------------------------------------------
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), prog_name="batchllm")
 
 
 def spec_of(prompts: Path, model_dir: Path, *flags: str):

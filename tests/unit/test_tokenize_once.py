@@ -26,11 +26,6 @@ from batchllm.store.models import Job
 WORDS = ["alpha", "beta", "gamma", "ünïcode", "日本語", "tab\there", "new\nline", "{{ x }}", "%"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model: Path):
-    return load_tokenizer(str(tiny_model))
-
-
 def chat_row(line: int, content: str, sampling: dict | None = None) -> InputRow:
     messages = [{"role": "user", "content": content}]
     if line % 3 == 0:

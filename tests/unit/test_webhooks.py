@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 from click.testing import CliRunner
@@ -16,6 +17,7 @@ from batchllm.errors import BatchLLMError
 from batchllm.execution import webhooks
 from batchllm.execution.webhooks import deliver_due, verify
 from batchllm.store import service, state_machine
+from batchllm.store import webhooks as store_webhooks
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
@@ -91,7 +93,7 @@ def test_a_failed_job_is_posted_once_signed_with_openais_event_shape(settings, t
 
 
 def test_a_receiver_failing_twice_gets_the_third_attempt_after_backoff(
-    settings, tmp_path, receiver
+    settings, tmp_path, receiver, monkeypatch
 ):
     settings.webhook_retry_seconds = 0.2
     hook = receiver(failures=2)
@@ -99,9 +101,13 @@ def test_a_receiver_failing_twice_gets_the_third_attempt_after_backoff(
         settings, tmp_path, hook.url, lambda s, j: state_machine.fail_job(s, j, "x")
     )
     assert deliver_due(settings) == []
-    # The second attempt is not due before the backoff.
+    # The second attempt is not due before the backoff: the clock that decides is held 0.1 s
+    # after the first attempt, however long this machine takes between the calls.
+    first_at = _attempts(settings, job_id)[0].created_at
+    monkeypatch.setattr(store_webhooks, "utcnow", lambda: first_at + timedelta(seconds=0.1))
     assert deliver_due(settings) == []
     assert len(hook.received) == 1
+    monkeypatch.undo()
     deadline = time.monotonic() + 10
     while not _attempts(settings, job_id)[-1].delivered and time.monotonic() < deadline:
         deliver_due(settings)
