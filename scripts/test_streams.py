@@ -1,18 +1,16 @@
-"""`make test`: the suite as three pytest sessions at once, their output interleaved by line.
+"""`make test`: the suite as two pytest sessions at once, their output interleaved by line.
 
-Why: on a 2-core machine the fleet suites (tests/integration, tests/faults) spend most of their
-time waiting - for a lease to expire, a Redis or PostgreSQL restart, a worker's start, a poll -
-while the engine, unit, security and smoke suites keep the cores busy. One after the other
-they took ~70 minutes here; as two sessions (fleet beside local) 24 min, the fleet session
-the long pole with waits of its own in series; with the integration and fault suites in
-sessions of their own, their waits overlap each other's too. The sessions share nothing a test
-relies on: the integration tests use their own Redis and PostgreSQL databases, the fault tests
-private servers, the others SQLite homes in their own tmp dirs, and every test ends only the
-processes it started.
+Why: on a 2-core machine the fleet suites (tests/integration, tests/faults) spend much of their
+time waiting - for a lease to expire, a Redis or PostgreSQL restart, a worker's engine build in
+another process, a poll - while the engine, unit, security and smoke suites keep the cores busy.
+Run one after the other they took ~70 minutes here; side by side the waits overlap the work.
+The two halves share nothing a test relies on: the fleet tests use their own Redis databases,
+PostgreSQL databases and private servers, the others SQLite homes in their own tmp dirs, and
+every test ends only the processes it started.
 
-Each line is prefixed with its stream's name ([integration], [faults] or [local]); each stream
-prints its own summary, slowest tests and engine builds. The exit code is non-zero when any
-session failed. Extra arguments go to every session (e.g. `-x`, `-k name`).
+Each line is prefixed with its stream's name ([fleet] or [local]); each stream prints its own
+summary and slowest tests. The exit code is non-zero when either session failed.
+Extra arguments go to both pytest sessions (e.g. `-x`, `-k name`).
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ import time
 
 BUILDS_LINE = "engine builds: "
 STREAMS = {
-    "integration": ["tests/integration"],
-    "faults": ["tests/faults"],
+    "fleet": ["tests/integration", "tests/faults"],
     "local": ["tests/unit", "tests/engine", "tests/security", "tests/smoke"],
 }
 
@@ -52,7 +49,7 @@ def main(extra: list[str]) -> int:
     threads = []
     for name, paths in STREAMS.items():
         # -v: one line per test, so interleaved output still says which test each line is.
-        # no cacheprovider: the sessions would all write .pytest_cache at their end.
+        # no cacheprovider: the two sessions would both write .pytest_cache at their end.
         command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *paths, *extra]
         procs[name] = subprocess.Popen(
             command,
