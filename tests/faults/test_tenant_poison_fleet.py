@@ -18,21 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis
 
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, JobStatus, ShardStatus
-from tests.support.fleet import HOST, WorkerProcess, fleet_env_vars, settings_of
+from tests.support.fleet import WorkerProcess, fleet_env_vars, settings_of
 from tests.support.job_checks import load_job, output_rows, wait_until_final
-from tests.support.skips import require
+from tests.support.services import redis_database
 
 pytestmark = pytest.mark.integration
 
-REDIS_PORT = 6379
-_MARK = "batchllm:test-session"  # a database holding it is taken (tests/integration does too)
 WORKER_SETTINGS = {
     "BATCHLLM_COMMIT_SECONDS": "1",
     "BATCHLLM_RECONCILE_SECONDS": "5",
@@ -86,24 +83,9 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
-    try:
-        redis.Redis(host=HOST, port=REDIS_PORT, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        require(False, f"Redis is not reachable at {HOST}:{REDIS_PORT}: {exc}")
-    token = uuid.uuid4().hex
-    for index in range(15, 0, -1):
-        client = redis.Redis(host=HOST, port=REDIS_PORT, db=index, socket_connect_timeout=3)
-        try:
-            if client.dbsize() == 0 and client.set(_MARK, token, nx=True):
-                break
-        except redis.ResponseError:  # the server has fewer databases
-            continue
-    else:
-        require(False, f"no empty Redis database on {HOST}:{REDIS_PORT}")
-    try:
-        yield f"redis://{HOST}:{REDIS_PORT}/{index}"
-    finally:
-        client.flushdb()
+    """An empty database of the machine's Redis, this module's alone (tests/support/services)."""
+    with redis_database(uuid.uuid4().hex) as (_client, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
