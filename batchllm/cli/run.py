@@ -31,12 +31,32 @@ from batchllm.cli.options import (
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
 @notify_option
+@click.option(
+    "--engine",
+    "engine_kind",
+    type=click.Choice(["vllm", "instant"]),
+    default="vllm",
+    show_default=True,
+    help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers with "
+    "filler text at its max_tokens (the job records the hardware 'none (instant engine)'). "
+    "Checks a job's input, options and output end to end in seconds on any machine.",
+)
+@click.option(
+    "--instant-step-seconds",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --engine instant: each engine step takes this long and gives every running "
+    "request one token (0: answers at once), so a simulated job lasts a set time.",
+)
 def run(
     file: str | Path,
     output: Path | None,
     strict: bool,
     dry_run: bool,
     notify: str | None,
+    engine_kind: str,
+    instant_step_seconds: float,
     **flags,
 ) -> None:
     """Run the prompts in FILE (JSONL, or a Parquet/CSV table with --prompt-column: a local
@@ -48,6 +68,7 @@ def run(
       batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
       batchllm run docs.parquet --prompt-column text --id-column doc_id --model ./tiny-model
       batchllm run prompts.jsonl --model ./tiny-model --dry-run
+      batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
     from batchllm.cli.progress import Progress
     from batchllm.cli.render import echo_estimate, echo_job, job_row
@@ -60,7 +81,13 @@ def run(
         echo_estimate(Client().dry_run_spec(file, spec), spec.model)
         return
     require_local_model(spec.model)
-    require_hardware_for(spec.engine)
+    engines = None
+    if engine_kind == "instant":  # holds no GPU: nothing to check of the machine
+        from batchllm.execution.instant import InstantEngines
+
+        engines = InstantEngines(step_seconds=instant_step_seconds)
+    else:
+        require_hardware_for(spec.engine)
     if output is not None:
         _require_usable_output(output)
     require_requests(file)
@@ -82,6 +109,7 @@ def run(
         file,
         spec,
         strict=strict,
+        engines=engines,
         on_created=created,
         on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
         notify=notify,

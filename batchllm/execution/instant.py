@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from batchllm.engine.testing import InstantEngine
-from batchllm.errors import EngineMismatch
+from batchllm.errors import BatchLLMError, EngineMismatch
 from batchllm.execution import metrics
 from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.input.schemas import EngineOptions, JobSpec
@@ -90,3 +90,42 @@ class InstantWorkerEngine:
 
     def close(self) -> None:
         self.engine = None
+
+
+class InstantEngines:
+    """The EngineSource of `batchllm run --engine instant`: an InstantEngine for each job's model
+    and context, built in a second with no vLLM. For checking a job's input, options and output
+    end to end on any machine, and for tests whose subject is the job, not the model."""
+
+    def __init__(self, *, step_seconds: float = 0.0) -> None:
+        self.step_seconds = step_seconds
+        self._engine: InstantEngine | None = None
+        self._built_for: tuple[str, int] | None = None
+
+    @property
+    def engine(self) -> InstantEngine | None:
+        return self._engine
+
+    def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
+        if spec.engine.task != "generate":
+            raise BatchLLMError(
+                f"--engine instant simulates text generation only; a {spec.engine.task} job "
+                "needs --engine vllm"
+            )
+        if self._engine is None or self._built_for != (spec.model, max_model_len):
+            log.warning(
+                "INSTANT ENGINE (simulation): no generation, every request answers with filler "
+                "text; the job records hardware %r.",
+                InstantEngine.hardware,
+            )
+            self._engine = InstantEngine(
+                tokenizer=light_tokenizer(spec.model),
+                max_model_len=max_model_len,
+                max_num_seqs=spec.engine.max_num_seqs or 256,
+                step_seconds=self.step_seconds,
+            )
+            self._built_for = (spec.model, max_model_len)
+        return self._engine
+
+    def close(self) -> None:
+        self._engine = None

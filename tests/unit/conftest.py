@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.homes import seed_home
+
 
 @pytest.fixture
 def prompts(tmp_path) -> Path:
@@ -23,8 +25,9 @@ def model_dir(tmp_path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _own_home(tmp_path_factory, monkeypatch) -> None:
+def _own_home(tmp_path_factory, monkeypatch, migrated_database) -> None:
     """No unit test reads or migrates the developer's ~/.batchllm: code that falls back to the
     default settings (a Celery task, a CLI command) gets a fresh home instead. A test that sets
     BATCHLLM_HOME itself (the `settings` fixture) overrides this."""
-    monkeypatch.setenv("BATCHLLM_HOME", str(tmp_path_factory.mktemp("home")))
+    home = seed_home(tmp_path_factory.mktemp("home"), migrated_database)
+    monkeypatch.setenv("BATCHLLM_HOME", str(home))

@@ -252,3 +252,30 @@ def test_the_progress_line_shows_a_rate_only_after_a_second_of_rows(monkeypatch,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines[-2].strip() == "10/1,000 rows (  1.0%)"
     assert lines[-1].strip() == "100/1,000 rows ( 10.0%)  5,000 out tok/s  eta 18s"
+
+
+def test_run_with_the_instant_engine_completes_a_job_with_filler_text(
+    settings, tokenizer, tmp_path
+):
+    """`run --engine instant`: the whole job (validation, error rows, Parquet, the summary)
+    with no vLLM; every row says its hardware was the instant engine."""
+    model = Path(tokenizer.name_or_path)
+    source = tmp_path / "p.jsonl"
+    source.write_text('{"prompt": "hello"}\n{"prompt": "hi", "max_tokens": 3}\nnot json\n')
+    result = invoke(
+        "run", str(source), "--model", str(model), "--engine", "instant", "--max-tokens", "5"
+    )
+    assert result.exit_code == 0, result.output
+    assert "requests   3/3 done: 2 ok, 1 error" in result.output
+    assert "hardware   none (instant engine)" in result.output
+    with session_scope(settings) as session:
+        job = session.query(Job).one()
+        assert (job.status, job.completion_tokens) == (JobStatus.COMPLETED, 5 + 3)
+
+
+def test_run_with_the_instant_engine_refuses_an_embedding_job(settings, tokenizer, tmp_path):
+    source = tmp_path / "p.jsonl"
+    source.write_text('{"input": "hello"}\n')
+    result = invoke("run", str(source), "--model", tokenizer.name_or_path, "--engine", "instant")
+    assert result.exit_code != 0
+    assert "--engine instant simulates text generation only" in result.output
