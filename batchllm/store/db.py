@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import CursorResult, Engine, Executable, create_engine, event, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchllm.errors import BatchLLMError, JobNotFound
@@ -92,11 +92,11 @@ def _head_revision() -> str | None:
 
 
 def _is_current(engine: Engine) -> bool:
-    try:
-        with engine.connect() as conn:
+    with engine.connect() as conn:  # an unreachable database raises here, as it should
+        try:
             revision = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
-    except OperationalError:  # a new database: no alembic_version table yet
-        return False
+        except (OperationalError, ProgrammingError):  # a new database: no alembic_version yet
+            return False
     return revision == _head_revision()
 
 
