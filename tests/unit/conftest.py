@@ -17,6 +17,16 @@ def prompts(tmp_path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's tokenizer and config without its weights (built in ~1 s, no torch):
+    no unit test runs an engine, and sizing, validation and tokenization read only these.
+    Overrides tests/conftest.py's whole model for the unit tests."""
+    from batchllm.engine.models.demo_model import build_demo_tokenizer
+
+    return build_demo_tokenizer(tmp_path_factory.mktemp("model") / "tiny-tokenizer")
+
+
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
     path = tmp_path / "model"

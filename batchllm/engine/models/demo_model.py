@@ -222,6 +222,18 @@ def tiny_llama_config(tokenizer: Any) -> Any:
     )
 
 
+def build_demo_tokenizer(directory: str | pathlib.Path) -> pathlib.Path:
+    """The demo model's tokenizer and config.json without its weights, in ~1 s and without
+    torch: all that sizing, validation, tokenization and the instant engine read of a model
+    (the unit tests' model). The same tokenizer as build_demo_model's."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    tiny_llama_config(tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def build_demo_model(
     directory: str | pathlib.Path, *, seed: int = 0, extra_tokens: tuple[str, ...] = ()
 ) -> pathlib.Path:
