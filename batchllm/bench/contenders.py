@@ -25,6 +25,7 @@ def job_spec(
     *,
     group_prefixes: bool = True,
     kv_cache_bytes: int | None = None,
+    enforce_eager: bool = False,
 ) -> JobSpec:
     """Job defaults equal to what every request line asks for, so the lines decide nothing."""
     return JobSpec(
@@ -38,6 +39,7 @@ def job_spec(
             max_model_len=max_model_len,
             group_prefixes=group_prefixes,
             kv_cache_memory_bytes=kv_cache_bytes,
+            enforce_eager=enforce_eager,
         ),
     )
 

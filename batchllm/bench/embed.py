@@ -102,6 +102,7 @@ def run_embed(
     settings: Settings,
     workdir: Path,
     say: Say,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """Every contender on one pooling engine started here, taking turns repeat by repeat."""
     from batchllm.bench.contenders import engine_info
@@ -117,7 +118,10 @@ def run_embed(
     spec = JobSpec(
         model=model,
         engine=EngineOptions(
-            task="embed", max_model_len=max_model_len, enable_prefix_caching=False
+            task="embed",
+            max_model_len=max_model_len,
+            enable_prefix_caching=False,
+            enforce_eager=enforce_eager,
         ),
     )
     workdir.mkdir(parents=True, exist_ok=True)

@@ -290,6 +290,7 @@ def run_features(
     settings: Settings,
     workdir: Path,
     say: Say,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """Every job of this part on one engine started here; the part's figures for bench.json."""
     from batchllm.bench.contenders import engine_info
@@ -312,6 +313,7 @@ def run_features(
             max_model_len=max_model_len,
             compact_json=True,
             enable_prefix_caching=False,
+            enforce_eager=enforce_eager,
             # Rows fed in file order: the mixed and control jobs then queue their plain rows
             # at the same places (prefix grouping would order the two files differently;
             # these prompts share no prefix for it to gain on anyway).

@@ -30,6 +30,7 @@ def run_prefix(
     variants: Iterator[int],
     kv_cache_bytes: int | None,
     say,
+    enforce_eager: bool = False,
 ) -> dict[str, Contender]:
     """Both sides on one engine: the shared one, or with `kv_cache_bytes` an engine of its own
     whose small KV cache puts the prefix cache under the pressure a GPU's has."""
@@ -49,6 +50,7 @@ def run_prefix(
                 max_model_len,
                 group_prefixes=grouped,
                 kv_cache_bytes=kv_cache_bytes,
+                enforce_eager=enforce_eager,
             )
             run = run_job_phase(engines, spec, source, settings)
             source.unlink()

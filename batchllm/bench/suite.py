@@ -73,6 +73,9 @@ class BenchConfig:
     warm_max_tokens: int = 64
     warm_max_model_len: int = 512
     warm_enforce_eager: bool = True
+    # Every other engine of the bench (the shared one, the prefix part's, run-batch's and
+    # `batchllm run`'s, features', embed's) in eager mode: no torch.compile at start-up.
+    enforce_eager: bool = False
     warm_max_num_seqs: int = 256
     warm_max_num_batched_tokens: int = 4096
     seed: int = 0
@@ -213,7 +216,8 @@ def _shared_engine_parts(
         planned += [(config.prefix_workload, v) for v in prefix_variants]
     say("sizing the context for every run's requests")
     max_model_len = size_context(model, planned)
-    spec = job_spec(model, workload, max_model_len)
+    eager = config.enforce_eager
+    spec = job_spec(model, workload, max_model_len, enforce_eager=eager)
     engines = EngineCache()
     say(f"starting the shared vLLM engine ({model}, max_model_len {max_model_len})")
     started = time.perf_counter()
@@ -230,6 +234,7 @@ def _shared_engine_parts(
                 max_num_seqs=scheduler.max_num_seqs,
                 max_num_batched_tokens=scheduler.max_num_batched_tokens,
                 dtype=engine.dtype,
+                enforce_eager=eager,
             )
         ),
     }
@@ -240,7 +245,8 @@ def _shared_engine_parts(
         say("warming up (one generate, one job)")
         run_generate(engine, Prompts(engine, _WARMUP, 0), None)
         warm = write_openai_chat(workdir / "warmup.jsonl", _WARMUP, 1, model=model)
-        run_job_phase(engines, job_spec(model, _WARMUP, max_model_len), warm, settings)
+        warmup_spec = job_spec(model, _WARMUP, max_model_len, enforce_eager=eager)
+        run_job_phase(engines, warmup_spec, warm, settings)
         if "engine" in parts:
             contenders = _in_process(
                 config, engines, spec, settings, workdir, model, iter(engine_variants), say
@@ -259,6 +265,7 @@ def _shared_engine_parts(
                 variants=iter(prefix_variants),
                 kv_cache_bytes=config.prefix_kv_cache_bytes,
                 say=say,
+                enforce_eager=eager,
             )
             prefix = {
                 "workload": asdict(config.prefix_workload),
@@ -391,6 +398,7 @@ def _features(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[
         settings=bench_settings(workdir / "home"),
         workdir=workdir / "features",
         say=say,
+        enforce_eager=config.enforce_eager,
     )
 
 
@@ -407,6 +415,7 @@ def _embed(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str
         settings=bench_settings(workdir / "home"),
         workdir=workdir / "embed",
         say=say,
+        enforce_eager=config.enforce_eager,
     )
 
 

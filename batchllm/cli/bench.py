@@ -216,6 +216,13 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     help="Run the warm part's three engines in eager mode, or compiled.",
 )
 @click.option(
+    "--enforce-eager",
+    is_flag=True,
+    help="Build every engine but the warm part's in eager mode (no torch.compile: its start-up "
+    "costs a minute or more on a CPU, while generation runs slower). The report says which "
+    "mode ran; compare figures of one mode only.",
+)
+@click.option(
     "--warm-max-num-seqs",
     type=click.IntRange(min=1),
     default=BenchConfig.warm_max_num_seqs,
@@ -261,6 +268,7 @@ def bench(
     warm_max_tokens: int,
     warm_max_model_len: int,
     warm_enforce_eager: bool,
+    enforce_eager: bool,
     warm_max_num_seqs: int,
     warm_max_num_batched_tokens: int,
     natural_outputs: bool,
@@ -309,6 +317,7 @@ def bench(
         warm_max_tokens=warm_max_tokens,
         warm_max_model_len=warm_max_model_len,
         warm_enforce_eager=warm_enforce_eager,
+        enforce_eager=enforce_eager,
         warm_max_num_seqs=warm_max_num_seqs,
         warm_max_num_batched_tokens=warm_max_num_batched_tokens,
         natural_outputs=natural_outputs,

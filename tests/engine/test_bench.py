@@ -63,6 +63,9 @@ def bench(tiny_model, tmp_path_factory) -> tuple[dict, Path, str]:
             str(PREFIX_KV_CACHE_MIB),
             "--overhead-lines",
             str(OVERHEAD_LINES),
+            # No torch.compile in any of the four builds: what is tested here is that every
+            # part runs and its figures agree with the workload, in either mode.
+            "--enforce-eager",
         ],
         env=env,
         cwd=REPO,
@@ -89,6 +92,17 @@ def test_every_contender_runs_the_whole_workload_and_generates_the_same_tokens(b
         assert figures["failed"] == 0, key
         assert figures["output_tokens"] == expected_output_tokens(), key
         assert figures["prompt_tokens"] > REQUESTS, key
+
+
+def test_enforce_eager_reaches_every_engine_and_the_report(bench):
+    result, out, _ = bench
+    assert result["engine"]["limits"]["enforce_eager"] is True
+    # vLLM logs each engine's config: run-batch's process and `batchllm run`'s (its home's
+    # log) got the flag with the shared engine's limits; no engine was compiled.
+    logs = {p: p.read_text(errors="replace") for p in out.rglob("*.log")}
+    eager = [p.name for p, text in logs.items() if "enforce_eager=True" in text]
+    assert len(eager) >= 2, sorted(p.name for p in logs)
+    assert not [p.name for p, text in logs.items() if "enforce_eager=False" in text]
 
 
 def test_every_contender_reports_positive_throughput_memory_and_ratio(bench):

@@ -52,6 +52,7 @@ def bench(tiny_model, tmp_path_factory) -> tuple[dict, Path, str]:
             *("--feature-max-tokens", str(MAX_TOKENS)),
             *("--embed-texts", str(TEXTS)),
             *("--repeats", "1"),
+            "--enforce-eager",  # no torch.compile at either engine's start
         ],
         env=env,
         cwd=REPO,

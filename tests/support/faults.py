@@ -599,8 +599,17 @@ class Pool:
             self._start(len(workers))
 
 
-def run_probe_job(env: FaultEnv, count: int, *, timeout: float, workers: list[Worker]) -> set[str]:
-    """Run a small job of 2*count two-row shards; returns the workers that ran its shards."""
+def run_probe_job(
+    env: FaultEnv,
+    count: int,
+    *,
+    timeout: float,
+    workers: list[Worker],
+    unless_exits: Worker | None = None,
+) -> set[str]:
+    """Run a small job of 2*count two-row shards; returns the workers that ran its shards.
+    With `unless_exits`: returns an empty set as soon as that worker has exited instead (the
+    job may then be left unfinished for another worker)."""
     from batchllm.demo.workload import write_workload
     from batchllm.store.db import session_scope
     from batchllm.store.models import Job, JobStatus
@@ -611,6 +620,8 @@ def run_probe_job(env: FaultEnv, count: int, *, timeout: float, workers: list[Wo
     job_id = env.submit(source, shard_size=2, max_tokens=4).id
 
     def ended():
+        if unless_exits is not None and not unless_exits.alive():
+            return (None, "exited", set())
         with session_scope(env.settings) as session:
             job = session.get(Job, job_id)
             return (
@@ -625,6 +636,8 @@ def run_probe_job(env: FaultEnv, count: int, *, timeout: float, workers: list[Wo
         )
     except AssertionError as exc:
         raise AssertionError(f"{exc}" + tails(workers)) from None
+    if status is None:  # unless_exits exited
+        return set()
     assert status is JobStatus.COMPLETED, f"probe job {status.value}: {error}" + tails(workers)
     return {u for u in used if u}
 
