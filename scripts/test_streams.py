@@ -22,10 +22,10 @@ import threading
 import time
 
 BUILDS_LINE = "engine builds: "
-# Balanced by measurement: test_run_interrupt (two `batchllm run` engines, Ctrl-C; SQLite, no
-# broker) needs none of the fleet's services and runs beside the unit and engine suites, where
-# it shortens the fleet session, the long pole, by its ~2-3 minutes.
-MOVED_TO_LOCAL = ["tests/faults/test_run_interrupt.py"]
+# Balanced by measurement: the fault tests of `batchllm run` (SQLite, no broker) need none of
+# the fleet's services and run beside the unit and engine suites, where they shorten the fleet
+# session, the long pole (test_run_interrupt's two engines: ~2-3 minutes).
+MOVED_TO_LOCAL = ["tests/faults/test_run_interrupt.py", "tests/faults/test_run_killed.py"]
 STREAMS = {
     "fleet": [
         "tests/integration",
