@@ -24,13 +24,13 @@ from batchllm.bench.figures import BenchFailed
 from batchllm.bench.overhead import peak_rss, write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
-from benchmarks.services import PrivateRedis
+from benchmarks.services import RedisServer, ServiceFailed
 
 MODEL = "bench/first-shard"  # no worker serves it: the tasks stay queued
 SHARD_SIZE = 10_000  # the default BATCHLLM_SHARD_SIZE
 
 
-def queued_tasks(redis: PrivateRedis, queue: str) -> int:
+def queued_tasks(redis: RedisServer, queue: str) -> int:
     """Tasks waiting on the queue: kombu keeps one Redis list per queue and priority step."""
     client = redis.client()
     return sum(
@@ -41,7 +41,7 @@ def queued_tasks(redis: PrivateRedis, queue: str) -> int:
 
 
 def time_submit(
-    source: Path, settings: Settings, redis: PrivateRedis, *, max_model_len: int | None
+    source: Path, settings: Settings, redis: RedisServer, *, max_model_len: int | None
 ) -> dict[str, Any]:
     from sqlalchemy import func, select
 
@@ -94,7 +94,7 @@ def measure(lines: int, work_dir: Path) -> dict[str, Any]:
     source = write_lines(
         work_dir / "input.jsonl", lines, model=MODEL, prompt_words=(8, 64), output_tokens=(16, 128)
     )
-    redis = PrivateRedis(work_dir / "redis")
+    redis = RedisServer(work_dir=work_dir / "redis")
     redis.start()
     try:
         runs = []
@@ -132,6 +132,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except BenchFailed as exc:
+    except (BenchFailed, ServiceFailed) as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
         sys.exit(1)

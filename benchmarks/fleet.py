@@ -32,7 +32,7 @@ from batchllm.bench.figures import BenchFailed
 from batchllm.bench.overhead import write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
-from benchmarks.services import PrivatePostgres, PrivateRedis
+from benchmarks.services import PostgresCluster, RedisServer, tail
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]
@@ -79,8 +79,8 @@ class Fleet:
 
     def __init__(self, work_dir: Path, model: str, *, max_connections: int) -> None:
         self.work_dir, self.model = work_dir, model
-        self.redis = PrivateRedis(work_dir / "redis")
-        self.postgres = PrivatePostgres(max_connections=max_connections)
+        self.redis = RedisServer(work_dir=work_dir / "redis")
+        self.postgres = PostgresCluster(max_connections=max_connections)
         self.workers: list[tuple[str, subprocess.Popen, Path]] = []
         self.env: dict[str, str] = {}
         self.settings: Settings | None = None
@@ -89,7 +89,7 @@ class Fleet:
         from batchllm.store.db import upgrade
 
         self.redis.start()
-        self.postgres.start()
+        self.postgres.start_new()
         upgrade(self.postgres.url)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
         self.env.update(
@@ -135,7 +135,7 @@ class Fleet:
         for name, proc, log_path in self.workers:
             while f"{name} ready." not in log_path.read_text(errors="replace"):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise BenchFailed(f"worker {name} did not start:\n{_tail(log_path)}")
+                    raise BenchFailed(f"worker {name} did not start:\n{tail(log_path, 30)}")
                 time.sleep(0.2)
         return time.monotonic() - started
 
@@ -166,17 +166,13 @@ class Fleet:
     def stop(self) -> None:
         self.stop_workers()
         self.redis.stop()
-        self.postgres.stop()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        self.postgres.destroy()
 
 
 class Sampler:
     """Samples PostgreSQL's client connections every 0.2 s while a run goes."""
 
-    def __init__(self, postgres: PrivatePostgres) -> None:
+    def __init__(self, postgres: PostgresCluster) -> None:
         self.postgres = postgres
         self.samples: list[int] = []
         self._stop = threading.Event()
@@ -266,7 +262,7 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
 
 
 def _follow(
-    postgres: PrivatePostgres, job_ids: list[str], started: float, timeout: float
+    postgres: PostgresCluster, job_ids: list[str], started: float, timeout: float
 ) -> tuple[float, int]:
     first_row: float | None = None
     with postgres.connect() as conn:
@@ -288,7 +284,7 @@ def _follow(
             time.sleep(0.05)
 
 
-def _shard_facts(postgres: PrivatePostgres, job_ids: list[str]) -> dict[str, int]:
+def _shard_facts(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, int]:
     with postgres.connect() as conn:
         shards, attempts = conn.execute(
             "SELECT count(*), coalesce(sum(attempts), 0) FROM shards WHERE job_id = ANY(%s)",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.history import StatementLog, explain, populate, timed
-from benchmarks.services import PrivatePostgres, PrivateRedis
+from benchmarks.services import PostgresCluster, RedisServer
 
 
 def measure_history(jobs: int, work_dir: Path) -> dict[str, Any]:
@@ -32,8 +32,8 @@ def measure_history(jobs: int, work_dir: Path) -> dict[str, Any]:
     from batchllm.store.db import get_engine, session_scope, upgrade
     from batchllm.worker.reconciler import reconcile_once
 
-    postgres, redis = PrivatePostgres(), PrivateRedis(work_dir / "redis")
-    postgres.start()
+    postgres, redis = PostgresCluster(), RedisServer(work_dir=work_dir / "redis")
+    postgres.start_new()
     redis.start()
     try:
         upgrade(postgres.url)
@@ -98,7 +98,7 @@ def measure_history(jobs: int, work_dir: Path) -> dict[str, Any]:
         return {"rows": counts, "populate_s": populate_s, "operations": figures}
     finally:
         redis.stop()
-        postgres.stop()
+        postgres.destroy()
 
 
 def main(argv: list[str] | None = None) -> None:

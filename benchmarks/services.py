@@ -1,10 +1,12 @@
-"""A private Redis and PostgreSQL for the fleet bench, on free ports from a temporary
-directory, as the fault suite runs them (tests/faults/harness.py): the machine's own services
-(6379, 5432) are never touched, and the bench can read their counters (INFO commandstats,
-pg_stat_activity) without other users' traffic in them.
+"""A private Redis and PostgreSQL on free ports, from temporary directories: the developers'
+benchmarks run on them, so their counters (INFO commandstats, pg_stat_activity) hold no other
+users' traffic, and the fault suite (tests/support/faults.py) stops and starts them under its
+workers. The machine's own services (6379, 5432) are never touched, and the processes started
+here are ended by PID, never by name.
 
-PostgreSQL keeps its default max_connections (100) unless told otherwise: whether a fleet
-exhausts it is one of the things the bench measures.
+PostgreSQL keeps its default max_connections (100) and durable commits unless told otherwise:
+whether a fleet exhausts its connections, and what a commit costs, are things the benchmarks
+measure.
 """
 
 from __future__ import annotations
@@ -12,67 +14,99 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from batchllm.bench.figures import BenchFailed
-
 HOST = "127.0.0.1"
-_MACHINE_PORTS = frozenset({5432, 6379})
-DATABASE = "batchllm_fleet"
+# The machine's own services: a private server must never take (or be mistaken for) them.
+MACHINE_PORTS = frozenset({5432, 6379})
+BENCH_DATABASE = "batchllm_fleet"
+
+
+class ServiceFailed(RuntimeError):
+    """A private service did not start or stop as asked."""
 
 
 def free_port() -> int:
+    """A port free on 127.0.0.1 right now (the OS picks it), never one of the machine's."""
     while True:
         with socket.socket() as sock:
             sock.bind((HOST, 0))
             port = sock.getsockname()[1]
-        if port not in _MACHINE_PORTS:
+        if port not in MACHINE_PORTS:
             return port
 
 
-def _wait(check: Any, what: str, timeout: float = 60) -> None:
+def tail(path: Path, lines: int = 60) -> str:
+    """The last lines of a log, for a failure's message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _wait_until(answers: Callable[[], bool], *, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception:
-            pass
+    while not answers():
+        if time.monotonic() > deadline:
+            raise ServiceFailed(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.1)
-    raise BenchFailed(f"{what} did not come up within {timeout:.0f} s")
 
 
-class PrivateRedis:
-    """redis-server without persistence on a free port."""
+# -- Redis ---------------------------------------------------------------------------------
 
-    def __init__(self, work_dir: Path) -> None:
+
+class RedisServer:
+    """`redis-server` on a free port, without persistence: a restart loses every queued and
+    unacknowledged task (the fault the fault suite wants)."""
+
+    def __init__(self, *, work_dir: Path) -> None:
         self.port = free_port()
         self.work_dir = work_dir
+        self.log_path = work_dir / "redis.log"
         self.url = f"redis://{HOST}:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host=HOST, port=self.port, socket_timeout=10)
+        return redis.Redis(host=HOST, port=self.port, socket_connect_timeout=2, socket_timeout=10)
 
-    def start(self) -> None:
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 30) -> None:
+        if self.running():
+            raise ServiceFailed("redis-server is already running")
         if shutil.which("redis-server") is None:
-            raise BenchFailed("the fleet part needs redis-server on PATH")
+            raise ServiceFailed("redis-server is not on PATH")
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", ""]
-            + ["--appendonly", "no", "--dir", str(self.work_dir)],
-            stdout=(self.work_dir / "redis.log").open("ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        _wait(lambda: self.client().ping(), f"redis-server on port {self.port}")
+        with self.log_path.open("ab") as log:
+            proc = self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", HOST, "--save", ""]
+                + ["--appendonly", "no", "--daemonize", "no", "--dir", str(self.work_dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                raise ServiceFailed(
+                    f"redis-server exited with {proc.returncode}:\n" + tail(self.log_path)
+                )
+            try:
+                return bool(self.client().ping())
+            except Exception:
+                return False
+
+        _wait_until(answers, timeout=timeout, what=f"redis-server on port {self.port}")
 
     def commands(self) -> dict[str, int]:
         """Calls per command since the start (INFO commandstats), e.g. {"lpush": 40}."""
@@ -80,16 +114,39 @@ class PrivateRedis:
         return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+        """`SHUTDOWN NOSAVE`, then SIGTERM and SIGKILL to our PID if it does not go."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        if shutil.which("redis-cli") is not None:
+            subprocess.run(
+                ["redis-cli", "-h", HOST, "-p", str(self.port), "shutdown", "nosave"],
+                capture_output=True,
+                timeout=15,
+            )
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                proc.send_signal(sig)
             try:
-                self.proc.wait(timeout=15)
+                proc.wait(timeout=10)
+                return
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+                continue
+
+    def restart(self) -> float:
+        """Stop (losing everything in it) and start again on the same port; returns the time
+        the stop began (time.monotonic)."""
+        began = time.monotonic()
+        self.stop()
+        self.start()
+        return began
 
 
-def _postgres_bin() -> Path:
+# -- PostgreSQL ----------------------------------------------------------------------------
+
+
+def postgres_bin() -> Path | None:
+    """The newest installed PostgreSQL's server binaries (initdb, pg_ctl), or None."""
     found = sorted(
         glob.glob("/usr/lib/postgresql/*/bin/initdb"),
         key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
@@ -97,45 +154,86 @@ def _postgres_bin() -> Path:
     if found:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
-    if initdb is None:
-        raise BenchFailed("the fleet part needs PostgreSQL's server binaries (initdb, pg_ctl)")
-    return Path(initdb).parent
+    return Path(initdb).parent if initdb else None
 
 
-class PrivatePostgres:
-    """A throw-away cluster (initdb, trust auth) on a free port, run as `postgres` when we are
-    root. Durable commits stay on (fsync, synchronous_commit): a commit costs what it would."""
+class PostgresCluster:
+    """A throw-away cluster (initdb) on a free port of 127.0.0.1, trust auth, with one
+    database, run as the `postgres` user when we are root (PostgreSQL refuses to run as root).
+    `initdb_options` and `settings` (postgresql.conf's) are a user's own: the fault suite's
+    cluster trades durability for speed."""
 
-    def __init__(self, *, max_connections: int = 100) -> None:
-        self.bin_dir = _postgres_bin()
+    def __init__(
+        self,
+        *,
+        database: str = BENCH_DATABASE,
+        bin_dir: Path | None = None,
+        max_connections: int = 100,
+        initdb_options: tuple[str, ...] = (),
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
+        found = bin_dir or postgres_bin()
+        if found is None:
+            raise ServiceFailed("needs PostgreSQL's server binaries (initdb, pg_ctl)")
+        self.bin_dir = found
+        self.database = database
         self.port = free_port()
         self.max_connections = max_connections
-        self.root = Path(tempfile.mkdtemp(prefix="batchllm-fleet-pg-"))
+        self.initdb_options = initdb_options
+        self.settings = dict(settings or {})
+        # Not under pytest's tmp_path: that is private to root, and the server runs as postgres.
+        self.root = Path(tempfile.mkdtemp(prefix=f"{database.replace('_', '-')}-pg-"))
         self.data = self.root / "data"
+        self.log_path = self.root / "postgres.log"
         self.as_root = os.geteuid() == 0
         if self.as_root:
             shutil.chown(self.root, "postgres", "postgres")
-        self.url = f"postgresql+psycopg://postgres@{HOST}:{self.port}/{DATABASE}"
+        self.url = f"postgresql+psycopg://postgres@{HOST}:{self.port}/{database}"
 
-    def _run(self, *argv: str) -> None:
+    def _run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
         command = [str(self.bin_dir / argv[0]), *argv[1:]]
         if self.as_root:
             command = ["runuser", "-u", "postgres", "--", *command]
-        done = subprocess.run(command, cwd=self.root, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise BenchFailed(f"{argv[0]} failed: {done.stdout}\n{done.stderr}")
+        result = subprocess.run(
+            command, cwd=self.root, capture_output=True, text=True, timeout=timeout
+        )
+        if result.returncode != 0:
+            raise ServiceFailed(
+                f"{' '.join(argv)} failed ({result.returncode}):\n"
+                f"{result.stdout}\n{result.stderr}\n" + tail(self.log_path)
+            )
+        return result
+
+    def init(self) -> None:
+        self._run(
+            "initdb",
+            *("-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8"),
+            *self.initdb_options,
+        )
+        settings = {
+            "listen_addresses": f"'{HOST}'",
+            "port": str(self.port),
+            "unix_socket_directories": f"'{self.root}'",
+            "max_connections": str(self.max_connections),
+            **self.settings,
+        }
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write("\n" + "".join(f"{name} = {value}\n" for name, value in settings.items()))
 
     def start(self) -> None:
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8")
-        with (self.data / "postgresql.conf").open("a") as conf:
-            conf.write(
-                f"\nlisten_addresses = '{HOST}'\nport = {self.port}\n"
-                f"unix_socket_directories = '{self.root}'\n"
-                f"max_connections = {self.max_connections}\n"
-            )
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "pg.log"), "-w", "start")
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60", "start"
+        )
+
+    def create_database(self) -> None:
         with self.connect(dbname="postgres") as conn:
-            conn.execute(f'CREATE DATABASE "{DATABASE}"')
+            conn.execute(f'CREATE DATABASE "{self.database}"')
+
+    def start_new(self) -> None:
+        """initdb, start, and create the database: an empty cluster for batchllm's migrations."""
+        self.init()
+        self.start()
+        self.create_database()
 
     @property
     def pid(self) -> int | None:
@@ -145,25 +243,53 @@ class PrivatePostgres:
         except (OSError, IndexError, ValueError):
             return None
 
-    def connect(self, dbname: str = DATABASE) -> Any:
+    def running(self) -> bool:
+        pid = self.pid
+        if pid is None:
+            return False
+        try:
+            return Path(f"/proc/{pid}/comm").read_text().strip() == "postgres"
+        except OSError:
+            return False
+
+    def connect(self, dbname: str | None = None) -> Any:
+        """A plain psycopg connection (autocommit), to the cluster's database by default."""
         import psycopg
 
         return psycopg.connect(
-            host=HOST, port=self.port, user="postgres", dbname=dbname, autocommit=True
+            host=HOST,
+            port=self.port,
+            user="postgres",
+            dbname=dbname or self.database,
+            autocommit=True,
+            connect_timeout=5,
         )
 
     def connections(self) -> int:
-        """Client connections open to the bench's database now (pg_stat_activity)."""
+        """Client connections open to the database now (pg_stat_activity), this one aside."""
         with self.connect() as conn:
             row = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> "
                 "pg_backend_pid()",
-                (DATABASE,),
+                (self.database,),
             ).fetchone()
         return int(row[0]) if row else 0
 
     def stop(self) -> None:
+        """`pg_ctl stop -m fast`: the server ends every session and stops."""
+        if self.running():
+            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+
+    def destroy(self) -> None:
+        """Stop the server (SIGQUIT to the postmaster when pg_ctl cannot) and delete the
+        cluster."""
         try:
-            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-        finally:
-            shutil.rmtree(self.root, ignore_errors=True)
+            self.stop()
+        except Exception:
+            pid = self.pid
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGQUIT)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(self.root, ignore_errors=True)

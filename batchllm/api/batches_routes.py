@@ -3,6 +3,8 @@ and /v1/models."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -10,10 +12,10 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
 
-from batchllm.api import batches, files, keys
+from batchllm.api import batches, keys
 from batchllm.api.auth import current_owner
-from batchllm.api.errors import ApiError, not_found
-from batchllm.api.files_routes import content_missing
+from batchllm.api.errors import ApiError, check_limit, not_found
+from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.schemas import PRIORITIES
@@ -88,9 +90,7 @@ def create_batch(
     settings = request.app.state.settings
     metadata = _check_request(body)
     with session_scope(settings) as session:
-        stored = files.get_file(session, owner, body.input_file_id)
-        if stored is None:
-            raise not_found("file", body.input_file_id)
+        stored = owned_file(session, body.input_file_id, owner)
         session.expunge(stored)
         # Refused here before any work; the count that holds is taken with the insert.
         batches.check_active_batches(session, owner, settings.api_max_active_batches)
@@ -172,6 +172,15 @@ def _owned_batch(session, batch_id: str, owner: str) -> Batch:
     return batch
 
 
+@contextmanager
+def _refused_as(code: str) -> Iterator[None]:
+    """A JobStateError (the batch's state refuses the change) as OpenAI's 409, with `code`."""
+    try:
+        yield
+    except JobStateError as exc:
+        raise ApiError(409, str(exc), code=code) from None
+
+
 def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
     with session_scope(settings) as session:
         # Read at the moment it is asked for: a batch past its window is expired now, whether
@@ -201,8 +210,7 @@ def list_batches(
     after: str | None = None,
     owner: str = Depends(current_owner),
 ) -> dict[str, Any]:
-    if not 1 <= limit <= 100:
-        raise ApiError(400, "limit: 1 to 100", param="limit", code="invalid_value")
+    check_limit(limit, 100)
     settings = request.app.state.settings
     with session_scope(settings) as session:
         recovery.expire_jobs(session, settings.lease_seconds)
@@ -215,16 +223,13 @@ def list_batches(
             .options(selectinload(Batch.job))
         )
         if after is not None:
-            cursor = session.get(Batch, after)
-            if cursor is None or cursor.owner != owner:
-                raise not_found("batch", after)
+            cursor = _owned_batch(session, after, owner)
             query = query.where(
                 (Batch.created_at < cursor.created_at)
                 | ((Batch.created_at == cursor.created_at) & (Batch.job_id < cursor.job_id))
             )
         rows = list(session.scalars(query.limit(limit + 1)))
-        data = [batch_object(b, b.job) for b in rows[:limit]]
-        return page(data, has_more=len(rows) > limit)
+        return page(rows, limit, lambda b: batch_object(b, b.job))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -234,10 +239,8 @@ def cancel_batch(
     settings = request.app.state.settings
     with session_scope(settings) as session:
         _owned_batch(session, batch_id, owner)
-        try:
+        with _refused_as("batch_not_cancellable"):
             service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
-        except JobStateError as exc:
-            raise ApiError(409, str(exc), code="batch_not_cancellable") from None
     return _render(settings, owner, batch_id)
 
 
@@ -254,10 +257,8 @@ def retry_batch(
         # Before the retry starts, so its end can never be read with the old files (a refused
         # retry only makes the next read write the same files again).
         batch.output_file_id = batch.error_file_id = None
-    try:
+    with _refused_as("batch_not_retryable"):
         retry_job(batch_id, settings=settings)
-    except JobStateError as exc:
-        raise ApiError(409, str(exc), code="batch_not_retryable") from None
     return _render(settings, owner, batch_id)
 
 
@@ -271,9 +272,8 @@ def delete_batch(
     with session_scope(settings) as session:
         _owned_batch(session, batch_id, owner)
     try:
-        delete_job(settings, batch_id)
-    except JobStateError as exc:
-        raise ApiError(409, str(exc), code="batch_not_deletable") from None
+        with _refused_as("batch_not_deletable"):
+            delete_job(settings, batch_id)
     except JobNotFound:  # deleted meanwhile
         raise not_found("batch", batch_id) from None
     return {"id": batch_id, "object": "batch.deleted", "deleted": True}

@@ -51,6 +51,12 @@ def not_found(kind: str, object_id: str) -> ApiError:
     return ApiError(404, f"No {kind} found with id '{object_id}'.", code="not_found")
 
 
+def check_limit(limit: int, most: int) -> None:
+    """A list route's `limit` query parameter: 1 to `most`."""
+    if not 1 <= limit <= most:
+        raise ApiError(400, f"limit: 1 to {most:,}", param="limit", code="invalid_value")
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:

@@ -8,10 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Form, Request, UploadFile
 from fastapi.responses import StreamingResponse
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from batchllm.api import files
 from batchllm.api.auth import current_owner
-from batchllm.api.errors import ApiError, not_found
+from batchllm.api.errors import ApiError, check_limit, not_found
 from batchllm.api.objects import file_object, page
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
@@ -122,25 +123,25 @@ def list_files(
     owner: str = Depends(current_owner),
 ) -> dict[str, Any]:
     """Newest first, in cursor pages as OpenAI's (`limit` up to 10,000, `after` an id)."""
-    if not 1 <= limit <= 10_000:
-        raise ApiError(400, "limit: 1 to 10,000", param="limit", code="invalid_value")
+    check_limit(limit, 10_000)
     with session_scope(request.app.state.settings) as session:
-        cursor = None
-        if after is not None:
-            cursor = files.get_file(session, owner, after)
-            if cursor is None:
-                raise not_found("file", after)
+        cursor = None if after is None else owned_file(session, after, owner)
         rows = files.list_files(session, owner, purpose, after=cursor, limit=limit + 1)
-        return page([file_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
+        return page(rows, limit, file_object)
+
+
+def owned_file(session: Session, file_id: str, owner: str) -> StoredFile:
+    """The file, or 404 alike when it does not exist and when another key owns it."""
+    row = files.get_file(session, owner, file_id)
+    if row is None:
+        raise not_found("file", file_id)
+    return row
 
 
 @router.get("/v1/files/{file_id}")
 def get_file(request: Request, file_id: str, owner: str = Depends(current_owner)) -> dict[str, Any]:
     with session_scope(request.app.state.settings) as session:
-        row = files.get_file(session, owner, file_id)
-        if row is None:
-            raise not_found("file", file_id)
-        return file_object(row)
+        return file_object(owned_file(session, file_id, owner))
 
 
 @router.get("/v1/files/{file_id}/content")
@@ -149,9 +150,7 @@ def file_content(
 ) -> StreamingResponse:
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        row = files.get_file(session, owner, file_id)
-        if row is None:
-            raise not_found("file", file_id)
+        row = owned_file(session, file_id, owner)
         path = row.path
     try:
         # Opened before the answer starts: a stored copy gone missing is an error status, not
@@ -176,9 +175,7 @@ def delete_file(
 ) -> dict[str, Any]:
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        row = files.get_file(session, owner, file_id)
-        if row is None:
-            raise not_found("file", file_id)
+        row = owned_file(session, file_id, owner)
         path = row.path
         session.delete(row)
     Storage.of(settings).delete(path)

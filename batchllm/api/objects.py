@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -70,11 +71,16 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
     }
 
 
-def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+def page(
+    rows: Sequence[Any], limit: int, render: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """A list route's cursor page: `rows` are read one past `limit`, which only tells whether
+    more follow."""
+    data = [render(row) for row in rows[:limit]]
     return {
         "object": "list",
         "data": data,
         "first_id": data[0]["id"] if data else None,
         "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
+        "has_more": len(rows) > limit,
     }

@@ -7,15 +7,22 @@ per-row bookkeeping, Parquet part files and database checkpoints, through the re
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from batchllm.bench.figures import BenchFailed, Run
+from batchllm.bench.figures import BenchFailed, Run, job_run
 from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import Workload, iter_requests
+from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+
+if TYPE_CHECKING:
+    from batchllm.store.models import Job
 
 
 def job_spec(
@@ -117,34 +124,48 @@ def run_generate(engine, prompts: Prompts, batch: int | None) -> Run:
     )
 
 
-def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: Settings) -> Run:
-    """The whole `run_job`, timed from the end of validation and storage to the finished job."""
+@dataclass(frozen=True)
+class TimedJob:
+    """A job `run_job` ran to its end, with perf_counter readings of its phases."""
+
+    job: Job
+    started: float  # run_job called
+    stored: float  # the input validated and stored (nan: the job was refused before)
+    ended: float  # run_job returned
+
+
+def timed_run_job(
+    engines: EngineSource, spec: JobSpec, source: Path, settings: Settings
+) -> TimedJob:
+    """The whole `run_job`, the end of its validation and storage marked (`on_created`)."""
     from batchllm.jobs.local import run_job
-    from batchllm.store.models import JobStatus
 
     stored_at: list[float] = []
+    started = time.perf_counter()
+    job = run_job(
+        source,
+        spec,
+        settings=settings,
+        engines=engines,
+        on_created=lambda _job: stored_at.append(time.perf_counter()),
+    )
+    ended = time.perf_counter()
+    return TimedJob(job, started, stored_at[0] if stored_at else math.nan, ended)
+
+
+def run_job_phase(engines: EngineCache, spec: JobSpec, source: Path, settings: Settings) -> Run:
+    """The whole `run_job`, timed from the end of validation and storage to the finished job."""
+    from batchllm.store.models import JobStatus
+
     with PeakRss() as memory:
-        started = time.perf_counter()
-        job = run_job(
-            source,
-            spec,
-            settings=settings,
-            engines=engines,
-            on_created=lambda _job: stored_at.append(time.perf_counter()),
-        )
-        ended = time.perf_counter()
+        timed = timed_run_job(engines, spec, source, settings)
+    job = timed.job
     if job.status is not JobStatus.COMPLETED:
         raise BenchFailed(f"bench job {job.id} ended {job.status.value}: {job.error}")
-    return Run(
-        seconds=ended - stored_at[0],
-        requests=job.request_completed + job.request_failed,
-        prompt_tokens=job.prompt_tokens,
-        output_tokens=job.completion_tokens,
-        failed=job.request_failed,
+    return job_run(
+        job,
+        seconds=timed.ended - timed.stored,
         peak_rss=memory.peak,
-        extra={
-            "job_id": job.id,
-            "validation_seconds": stored_at[0] - started,
-            "sql_output_tokens_per_s": job.output_tokens_per_s,
-        },
+        validation_seconds=timed.stored - timed.started,
+        sql_output_tokens_per_s=job.output_tokens_per_s,
     )

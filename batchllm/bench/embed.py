@@ -20,6 +20,7 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed, Contender, Run
 from batchllm.bench.memory import PeakRss
+from batchllm.bench.own_engine import OwnEnginePart
 from batchllm.demo.workload import sentence
 from batchllm.execution.engines import EngineCache
 from batchllm.input.rows import InputRow
@@ -35,7 +36,6 @@ BASELINE = "vllm_embed_texts"
 _WARMUP_TEXTS = 64
 _COMPARED = 8  # texts whose vectors must agree across contenders
 _TOLERANCE = 1e-3  # largest difference in any coordinate of a normalized vector
-Say = Callable[[str], None]
 
 
 def make_texts(count: int, words: tuple[int, int], seed: int) -> list[str]:
@@ -92,47 +92,36 @@ def _agree(label: str, vectors: list[Any], reference: list[list[float]]) -> floa
     return worst
 
 
-def run_embed(
-    *,
-    model: str,
-    texts: int,
-    words: tuple[int, int],
-    repeats: int,
-    seed: int,
-    settings: Settings,
-    workdir: Path,
-    say: Say,
-    enforce_eager: bool = False,
-) -> dict[str, Any]:
+def run_embed(setup: OwnEnginePart, *, texts: int, words: tuple[int, int]) -> dict[str, Any]:
     """Every contender on one pooling engine started here, taking turns repeat by repeat."""
     from batchllm.bench.contenders import engine_info
     from batchllm.engine.sizing import size_max_model_len
 
-    corpus = make_texts(texts, words, seed)
+    corpus = make_texts(texts, words, setup.seed)
     rows = [
         InputRow(line=i, custom_id=f"t-{i}", kind="embed", prompt=t)
         for i, t in enumerate(corpus, start=1)
     ]
-    say("[embed] sizing the context")
-    max_model_len = size_max_model_len(model, rows, SamplingDefaults(max_tokens=1))
+    setup.say("[embed] sizing the context")
+    max_model_len = size_max_model_len(setup.model, rows, SamplingDefaults(max_tokens=1))
     spec = JobSpec(
-        model=model,
+        model=setup.model,
         engine=EngineOptions(
             task="embed",
             max_model_len=max_model_len,
             enable_prefix_caching=False,
-            enforce_eager=enforce_eager,
+            enforce_eager=setup.enforce_eager,
         ),
     )
-    workdir.mkdir(parents=True, exist_ok=True)
-    source = workdir / "embed.jsonl"
+    setup.workdir.mkdir(parents=True, exist_ok=True)
+    source = setup.workdir / "embed.jsonl"
     with source.open("w") as out:
         for row in rows:
             out.write(json.dumps({"custom_id": row.custom_id, "input": row.prompt}) + "\n")
-    warm = workdir / "embed-warmup.jsonl"
+    warm = setup.workdir / "embed-warmup.jsonl"
     warm.write_text("".join(source.read_text().splitlines(keepends=True)[:_WARMUP_TEXTS]))
     engines = EngineCache()
-    say(f"[embed] starting the vLLM pooling engine (max_model_len {max_model_len})")
+    setup.say(f"[embed] starting the vLLM pooling engine (max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)
     info = engine_info(engine, started=started, max_model_len=max_model_len, prefix_caching=False)
@@ -143,16 +132,16 @@ def run_embed(
         if any(isinstance(i, str) for i in ids):
             raise BenchFailed("an embedding text cannot run")
         token_prompts = [{"prompt_token_ids": i} for i in ids]
-        say("[embed] warming up (one embed call, one job)")
+        setup.say("[embed] warming up (one embed call, one job)")
         engine.llm.embed(corpus[:_WARMUP_TEXTS], use_tqdm=False)
-        _job(engines, spec, warm, settings)
+        _job(engines, spec, warm, setup.settings)
         steps: dict[str, Callable[[], tuple[Run, list[Any]]]] = {
             "vllm_embed_texts": lambda: _raw(engine, corpus),
             "vllm_embed_ids": lambda: _raw(engine, token_prompts),
-            "batchllm_embed": lambda: _job(engines, spec, source, settings),
+            "batchllm_embed": lambda: _job(engines, spec, source, setup.settings),
         }
         reference: list[list[float]] = []
-        for repeat in range(repeats):
+        for repeat in range(setup.repeats):
             for key, go in steps.items():
                 run, vectors = go()
                 if not reference:
@@ -161,8 +150,8 @@ def run_embed(
                     differences.get(key, 0.0), _agree(CONTENDERS[key], vectors, reference)
                 )
                 contenders[key].runs.append(run)
-                say(
-                    f"[embed] {CONTENDERS[key]}, repeat {repeat + 1}/{repeats}: "
+                setup.say(
+                    f"[embed] {CONTENDERS[key]}, repeat {repeat + 1}/{setup.repeats}: "
                     f"{run.requests / run.seconds:,.0f} rows/s, "
                     f"{run.prompt_tokens / run.seconds:,.0f} input tokens/s ({run.seconds:.1f} s)"
                 )

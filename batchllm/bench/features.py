@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from batchllm.bench.figures import BenchFailed, Contender, Run
+from batchllm.bench.figures import BenchFailed, Contender, Run, job_run
 from batchllm.bench.memory import PeakRss
+from batchllm.bench.own_engine import OwnEnginePart, Say
 from batchllm.bench.workload import TEMPERATURE, Request, Workload, iter_requests
 from batchllm.engine.prompts import Prepared
 from batchllm.engine.protocol import Adapter, Engine, Finished
@@ -87,7 +88,6 @@ _RAW: dict[str, dict[str, Any]] = {
     "n4": {"ignore_eos": True, "n": SAMPLES},
 }
 _WARMUP_ROWS = 40
-Say = Callable[[str], None]
 
 
 def line_fields(kind: str, max_tokens: int) -> dict[str, Any]:
@@ -205,39 +205,27 @@ class _Done:
 def _run_job(engines: _TimedEngines, spec: JobSpec, source: Path, settings: Settings) -> _Done:
     """The whole `run_job`, timed like the engine part's batchllm contender: from the end of
     validation and storage to the finished job. Error rows would make the figures meaningless."""
-    from batchllm.jobs.local import run_job
+    from batchllm.bench.contenders import timed_run_job
     from batchllm.output.parts import read_output
     from batchllm.storage import Storage
     from batchllm.store.models import JobStatus
 
     engines.timeline = timeline = Timeline()
-    stored_at: list[float] = []
     with PeakRss() as memory:
-        job = run_job(
-            source,
-            spec,
-            settings=settings,
-            engines=engines,
-            on_created=lambda _job: stored_at.append(time.perf_counter()),
-        )
-        ended = time.perf_counter()
+        timed = timed_run_job(engines, spec, source, settings)
+    job = timed.job
     if job.status is not JobStatus.COMPLETED or job.request_failed:
         raise BenchFailed(
             f"bench job {job.id} ended {job.status.value} with {job.request_failed} error "
             f"rows: {job.error or 'see its output'}"
         )
     table = read_output(Storage.of(settings), job.output_dir)
-    run = Run(
-        seconds=ended - stored_at[0],
-        requests=job.request_completed,
-        prompt_tokens=job.prompt_tokens,
-        output_tokens=job.completion_tokens,
+    run = job_run(  # no error rows (checked above): every request completed
+        job,
+        seconds=timed.ended - timed.stored,
         peak_rss=memory.peak,
-        extra={
-            "job_id": job.id,
-            "structured_rows": job.structured_rows,
-            "structured_valid": job.structured_valid,
-        },
+        structured_rows=job.structured_rows,
+        structured_valid=job.structured_valid,
     )
     return _Done(run, job, timeline, {r["custom_id"]: r for r in table.to_pylist()})
 
@@ -280,17 +268,7 @@ def _check(kind: str, done: _Done) -> None:
 
 
 def run_features(
-    *,
-    model: str,
-    requests: int,
-    prompt_words: tuple[int, int],
-    max_tokens: int,
-    repeats: int,
-    seed: int,
-    settings: Settings,
-    workdir: Path,
-    say: Say,
-    enforce_eager: bool = False,
+    setup: OwnEnginePart, *, requests: int, prompt_words: tuple[int, int], max_tokens: int
 ) -> dict[str, Any]:
     """Every job of this part on one engine started here; the part's figures for bench.json."""
     from batchllm.bench.contenders import engine_info
@@ -300,29 +278,29 @@ def run_features(
         requests=requests,
         prompt_words=prompt_words,
         output_tokens=(max_tokens, max_tokens),
-        seed=seed + 2,
+        seed=setup.seed + 2,
     )
     prompts = list(iter_requests(workload, 0))
     rows = [r.row(line) for line, r in enumerate(prompts, start=1)]
-    say("[features] sizing the context")
-    max_model_len = size_max_model_len(model, rows, SamplingDefaults(max_tokens=max_tokens))
+    setup.say("[features] sizing the context")
+    max_model_len = size_max_model_len(setup.model, rows, SamplingDefaults(max_tokens=max_tokens))
     spec = JobSpec(
-        model=model,
+        model=setup.model,
         sampling=SamplingDefaults(max_tokens=max_tokens, temperature=TEMPERATURE),
         engine=EngineOptions(
             max_model_len=max_model_len,
             compact_json=True,
             enable_prefix_caching=False,
-            enforce_eager=enforce_eager,
+            enforce_eager=setup.enforce_eager,
             # Rows fed in file order: the mixed and control jobs then queue their plain rows
             # at the same places (prefix grouping would order the two files differently;
             # these prompts share no prefix for it to gain on anyway).
             group_prefixes=False,
         ),
     )
-    workdir.mkdir(parents=True, exist_ok=True)
+    setup.workdir.mkdir(parents=True, exist_ok=True)
     engines = _TimedEngines()
-    say(f"[features] starting the vLLM engine (compact_json, max_model_len {max_model_len})")
+    setup.say(f"[features] starting the vLLM engine (compact_json, max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.cache.get(spec, max_model_len)
     info = engine_info(
@@ -333,8 +311,10 @@ def run_features(
         prefix_caching=False,
     )
     try:
-        part = _Part(prompts, engine.prepare(rows), engines, spec, settings, workdir, say)
-        part.take_turns(repeats)
+        part = _Part(
+            prompts, engine.prepare(rows), engines, spec, setup.settings, setup.workdir, setup.say
+        )
+        part.take_turns(setup.repeats)
     finally:
         engines.close()
     return part.figures(workload, info)

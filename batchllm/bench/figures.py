@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import BatchLLMError
+
+if TYPE_CHECKING:
+    from batchllm.store.models import Job
 
 
 class BenchFailed(BatchLLMError):
@@ -28,6 +31,28 @@ class Run:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def job_run(
+    job: Job,
+    *,
+    seconds: float,
+    peak_rss: int,
+    generation_seconds: float | None = None,
+    **extra: Any,
+) -> Run:
+    """An ended batchllm job as a run: its requests (error rows among them, counted failed)
+    and tokens as the job recorded them, and its id beside `extra`."""
+    return Run(
+        seconds=seconds,
+        requests=job.request_completed + job.request_failed,
+        prompt_tokens=job.prompt_tokens,
+        output_tokens=job.completion_tokens,
+        failed=job.request_failed,
+        peak_rss=peak_rss,
+        generation_seconds=generation_seconds,
+        extra={"job_id": job.id, **extra},
+    )
 
 
 @dataclass

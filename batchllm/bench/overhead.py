@@ -140,10 +140,9 @@ def disk_usage(home: Path) -> dict[str, int]:
 def _run_once(
     source: Path, home: Path, *, model: str, max_tokens: int, given: int | None
 ) -> dict[str, Any]:
-    from batchllm.bench.contenders import bench_settings
+    from batchllm.bench.contenders import bench_settings, timed_run_job
     from batchllm.engine.sizing import load_tokenizer
     from batchllm.input.schemas import EngineOptions, SamplingDefaults
-    from batchllm.jobs.local import run_job
     from batchllm.store.models import JobStatus
 
     engines = InstantEngines(load_tokenizer(model))
@@ -152,16 +151,8 @@ def _run_once(
         sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=True),
         engine=EngineOptions(max_model_len=given),
     )
-    stored_at: list[float] = []
-    started = time.perf_counter()
-    job = run_job(
-        source,
-        spec,
-        settings=bench_settings(home),
-        engines=engines,
-        on_created=lambda _job: stored_at.append(time.perf_counter()),
-    )
-    ended = time.perf_counter()
+    timed = timed_run_job(engines, spec, source, bench_settings(home))
+    job, started, stored, ended = timed.job, timed.started, timed.stored, timed.ended
     engine, asked_at = engines.engine, engines.asked_at
     if engine is None or asked_at is None:
         raise BenchFailed("the overhead job never asked for an engine")
@@ -171,15 +162,15 @@ def _run_once(
         )
     # With the context length given, the (instant) engine is asked for before validation;
     # the phases then start at the end of validation.
-    generation_from = max(asked_at, stored_at[0])
+    generation_from = max(asked_at, stored)
     return {
         "rows": job.request_completed,
         "seconds": ended - started,
         "disk_bytes": disk_usage(home),
         "phases": {
             # Sized by default: validation with the sizing pass overlapping it.
-            "validate_and_store": stored_at[0] - started,
-            "size_context": max(0.0, asked_at - stored_at[0]),  # the sizing left to wait for
+            "validate_and_store": stored - started,
+            "size_context": max(0.0, asked_at - stored),  # the sizing left to wait for
             "tokenize": engine.prepare_seconds,
             "feed_write_commit": ended - generation_from - engine.prepare_seconds,
         },

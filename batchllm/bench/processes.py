@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchllm.bench.figures import BenchFailed, Run
+from batchllm.bench.figures import BenchFailed, Run, job_run
 from batchllm.bench.memory import PeakRss
 from batchllm.engine.build_log import note_engine_build
 from batchllm.process.stopping import stop_child
@@ -180,13 +180,6 @@ def run_batchllm(
     )
     with session_scope(bench_settings(home)) as session:
         (job,) = service.list_jobs(session, limit=1)
-    return Run(
-        seconds=done.seconds,
-        requests=job.request_completed + job.request_failed,
-        prompt_tokens=job.prompt_tokens,
-        output_tokens=job.completion_tokens,
-        failed=job.request_failed,
-        peak_rss=done.peak_rss,
-        generation_seconds=job.wall_seconds,
-        extra={"job_id": job.id},
+    return job_run(
+        job, seconds=done.seconds, peak_rss=done.peak_rss, generation_seconds=job.wall_seconds
     )

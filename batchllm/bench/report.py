@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,17 @@ def _spread(figure: dict[str, float]) -> str:
     """The half-range of the repeats as a share of the median: how much to trust a ratio."""
     half = (figure["max"] - figure["min"]) / 2 / figure["median"] if figure["median"] else 0.0
     return f"±{half:.0%}"
+
+
+def _rate_cells(figures: dict[str, Any]) -> tuple[str, ...]:
+    """The first cells of a generation table's row: the label, req/s and output tok/s (the
+    medians of the repeats), and the spread of the latter."""
+    return (
+        figures["label"],
+        f"{figures['requests_per_s']['median']:,.1f}",
+        f"{figures['output_tokens_per_s']['median']:,.0f}",
+        _spread(figures["output_tokens_per_s"]),
+    )
 
 
 def ordered(contenders: dict[str, Any]) -> list[dict[str, Any]]:
@@ -40,15 +51,12 @@ def contender_table(contenders: dict[str, Any]) -> str:
         "generating: out tok/s",
         "vs raw",
     )
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     for figures in ordered(contenders):
         generation = figures.get("generation_output_tokens_per_s")
         rows.append(
             (
-                figures["label"],
-                f"{figures['requests_per_s']['median']:,.1f}",
-                f"{figures['output_tokens_per_s']['median']:,.0f}",
-                _spread(figures["output_tokens_per_s"]),
+                *_rate_cells(figures),
                 f"{figures['total_tokens_per_s']['median']:,.0f}",
                 f"{figures['wall_seconds']['median']:,.1f}",
                 f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
@@ -164,10 +172,7 @@ def features_text(features: dict[str, Any]) -> str:
         constrained = figures.get("structured_rows")
         rows.append(
             (
-                figures["label"],
-                f"{figures['requests_per_s']['median']:,.1f}",
-                f"{figures['output_tokens_per_s']['median']:,.0f}",
-                _spread(figures["output_tokens_per_s"]),
+                *_rate_cells(figures),
                 f"{figures['output_tokens_per_request']:,.1f}",
                 f"{figures['requests_ratio_to_plain']:.2f}x",
                 f"{figures['tokens_ratio_to_plain']:.2f}x",
@@ -556,7 +561,6 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
 def _throughput_panel(ax, result: dict[str, Any]) -> None:
     contenders = ordered(result["contenders"])
     medians = [c["output_tokens_per_s"]["median"] for c in contenders]
-    lows = [c["output_tokens_per_s"]["min"] for c in contenders]
     highs = [c["output_tokens_per_s"]["max"] for c in contenders]
     colors = ["tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders]
     y = list(range(len(contenders)))
@@ -564,7 +568,7 @@ def _throughput_panel(ax, result: dict[str, Any]) -> None:
     ax.errorbar(
         medians,
         y,
-        xerr=[[m - lo for m, lo in zip(medians, lows)], [hi - m for m, hi in zip(medians, highs)]],
+        xerr=_error_bars([c["output_tokens_per_s"] for c in contenders]),
         fmt="none",
         ecolor="black",
         capsize=3,
@@ -593,6 +597,20 @@ def _throughput_panel(ax, result: dict[str, Any]) -> None:
     ax.set_title("throughput on one workload (ratio: output tokens/s vs raw vLLM)", fontsize=9)
 
 
+def _error_bars(figures: list[dict[str, float]]) -> list[list[float]]:
+    """Error bars from each figure's median down to its min and up to its max (the repeats')."""
+    return [[f["median"] - f["min"] for f in figures], [f["max"] - f["median"] for f in figures]]
+
+
+def _paired_bars(
+    draw: Callable[..., Any], green: tuple[str, list[float]], gray: tuple[str, list[float]]
+) -> None:
+    """Two bars side by side at each position 0, 1, ... (`draw` is ax.bar or ax.barh, whose
+    third argument is the bars' thickness either way): the green one, then the gray one."""
+    for shift, color, (label, values) in ((-0.2, "tab:green", green), (0.2, "tab:gray", gray)):
+        draw([i + shift for i in range(len(values))], values, 0.4, color=color, label=label)
+
+
 def _prefix_panel(ax, result: dict[str, Any]) -> None:
     prefix = result["prefix"]
     sides = [prefix["file_order"], prefix["grouped"]]
@@ -601,10 +619,7 @@ def _prefix_panel(ax, result: dict[str, Any]) -> None:
         ["file order", "grouped"],
         medians,
         color=["tab:gray", "tab:green"],
-        yerr=[
-            [m - s["output_tokens_per_s"]["min"] for m, s in zip(medians, sides)],
-            [s["output_tokens_per_s"]["max"] - m for m, s in zip(medians, sides)],
-        ],
+        yerr=_error_bars([s["output_tokens_per_s"] for s in sides]),
         capsize=3,
     )
     ax.set_ylabel("output tokens/s")
@@ -614,19 +629,10 @@ def _prefix_panel(ax, result: dict[str, Any]) -> None:
 def _overhead_panel(ax, result: dict[str, Any]) -> None:
     sizes = result["overhead"]["sizes"]
     x = range(len(sizes))
-    ax.bar(
-        [i - 0.2 for i in x],
-        [s["own_rows_per_s"] for s in sizes],
-        width=0.4,
-        color="tab:green",
-        label="own work",
-    )
-    ax.bar(
-        [i + 0.2 for i in x],
-        [s["rows_per_s"] for s in sizes],
-        width=0.4,
-        color="tab:gray",
-        label="+ tokenizing, sizing",
+    _paired_bars(
+        ax.bar,
+        ("own work", [s["own_rows_per_s"] for s in sizes]),
+        ("+ tokenizing, sizing", [s["rows_per_s"] for s in sizes]),
     )
     ax.set_xticks(list(x), [f"{s['lines']:,}" for s in sizes], fontsize=8)
     ax.set_ylabel("rows/s without generation")
@@ -644,19 +650,10 @@ def _features_panel(ax, result: dict[str, Any]) -> None:
 
     jobs = [result["features"]["jobs"][key] for key in JOBS]
     y = range(len(jobs))
-    ax.barh(
-        [i - 0.2 for i in y],
-        [j["requests_ratio_to_plain"] for j in jobs],
-        height=0.4,
-        color="tab:green",
-        label="req/s",
-    )
-    ax.barh(
-        [i + 0.2 for i in y],
-        [j["tokens_ratio_to_plain"] for j in jobs],
-        height=0.4,
-        color="tab:gray",
-        label="output tok/s",
+    _paired_bars(
+        ax.barh,
+        ("req/s", [j["requests_ratio_to_plain"] for j in jobs]),
+        ("output tok/s", [j["tokens_ratio_to_plain"] for j in jobs]),
     )
     ax.axvline(1.0, color="black", linewidth=0.6)
     ax.set_yticks(list(y), [j["label"] for j in jobs], fontsize=7)
@@ -681,10 +678,7 @@ def _embed_panel(ax, result: dict[str, Any]) -> None:
         color=[
             "tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders
         ],
-        yerr=[
-            [m - c["requests_per_s"]["min"] for m, c in zip(medians, contenders)],
-            [c["requests_per_s"]["max"] - m for m, c in zip(medians, contenders)],
-        ],
+        yerr=_error_bars([c["requests_per_s"] for c in contenders]),
         capsize=3,
     )
     ax.set_xticks(

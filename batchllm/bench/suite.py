@@ -14,12 +14,13 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from batchllm.bench.figures import BenchFailed, Contender
+from batchllm.bench.own_engine import OwnEnginePart, Say
 from batchllm.bench.processes import EngineLimits
 from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
@@ -35,7 +36,6 @@ DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
 _END_TO_END_VARIANT = 0
-Say = Callable[[str], None]
 
 
 @dataclass
@@ -158,9 +158,22 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     result["contenders"] = {key: c.summary() for key, c in contenders.items()}
     # Each starts (and shuts down) an engine of its own, after the shared one is gone.
     if "features" in parts:
-        result["features"] = _features(config, model, workdir, say)
+        from batchllm.bench.features import run_features
+
+        result["features"] = run_features(
+            _own_engine_part(config, model, workdir, "features", say),
+            requests=config.feature_requests,
+            prompt_words=config.prompt_words,
+            max_tokens=config.feature_max_tokens,
+        )
     if "embed" in parts:
-        result["embed"] = _embed(config, model, workdir, say)
+        from batchllm.bench.embed import run_embed
+
+        result["embed"] = run_embed(
+            _own_engine_part(config, model, workdir, "embed", say),
+            texts=config.embed_texts,
+            words=config.prompt_words,
+        )
     if "warm" in parts:
         from batchllm.bench.warm import run_warm
 
@@ -384,38 +397,15 @@ def _in_process(
     return {contender.key: contender for contender, _ in order}
 
 
-def _features(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+def _own_engine_part(
+    config: BenchConfig, model: str, workdir: Path, name: str, say: Say
+) -> OwnEnginePart:
+    """The features or embed part's setup: the bench's home, and WORKDIR/NAME its folder."""
     from batchllm.bench.contenders import bench_settings
-    from batchllm.bench.features import run_features
 
-    return run_features(
-        model=model,
-        requests=config.feature_requests,
-        prompt_words=config.prompt_words,
-        max_tokens=config.feature_max_tokens,
-        repeats=config.repeats,
-        seed=config.seed,
-        settings=bench_settings(workdir / "home"),
-        workdir=workdir / "features",
-        say=say,
-        enforce_eager=config.enforce_eager,
-    )
-
-
-def _embed(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
-    from batchllm.bench.contenders import bench_settings
-    from batchllm.bench.embed import run_embed
-
-    return run_embed(
-        model=model,
-        texts=config.embed_texts,
-        words=config.prompt_words,
-        repeats=config.repeats,
-        seed=config.seed,
-        settings=bench_settings(workdir / "home"),
-        workdir=workdir / "embed",
-        say=say,
-        enforce_eager=config.enforce_eager,
+    home = bench_settings(workdir / "home")
+    return OwnEnginePart(
+        model, config.repeats, config.seed, home, workdir / name, say, config.enforce_eager
     )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -55,6 +57,16 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     return ",".join(str(n) for n in numbers)
 
 
+def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attrs: Any):
+    """A flag of the BenchConfig field of its name, with that field's default (as `show` spells
+    it for the flag's type), shown in --help."""
+    field = decls[0].split("/")[0].removeprefix("--").replace("-", "_")
+    default = getattr(BenchConfig, field)
+    return click.option(
+        *decls, default=show(default) if show else default, show_default=True, **attrs
+    )
+
+
 @cli.command()
 @click.option(
     "--output",
@@ -70,55 +82,44 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     default=None,
     help="Model path or name [default: the tiny demo model, built in OUTPUT/model].",
 )
-@click.option(
+@_config_option(
     "--requests",
     "-n",
     type=click.IntRange(min=1),
-    default=BenchConfig.requests,
-    show_default=True,
     help="Requests in the workload every contender runs.",
 )
-@click.option(
+@_config_option(
     "--prompt-words",
     type=_Range(),
-    default=_span(BenchConfig.prompt_words),
-    show_default=True,
+    show=_span,
     help="Words per prompt, drawn per request.",
 )
-@click.option(
+@_config_option(
     "--output-tokens",
     type=_Range(),
-    default=_span(BenchConfig.output_tokens),
-    show_default=True,
+    show=_span,
     help="Tokens generated per request (ignore_eos), drawn per request, or fixed.",
 )
-@click.option(
+@_config_option(
     "--output-shape",
     type=click.Choice(OUTPUT_SHAPES),
-    default=BenchConfig.output_shape,
-    show_default=True,
     help="How output lengths spread over the range: log-uniform is long-tailed, like "
     "real chat answers.",
 )
-@click.option(
+@_config_option(
     "--repeats",
     type=click.IntRange(min=1),
-    default=BenchConfig.repeats,
-    show_default=True,
     help="Timed repeats of each in-process contender (median and spread).",
 )
-@click.option(
+@_config_option(
     "--process-repeats",
     type=click.IntRange(min=1),
-    default=BenchConfig.process_repeats,
-    show_default=True,
     help="Repeats of the end-to-end contenders (each starts its own engine).",
 )
-@click.option(
+@_config_option(
     "--batch-sizes",
     type=_Numbers(),
-    default=_numbers(BenchConfig.batch_sizes),
-    show_default=True,
+    show=_numbers,
     help="Fixed batch sizes of the `generate`-per-batch contenders.",
 )
 @click.option(
@@ -130,18 +131,14 @@ def _numbers(numbers: tuple[int, ...]) -> str:
 @click.option(
     "--skip", type=click.Choice(PARTS), multiple=True, help="Leave these parts out (repeatable)."
 )
-@click.option(
+@_config_option(
     "--prefix-requests",
     type=click.IntRange(min=1),
-    default=BenchConfig.prefix_requests,
-    show_default=True,
     help="Requests in the prefix-grouping workload.",
 )
-@click.option(
+@_config_option(
     "--prefix-system-prompts",
     type=click.IntRange(min=1),
-    default=BenchConfig.prefix_system_prompts,
-    show_default=True,
     help="Distinct shared system prompts (of 250 words) in the prefix workload.",
 )
 @click.option(
@@ -152,88 +149,67 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     "not every prefix stays cached (as on a busy GPU) [default: the shared "
     "engine's].",
 )
-@click.option(
+@_config_option(
     "--overhead-lines",
     type=_Numbers(),
-    default=_numbers(BenchConfig.overhead_lines),
-    show_default=True,
+    show=_numbers,
     help="File sizes for the overhead part, e.g. 100000,1000000.",
 )
-@click.option(
+@_config_option(
     "--feature-requests",
     type=click.IntRange(min=2),
-    default=BenchConfig.feature_requests,
-    show_default=True,
     help="Requests in each job of the features part.",
 )
-@click.option(
+@_config_option(
     "--feature-max-tokens",
     type=click.IntRange(min=1),
-    default=BenchConfig.feature_max_tokens,
-    show_default=True,
     help="max_tokens of every request of the features part.",
 )
-@click.option(
+@_config_option(
     "--embed-texts",
     type=click.IntRange(min=1),
-    default=BenchConfig.embed_texts,
-    show_default=True,
     help="Texts the embed part embeds per contender.",
 )
-@click.option(
+@_config_option(
     "--warm-lines",
     type=click.IntRange(min=1),
-    default=BenchConfig.warm_lines,
-    show_default=True,
     help="Lines in each of the warm part's five jobs.",
 )
-@click.option(
+@_config_option(
     "--warm-file-lines",
     type=click.IntRange(min=0),
-    default=BenchConfig.warm_file_lines,
-    show_default=True,
     help="Lines of the file the warm part runs three ways (run-batch, run, the warm worker); "
     "0 leaves that file out.",
 )
-@click.option(
+@_config_option(
     "--warm-max-tokens",
     type=click.IntRange(min=1),
-    default=BenchConfig.warm_max_tokens,
-    show_default=True,
     help="max_tokens of every line of that file (greedy, ignore_eos).",
 )
-@click.option(
+@_config_option(
     "--warm-max-model-len",
     type=click.IntRange(min=16),
-    default=BenchConfig.warm_max_model_len,
-    show_default=True,
     help="The warm worker's --max-model-len (at most the model's context), and the other two's.",
 )
-@click.option(
+@_config_option(
     "--warm-enforce-eager/--warm-compiled",
-    default=BenchConfig.warm_enforce_eager,
-    show_default=True,
     help="Run the warm part's three engines in eager mode, or compiled.",
 )
-@click.option(
+@_config_option(
     "--enforce-eager",
     is_flag=True,
     help="Build every engine but the warm part's in eager mode (no torch.compile: its start-up "
     "costs a minute or more on a CPU, while generation runs slower). The report says which "
     "mode ran; compare figures of one mode only.",
 )
-@click.option(
+@_config_option(
     "--warm-max-num-seqs",
     type=click.IntRange(min=1),
-    default=BenchConfig.warm_max_num_seqs,
-    show_default=True,
     help="--max-num-seqs of the warm part's three engines.",
 )
-@click.option(
+@_config_option(
     "--warm-max-num-batched-tokens",
     type=click.IntRange(min=1),
-    default=BenchConfig.warm_max_num_batched_tokens,
-    show_default=True,
     help="--max-num-batched-tokens of the warm part's three engines.",
 )
 @click.option(
@@ -243,36 +219,13 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     "(end-of-turn) or at the top of --output-tokens; no ignore_eos. --prompt-words and the "
     "output shape then do not apply.",
 )
-@click.option("--seed", type=int, default=BenchConfig.seed, show_default=True)
+@_config_option("--seed", type=int)
 def bench(
     output: Path,
     model: str | None,
-    requests: int,
-    prompt_words: tuple[int, int],
-    output_tokens: tuple[int, int],
-    output_shape: str,
-    repeats: int,
-    process_repeats: int,
-    batch_sizes: tuple[int, ...],
     parts: tuple[str, ...],
     skip: tuple[str, ...],
-    prefix_requests: int,
-    prefix_system_prompts: int,
-    prefix_kv_cache_mib: int | None,
-    overhead_lines: tuple[int, ...],
-    feature_requests: int,
-    feature_max_tokens: int,
-    embed_texts: int,
-    warm_lines: int,
-    warm_file_lines: int,
-    warm_max_tokens: int,
-    warm_max_model_len: int,
-    warm_enforce_eager: bool,
-    enforce_eager: bool,
-    warm_max_num_seqs: int,
-    warm_max_num_batched_tokens: int,
-    natural_outputs: bool,
-    seed: int,
+    **flags: Any,  # every other flag: the BenchConfig field of its name
 ) -> None:
     """Benchmark batchllm against raw vLLM `generate`, fixed batches and `vllm run-batch` on one
     generated workload, in one run; print the table, write OUTPUT/bench.json and bench.png.
@@ -294,35 +247,7 @@ def bench(
     chosen = tuple(p for p in (parts or DEFAULT_PARTS) if p not in skip)
     if not chosen:
         raise click.BadParameter("every part is skipped", param_hint="--skip")
-    config = BenchConfig(
-        output=output,
-        model=model,
-        requests=requests,
-        prompt_words=prompt_words,
-        output_tokens=output_tokens,
-        output_shape=output_shape,
-        repeats=repeats,
-        process_repeats=process_repeats,
-        batch_sizes=batch_sizes,
-        parts=chosen,
-        prefix_requests=prefix_requests,
-        prefix_system_prompts=prefix_system_prompts,
-        prefix_kv_cache_mib=prefix_kv_cache_mib,
-        overhead_lines=overhead_lines,
-        feature_requests=feature_requests,
-        feature_max_tokens=feature_max_tokens,
-        embed_texts=embed_texts,
-        warm_lines=warm_lines,
-        warm_file_lines=warm_file_lines,
-        warm_max_tokens=warm_max_tokens,
-        warm_max_model_len=warm_max_model_len,
-        warm_enforce_eager=warm_enforce_eager,
-        enforce_eager=enforce_eager,
-        warm_max_num_seqs=warm_max_num_seqs,
-        warm_max_num_batched_tokens=warm_max_num_batched_tokens,
-        natural_outputs=natural_outputs,
-        seed=seed,
-    )
+    config = BenchConfig(output=output, model=model, parts=chosen, **flags)
     from batchllm.process.stopping import cleanups_run_on_signals
 
     with cleanups_run_on_signals():  # its run-batch and worker processes end with it

@@ -15,8 +15,10 @@ from batchllm.cli import cli
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_flags_as_args,
+    engine_kind_options,
     input_file,
     job_options,
+    log_format_option,
     notify_option,
     require_requests,
     spec_from_flags,
@@ -145,22 +147,11 @@ def cancel(job_id: str) -> None:
     "another dtype...) rebuild it for that job; the next job gets the worker's own engine "
     "back. Off: such jobs wait for a worker that serves them.",
 )
-@click.option(
-    "--engine",
-    "engine_kind",
-    type=click.Choice(["vllm", "instant"]),
-    default="vllm",
-    show_default=True,
-    help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers at once "
+@engine_kind_options(
+    "instant: SIMULATION ONLY, no vLLM and no generation; every request answers at once "
     "with filler text (jobs record the hardware 'none (instant engine)'). For measuring a "
     "fleet's own costs: `python -m benchmarks.fleet`.",
-)
-@click.option(
-    "--instant-step-seconds",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="With --engine instant: each engine step takes this long and gives every running "
+    "With --engine instant: each engine step takes this long and gives every running "
     "request one token, so a request takes max_tokens steps (0: answers at once). Gives a "
     "simulated job a duration set by the clock, e.g. to cancel it or kill its worker part-way.",
 )
@@ -189,14 +180,8 @@ def cancel(job_id: str) -> None:
     help="Serve Prometheus metrics at http://0.0.0.0:PORT/metrics. With --concurrency N, "
     "worker process i serves its own on PORT+i (scrape all N ports).",
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    envvar="BATCHLLM_LOG_FORMAT",  # so --concurrency's child processes inherit the choice
-    help="json: one object per line (time, level, logger, message, job_id, shard_id) for "
-    "log shippers.",
+@log_format_option(
+    "json: one object per line (time, level, logger, message, job_id, shard_id) for log shippers."
 )
 def worker(
     model: str,

@@ -1,5 +1,6 @@
 """Flags shared by `run` and `submit`: the input file, job-level sampling defaults and engine
-settings, and the checks that refuse a hopeless job before any work."""
+settings, and the checks that refuse a hopeless job before any work; and the flags `worker`
+shares with them (engine settings, --engine) and with `serve` (--log-format)."""
 
 from __future__ import annotations
 
@@ -284,6 +285,43 @@ notify_option = click.option(
     help="POST a signed batch.completed/failed/cancelled/expired event to URL when the job "
     "ends (retried until delivered; secret: BATCHLLM_WEBHOOK_SECRET or a new one, printed).",
 )
+
+
+def engine_kind_options(engine_help: str, step_help: str):
+    """--engine (vllm, or the instant engine that simulates one) and its pace,
+    --instant-step-seconds, for `run` and `worker`; each command's help says what an instant
+    engine is for there."""
+
+    def decorate(command):
+        command = click.option(
+            "--instant-step-seconds",
+            type=click.FloatRange(min=0),
+            default=0.0,
+            show_default=True,
+            help=step_help,
+        )(command)
+        return click.option(
+            "--engine",
+            "engine_kind",
+            type=click.Choice(["vllm", "instant"]),
+            default="vllm",
+            show_default=True,
+            help=engine_help,
+        )(command)
+
+    return decorate
+
+
+def log_format_option(help: str):
+    """--log-format of the commands that start long-lived processes (`worker`, `serve`)."""
+    return click.option(
+        "--log-format",
+        type=click.Choice(["text", "json"]),
+        default="text",
+        show_default=True,
+        envvar="BATCHLLM_LOG_FORMAT",  # so the processes the command starts inherit the choice
+        help=help,
+    )
 
 
 def echo_webhook_secret(secret: str | None, url: str | None) -> None:

@@ -10,6 +10,7 @@ import click
 from batchllm.cli import cli
 from batchllm.cli.options import (
     echo_webhook_secret,
+    engine_kind_options,
     input_file,
     job_options,
     notify_option,
@@ -31,22 +32,11 @@ from batchllm.cli.options import (
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
 @notify_option
-@click.option(
-    "--engine",
-    "engine_kind",
-    type=click.Choice(["vllm", "instant"]),
-    default="vllm",
-    show_default=True,
-    help="instant: SIMULATION ONLY, no vLLM and no generation; every request answers with "
+@engine_kind_options(
+    "instant: SIMULATION ONLY, no vLLM and no generation; every request answers with "
     "filler text at its max_tokens (the job records the hardware 'none (instant engine)'). "
     "Checks a job's input, options and output end to end in seconds on any machine.",
-)
-@click.option(
-    "--instant-step-seconds",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="With --engine instant: each engine step takes this long and gives every running "
+    "With --engine instant: each engine step takes this long and gives every running "
     "request one token (0: answers at once), so a simulated job lasts a set time.",
 )
 def run(

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.options import log_format_option
 from batchllm.process.stopping import PARENT_MARK, cleanups_run_on_signals, stop_child
 
 
@@ -35,14 +36,9 @@ from batchllm.process.stopping import PARENT_MARK, cleanups_run_on_signals, stop
     "default engine settings (repeatable: one worker process per model); needs the broker "
     "like any worker. Run `batchllm worker` yourself for other engine settings.",
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    envvar="BATCHLLM_LOG_FORMAT",
-    help="json: one object per line (time, level, logger, message) for log shippers; the "
-    "--worker process logs the same way.",
+@log_format_option(
+    "json: one object per line (time, level, logger, message) for log shippers; the "
+    "--worker process logs the same way."
 )
 def serve(
     host: str,

@@ -61,23 +61,18 @@ def write_workload(
             elif form == "chat":
                 line = {"custom_id": f"req-{i}", "messages": messages, **overrides}
             elif form == "openai_chat":
-                line = {
-                    "custom_id": f"req-{i}",
-                    "method": "POST",
-                    "url": "/v1/chat/completions",
-                    "body": {"model": "any", "messages": messages, **overrides},
-                }
+                line = _openai_line(i, "/v1/chat/completions", messages=messages, **overrides)
             elif form == "openai_completion":
-                line = {
-                    "custom_id": f"req-{i}",
-                    "method": "POST",
-                    "url": "/v1/completions",
-                    "body": {"model": "any", "prompt": text, **overrides},
-                }
+                line = _openai_line(i, "/v1/completions", prompt=text, **overrides)
             else:
                 raise ValueError(f"unknown form {form!r}")
             out.write(json.dumps(line) + "\n")
     return path
+
+
+def _openai_line(i: int, url: str, **body: Any) -> dict[str, Any]:
+    """A line in the OpenAI Batch API's form: `body` is the request to `url`."""
+    return {"custom_id": f"req-{i}", "method": "POST", "url": url, "body": {"model": "any", **body}}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,7 +27,15 @@ _BF16_CAPABILITY = 80
 
 
 @dataclass(frozen=True)
-class Gpu:
+class _Reported:
+    """What `doctor --json` reports of a found thing: its fields, as a dict."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Gpu(_Reported):
     index: int
     uuid: str
     name: str
@@ -35,32 +43,23 @@ class Gpu:
     memory_free_mib: int
     compute_capability: int | None  # e.g. 90 for 9.0 (H100), as vLLM counts it
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(_Reported):
     pid: int
     name: str
     gpu_uuid: str
     used_mib: int
     orphaned: bool
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class EngineProcess:
+class EngineProcess(_Reported):
     pid: int
     ppid: int
     title: str
     rss_mib: int
     orphaned: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _smi(*query: str) -> list[list[str]] | None:

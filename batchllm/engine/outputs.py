@@ -67,57 +67,52 @@ def _call(name: str | None, arguments: str) -> dict[str, Any]:
     return {"name": name, "arguments": arguments, "arguments_valid": _valid_json(arguments)}
 
 
+_PARSER_FIELDS = ("reasoning_parser", "tool_call_parser")  # the spec fields naming a parser
+
+
+def _registry(field: str) -> tuple[Any, Any]:
+    """vLLM's lookup of the parsers a spec field names, and its list of their names (vllm is
+    imported here, when a parser is first built)."""
+    if field == "reasoning_parser":
+        from vllm.reasoning import ReasoningParserManager
+
+        return ReasoningParserManager.get_reasoning_parser, ReasoningParserManager.list_registered
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.get_tool_parser, ToolParserManager.list_registered
+
+
 class OutputParsers:
     """vLLM's reasoning and tool parsers for one tokenizer, built on first use by name."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._reasoning: dict[str, Any] = {}
-        self._tools: dict[str, Any] = {}
+        self._built: dict[tuple[str, str], Any] = {}  # (spec field, name) -> parser
 
     def check(self, spec: dict[str, Any]) -> None:
         """Build the parsers a spec names now; UnknownParser when vLLM has no such parser."""
-        if spec.get("reasoning_parser"):
-            self._reasoning_parser(spec["reasoning_parser"])
-        if spec.get("tool_call_parser"):
-            self._tool_parser(spec["tool_call_parser"])
+        for field in _PARSER_FIELDS:
+            if spec.get(field):
+                self._parser(field, spec[field])
 
-    def _reasoning_parser(self, name: str) -> Any:
-        parser = self._reasoning.get(name)
+    def _parser(self, field: str, name: str) -> Any:
+        """The parser that the spec's `field` (reasoning_parser, tool_call_parser) names."""
+        parser = self._built.get((field, name))
         if parser is None:
-            from vllm.reasoning import ReasoningParserManager
-
+            get, registered = _registry(field)
+            kind = field.replace("_", " ")  # "reasoning parser", "tool call parser"
             try:
-                parser = ReasoningParserManager.get_reasoning_parser(name)(self.tokenizer)
+                parser = get(name)(self.tokenizer)
             except KeyError:
-                known = ", ".join(sorted(ReasoningParserManager.list_registered()))
+                known = ", ".join(sorted(registered()))
                 raise UnknownParser(
-                    "reasoning_parser", f"vLLM has no reasoning parser {name!r}; it has: {known}"
+                    field, f"vLLM has no {kind} {name!r}; it has: {known}"
                 ) from None
             except Exception as exc:  # e.g. the tokenizer lacks the parser's think tokens
                 raise UnknownParser(
-                    "reasoning_parser", f"reasoning parser {name!r} does not fit this model: {exc}"
+                    field, f"{kind} {name!r} does not fit this model: {exc}"
                 ) from None
-            self._reasoning[name] = parser
-        return parser
-
-    def _tool_parser(self, name: str) -> Any:
-        parser = self._tools.get(name)
-        if parser is None:
-            from vllm.tool_parsers import ToolParserManager
-
-            try:
-                parser = ToolParserManager.get_tool_parser(name)(self.tokenizer)
-            except KeyError:
-                known = ", ".join(sorted(ToolParserManager.list_registered()))
-                raise UnknownParser(
-                    "tool_call_parser", f"vLLM has no tool call parser {name!r}; it has: {known}"
-                ) from None
-            except Exception as exc:
-                raise UnknownParser(
-                    "tool_call_parser", f"tool call parser {name!r} does not fit this model: {exc}"
-                ) from None
-            self._tools[name] = parser
+            self._built[(field, name)] = parser
         return parser
 
     def parse(self, text: str, token_ids: Any, spec: dict[str, Any]) -> Parsed:
@@ -125,7 +120,7 @@ class OutputParsers:
         parsed = Parsed(text=text)
         request = _request(spec)
         if spec.get("reasoning_parser"):
-            parser = self._reasoning_parser(spec["reasoning_parser"])
+            parser = self._parser("reasoning_parser", spec["reasoning_parser"])
             reasoning, content = parser.extract_reasoning(text, request)
             parsed.reasoning = reasoning
             parsed.text = content or ""
@@ -145,7 +140,7 @@ class OutputParsers:
         elif choice == "required":
             parsed.tool_calls, parsed.text = _required_calls(parsed.text)
         elif choice == "auto" and spec.get("tool_call_parser"):
-            parser = self._tool_parser(spec["tool_call_parser"])
+            parser = self._parser("tool_call_parser", spec["tool_call_parser"])
             extracted = parser.extract_tool_calls(parsed.text, request)
             if extracted.tools_called:
                 parsed.tool_calls = [

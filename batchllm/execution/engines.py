@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from batchllm.errors import EngineMismatch
 from batchllm.execution import metrics
-from batchllm.execution.profile import VLLM_LORA_RANK, EngineProfile, unmet_requirements
+from batchllm.execution.profile import VLLM_LORA_RANK, EngineProfile, ProfiledEngine
 from batchllm.execution.sizing_pass import size_shards
 from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings, get_settings
@@ -137,7 +137,7 @@ class EngineCache:
             engine.shutdown()
 
 
-class WorkerEngine:
+class WorkerEngine(ProfiledEngine):
     """A fleet worker's engine (an EngineSource): the operator's model and settings, built by
     `start` before the worker takes its first task and kept for every job it serves.
 
@@ -176,10 +176,6 @@ class WorkerEngine:
         metrics.engine_profile(self.profile.as_dict())
         log.info("engine ready in %.1f s: %s", seconds, self.profile.describe())
         return self.profile
-
-    def unmet(self, spec: JobSpec) -> list[str]:
-        assert self.profile is not None, "start() builds the engine first"
-        return unmet_requirements(spec, self.profile)
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
         unmet = self.unmet(spec)

@@ -18,7 +18,7 @@ from typing import Any
 from batchllm.engine.testing import InstantEngine
 from batchllm.errors import BatchLLMError, EngineMismatch
 from batchllm.execution import metrics
-from batchllm.execution.profile import EngineProfile, unmet_requirements
+from batchllm.execution.profile import EngineProfile, ProfiledEngine
 from batchllm.input.schemas import EngineOptions, JobSpec
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def light_tokenizer(model: str) -> Any:
         return load_tokenizer(model)
 
 
-class InstantWorkerEngine:
+class InstantWorkerEngine(ProfiledEngine):
     """A WorkerEngine (an EngineSource) over an InstantEngine: same start/unmet/get/close, no
     vLLM imported, ~100 MB a process (the tokenizer and the worker itself)."""
 
@@ -74,10 +74,6 @@ class InstantWorkerEngine:
         )
         log.info("engine ready in %.1f s: %s", time.monotonic() - started, self.profile.describe())
         return self.profile
-
-    def unmet(self, spec: JobSpec) -> list[str]:
-        assert self.profile is not None, "start() builds the engine first"
-        return unmet_requirements(spec, self.profile)
 
     def get(self, spec: JobSpec, max_model_len: int) -> InstantEngine:
         unmet = self.unmet(spec)

@@ -113,3 +113,15 @@ def unmet_requirements(spec: JobSpec, profile: EngineProfile) -> list[str]:
     if engine.compact_json and not profile.compact_json:
         unmet.append("compact JSON (this worker runs without --compact-json)")
     return unmet
+
+
+class ProfiledEngine:
+    """What a fleet worker's engine source (WorkerEngine, InstantWorkerEngine) shares: its
+    `start` builds the operator's engine and describes it in `profile`, and `unmet` says what a
+    job needs that this engine does not serve."""
+
+    profile: EngineProfile | None
+
+    def unmet(self, spec: JobSpec) -> list[str]:
+        assert self.profile is not None, "start() builds the engine first"
+        return unmet_requirements(spec, self.profile)

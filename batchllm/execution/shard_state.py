@@ -70,35 +70,21 @@ class ShardState:
             return None
         part = part_of(self.buffer.take(), self.cached_tokens)
         self.cached_tokens = 0
+        place = commit.PartPlace(  # in PartPlace's field order
+            self.shard_id,
+            self.index,
+            self.job_id,
+            self.out_dir,
+            self.next_seq,
+            self.attempt,
+            self.job_attempt,
+        )
         if self.replacing:
             self.next_seq = replace.commit_replacing_part(
-                storage,
-                settings,
-                part,
-                self.replacing,
-                shard_id=self.shard_id,
-                shard=self.index,
-                job_id=self.job_id,
-                out_dir=self.out_dir,
-                seq=self.next_seq,
-                attempt=self.attempt,
-                job_attempt=self.job_attempt,
-                engine_seconds=self.step_seconds,
+                storage, settings, part, self.replacing, place, engine_seconds=self.step_seconds
             )
         else:
-            commit.commit_part(
-                storage,
-                settings,
-                part,
-                shard_id=self.shard_id,
-                shard=self.index,
-                job_id=self.job_id,
-                out_dir=self.out_dir,
-                seq=self.next_seq,
-                attempt=self.attempt,
-                engine_seconds=self.step_seconds,
-                job_attempt=self.job_attempt,
-            )
+            commit.commit_part(storage, settings, part, place, engine_seconds=self.step_seconds)
             self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, Table, bindparam, delete, insert, select, update
@@ -199,24 +200,33 @@ def checkpoints_of(session: Session, shard_id: int) -> list[Checkpoint]:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PartPlace:
+    """Where a shard's run puts its next part file, and whose rows it holds: what writing and
+    recording a part takes besides the part."""
+
+    shard_id: int
+    shard: int  # the shard's index in its job, which names its part files
+    job_id: str
+    out_dir: str
+    seq: int  # the part's number in the shard
+    attempt: int  # the run's claim on the shard, which fences the commit
+    job_attempt: int  # the job's run (a retry's is 2, 3...)
+
+    @property
+    def file_name(self) -> str:
+        return part_name(self.shard, self.seq, self.attempt)
+
+
 def record_part(
-    session: Session,
-    part: Part,
-    *,
-    shard_id: int,
-    job_id: str,
-    seq: int,
-    path: str,
-    engine_seconds: float,
-    attempt: int,
-    job_attempt: int,
+    session: Session, part: Part, place: PartPlace, *, path: str, engine_seconds: float
 ) -> None:
     """record_checkpoint with the counts of a written `part` (a commit's, or a retry's)."""
     record_checkpoint(
         session,
-        shard_id=shard_id,
-        job_id=job_id,
-        seq=seq,
+        shard_id=place.shard_id,
+        job_id=place.job_id,
+        seq=place.seq,
         path=path,
         rows_ok=part.rows_ok,
         rows_failed=part.rows_failed,
@@ -225,43 +235,22 @@ def record_part(
         structured_rows=part.structured_rows,
         structured_valid=part.structured_valid,
         engine_seconds=engine_seconds,
-        attempt=attempt,
-        job_attempt=job_attempt,
+        attempt=place.attempt,
+        job_attempt=place.job_attempt,
         cached_tokens=part.cached_tokens,
     )
 
 
 def commit_part(
-    storage: Storage,
-    settings: Settings,
-    part: Part,
-    *,
-    shard_id: int,
-    shard: int,
-    job_id: str,
-    out_dir: str,
-    seq: int,
-    attempt: int,
-    engine_seconds: float,
-    job_attempt: int = 1,
+    storage: Storage, settings: Settings, part: Part, place: PartPlace, *, engine_seconds: float
 ) -> str:
     """Write one part file, then record its checkpoint; returns the file's path. A worker that
     lost its shard in between deletes its file and gets ShardLost: the rows belong to the
     worker that took the shard over."""
-    path = write_table(storage, out_dir, part_name(shard, seq, attempt), part.table)
+    path = write_table(storage, place.out_dir, place.file_name, part.table)
     try:
         with session_scope(settings) as session:
-            record_part(
-                session,
-                part,
-                shard_id=shard_id,
-                job_id=job_id,
-                seq=seq,
-                path=path,
-                engine_seconds=engine_seconds,
-                attempt=attempt,
-                job_attempt=job_attempt,
-            )
+            record_part(session, part, place, path=path, engine_seconds=engine_seconds)
     except ShardLost:
         storage.delete(path)
         raise

@@ -107,14 +107,8 @@ def commit_replacing_part(
     settings: Settings,
     part: Part,
     replacing: dict[int, str],
+    place: commit.PartPlace,
     *,
-    shard_id: int,
-    shard: int,
-    job_id: str,
-    out_dir: str,
-    seq: int,
-    attempt: int,
-    job_attempt: int,
     engine_seconds: float,
 ) -> int:
     """Commit a retry's part whose lines replace the rows `replacing` locates (line -> part
@@ -122,9 +116,9 @@ def commit_replacing_part(
     ShardLost (its files deleted) when this run lost the shard."""
     lines = set(part.table.column("line").to_pylist())
     hit = {replacing[line] for line in lines if line in replacing}
-    old = _checkpoints_at(settings, shard_id, hit)
-    written = [write_table(storage, out_dir, part_name(shard, seq, attempt), part.table)]
-    next_seq = seq + 1
+    old = _checkpoints_at(settings, place.shard_id, hit)
+    written = [write_table(storage, place.out_dir, place.file_name, part.table)]
+    next_seq = place.seq + 1
     rewrites: list[_Rewrite] = []
     try:
         for checkpoint in old:
@@ -134,7 +128,10 @@ def commit_replacing_part(
             path = None
             if kept.table.num_rows:
                 path = write_table(
-                    storage, out_dir, part_name(shard, next_seq, attempt), kept.table
+                    storage,
+                    place.out_dir,
+                    part_name(place.shard, next_seq, place.attempt),
+                    kept.table,
                 )
                 written.append(path)
                 next_seq += 1
@@ -142,19 +139,7 @@ def commit_replacing_part(
                 _Rewrite(checkpoint, kept, part_of(_values(table.filter(replaced))), path)
             )
         with session_scope(settings) as session:
-            _swap(
-                session,
-                part,
-                rewrites,
-                written[0],
-                shard_id,
-                job_id,
-                seq,
-                attempt,
-                job_attempt,
-                engine_seconds,
-                next_seq,
-            )
+            _swap(session, part, rewrites, written[0], place, engine_seconds, next_seq)
     except BaseException:
         # Unrecorded either way (the transaction did not commit): the old rows stand.
         for path in written:
@@ -175,27 +160,13 @@ def _swap(
     part: Part,
     rewrites: list[_Rewrite],
     new_path: str,
-    shard_id: int,
-    job_id: str,
-    seq: int,
-    attempt: int,
-    job_attempt: int,
+    place: commit.PartPlace,
     engine_seconds: float,
     next_seq: int,
 ) -> None:
     """The one transaction: the new rows in, the replaced rows out."""
-    commit.record_part(
-        session,
-        part,
-        shard_id=shard_id,
-        job_id=job_id,
-        seq=seq,
-        path=new_path,
-        engine_seconds=engine_seconds,
-        attempt=attempt,
-        job_attempt=job_attempt,
-    )
-    kept_seq = seq + 1
+    commit.record_part(session, part, place, path=new_path, engine_seconds=engine_seconds)
+    kept_seq = place.seq + 1
     for rewrite in rewrites:
         commit.replace_checkpoint(
             session, rewrite.old, path=rewrite.path, kept=rewrite.kept, seq=kept_seq
@@ -204,8 +175,8 @@ def _swap(
             kept_seq += 1
         commit.take_off(
             session,
-            shard_id=shard_id,
-            job_id=job_id,
+            shard_id=place.shard_id,
+            job_id=place.job_id,
             part=rewrite.removed,
             next_seq=next_seq,
         )

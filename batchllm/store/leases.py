@@ -8,11 +8,10 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardBusy
-from batchllm.store.db import changed
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from batchllm.store.state_machine import (
     TAKING_WORK,
@@ -20,6 +19,7 @@ from batchllm.store.state_machine import (
     requeue_shard,
     run_shard,
     start_job,
+    update_shard,
 )
 
 log = logging.getLogger(__name__)
@@ -69,14 +69,12 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
     lost = set()
     now = utcnow()
     for shard_id, attempt in owned.items():
-        if not changed(
+        if not update_shard(
             session,
-            update(Shard)
-            .where(
-                Shard.id == shard_id, Shard.attempts == attempt, Shard.status == ShardStatus.RUNNING
-            )
-            .values(heartbeat_at=now)
-            .execution_options(synchronize_session=False),
+            shard_id,
+            Shard.attempts == attempt,
+            Shard.status == ShardStatus.RUNNING,
+            heartbeat_at=now,
         ):
             lost.add(shard_id)
     return lost

@@ -14,7 +14,6 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.store import state_machine
-from batchllm.store.db import changed
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -149,18 +148,12 @@ def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> b
     """Take the right to re-send this queued shard's task; False if another reconciler took
     it (or a worker claimed the shard) since it was read."""
     sent_before = utcnow() - timedelta(seconds=grace_seconds)
-    return bool(
-        changed(
-            session,
-            update(Shard)
-            .where(
-                Shard.id == shard_id,
-                Shard.status == ShardStatus.QUEUED,
-                Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
-            )
-            .values(dispatched_at=utcnow())
-            .execution_options(synchronize_session=False),
-        )
+    return state_machine.update_shard(
+        session,
+        shard_id,
+        Shard.status == ShardStatus.QUEUED,
+        Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
+        dispatched_at=utcnow(),
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -84,20 +85,17 @@ def create_job(
         spec = spec.model_copy(update={"adapters": store_adapters(storage, job_id, spec.adapters)})
     with session_scope(settings) as session:
         session.add(
-            Job(
-                id=job_id,
-                status=JobStatus.VALIDATING,
-                model=spec.model,
-                spec=spec.model_dump(mode="json"),
-                job_metadata=dict(spec.metadata),
-                input_file=input_name(source),
-                storage_root=settings.resolved_storage,
-                output_dir=storage.display(storage.output_dir(job_id)),
+            _job_row(
+                job_id,
+                JobStatus.VALIDATING,
+                spec,
+                input_name(source),
+                storage,
+                settings,
+                notify,
                 max_model_len=spec.engine.max_model_len,
                 local_run=local_run,
                 expires_at=expires_at,
-                notify_url=notify.url if notify else None,
-                notify_secret=notify.secret if notify else None,
             )
         )
     # Streaming needs the context length up front: without it the first worker sizes the job
@@ -213,22 +211,46 @@ def record_refused_job(
     job_id = new_job_id()
     with session_scope(settings) as session:
         session.add(
-            Job(
-                id=job_id,
-                status=JobStatus.FAILED,
-                model=spec.model,
-                spec=spec.model_dump(mode="json"),
-                job_metadata=dict(spec.metadata),
-                input_file=source,
-                storage_root=settings.resolved_storage,
-                output_dir=storage.display(storage.output_dir(job_id)),
+            _job_row(
+                job_id,
+                JobStatus.FAILED,
+                spec,
+                source,
+                storage,
+                settings,
+                notify,
                 error=error,
                 finished_at=utcnow(),
-                notify_url=notify.url if notify else None,
-                notify_secret=notify.secret if notify else None,
             )
         )
     return job_id
+
+
+def _job_row(
+    job_id: str,
+    status: JobStatus,
+    spec: JobSpec,
+    input_file: str,
+    storage: Storage,
+    settings: Settings,
+    notify: WebhookTarget | None,
+    **more: Any,
+) -> Job:
+    """A new job's row: what every job records of its spec, input, storage and webhook, and
+    the `more` columns of its kind."""
+    return Job(
+        id=job_id,
+        status=status,
+        model=spec.model,
+        spec=spec.model_dump(mode="json"),
+        job_metadata=dict(spec.metadata),
+        input_file=input_file,
+        storage_root=settings.resolved_storage,
+        output_dir=storage.display(storage.output_dir(job_id)),
+        notify_url=notify.url if notify else None,
+        notify_secret=notify.secret if notify else None,
+        **more,
+    )
 
 
 def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = None) -> Job:

@@ -84,6 +84,21 @@ def _move_job(
     )
 
 
+def update_shard(session: Session, shard_id: int, *conditions: Any, **values: Any) -> bool:
+    """Set `values` on one shard while `conditions` hold: the conditional UPDATE a shard's
+    transitions are; True when it changed. Not mirrored by the ORM in Python (the shard may
+    not be loaded; a caller that holds it refreshes it)."""
+    return bool(
+        changed(
+            session,
+            update(Shard)
+            .where(Shard.id == shard_id, *conditions)
+            .values(**values)
+            .execution_options(synchronize_session=False),
+        )
+    )
+
+
 def end_open_shard(
     session: Session,
     shard: Shard,
@@ -113,34 +128,25 @@ def run_shard(
     """queued -> running under a new attempt for `worker`; also a running shard whose heartbeat
     is older than `stale_before` (its worker died) or that `worker` itself ran (its run is over:
     a worker runs a shard once at a time). False when the shard was not claimable."""
-    return bool(
-        changed(
-            session,
-            update(Shard)
-            .where(
-                Shard.id == shard_id,
+    return update_shard(
+        session,
+        shard_id,
+        or_(
+            Shard.status == ShardStatus.QUEUED,
+            and_(
+                Shard.status == ShardStatus.RUNNING,
                 or_(
-                    Shard.status == ShardStatus.QUEUED,
-                    and_(
-                        Shard.status == ShardStatus.RUNNING,
-                        or_(
-                            Shard.heartbeat_at.is_(None),
-                            Shard.heartbeat_at < stale_before,
-                            Shard.worker == worker,
-                        ),
-                    ),
+                    Shard.heartbeat_at.is_(None),
+                    Shard.heartbeat_at < stale_before,
+                    Shard.worker == worker,
                 ),
-            )
-            .values(
-                status=ShardStatus.RUNNING,
-                worker=worker,
-                attempts=Shard.attempts + 1,
-                heartbeat_at=now,
-                started_at=func.coalesce(Shard.started_at, now),
-            )
-            # No need for the ORM to mirror the update in Python: the caller refreshes the shard.
-            .execution_options(synchronize_session=False),
-        )
+            ),
+        ),
+        status=ShardStatus.RUNNING,
+        worker=worker,
+        attempts=Shard.attempts + 1,
+        heartbeat_at=now,
+        started_at=func.coalesce(Shard.started_at, now),
     )
 
 
@@ -172,29 +178,21 @@ def count_shard_failure(
     and put the shard back (queued, not run before `delay(failures)` seconds from now). A shard
     running under another worker is not touched. Returns the failures so far, None when the
     shard had ended or is not this worker's."""
-    counted = changed(
+    counted = update_shard(
         session,
-        update(Shard)
-        .where(
-            Shard.id == shard_id,
-            or_(
-                Shard.status == ShardStatus.QUEUED,
-                and_(Shard.status == ShardStatus.RUNNING, Shard.worker == worker),
-            ),
-        )
-        .values(status=ShardStatus.QUEUED, failures=Shard.failures + 1, error=error)
-        .execution_options(synchronize_session=False),
+        shard_id,
+        or_(
+            Shard.status == ShardStatus.QUEUED,
+            and_(Shard.status == ShardStatus.RUNNING, Shard.worker == worker),
+        ),
+        status=ShardStatus.QUEUED,
+        failures=Shard.failures + 1,
+        error=error,
     )
     if not counted:
         return None
     failures = int(session.scalar(select(Shard.failures).where(Shard.id == shard_id)) or 0)
-    retry_at = utcnow() + timedelta(seconds=delay(failures))
-    session.execute(
-        update(Shard)
-        .where(Shard.id == shard_id)
-        .values(retry_at=retry_at)
-        .execution_options(synchronize_session=False)
-    )
+    update_shard(session, shard_id, retry_at=utcnow() + timedelta(seconds=delay(failures)))
     return failures
 
 

@@ -25,9 +25,8 @@ from tests.support.faults import (
     RedisServer,
     postgres_bin,
     stop_all_workers,
-    tail,
 )
-from tests.support.fleet import INSTANT_ARGS, fleet_env_vars, settings_of
+from tests.support.fleet import INSTANT_ARGS, fleet_env_vars, settings_of, tail
 from tests.support.skips import require
 
 

@@ -10,13 +10,9 @@ recorded under a worker) is ended by PID, never by name.
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +20,11 @@ from pathlib import Path
 import psutil
 
 from batchllm.settings import Settings
-from tests.support.fleet import HOST, WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit, tail
+from benchmarks import services
+from benchmarks.services import RedisServer
+from benchmarks.services import postgres_bin as postgres_bin  # the fault suite's fixtures' too
+from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit
 from tests.support.job_checks import wait_for
-from tests.support.ports import free_port
 
 DATABASE = "batchllm_faults"
 
@@ -123,226 +121,27 @@ def descendants(root_pid: int) -> dict[int, float]:
     return recorded
 
 
-# -- the private Redis ---------------------------------------------------------------------
+# -- the private Redis and PostgreSQL (benchmarks/services.py) ----------------------------
 
 
-class RedisServer:
-    """`redis-server` on a free port, without persistence: a restart loses every queued and
-    unacknowledged task, which is the fault the tests want."""
-
-    def __init__(self, *, work_dir: Path) -> None:
-        self.port = free_port()
-        self.work_dir = work_dir
-        self.log_path = work_dir / "redis.log"
-        self.url = f"redis://{HOST}:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def client(self):
-        import redis
-
-        return redis.Redis(host=HOST, port=self.port, socket_connect_timeout=2, socket_timeout=5)
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self, timeout: float = 30) -> None:
-        assert not self.running(), "redis-server is already running"
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    "redis-server",
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    HOST,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--daemonize",
-                    "no",
-                    "--dir",
-                    str(self.work_dir),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        _remember(self.proc.pid)
-
-        def answers() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"redis-server exited with {self.proc.returncode}:\n" + tail(self.log_path)
-                )
-            try:
-                return bool(self.client().ping())
-            except Exception:
-                return False
-
-        wait_for(answers, timeout=timeout, what=f"redis-server on port {self.port}", interval=0.1)
-
-    def stop(self) -> None:
-        """`SHUTDOWN NOSAVE`, then SIGTERM and SIGKILL to our PID if it does not go."""
-        if not self.running():
-            return
-        subprocess.run(
-            ["redis-cli", "-h", HOST, "-p", str(self.port), "shutdown", "nosave"],
-            capture_output=True,
-            timeout=15,
-        )
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
-            if sig is not None:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-    def restart(self) -> float:
-        """Stop (losing everything in it) and start again on the same port; returns the time
-        the stop began (time.monotonic)."""
-        began = time.monotonic()
-        self.stop()
-        self.start()
-        return began
-
-
-# -- the private PostgreSQL ----------------------------------------------------------------
-
-
-def postgres_bin() -> Path | None:
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
-    )
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).parent if initdb else None
-
-
-class PostgresCluster:
-    """A throw-away cluster (initdb) on a free port of 127.0.0.1, trust auth, run as the
-    `postgres` user when we are root (PostgreSQL refuses to run as root)."""
+class PostgresCluster(services.PostgresCluster):
+    """The fault suite's cluster: commits need not survive the machine, only batchllm's
+    processes, so nothing waits for the disk; a backend whose client was killed -9 notices
+    within a second even while it waits, and drops its locks, as it would on a real network."""
 
     def __init__(self, *, bin_dir: Path) -> None:
-        self.bin_dir = bin_dir
-        self.port = free_port()
-        # Not under pytest's tmp_path: that is private to root, and the server runs as postgres.
-        self.root = Path(tempfile.mkdtemp(prefix="batchllm-faults-pg-"))
-        self.data = self.root / "data"
-        self.log_path = self.root / "postgres.log"
-        self.as_root = os.geteuid() == 0
-        if self.as_root:
-            shutil.chown(self.root, "postgres", "postgres")
-        self.url = f"postgresql+psycopg://postgres@{HOST}:{self.port}/{DATABASE}"
-
-    def _run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        command = [str(self.bin_dir / argv[0]), *argv[1:]]
-        if self.as_root:
-            command = ["runuser", "-u", "postgres", "--", *command]
-        result = subprocess.run(
-            command, cwd=self.root, capture_output=True, text=True, timeout=timeout
+        super().__init__(
+            database=DATABASE,
+            bin_dir=bin_dir,
+            max_connections=200,
+            initdb_options=("--locale=C", "--no-sync"),
+            settings={
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "full_page_writes": "off",
+                "client_connection_check_interval": "'1s'",
+            },
         )
-        if result.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(argv)} failed ({result.returncode}):\n"
-                f"{result.stdout}\n{result.stderr}\n" + tail(self.log_path)
-            )
-        return result
-
-    def init(self) -> None:
-        self._run(
-            "initdb",
-            "-D",
-            str(self.data),
-            "-A",
-            "trust",
-            "-U",
-            "postgres",
-            "-E",
-            "UTF8",
-            "--locale=C",
-            "--no-sync",
-        )
-        with (self.data / "postgresql.conf").open("a") as conf:
-            conf.write(
-                "\n# batchllm fault suite\n"
-                f"listen_addresses = '{HOST}'\n"
-                f"port = {self.port}\n"
-                f"unix_socket_directories = '{self.root}'\n"
-                "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n"
-                "max_connections = 200\n"
-                # A backend whose client was killed -9 notices within a second even while it
-                # waits, and drops its locks, as it would on a real network.
-                "client_connection_check_interval = '1s'\n"
-            )
-
-    @property
-    def pid(self) -> int | None:
-        try:
-            return int((self.data / "postmaster.pid").read_text().split()[0])
-        except (FileNotFoundError, IndexError, ValueError):
-            return None
-
-    def running(self) -> bool:
-        pid = self.pid
-        try:
-            return pid is not None and psutil.Process(pid).name() == "postgres"
-        except psutil.Error:
-            return False
-
-    def start(self) -> None:
-        self._run(
-            "pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", "60", "start"
-        )
-        if self.pid:
-            _remember(self.pid)
-
-    def stop(self) -> None:
-        """`pg_ctl stop -m fast`: the server ends every session and stops."""
-        if self.running():
-            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
-
-    def create_database(self) -> None:
-        import psycopg
-
-        with psycopg.connect(
-            host=HOST,
-            port=self.port,
-            user="postgres",
-            dbname="postgres",
-            autocommit=True,
-            connect_timeout=5,
-        ) as conn:
-            conn.execute(f'CREATE DATABASE "{DATABASE}"')
-
-    def connect(self):
-        """A plain psycopg connection (autocommit) for the test's own SQL."""
-        import psycopg
-
-        return psycopg.connect(
-            host=HOST,
-            port=self.port,
-            user="postgres",
-            dbname=DATABASE,
-            autocommit=True,
-            connect_timeout=5,
-        )
-
-    def destroy(self) -> None:
-        try:
-            self.stop()
-        except Exception:
-            pid = self.pid
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGQUIT)
-                except ProcessLookupError:
-                    pass
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # -- the environment the fleet shares ------------------------------------------------------

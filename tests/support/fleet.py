@@ -24,11 +24,11 @@ import redis
 
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from benchmarks.services import HOST, tail
 from tests.support.cli import REPO, run_cli
 from tests.support.worker_logs import named_log_tail
 
-HOST = "127.0.0.1"
-__all__ = ["REPO", "run_cli"]
+__all__ = ["HOST", "REPO", "run_cli", "tail"]
 
 # Every job of the fleet suites uses these engine options, and every worker is started with
 # the matching engine flags: a worker owns its engine, and jobs whose requirements it meets
@@ -89,13 +89,6 @@ def submit(settings: Settings, source: Path, model: Path | str, *, shard_size: i
 
     spec = JobSpec(model=str(model), engine=ENGINE, sampling=SamplingDefaults(**sampling))
     return submit_job(source, spec, shard_size=shard_size, settings=settings)
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 class WorkerProcess:
