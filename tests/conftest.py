@@ -63,9 +63,7 @@ def migrated_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def settings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, migrated_database: Path
-) -> Settings:
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, migrated_database: Path) -> Settings:
     """Settings with a fresh BATCHLLM_HOME (SQLite database + storage) per test."""
     monkeypatch.setenv("BATCHLLM_HOME", str(seed_home(tmp_path / "home", migrated_database)))
     for name in ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE"):

@@ -113,7 +113,9 @@ def run_embed(
         for i, t in enumerate(corpus, start=1)
     ]
     say("[embed] sizing the context")
-    max_model_len = size_max_model_len(model, rows, SamplingDefaults(max_tokens=1))
+    max_model_len = size_max_model_len(
+        model, rows, SamplingDefaults(max_tokens=1), settings=settings
+    )
     spec = JobSpec(
         model=model,
         engine=EngineOptions(
@@ -127,7 +129,7 @@ def run_embed(
             out.write(json.dumps({"custom_id": row.custom_id, "input": row.prompt}) + "\n")
     warm = workdir / "embed-warmup.jsonl"
     warm.write_text("".join(source.read_text().splitlines(keepends=True)[:_WARMUP_TEXTS]))
-    engines = EngineCache()
+    engines = EngineCache(settings)
     say(f"[embed] starting the vLLM pooling engine (max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)

@@ -273,10 +273,12 @@ def worker(
     if metrics_port is not None:
         _serve_metrics(metrics_port)
     from batchllm.errors import BatchLLMError
+    from batchllm.settings import get_settings
     from batchllm.worker.celery_app import create_app
     from batchllm.worker.tasks import start_engine
 
-    app = create_app()
+    settings = get_settings()
+    app = create_app(settings)
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
     # Logged, not echoed: the console stays log lines (JSON ones under --log-format json).
     logging.getLogger(__name__).info(
@@ -290,6 +292,7 @@ def worker(
         start_engine(
             model,
             options,
+            settings=settings,
             allow_rebuild=allow_rebuild,
             instant=instant,
             instant_step_seconds=instant_step_seconds,
@@ -403,9 +406,9 @@ def reconcile(loop: bool) -> None:
         send_shard_tasks(app, [shard_id], queue, settings=settings)
 
     if loop:
-        reconcile_forever(send, threading.Event())
+        reconcile_forever(send, threading.Event(), settings)
         return
-    done = reconcile_once(send)
+    done = reconcile_once(send, settings)
     click.echo(
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "

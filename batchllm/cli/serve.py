@@ -65,11 +65,14 @@ def serve(
 
     from batchllm.api.app import create_app
     from batchllm.api.http import server_options
+    from batchllm.settings import get_settings
     from batchllm.store.db import get_engine
 
-    get_engine()  # refuse an unreachable or old database now, in one line
+    settings = get_settings()
+    get_engine(settings)  # refuse an unreachable or old database now, in one line
     os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
     app = create_app(
+        settings,
         auth=not no_auth,
         require_served_model=require_served_model,
         # Without keys, every job shows only to a dashboard no other machine can reach.
@@ -159,9 +162,10 @@ def create_key(name: str, webhook: str | None, admin: bool) -> None:
     """
     from batchllm.api.keys import create_key as make
     from batchllm.api.keys import set_webhook
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row, key = make(session, name, admin=admin)
         if webhook is not None:
             set_webhook(session, row.id, webhook)
@@ -186,11 +190,12 @@ def key_webhook(key: str, url: str | None, clear: bool) -> None:
       batchllm keys webhook team-search https://search.example.com/batch-events
     """
     from batchllm.api.keys import set_webhook
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
     if (url is None) != clear:
         raise click.UsageError("give a URL, or --clear")
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row = set_webhook(session, key, url)
         key_id, secret = row.id, row.webhook_secret
     if secret is None:
@@ -205,9 +210,10 @@ def list_keys() -> None:
     the key every job (admin); never the keys themselves."""
     from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         lines = [
             [
                 r.id,
@@ -227,9 +233,10 @@ def list_keys() -> None:
 def revoke_key(key: str) -> None:
     """Revoke the key with this id or name: its requests get 401 from now on."""
     from batchllm.api.keys import revoke_key as revoke
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row = revoke(session, key)
         key_id = row.id
     click.echo(f"key {key_id} revoked")

@@ -16,6 +16,7 @@ from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.settings import get_settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues
@@ -175,7 +176,7 @@ def test_status_says_why_a_job_waits_from_the_live_workers_profiles():
 
 
 def test_the_worker_builds_its_engine_once_and_every_fitting_job_gets_it(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(enforce_eager=True))
+    worker = WorkerEngine(MODEL, EngineOptions(enforce_eager=True), settings=get_settings())
     built = worker.start()
     (engine,) = fake_vllm.built
     assert built.max_model_len == 4096  # vLLM's fit, not a job's size
@@ -191,7 +192,7 @@ def test_the_worker_builds_its_engine_once_and_every_fitting_job_gets_it(fake_vl
 
 
 def test_a_job_the_engine_cannot_run_is_refused_without_a_rebuild(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512))
+    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), settings=get_settings())
     worker.start()
     with pytest.raises(EngineMismatch) as refused:
         worker.get(job(max_model_len=1024, enable_lora=True), 1024)
@@ -203,7 +204,9 @@ def test_a_job_the_engine_cannot_run_is_refused_without_a_rebuild(fake_vllm):
 
 
 def test_allow_rebuild_builds_for_the_job_and_gives_the_operators_engine_back(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), allow_rebuild=True)
+    worker = WorkerEngine(
+        MODEL, EngineOptions(max_model_len=512), allow_rebuild=True, settings=get_settings()
+    )
     worker.start()
     own = fake_vllm.built[0]
     for_job = worker.get(job(max_model_len=1024), 1024)
@@ -215,7 +218,7 @@ def test_allow_rebuild_builds_for_the_job_and_gives_the_operators_engine_back(fa
 
 
 def test_after_the_engine_died_the_next_job_gets_the_operators_engine_again(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512))
+    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), settings=get_settings())
     worker.start()
     worker.close()  # what delivery does when the engine died mid-shard
     assert worker.engine is None
