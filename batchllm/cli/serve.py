@@ -70,7 +70,6 @@ def serve(
 
     settings = get_settings()
     get_engine(settings)  # refuse an unreachable or old database now, in one line
-    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
     app = create_app(
         settings,
         auth=not no_auth,
@@ -90,7 +89,7 @@ def serve(
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None
     with cleanups_run_on_signals():  # SIGTERM or SIGHUP must not leave the worker running
-        workers = [_start_worker(model) for model in worker_models]
+        workers = [_start_worker(model, log_format) for model in worker_models]
         try:
             uvicorn.run(
                 app,
@@ -106,8 +105,18 @@ def serve(
                 stop_child(worker, grace=120)
 
 
-def _start_worker(model: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "batchllm", "worker", "--model", model]
+def _start_worker(model: str, log_format: str) -> subprocess.Popen:
+    # The worker logs the way this server does.
+    argv = [
+        sys.executable,
+        "-m",
+        "batchllm",
+        "worker",
+        "--model",
+        model,
+        "--log-format",
+        log_format,
+    ]
     # The worker watches this process: a `kill -9` of serve (an OOM kill) must not leave it
     # taking tasks under PID 1.
     worker = subprocess.Popen(argv, env={**os.environ, PARENT_MARK: str(os.getpid())})

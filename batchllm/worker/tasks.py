@@ -7,7 +7,6 @@ environment's settings once and hands them down; nothing below them reads the en
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from celery import shared_task
@@ -39,6 +38,9 @@ log = logging.getLogger(__name__)
 # a task. (A Celery worker started otherwise, e.g. by `celery -A`, builds one per job's
 # settings, as `batchllm run` does: an EngineCache made by its first task.)
 _engines: EngineSource | None = None
+# What start_engine was told, for the signal handlers Celery calls later in this process.
+_served_models: list[str] = []  # announced to `batchllm serve` (GET /v1/models)
+_json_logs_wanted = False
 _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
@@ -49,7 +51,7 @@ _MAX_RETRY_SECONDS = 60
 @after_setup_logger.connect
 def _json_logs(logger=None, **_kwargs) -> None:
     """`worker --log-format json`: Celery has set up its handlers; make them write JSON."""
-    if os.environ.get(log_format.FORMAT_ENV) == "json":
+    if _json_logs_wanted:
         log_format.use_json(logger)
 
 
@@ -61,11 +63,15 @@ def start_engine(
     allow_rebuild: bool,
     instant: bool = False,
     instant_step_seconds: float = 0.0,
+    json_logs: bool = False,
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine under `settings`; the worker says ready (and takes
-    tasks) after. `instant`: the simulation engine (execution/instant.py), never vLLM, paced
-    by `instant_step_seconds` (engine/testing.py's InstantEngine)."""
-    global _engines
+    tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
+    never vLLM, paced by `instant_step_seconds` (engine/testing.py's InstantEngine).
+    `json_logs`: Celery's log handlers write JSON (`--log-format json`)."""
+    global _engines, _json_logs_wanted
+    _served_models[:] = [model]
+    _json_logs_wanted = json_logs
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
         engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
@@ -115,7 +121,7 @@ def _start_reconciler(sender=None, **_kwargs) -> None:
 @worker_ready.connect
 def _start_registration(sender=None, **_kwargs) -> None:
     """Announce this worker's models (GET /v1/models of `batchllm serve` lists them)."""
-    models = registry.worker_models()
+    models = list(_served_models)
     if not models:
         return
     node = getattr(sender, "hostname", None) or "worker"

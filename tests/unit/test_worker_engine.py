@@ -5,6 +5,8 @@ fake engine class that records builds; the delivery test runs on SQLite."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import ClassVar
 
 import pytest
@@ -286,3 +288,63 @@ def test_concurrency_children_get_the_engine_flags_given(monkeypatch):
         assert "--enforce-eager" in given and "--no-prefix-caching" in given
         # Defaults are not forwarded: the child's own defaults are the same.
         assert "--gpu-memory-utilization" not in given and "--dtype" not in given
+
+
+def test_concurrency_children_get_the_log_format_as_an_argument_not_the_environment(monkeypatch):
+    for name in ("BATCHLLM_LOG_FORMAT", "BATCHLLM_WORKER_MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr("batchllm.engine.preflight.check_worker_concurrency", lambda *a, **k: None)
+    monkeypatch.setattr(
+        "batchllm.process.supervisor.supervise",
+        lambda commands: started.extend(argv for argv, _env in commands) or 0,
+    )
+
+    result = CliRunner().invoke(
+        cli, ["worker", "-m", MODEL, "--concurrency", "2", "--log-format", "json"]
+    )
+
+    assert result.exit_code == 0, result.output
+    assert len(started) == 2
+    for argv in started:
+        given = argv[argv.index("worker") + 1 :]
+        assert given[given.index("--log-format") + 1] == "json"
+    # Nothing is handed on through this process's environment.
+    assert "BATCHLLM_LOG_FORMAT" not in os.environ
+    assert "BATCHLLM_WORKER_MODELS" not in os.environ
+
+
+def test_start_engine_keeps_the_model_to_announce_and_the_log_format_for_celery(monkeypatch):
+    from batchllm.process.log_format import JsonFormatter
+    from batchllm.worker import tasks
+
+    class Started:
+        def __init__(self, model, options, **_named) -> None:
+            self.model = model
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(tasks, "InstantWorkerEngine", Started)
+    monkeypatch.setattr(tasks, "_engines", None)
+    monkeypatch.setattr(tasks, "_served_models", [])
+    monkeypatch.setattr(tasks, "_json_logs_wanted", False)
+
+    engine = tasks.start_engine(
+        MODEL,
+        EngineOptions(),
+        settings=get_settings(),
+        allow_rebuild=False,
+        instant=True,
+        json_logs=True,
+    )
+
+    assert tasks._engines is engine and tasks._served_models == [MODEL]
+    logger = logging.getLogger("test-celery-worker")
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    try:
+        tasks._json_logs(logger=logger)  # Celery's after_setup_logger
+        assert isinstance(handler.formatter, JsonFormatter)
+    finally:
+        logger.removeHandler(handler)
