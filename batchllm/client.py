@@ -113,7 +113,7 @@ class Client:
         if keep_engine:
             from batchllm.execution.engines import EngineCache
 
-            self._engines = EngineCache()
+            self._engines = EngineCache(self.settings)
 
     def close(self) -> None:
         """Stop the engine kept by `keep_engine`, if any."""
@@ -142,7 +142,7 @@ class Client:
         `priority="high"|"normal"|"low"` orders it among queued jobs; `notify=URL` gets a
         signed POST when the job ends."""
         with _as_file(requests) as path:
-            spec = build_job_spec(model, requests=path, **options)
+            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.submit_spec(path, spec, strict=strict, shard_size=shard_size, notify=notify)
 
     def submit_spec(
@@ -196,7 +196,7 @@ class Client:
         `engines` hands it an engine source of the caller's (tests use a fake one); `notify`
         as for `submit`."""
         with _as_file(requests) as path:
-            spec = build_job_spec(model, requests=path, **options)
+            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.run_spec(path, spec, strict=strict, engines=engines, notify=notify)
 
     def run_spec(
@@ -243,7 +243,7 @@ class Client:
         by max_tokens, the time from this model's earlier jobs on this hardware. Creates no
         job and starts no engine."""
         with _as_file(requests) as path:
-            spec = build_job_spec(model, requests=path, **options)
+            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.dry_run_spec(path, spec)
 
     def dry_run_spec(self, requests: Requests, spec: JobSpec) -> Estimate:

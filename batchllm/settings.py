@@ -1,6 +1,8 @@
 """All configuration in one place: environment variables prefixed BATCHLLM_ (or a .env file).
 
-Nothing else in batchllm reads the environment; code asks `get_settings()`.
+Nothing else in batchllm reads the environment. Only the entry points ask `get_settings()`:
+the CLI's commands, the API's app, the Client (without settings of its caller's) and a Celery
+task or worker signal; they hand the Settings down, and library code uses what it is given.
 """
 
 from __future__ import annotations
@@ -308,6 +310,11 @@ class Settings(BaseSettings):
     @property
     def resolved_storage(self) -> str:
         return self.storage or str(self.home / "jobs")
+
+    @property
+    def resolved_s3_endpoint(self) -> str:
+        """The S3-compatible server of s3:// storage and inputs; "": AWS S3's own."""
+        return self.s3_endpoint or ""
 
 
 @lru_cache(maxsize=1)

@@ -60,18 +60,15 @@ def endpoint_options(endpoint: str) -> dict[str, str]:
     return {"endpoint_override": parts.netloc, "scheme": parts.scheme}
 
 
-def filesystem_for(uri: str, *, s3_endpoint: str | None = None) -> tuple[pafs.FileSystem, str]:
+def filesystem_for(uri: str, *, s3_endpoint: str) -> tuple[pafs.FileSystem, str]:
     """The pyarrow filesystem of a URI and the path inside it. For s3://, `s3_endpoint` names
-    an S3-compatible server (None: the BATCHLLM_S3_ENDPOINT setting; "": none, AWS), unless the
-    URI gives its own `endpoint_override`; filesystems are built once per bucket and options."""
+    an S3-compatible server (the caller's BATCHLLM_S3_ENDPOINT setting; "": none, AWS), unless
+    the URI gives its own `endpoint_override`; filesystems are built once per bucket and
+    options."""
     parts = urlsplit(uri)
     if parts.scheme != "s3":
         fs, path = pafs.FileSystem.from_uri(uri)
         return fs, str(path)
-    if s3_endpoint is None:
-        from batchllm.settings import get_settings
-
-        s3_endpoint = get_settings().s3_endpoint
     query = dict(parse_qsl(parts.query))
     if s3_endpoint and "endpoint_override" not in query:
         query.update(endpoint_options(s3_endpoint))
@@ -109,10 +106,16 @@ class StoredJob(Protocol):
 
 class Storage:
     """The job storage at `root`: a local path or a URI; `s3_endpoint` as for
-    `filesystem_for`."""
+    `filesystem_for` ("": AWS), which an s3:// root must be given (the storage that settings
+    name comes from `of` or `for_job`, on their endpoint)."""
 
     def __init__(self, root: str, *, s3_endpoint: str | None = None) -> None:
         if "://" in root:
+            if s3_endpoint is None:
+                if root.lower().startswith("s3://"):
+                    # Never the environment's: the caller's settings say which server.
+                    raise ValueError(f"{root}: an s3:// storage needs its s3_endpoint")
+                s3_endpoint = ""  # not used off S3
             self.fs, self.root = filesystem_for(root, s3_endpoint=s3_endpoint)
             self._uri_prefix = root[: root.index("://") + 3]
         else:
@@ -125,14 +128,14 @@ class Storage:
     @classmethod
     def of(cls, settings: Settings) -> Storage:
         """The job storage these settings name, on their S3 endpoint if they give one."""
-        return cls(settings.resolved_storage, s3_endpoint=settings.s3_endpoint or "")
+        return cls(settings.resolved_storage, s3_endpoint=settings.resolved_s3_endpoint)
 
     @classmethod
     def for_job(cls, job: StoredJob, settings: Settings) -> Storage:
         """The storage a job was created in: the root recorded on the job (settings changed
         since do not move its files), on these settings' S3 endpoint. Every reader and writer
         of an existing job's files comes through here."""
-        return cls(job.storage_root, s3_endpoint=settings.s3_endpoint or "")
+        return cls(job.storage_root, s3_endpoint=settings.resolved_s3_endpoint)
 
     def job_dir(self, job_id: str) -> str:
         return posixpath.join(self.root, job_id)

@@ -161,12 +161,13 @@ def unserved_model(model: str, settings: Settings, *, require_live: bool) -> str
     return None
 
 
-def spec_for(model: str, endpoint: str, metadata: dict[str, str]) -> JobSpec:
+def spec_for(model: str, endpoint: str, metadata: dict[str, str], settings: Settings) -> JobSpec:
     task = "embed" if endpoint == "/v1/embeddings" else "generate"
     # OpenAI's batch has no priority field, nor output parsers: the metadata keys
     # `priority`, `reasoning_parser` and `tool_call_parser` set them.
     return build_job_spec(
         model,
+        settings=settings,
         metadata=metadata,
         task=task,
         priority=metadata.get("priority", "normal"),
@@ -259,7 +260,7 @@ def refuse_batch(
     )
     job_id = service.record_refused_job(
         Storage.of(settings).display(file.path),
-        spec_for(model, endpoint, metadata),
+        spec_for(model, endpoint, metadata, settings),
         summary,
         settings=settings,
         notify=notify,

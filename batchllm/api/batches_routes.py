@@ -149,7 +149,7 @@ def create_batch(
     try:
         job = submit_job(
             storage.display(stored.path),  # a URI on an object store, which the reader opens
-            batches.spec_for(model, body.endpoint, metadata),
+            batches.spec_for(model, body.endpoint, metadata, settings),
             settings=settings,
             expires_at=batches.expiry(body.completion_window),
             before_dispatch=record,

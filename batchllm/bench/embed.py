@@ -103,7 +103,9 @@ def run_embed(setup: OwnEnginePart, *, texts: int, words: tuple[int, int]) -> di
         for i, t in enumerate(corpus, start=1)
     ]
     setup.say("[embed] sizing the context")
-    max_model_len = size_max_model_len(setup.model, rows, SamplingDefaults(max_tokens=1))
+    max_model_len = size_max_model_len(
+        setup.model, rows, SamplingDefaults(max_tokens=1), settings=setup.settings
+    )
     spec = JobSpec(
         model=setup.model,
         engine=EngineOptions(
@@ -120,7 +122,7 @@ def run_embed(setup: OwnEnginePart, *, texts: int, words: tuple[int, int]) -> di
             out.write(json.dumps({"custom_id": row.custom_id, "input": row.prompt}) + "\n")
     warm = setup.workdir / "embed-warmup.jsonl"
     warm.write_text("".join(source.read_text().splitlines(keepends=True)[:_WARMUP_TEXTS]))
-    engines = EngineCache()
+    engines = EngineCache(setup.settings)
     setup.say(f"[embed] starting the vLLM pooling engine (max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)

@@ -179,8 +179,8 @@ class _TimedEngine:
 class _TimedEngines:
     """An EngineSource over one warm engine whose requests land on `timeline` (set per job)."""
 
-    def __init__(self) -> None:
-        self.cache = EngineCache()
+    def __init__(self, settings: Settings) -> None:
+        self.cache = EngineCache(settings)
         self.timeline = Timeline()
 
     @property
@@ -283,7 +283,9 @@ def run_features(
     prompts = list(iter_requests(workload, 0))
     rows = [r.row(line) for line, r in enumerate(prompts, start=1)]
     setup.say("[features] sizing the context")
-    max_model_len = size_max_model_len(setup.model, rows, SamplingDefaults(max_tokens=max_tokens))
+    max_model_len = size_max_model_len(
+        setup.model, rows, SamplingDefaults(max_tokens=max_tokens), settings=setup.settings
+    )
     spec = JobSpec(
         model=setup.model,
         sampling=SamplingDefaults(max_tokens=max_tokens, temperature=TEMPERATURE),
@@ -299,7 +301,7 @@ def run_features(
         ),
     )
     setup.workdir.mkdir(parents=True, exist_ok=True)
-    engines = _TimedEngines()
+    engines = _TimedEngines(setup.settings)
     setup.say(f"[features] starting the vLLM engine (compact_json, max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.cache.get(spec, max_model_len)

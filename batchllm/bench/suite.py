@@ -24,6 +24,7 @@ from batchllm.bench.own_engine import OwnEnginePart, Say
 from batchllm.bench.processes import EngineLimits
 from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
+from batchllm.settings import Settings
 
 PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed", "warm")
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
@@ -119,14 +120,14 @@ def resolve_model(config: BenchConfig, say: Say) -> str:
     return str(path)
 
 
-def size_context(model: str, runs: list[tuple[Workload, int]]) -> int:
+def size_context(model: str, runs: list[tuple[Workload, int]], settings: Settings) -> int:
     """One max_model_len for every contender: the longest request among the (workload, variant)
-    pairs that will run, sized the way batchllm sizes a job."""
+    pairs that will run, sized the way batchllm sizes a job (under `settings`)."""
     from batchllm.engine.sizing import size_max_model_len
     from batchllm.input.schemas import SamplingDefaults
 
     rows = (row for workload, variant in runs for row in stored_rows(workload, variant))
-    return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1))
+    return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1), settings=settings)
 
 
 def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
@@ -227,11 +228,12 @@ def _shared_engine_parts(
         planned += [(workload, v) for v in engine_variants]
     if "prefix" in parts:
         planned += [(config.prefix_workload, v) for v in prefix_variants]
+    settings = bench_settings(workdir / "home")
     say("sizing the context for every run's requests")
-    max_model_len = size_context(model, planned)
+    max_model_len = size_context(model, planned, settings)
     eager = config.enforce_eager
     spec = job_spec(model, workload, max_model_len, enforce_eager=eager)
-    engines = EngineCache()
+    engines = EngineCache(settings)
     say(f"starting the shared vLLM engine ({model}, max_model_len {max_model_len})")
     started = time.perf_counter()
     engine = engines.get(spec, max_model_len)
@@ -251,7 +253,6 @@ def _shared_engine_parts(
             )
         ),
     }
-    settings = bench_settings(workdir / "home")
     contenders: dict[str, Contender] = {}
     prefix = None
     try:

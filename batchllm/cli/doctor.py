@@ -53,8 +53,9 @@ def doctor(as_json: bool, model: str | None, fleet: bool) -> None:
       batchllm doctor --fleet
     """
     from batchllm.doctor.diagnose import diagnose
+    from batchllm.settings import get_settings
 
-    report = diagnose(model=model, fleet=fleet)
+    report = diagnose(model=model, fleet=fleet, settings=get_settings())
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, default=str))
     else:

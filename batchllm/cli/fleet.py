@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -218,7 +217,6 @@ def worker(
     options = worker_engine_from_flags(engine_flags)
     stop_with_parent()
     verbose = click.get_current_context().find_root().params.get("verbose") or 0
-    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the Celery process and children read it
     if concurrency == 1 and not verbose:
         # Before Celery and vLLM are imported, so their import-time warnings go to the file
         # too. With --concurrency N each worker process names its own file.
@@ -228,8 +226,6 @@ def worker(
     names = worker_queues(
         model, task=options.task, enable_lora=options.enable_lora, allow_rebuild=allow_rebuild
     ) + [q for q in (queues or "").split(",") if q]
-    # The models this worker announces to `batchllm serve` (GET /v1/models); children inherit.
-    os.environ["BATCHLLM_WORKER_MODELS"] = json.dumps([model])
     if metrics_port is not None and metrics_port + concurrency - 1 > 65535:
         raise click.BadParameter(
             f"{metrics_port} + {concurrency - 1} is past 65535: each worker process serves its "
@@ -245,7 +241,9 @@ def worker(
             on_cpu = runs_on_cpu()
             gpus = [] if on_cpu else visible_gpus()
             check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
-        child_args = _forwarded(model, allow_rebuild, queues, loglevel, click.get_current_context())
+        child_args = _forwarded(
+            model, allow_rebuild, queues, loglevel, log_format, click.get_current_context()
+        )
         if instant:
             child_args += [
                 "--engine",
@@ -258,10 +256,12 @@ def worker(
     if metrics_port is not None:
         _serve_metrics(metrics_port)
     from batchllm.errors import BatchLLMError
+    from batchllm.settings import get_settings
     from batchllm.worker.celery_app import create_app
     from batchllm.worker.tasks import start_engine
 
-    app = create_app()
+    settings = get_settings()
+    app = create_app(settings)
     node = name or f"batchllm-{os.getpid()}@{socket.gethostname()}"
     # Logged, not echoed: the console stays log lines (JSON ones under --log-format json).
     logging.getLogger(__name__).info(
@@ -275,9 +275,11 @@ def worker(
         start_engine(
             model,
             options,
+            settings=settings,
             allow_rebuild=allow_rebuild,
             instant=instant,
             instant_step_seconds=instant_step_seconds,
+            json_logs=log_format == "json",
         )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
@@ -298,11 +300,16 @@ def worker(
 
 
 def _forwarded(
-    model: str, allow_rebuild: bool, queues: str | None, loglevel: str, ctx: click.Context
+    model: str,
+    allow_rebuild: bool,
+    queues: str | None,
+    loglevel: str,
+    log_format: str,
+    ctx: click.Context,
 ) -> list[str]:
     """The arguments each child of --concurrency N gets: this worker's, engine flags included,
-    as given on the command line."""
-    args = ["--model", model, "--loglevel", loglevel]
+    as given on the command line (as arguments, not through the environment)."""
+    args = ["--model", model, "--loglevel", loglevel, "--log-format", log_format]
     if allow_rebuild:
         args.append("--allow-rebuild")
     if queues:
@@ -388,9 +395,9 @@ def reconcile(loop: bool) -> None:
         send_shard_tasks(app, [shard_id], queue, settings=settings)
 
     if loop:
-        reconcile_forever(send, threading.Event())
+        reconcile_forever(send, threading.Event(), settings)
         return
-    done = reconcile_once(send)
+    done = reconcile_once(send, settings)
     click.echo(
         f"re-queued {len(done.requeued_stale)} shard(s) of dead workers, re-sent "
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "

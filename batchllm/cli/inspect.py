@@ -20,11 +20,12 @@ _STATUSES = [status.value for status in JobStatus]
 def status(job_id: str, as_json: bool) -> None:
     """Show a job: state, request counts, throughput, shards (JOB_ID may be a unique prefix)."""
     from batchllm.cli.render import echo_job, table
+    from batchllm.settings import get_settings
     from batchllm.store import service
     from batchllm.store.db import session_scope
     from batchllm.store.job_view import job_view
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         job = service.get_job(session, job_id)
         data = job_view(job, shards=True)
         waiting = _waiting_for_a_worker(job)
@@ -109,10 +110,11 @@ def _waiting_for_a_worker(job) -> str | None:
 def jobs(status_filter: str | None, limit: int) -> None:
     """List recent jobs with their throughput."""
     from batchllm.cli.render import fmt, table
+    from batchllm.settings import get_settings
     from batchllm.store import service
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         found = service.list_jobs(
             session, status=JobStatus(status_filter) if status_filter else None, limit=limit
         )

@@ -42,7 +42,7 @@ class InputFile(click.ParamType):
             from batchllm.input.shards import readable_input
 
             try:
-                return readable_input(value)
+                return readable_input(value, s3_endpoint=get_settings().resolved_s3_endpoint)
             except BatchLLMError as exc:
                 self.fail(str(exc), param, ctx)
         path = self._local.convert(value, param, ctx)
@@ -319,7 +319,7 @@ def log_format_option(help: str):
         type=click.Choice(["text", "json"]),
         default="text",
         show_default=True,
-        envvar="BATCHLLM_LOG_FORMAT",  # so the processes the command starts inherit the choice
+        envvar="BATCHLLM_LOG_FORMAT",  # the processes it starts get --log-format itself
         help=help,
     )
 
@@ -345,6 +345,7 @@ def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
     template_file = flags.pop("chat_template")
     spec = build_job_spec(
         flags.pop("model"),
+        settings=get_settings(),
         requests=file,
         lora=adapters,
         chat_template=template_file.read_text() if template_file else None,
@@ -455,7 +456,8 @@ def require_requests(file: str | Path) -> None:
     from batchllm.input.lines import has_requests
     from batchllm.settings import get_settings
 
-    if not has_requests(file, get_settings().max_line_bytes):
+    settings = get_settings()
+    if not has_requests(file, settings.max_line_bytes, s3_endpoint=settings.resolved_s3_endpoint):
         raise click.ClickException(f"{file} has no requests (it is empty or has only blank lines)")
 
 

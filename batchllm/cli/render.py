@@ -20,10 +20,11 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def job_row(job_ref: str) -> Job:
     """The job's database row, which the renderers here show in full (the Client's Job holds
     what a program needs: state, counts, output, throughput)."""
+    from batchllm.settings import get_settings
     from batchllm.store import service
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         return service.get_job(session, job_ref)
 
 

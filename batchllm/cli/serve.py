@@ -61,11 +61,13 @@ def serve(
 
     from batchllm.api.app import create_app
     from batchllm.api.http import server_options
+    from batchllm.settings import get_settings
     from batchllm.store.db import get_engine
 
-    get_engine()  # refuse an unreachable or old database now, in one line
-    os.environ["BATCHLLM_LOG_FORMAT"] = log_format  # the --worker process logs the same way
+    settings = get_settings()
+    get_engine(settings)  # refuse an unreachable or old database now, in one line
     app = create_app(
+        settings,
         auth=not no_auth,
         require_served_model=require_served_model,
         # Without keys, every job shows only to a dashboard no other machine can reach.
@@ -83,7 +85,7 @@ def serve(
         use_json()  # the root logger's handlers; uvicorn's loggers then propagate to them
         log_config = None
     with cleanups_run_on_signals():  # SIGTERM or SIGHUP must not leave the worker running
-        workers = [_start_worker(model) for model in worker_models]
+        workers = [_start_worker(model, log_format) for model in worker_models]
         try:
             uvicorn.run(
                 app,
@@ -99,8 +101,18 @@ def serve(
                 stop_child(worker, grace=120)
 
 
-def _start_worker(model: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "batchllm", "worker", "--model", model]
+def _start_worker(model: str, log_format: str) -> subprocess.Popen:
+    # The worker logs the way this server does.
+    argv = [
+        sys.executable,
+        "-m",
+        "batchllm",
+        "worker",
+        "--model",
+        model,
+        "--log-format",
+        log_format,
+    ]
     # The worker watches this process: a `kill -9` of serve (an OOM kill) must not leave it
     # taking tasks under PID 1.
     worker = subprocess.Popen(argv, env={**os.environ, PARENT_MARK: str(os.getpid())})
@@ -155,9 +167,10 @@ def create_key(name: str, webhook: str | None, admin: bool) -> None:
     """
     from batchllm.api.keys import create_key as make
     from batchllm.api.keys import set_webhook
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row, key = make(session, name, admin=admin)
         if webhook is not None:
             set_webhook(session, row.id, webhook)
@@ -182,11 +195,12 @@ def key_webhook(key: str, url: str | None, clear: bool) -> None:
       batchllm keys webhook team-search https://search.example.com/batch-events
     """
     from batchllm.api.keys import set_webhook
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
     if (url is None) != clear:
         raise click.UsageError("give a URL, or --clear")
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row = set_webhook(session, key, url)
         key_id, secret = row.id, row.webhook_secret
     if secret is None:
@@ -201,9 +215,10 @@ def list_keys() -> None:
     the key every job (admin); never the keys themselves."""
     from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         lines = [
             [
                 r.id,
@@ -223,9 +238,10 @@ def list_keys() -> None:
 def revoke_key(key: str) -> None:
     """Revoke the key with this id or name: its requests get 401 from now on."""
     from batchllm.api.keys import revoke_key as revoke
+    from batchllm.settings import get_settings
     from batchllm.store.db import session_scope
 
-    with session_scope() as session:
+    with session_scope(get_settings()) as session:
         row = revoke(session, key)
         key_id = row.id
     click.echo(f"key {key_id} revoked")

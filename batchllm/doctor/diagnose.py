@@ -32,7 +32,7 @@ from batchllm.doctor.machine import (
     read_machine,
     setting_sources,
 )
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.worker import redis_broker
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,9 @@ class Report:
         }
 
 
-def diagnose(
-    *, model: str | None = None, fleet: bool = False, settings: Settings | None = None
-) -> Report:
-    """Every check, in the order the report shows them. `fleet` makes the broker required."""
-    settings = settings or get_settings()
+def diagnose(*, model: str | None = None, fleet: bool = False, settings: Settings) -> Report:
+    """Every check of `settings` and this machine, in the order the report shows them.
+    `fleet` makes the broker required."""
     sources = setting_sources()
     sections = [
         _guarded("python", "Python", check_python),
@@ -95,7 +93,13 @@ def diagnose(
                 settings.broker_url, required_by=_broker_required_by(sources, fleet)
             ),
         ),
-        _guarded("storage", "Storage", lambda: check_storage(settings.resolved_storage)),
+        _guarded(
+            "storage",
+            "Storage",
+            lambda: check_storage(
+                settings.resolved_storage, s3_endpoint=settings.resolved_s3_endpoint
+            ),
+        ),
         _guarded("settings", "Settings", lambda: check_settings(settings, sources)),
     ]
     report = Report(sections)
@@ -289,17 +293,17 @@ def _queue_depths(client: Any) -> dict[str, int]:
     return depths
 
 
-def check_storage(root: str) -> Section:
+def check_storage(root: str, *, s3_endpoint: str = "") -> Section:
     """Writable: a probe file is written (as part files are: through a temporary name and a
-    rename, or on an object store under its name), read back and deleted. Directories the
-    probe needed are removed again."""
+    rename, or on an object store under its name, on `s3_endpoint`, "": AWS), read back and deleted.
+    Directories the probe needed are removed again."""
     from batchllm.storage import Storage
 
     shown = hide_password(root)
     section = Section("storage", "Storage")
     section.data = {"root": shown}
     section.row("root", shown)
-    storage = Storage(root)
+    storage = Storage(root, s3_endpoint=s3_endpoint)
     existed = storage.exists(storage.root)
     made = [] if existed or "://" in root else _missing_dirs(Path(storage.root))
     probe = posixpath.join(storage.root, f".batchllm-doctor-{uuid.uuid4().hex[:12]}")

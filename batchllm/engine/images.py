@@ -18,6 +18,7 @@ from typing import Any
 from batchllm.input.images import ImageProblem, decoded, image_parts, open_image
 from batchllm.input.rows import InputRow
 from batchllm.output.row_errors import INVALID_PROMPT, Refusal
+from batchllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,12 @@ def has_images(row: InputRow) -> bool:
 
 class ImageProcessor:
     """A model's multi-modal processor, reduced to what preparing a row needs; None-like
-    (`accepts_images` False) for a text-only model."""
+    (`accepts_images` False) for a text-only model. A row's images are opened under
+    `settings` (where they may be read from, their size limits), as validation opened them."""
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, settings: Settings) -> None:
         self.processor = processor
+        self.settings = settings
         token = getattr(processor, "image_token", None)
         tokenizer = getattr(processor, "tokenizer", None)
         self.image_token_id: int | None = getattr(processor, "image_token_id", None)
@@ -82,9 +85,15 @@ class ImageProcessor:
         ]
 
 
+def load_image_processor(model: str, settings: Settings) -> ImageProcessor:
+    """The model's processor (a text model's is its tokenizer), its images read under
+    `settings`."""
+    return ImageProcessor(_loaded_processor(model), settings)
+
+
 @functools.lru_cache(maxsize=4)
-def load_image_processor(model: str) -> ImageProcessor:
-    """The model's processor, loaded once per process (a text model's is its tokenizer)."""
+def _loaded_processor(model: str) -> Any:
+    """The model's Hugging Face processor, loaded once per process; None without one."""
     try:
         from transformers import AutoProcessor
 
@@ -92,7 +101,7 @@ def load_image_processor(model: str) -> ImageProcessor:
     except Exception as exc:  # no processor files: a text-only model
         log.info("no multi-modal processor for %s: %s", model, exc)
         processor = None
-    return ImageProcessor(processor)
+    return processor
 
 
 def template_messages(row: InputRow) -> list[dict[str, Any]]:
@@ -124,7 +133,7 @@ def prepare_image_row(
     images = []
     for i, j, url in parts:
         try:
-            images.append(open_image(url, decode=False))
+            images.append(open_image(url, processor.settings, decode=False))
         except ImageProblem as exc:  # readable at validation, gone or changed since
             return Refusal(f"field 'messages.{i}.content.{j}.image_url': {exc}", INVALID_PROMPT)
     tokens = len(ids) - len(images) + sum(processor.image_tokens(images))

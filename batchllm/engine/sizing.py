@@ -18,6 +18,7 @@ from batchllm.engine.prompts import prepare_prompts, token_count
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import SamplingDefaults
 from batchllm.output.row_errors import Refusal
+from batchllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,15 @@ class ContextSizer:
     """Feeds rows through prepare_prompts in batches and keeps the longest request."""
 
     def __init__(
-        self, model: str, defaults: SamplingDefaults, chat_template: str | None = None
+        self,
+        model: str,
+        defaults: SamplingDefaults,
+        chat_template: str | None = None,
+        *,
+        settings: Settings,
     ) -> None:
-        self.model = model
+        """`settings`: what rows' images are read under (engine/images.py)."""
+        self.model, self.settings = model, settings
         self.limit = model_limit(model)
         self.tokenizer = load_tokenizer(model)
         self.defaults, self.chat_template = defaults, chat_template
@@ -73,7 +80,11 @@ class ContextSizer:
     def _flush(self, batch: list[InputRow], on_prepared: OnPrepared | None) -> None:
         runnable = [r for r in batch if r.kind != "invalid"]
         # The processor only for a batch with images: a text job never loads it.
-        images = load_image_processor(self.model) if any(map(has_images, runnable)) else None
+        images = (
+            load_image_processor(self.model, self.settings)
+            if any(map(has_images, runnable))
+            else None
+        )
         prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template, images)
         default_max = self.defaults.max_tokens
         best = 0
@@ -121,7 +132,9 @@ def size_max_model_len(
     rows: Iterable[InputRow],
     defaults: SamplingDefaults,
     chat_template: str | None = None,
+    *,
+    settings: Settings,
 ) -> int:
-    sizer = ContextSizer(model, defaults, chat_template)
+    sizer = ContextSizer(model, defaults, chat_template, settings=settings)
     sizer.add(rows)
     return sizer.result()

@@ -33,7 +33,7 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
-from batchllm.settings import get_settings
+from batchllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +185,12 @@ class VllmEngine:
         model: str,
         options: EngineOptions,
         max_model_len: int | None,
+        settings: Settings,
         context_name: str = "the engine's max_model_len",
     ) -> None:
         """`context_name` names the context in a too-long row's error: a job's own engine, or
-        the fleet worker's whose context the job adapts to."""
+        the fleet worker's whose context the job adapts to. `settings`: whether an untested
+        vLLM may run, and what rows' images are read under."""
         vllm = import_vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
@@ -199,7 +201,7 @@ class VllmEngine:
         self.is_cpu = current_platform.is_cpu()
         self.version = vllm.__version__
         warning = check_vllm_version(
-            self.version, allow_unsupported=get_settings().allow_unsupported_vllm
+            self.version, allow_unsupported=settings.allow_unsupported_vllm
         )
         if warning:
             log.warning("%s", warning)
@@ -255,9 +257,9 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         # A text model's rows with images become error rows (engine/images.py).
         self.images = (
-            load_image_processor(model)
+            load_image_processor(model, settings)
             if self.engine.model_config.is_multimodal_model
-            else ImageProcessor(None)
+            else ImageProcessor(None, settings)
         )
         self.max_model_len = self.engine.model_config.max_model_len
         # The model's own context: a prompt over it is refused naming it, not the smaller

@@ -14,7 +14,7 @@ from batchllm.execution import metrics
 from batchllm.execution.profile import VLLM_LORA_RANK, EngineProfile, ProfiledEngine
 from batchllm.execution.sizing_pass import size_shards
 from batchllm.input.schemas import EngineOptions, JobSpec
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import get_one, session_scope
@@ -35,7 +35,7 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
         spec = JobSpec.model_validate(job.spec)
         paths = [s.input_path for s in job.shards]
     # The ids go beside each shard, so the feed does not tokenize its rows again.
-    sized = size_shards(spec, storage, paths)
+    sized = size_shards(spec, storage, paths, settings)
     with session_scope(settings) as session:
         return service.set_max_model_len(session, job_id, sized)
 
@@ -67,14 +67,16 @@ def _differences(old: JobSpec, new: JobSpec) -> str:
 
 
 def _build(
-    model: str, options: EngineOptions, max_model_len: int, **named: str
+    model: str, options: EngineOptions, max_model_len: int, settings: Settings, **named: str
 ) -> tuple[VllmEngine, float]:
     """A new vLLM engine and the seconds it took, counted in the process's metrics."""
     from batchllm.engine.vllm_engine import VllmEngine
 
     started = time.monotonic()
     try:
-        engine = VllmEngine(model=model, options=options, max_model_len=max_model_len, **named)
+        engine = VllmEngine(
+            model=model, options=options, max_model_len=max_model_len, settings=settings, **named
+        )
     except Exception:
         metrics.engine_start_failed(model)
         raise
@@ -90,16 +92,18 @@ class EngineCache:
     runner checks rows against the engine's max_model_len, so a longer-context engine runs a
     shorter job's rows exactly as one sized for it would, and rebuilding it (tens of seconds
     here, minutes on a GPU) would only delay the job. It is rebuilt when a job needs other
-    settings or a longer context than it has.
+    settings or a longer context than it has. `settings`: the process's (the LoRA rank floor,
+    whether an untested vLLM may run, where rows' images are read from).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self._key: str | None = None
         self._spec: JobSpec | None = None  # what the warm engine was built for
         self.engine: VllmEngine | None = None
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
-        spec = with_min_lora_rank(spec, get_settings().min_lora_rank)
+        spec = with_min_lora_rank(spec, self.settings.min_lora_rank)
         key = _context_free_key(spec)
         warm, built_for = self.engine, self._spec
         if warm is not None and key == self._key:
@@ -124,7 +128,7 @@ class EngineCache:
             )
         self.close()
 
-        engine, _ = _build(spec.model, spec.engine, max_model_len)
+        engine, _ = _build(spec.model, spec.engine, max_model_len, self.settings)
         self.engine, self._key, self._spec = engine, key, spec
         return engine
 
@@ -148,11 +152,19 @@ class WorkerEngine(ProfiledEngine):
     After the engine died, the next job rebuilds the operator's engine, as it was.
     """
 
-    def __init__(self, model: str, options: EngineOptions, *, allow_rebuild: bool = False):
+    def __init__(
+        self,
+        model: str,
+        options: EngineOptions,
+        *,
+        settings: Settings,
+        allow_rebuild: bool = False,
+    ):
         self.model, self.options, self.allow_rebuild = model, options, allow_rebuild
+        self.settings = settings
         self.profile: EngineProfile | None = None
         self._own: VllmEngine | None = None
-        self._rebuilt = EngineCache()  # a job's own engine, under allow_rebuild only
+        self._rebuilt = EngineCache(settings)  # a job's own engine, under allow_rebuild only
 
     @property
     def engine(self) -> VllmEngine | None:
@@ -167,6 +179,7 @@ class WorkerEngine(ProfiledEngine):
             self.options,
             # -1: vLLM's auto-fit, the model's context or the longest its KV cache holds.
             self.options.max_model_len or -1,
+            self.settings,
             context_name="this worker's max_model_len",
         )
         self._own = engine

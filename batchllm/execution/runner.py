@@ -35,7 +35,7 @@ from batchllm.output.row_errors import (
     REQUEST_REJECTED,
     Refusal,
 )
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
@@ -94,13 +94,13 @@ class ShardRunner:
         engine: Engine,
         *,
         worker: str,
-        settings: Settings | None = None,
+        settings: Settings,
         window: int | None = None,
         on_progress: ProgressFn | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
-        self.settings = settings or get_settings()
+        self.settings = settings
         self.storage = Storage.of(self.settings)
         self.worker = worker
         self.window = window or 4 * engine.max_num_seqs

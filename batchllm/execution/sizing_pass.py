@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import TokenFileWriter, token_path
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 
 if TYPE_CHECKING:
@@ -24,10 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def new_sizer(spec: JobSpec) -> ContextSizer:
+def new_sizer(spec: JobSpec, settings: Settings) -> ContextSizer:
     from batchllm.engine.sizing import ContextSizer  # transformers: only where a job is sized
 
-    return ContextSizer(spec.model, spec.sampling, spec.chat_template)
+    return ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
 
 
 def size_shard(sizer: ContextSizer, storage: Storage, input_path: str) -> None:
@@ -37,8 +38,8 @@ def size_shard(sizer: ContextSizer, storage: Storage, input_path: str) -> None:
     token_file.close()
 
 
-def size_shards(spec: JobSpec, storage: Storage, paths: list[str]) -> int:
-    sizer = new_sizer(spec)
+def size_shards(spec: JobSpec, storage: Storage, paths: list[str], settings: Settings) -> int:
+    sizer = new_sizer(spec, settings)
     for path in paths:
         size_shard(sizer, storage, path)
     return sizer.result()
@@ -50,8 +51,8 @@ _DONE = object()
 class BackgroundSizer:
     """Sizes shards on a thread as they are stored; `finish` gives the job's max_model_len."""
 
-    def __init__(self, spec: JobSpec, storage: Storage) -> None:
-        self.spec, self.storage = spec, storage
+    def __init__(self, spec: JobSpec, storage: Storage, settings: Settings) -> None:
+        self.spec, self.storage, self.settings = spec, storage, settings
         self._paths: queue.Queue[object] = queue.Queue()
         self._sized: list[str] = []
         self._result: int | None = None
@@ -85,7 +86,7 @@ class BackgroundSizer:
 
     def _run(self) -> None:
         try:
-            sizer = new_sizer(self.spec)
+            sizer = new_sizer(self.spec, self.settings)
             while True:
                 path = self._paths.get()
                 if path is _DONE or self._abandoned.is_set():

@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.store import webhooks
 from batchllm.store.db import session_scope
 
@@ -94,10 +94,9 @@ def post(delivery: webhooks.DueDelivery, timeout: float) -> tuple[int | None, st
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def deliver_due(settings: Settings | None = None, *, job_id: str | None = None) -> list[str]:
+def deliver_due(settings: Settings, *, job_id: str | None = None) -> list[str]:
     """Send every due webhook attempt (only `job_id`'s when given); returns the ids of the jobs
     whose event was delivered now."""
-    settings = settings or get_settings()
     with session_scope(settings) as session:
         due = webhooks.due_jobs(
             session,

@@ -11,6 +11,7 @@ from typing import Any
 from batchllm.errors import InputError
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults, TableColumns
 from batchllm.input.structured import constraint_of
+from batchllm.settings import Settings
 
 SAMPLING_FIELDS = frozenset(SamplingDefaults.model_fields)
 ENGINE_FIELDS = frozenset(EngineOptions.model_fields)
@@ -19,6 +20,7 @@ ENGINE_FIELDS = frozenset(EngineOptions.model_fields)
 def build_job_spec(
     model: str,
     *,
+    settings: Settings,
     requests: str | Path | None = None,
     json_schema: dict[str, Any] | None = None,
     choice: list[str] | None = None,
@@ -42,7 +44,8 @@ def build_job_spec(
     embed job) or, with no requests to read, is `generate`.
 
     `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
-    or CSV file read by these columns (input/table.py), checked here before any job exists."""
+    or CSV file read by these columns (input/table.py), checked here before any job exists.
+    `requests` is read as `settings` say (line limit, S3 endpoint)."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -57,11 +60,11 @@ def build_job_spec(
         from batchllm.input.validate import infer_task
 
         lines = requests if table is None else None
-        engine["task"] = infer_task(lines) if lines is not None else "generate"
+        engine["task"] = infer_task(lines, settings) if lines is not None else "generate"
     if table is not None and requests is not None:
         from batchllm.input.table import table_schema
 
-        table_schema(requests, table, engine["task"])
+        table_schema(requests, table, engine["task"], s3_endpoint=settings.resolved_s3_endpoint)
     return JobSpec(
         model=model,
         sampling=SamplingDefaults(**sampling),

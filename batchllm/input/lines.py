@@ -161,15 +161,15 @@ def _skip_bom(handle: BinaryIO) -> None:
 
 
 @contextmanager
-def open_input(source: str | Path) -> Iterator[BinaryIO]:
+def open_input(source: str | Path, *, s3_endpoint: str) -> Iterator[BinaryIO]:
     """An input file opened for reading from its start: a local path, or a URI
-    (`s3://bucket/key`) streamed with buffered ranged reads. Reading it twice (custom_ids.py)
-    means opening it twice."""
+    (`s3://bucket/key`, on the S3-compatible server `s3_endpoint`; "": AWS) streamed with
+    buffered ranged reads. Reading it twice (custom_ids.py) means opening it twice."""
     if not is_uri(source):
         with Path(source).open("rb") as handle:
             yield handle
         return
-    fs, path = filesystem_for(str(source))
+    fs, path = filesystem_for(str(source), s3_endpoint=s3_endpoint)
     # compression=None: bytes as they are stored, as for a local file (no .gz guessing).
     with (
         fs.open_input_stream(path, compression=None) as stream,
@@ -178,7 +178,8 @@ def open_input(source: str | Path) -> Iterator[BinaryIO]:
         yield handle
 
 
-def has_requests(path: str | Path, max_line_bytes: int) -> bool:
-    """Whether the file has a non-blank line; reads only up to the first one."""
-    with open_input(path) as handle:
+def has_requests(path: str | Path, max_line_bytes: int, *, s3_endpoint: str) -> bool:
+    """Whether the file has a non-blank line; reads only up to the first one. `s3_endpoint`
+    as for `open_input`."""
+    with open_input(path, s3_endpoint=s3_endpoint) as handle:
         return next(iter_lines(handle, max_line_bytes), None) is not None

@@ -27,6 +27,7 @@ from batchllm.input.schemas import LineError, TableColumns
 from batchllm.input.table import read_table_chunks
 from batchllm.input.token_store import iter_token_batches, token_lists
 from batchllm.input.validate import read_row_chunks
+from batchllm.settings import Settings
 from batchllm.storage import Storage, filesystem_for, is_uri
 
 log = logging.getLogger(__name__)
@@ -138,15 +139,15 @@ def _not_writable(storage: Storage, exc: OSError) -> StorageError:
     return StorageError(f"job storage {storage.display(storage.root)}: cannot write: {exc}")
 
 
-def readable_input(source: str | Path) -> str | Path:
-    """The input file: a Path, or a URI string (`s3://bucket/key`) as given; InputError,
-    naming it, when it is missing or a directory (on an object store: a key prefix), or the
-    store cannot be asked. Checked before anything is created for a job (no job row, no
-    engine start)."""
+def readable_input(source: str | Path, *, s3_endpoint: str) -> str | Path:
+    """The input file: a Path, or a URI string (`s3://bucket/key`, on the S3-compatible server
+    `s3_endpoint`; "": AWS) as given; InputError, naming it, when it is missing or a directory
+    (on an object store: a key prefix), or the store cannot be asked. Checked before anything
+    is created for a job (no job row, no engine start)."""
     if is_uri(source):
         uri = str(source)
         try:
-            fs, path = filesystem_for(uri)
+            fs, path = filesystem_for(uri, s3_endpoint=s3_endpoint)
             kind = fs.get_file_info(path).type
         except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
             raise InputError(f"{uri}: cannot read: {exc}") from exc
@@ -171,15 +172,17 @@ def input_name(source: str | Path) -> str:
 def validated_chunks(
     source: str | Path,
     *,
+    settings: Settings,
     table: TableColumns | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The input's rows as stored (INPUT_SCHEMA) with the errors of those that cannot run, a
-    chunk at a time: a JSONL file's lines, or with `table` a Parquet or CSV file's rows."""
+    chunk at a time: a JSONL file's lines, or with `table` a Parquet or CSV file's rows; read
+    and checked as `settings` say (limits, S3 endpoint, where images may be read from)."""
     if table is not None:
-        return read_table_chunks(source, table, adapters=adapters, task=task)
-    return read_row_chunks(source, adapters=adapters, task=task)
+        return read_table_chunks(source, table, settings=settings, adapters=adapters, task=task)
+    return read_row_chunks(source, settings=settings, adapters=adapters, task=task)
 
 
 def store_input(
@@ -187,6 +190,7 @@ def store_input(
     storage: Storage,
     job_id: str,
     *,
+    settings: Settings,
     shard_size: int,
     strict: bool = False,
     adapters: frozenset[str] = frozenset(),
@@ -201,13 +205,16 @@ def store_input(
     InputError lists the problems. Raises InputError when the file cannot be read or holds
     no request at all, StorageError when the shards cannot be written. `on_shard` is called
     with each shard once it is stored (a `run` sizes it meanwhile, `submit` queues it).
+    `settings`: how the input is read and checked (validated_chunks).
     """
-    source = readable_input(source)
+    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:
         with frozen_heap():  # a million rows pass through: keep the heap out of the GC's scans
-            chunks = validated_chunks(source, table=table, adapters=adapters, task=task)
+            chunks = validated_chunks(
+                source, settings=settings, table=table, adapters=adapters, task=task
+            )
             for rows, problems in chunks:
                 result.total += len(rows)
                 result.invalid += len(problems)

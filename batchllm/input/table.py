@@ -33,6 +33,7 @@ from batchllm.input.lines import open_input
 from batchllm.input.rows import request_payload
 from batchllm.input.schemas import LineError, TableColumns
 from batchllm.input.validate import LineProblem, parse_line, stored_block
+from batchllm.settings import Settings
 from batchllm.storage import filesystem_for, is_uri
 
 TABLE_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
@@ -82,20 +83,24 @@ def check_columns(
         )
 
 
-def table_schema(source: str | Path, table: TableColumns, task: str = "generate") -> pa.Schema:
-    """The file's columns (read from the Parquet footer or the CSV header), checked."""
-    with _batches(source, table, task) as (schema, _):
+def table_schema(
+    source: str | Path, table: TableColumns, task: str = "generate", *, s3_endpoint: str
+) -> pa.Schema:
+    """The file's columns (read from the Parquet footer or the CSV header), checked.
+    `s3_endpoint`: the S3-compatible server of an s3:// source ("": AWS)."""
+    with _batches(source, table, task, s3_endpoint) as (schema, _):
         return schema
 
 
 @contextmanager
 def _batches(
-    source: str | Path, table: TableColumns, task: str = "generate"
+    source: str | Path, table: TableColumns, task: str, s3_endpoint: str
 ) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
     """The file's schema (checked) and its record batches of the named columns."""
     with ExitStack() as stack:
         try:
-            schema, batches = _open(stack, source, list(dict.fromkeys(_wanted(table).values())))
+            columns = list(dict.fromkeys(_wanted(table).values()))
+            schema, batches = _open(stack, source, columns, s3_endpoint)
         except (pa.ArrowInvalid, OSError) as exc:  # ArrowInvalid: not Parquet, not CSV
             raise _unreadable(source, exc) from exc
         check_columns(_name(source), schema, table, task)
@@ -103,10 +108,10 @@ def _batches(
 
 
 def _open(
-    stack: ExitStack, source: str | Path, columns: list[str]
+    stack: ExitStack, source: str | Path, columns: list[str], s3_endpoint: str
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     if table_format(source) == "csv":
-        handle = stack.enter_context(open_input(source))
+        handle = stack.enter_context(open_input(source, s3_endpoint=s3_endpoint))
         # Text columns stay text: an id column of "007" must not become 7.
         reader = pacsv.open_csv(
             handle,
@@ -117,7 +122,7 @@ def _open(
         )
         return reader.schema, (batch.select(columns) for batch in reader)
     if is_uri(source):
-        fs, path = filesystem_for(str(source))
+        fs, path = filesystem_for(str(source), s3_endpoint=s3_endpoint)
         parquet = pq.ParquetFile(stack.enter_context(fs.open_input_file(path)))
     else:
         parquet = stack.enter_context(pq.ParquetFile(source))
@@ -141,22 +146,24 @@ def read_table_chunks(
     source: str | Path,
     table: TableColumns,
     *,
+    settings: Settings,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The file's rows as rows to store, a record batch at a time: a table in INPUT_SCHEMA
-    and the LineErrors of its rows that cannot run (validate.read_row_chunks' contract)."""
+    and the LineErrors of its rows that cannot run (validate.read_row_chunks' contract),
+    read and checked as `settings` say."""
     name = _name(source)
     ids = CustomIds()
-    images = ImageChecks()
+    images = ImageChecks(settings)
     try:
-        with _batches(source, table, task) as (_, batches):
+        with _batches(source, table, task, settings.resolved_s3_endpoint) as (_, batches):
             number = 1
             for batch in batches:
                 if not batch.num_rows:
                     continue
                 with images.prefetching(_image_urls(batch, table)):
-                    block = _checked_batch(batch, number, table, adapters, task)
+                    block = _checked_batch(batch, number, table, adapters, task, settings)
                 number += batch.num_rows
                 yield stored_block(block, ids, name)
     finally:
@@ -182,13 +189,14 @@ def _checked_batch(
     table: TableColumns,
     adapters: frozenset[str],
     task: str,
+    settings: Settings,
 ) -> CheckedBlock:
     numbers = list(range(first, first + batch.num_rows))
     problems: dict[int, LineProblem] = {}
     if table.prompt_column is not None:
         columns = _prompt_columns(batch, table, task, numbers, problems)
     else:
-        columns = _messages_columns(batch, table, adapters, numbers, problems)
+        columns = _messages_columns(batch, table, adapters, numbers, problems, settings)
     if table.id_column is None:
         columns["given"] = pa.array(map(str, numbers), pa.string())
     else:
@@ -253,6 +261,7 @@ def _messages_columns(
     adapters: frozenset[str],
     numbers: list[int],
     problems: dict[int, LineProblem],
+    settings: Settings,
 ) -> dict[str, pa.Array]:
     """Each row's messages (a list of {role, content} structs, or their JSON text), validated
     as a JSONL chat line's messages are (validate.parse_line), a row at a time."""
@@ -263,7 +272,7 @@ def _messages_columns(
         number = numbers[at]
         try:
             messages = _messages_of(value, column, number)
-            request = parse_line({"messages": messages}, number, adapters)
+            request = parse_line({"messages": messages}, number, adapters, settings=settings)
         except LineProblem as problem:
             field = problem.field or ""
             problems[at] = LineProblem(

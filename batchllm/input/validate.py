@@ -53,7 +53,7 @@ from batchllm.input.unicode_text import (
     may_hold_surrogates,
     unencodable_field,
 )
-from batchllm.settings import get_settings
+from batchllm.settings import Settings
 from batchllm.storage import is_uri
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,9 @@ def _validate(model: type[BaseModel], data: Any, prefix: str = "") -> Any:
         raise _from_validation(exc, prefix) from None
 
 
-def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
+def _sampling_of(parsed: BaseModel, max_n: int, prefix: str = "") -> dict[str, Any]:
     """The settings a line stores with its row: sampling overrides, then the normalized
-    sample count, log probabilities, constraint and chat template options."""
+    sample count (at most `max_n`), log probabilities, constraint and chat template options."""
     # The sampling fields are numbers, booleans, strings and lists of strings: reading the
     # attributes gives what model_dump would, without its serializer (per line, on the hot path).
     sampling = {}
@@ -116,7 +116,6 @@ def _sampling_of(parsed: BaseModel, prefix: str = "") -> dict[str, Any]:
         value = getattr(parsed, name, None)
         if value is not None:
             sampling[name] = value
-    max_n = get_settings().max_n
     if sampling.get("n", 1) > max_n:
         raise LineProblem(
             prefix + "n", f"n is {sampling['n']}; at most {max_n} samples (BATCHLLM_MAX_N)"
@@ -201,12 +200,12 @@ def is_embedding_line(obj: Any) -> bool:
     )
 
 
-def infer_task(path: str | Path, max_line_bytes: int | None = None) -> str:
+def infer_task(path: str | Path, settings: Settings) -> str:
     """The task a file's lines ask for, from its first line that decodes to an object:
     embed for embedding lines, else generate (one task per job; lines of the other task
-    become error rows)."""
-    limit = max_line_bytes or get_settings().max_line_bytes
-    with open_input(path) as handle:
+    become error rows). The file is read as `settings` say (line limit, S3 endpoint)."""
+    limit = settings.max_line_bytes
+    with open_input(path, s3_endpoint=settings.resolved_s3_endpoint) as handle:
         for line in iter_lines(handle, limit):
             if line.raw is None:
                 continue
@@ -250,11 +249,17 @@ def _wrong_task(obj: dict[str, Any], task: str) -> LineProblem:
 
 
 def parse_line(
-    obj: Any, line: int, adapters: frozenset[str] = frozenset(), task: str = "generate"
+    obj: Any,
+    line: int,
+    adapters: frozenset[str] = frozenset(),
+    task: str = "generate",
+    *,
+    settings: Settings,
 ) -> Request:
     """Turn one decoded JSON value into a Request, or raise LineProblem naming the field.
     `adapters`: the names of the job's LoRA adapters, which lines may pick; `task`: the
-    job's (a line of the other task is an error)."""
+    job's (a line of the other task is an error); `settings`: the limits (BATCHLLM_MAX_N)
+    and where images may be read from."""
     if not isinstance(obj, dict):
         raise LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
     if task == "embed":
@@ -271,10 +276,11 @@ def parse_line(
             return _responses_line(envelope.body, envelope.custom_id, line, adapters)
         if envelope.url == "/v1/chat/completions":
             body = _validate(OpenAIChatBody, envelope.body, prefix="body.")
-            sampling = _sampling_of(body, "body.") | _model_adapter(body.model, adapters)
+            sampling = _sampling_of(body, settings.max_n, "body.")
+            sampling |= _model_adapter(body.model, adapters)
             if body.max_completion_tokens is not None:
                 sampling["max_tokens"] = body.max_completion_tokens
-            messages = _stored_messages(body.messages, "body.")
+            messages = _stored_messages(body.messages, settings, "body.")
             return Request(
                 line=line,
                 custom_id=envelope.custom_id,
@@ -288,17 +294,18 @@ def parse_line(
             custom_id=envelope.custom_id,
             kind="prompt",
             prompt=body.prompt,
-            sampling=_sampling_of(body, "body.") | _model_adapter(body.model, adapters),
+            sampling=_sampling_of(body, settings.max_n, "body.")
+            | _model_adapter(body.model, adapters),
         )
     if "messages" in obj:
         chat = _validate(ChatLine, obj)
-        messages = _stored_messages(chat.messages)
+        messages = _stored_messages(chat.messages, settings)
         return Request(
             line=line,
             custom_id=chat.custom_id or default_custom_id(line),
             kind="chat",
             messages=messages,
-            sampling=_sampling_of(chat) | _pick_adapter(chat.adapter, adapters),
+            sampling=_sampling_of(chat, settings.max_n) | _pick_adapter(chat.adapter, adapters),
         )
     if "prompt" in obj:
         plain = _validate(PromptLine, obj)
@@ -309,7 +316,7 @@ def parse_line(
             custom_id=plain.custom_id or default_custom_id(line),
             kind="prompt",
             prompt=plain.prompt,
-            sampling=_sampling_of(plain) | _pick_adapter(plain.adapter, adapters),
+            sampling=_sampling_of(plain, settings.max_n) | _pick_adapter(plain.adapter, adapters),
         )
     raise LineProblem(None, _UNKNOWN_FORM)
 
@@ -331,7 +338,9 @@ def _responses_line(
     )
 
 
-def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict[str, Any]]:
+def _stored_messages(
+    messages: list[ChatMessage], settings: Settings, prefix: str = ""
+) -> list[dict[str, Any]]:
     """The messages as stored: ChatMessage.stored() (the text of text parts joined, a tool
     turn's id, an assistant turn's calls), except a message with images, which keeps its
     parts; every image is opened and decoded here (images/checks.py), so a bad one is this
@@ -352,7 +361,7 @@ def _stored_messages(messages: list[ChatMessage], prefix: str = "") -> list[dict
                 raise LineProblem(field, f"images are for user messages, not {message.role}")
             url = _image_url(part, field)
             try:
-                check_image(url)
+                check_image(url, settings)
             except ImageProblem as exc:
                 raise LineProblem(field, str(exc)) from None
             parts.append({"type": "image_url", "image_url": {"url": url}})
@@ -395,7 +404,9 @@ def _decode(raw: bytes) -> tuple[Any, LineProblem | None]:
         return None, LineProblem(None, f"malformed JSON: {exc}")
 
 
-def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str) -> _Checked:
+def _check(
+    line: Line, max_line_bytes: int, adapters: frozenset[str], task: str, settings: Settings
+) -> _Checked:
     if line.raw is None:
         return (
             line.number,
@@ -416,7 +427,8 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str)
             return line.number, given, LineProblem(field, UNENCODABLE)
     if problem is None:
         try:
-            return line.number, given_id(obj), parse_line(obj, line.number, adapters, task)
+            request = parse_line(obj, line.number, adapters, task, settings=settings)
+            return line.number, given_id(obj), request
         except LineProblem as exc:
             problem = exc
     return line.number, given_id(obj), problem
@@ -425,6 +437,7 @@ def _check(line: Line, max_line_bytes: int, adapters: frozenset[str], task: str)
 def read_requests(
     path: str | Path,
     *,
+    settings: Settings,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
@@ -433,18 +446,18 @@ def read_requests(
     such as s3://bucket/key, streamed), in line order, validating line by line.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
-    A line over `max_line_bytes` (default: the setting) is an error without being parsed.
+    A line over `max_line_bytes` (default: the settings') is an error without being parsed.
     The file is read twice (custom_ids.py), each time from its start.
     """
-    limit = max_line_bytes or get_settings().max_line_bytes
-    images = ImageChecks()
+    limit = max_line_bytes or settings.max_line_bytes
+    images = ImageChecks(settings)
 
     def checked(lines: list[Line]) -> list[_Checked]:
         with images.prefetching(image_urls(line.raw for line in lines)):
-            return [_check(line, limit, adapters, task) for line in lines]
+            return [_check(line, limit, adapters, task, settings) for line in lines]
 
     try:
-        for resolved in _resolved_chunks(path, limit, checked):
+        for resolved in _resolved_chunks(path, limit, settings, checked):
             for _, custom_id, item in resolved:
                 if isinstance(item, Request):
                     item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
@@ -456,6 +469,7 @@ def read_requests(
 def read_row_chunks(
     path: str | Path,
     *,
+    settings: Settings,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
@@ -464,15 +478,15 @@ def read_row_chunks(
     of the lines' input-shard values (INPUT_SCHEMA, input/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
     validated a block at a time (input/columnar.py) and kept in columns to the stored shard."""
-    limit = max_line_bytes or get_settings().max_line_bytes
+    limit = max_line_bytes or settings.max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:
-        _, given, item = _check(line, limit, adapters, task)
+        _, given, item = _check(line, limit, adapters, task, settings)
         return given, item if isinstance(item, LineProblem) else request_payload(item)
 
     def judge(obj: Any, number: int) -> Verdict | None:
         try:
-            request = parse_line(obj, number, adapters, task)
+            request = parse_line(obj, number, adapters, task, settings=settings)
         except LineProblem:
             return None
         if request.inputs is not None:
@@ -481,9 +495,9 @@ def read_row_chunks(
         return request.kind, "body" if "body" in obj else "top", sampling
 
     ids = CustomIds()
-    images = ImageChecks()
+    images = ImageChecks(settings)
     try:
-        for chunk in _line_chunks(path, limit, ids):
+        for chunk in _line_chunks(path, limit, settings, ids):
             with images.prefetching(image_urls(line.raw for line in chunk)):
                 block = columnar.check_block(chunk, one, judge)
             yield stored_block(block, ids, _name(path))
@@ -550,30 +564,36 @@ def _duplicate(custom_id: str, first: int) -> LineProblem:
     return LineProblem("custom_id", f"duplicate custom_id {custom_id!r} (first on line {first})")
 
 
-def _line_chunks(path: str | Path, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
+def _line_chunks(
+    path: str | Path, limit: int, settings: Settings, ids: CustomIds
+) -> Iterator[list[Line]]:
     """The file's non-blank lines, a list per chunk. The first pass, which collects the
     default-shaped custom_ids the file gives (custom_ids.py), runs when the first line without
     a custom_id needs its default, over the whole file on a handle of its own."""
     source = path if is_uri(path) else Path(path)
+    s3_endpoint = settings.resolved_s3_endpoint
 
     def given_lines() -> Iterator[Line]:
-        with open_input(source) as handle:
+        with open_input(source, s3_endpoint=s3_endpoint) as handle:
             for chunk in iter_line_chunks(handle, limit, wanted=may_give_default_id):
                 yield from chunk
 
     ids.defer_first_pass(given_lines)
-    with open_input(source) as handle:
+    with open_input(source, s3_endpoint=s3_endpoint) as handle:
         yield from iter_line_chunks(handle, limit)
 
 
 def _resolved_chunks(
-    path: str | Path, limit: int, checked: Callable[[list[Line]], list[_Checked]]
+    path: str | Path,
+    limit: int,
+    settings: Settings,
+    checked: Callable[[list[Line]], list[_Checked]],
 ) -> Iterator[list[tuple[int, str, Any]]]:
     """(line number, final custom_id, the checked item or the LineError refusing the line)
     per non-blank line, a list per chunk of lines that `checked` checks at once."""
     ids = CustomIds()
     try:
-        for chunk in _line_chunks(path, limit, ids):
+        for chunk in _line_chunks(path, limit, settings, ids):
             yield _resolve_chunk(checked(chunk), ids, _name(path))
     finally:
         ids.close()

@@ -17,7 +17,7 @@ from batchllm.engine.sizing import ContextSizer
 from batchllm.input.rows import InputRow, stored_row
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import readable_input, validated_chunks
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.service import RecordedThroughput, recorded_throughput
 
@@ -46,13 +46,10 @@ class Estimate:
         return (self.prompt_tokens + self.max_output_tokens) / self.history.tokens_per_s
 
 
-def estimate_job(
-    source: str | Path, spec: JobSpec, *, settings: Settings | None = None
-) -> Estimate:
+def estimate_job(source: str | Path, spec: JobSpec, *, settings: Settings) -> Estimate:
     """Validate and tokenize `source` as a job of `spec` would; create nothing."""
-    settings = settings or get_settings()
-    source = readable_input(source)
-    sizer = ContextSizer(spec.model, spec.sampling, spec.chat_template)
+    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
+    sizer = ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
     counts = {"requests": 0, "invalid": 0, "too_long": 0, "prompt": 0, "output": 0}
     chunk: dict[int, InputRow] = {}  # the rows being tokenized, by line
 
@@ -70,7 +67,11 @@ def estimate_job(
             counts["output"] += _output_budget(row, spec)
 
     chunks = validated_chunks(
-        source, table=spec.table, adapters=frozenset(spec.adapters), task=spec.engine.task
+        source,
+        settings=settings,
+        table=spec.table,
+        adapters=frozenset(spec.adapters),
+        task=spec.engine.task,
     )
     for table, problems in chunks:
         counts["requests"] += table.num_rows

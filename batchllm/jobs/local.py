@@ -18,7 +18,7 @@ from batchllm.execution.sizing_pass import BackgroundSizer
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, readable_input
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, session_scope
@@ -36,7 +36,7 @@ def run_job(
     spec: JobSpec,
     *,
     strict: bool = False,
-    settings: Settings | None = None,
+    settings: Settings,
     on_created: Callable[[Job], None] | None = None,
     on_progress: ProgressFn | None = None,
     engines: EngineSource | None = None,
@@ -47,10 +47,9 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
-    settings = settings or get_settings()
     fail_abandoned_runs(settings)
     own_engines = engines is None
-    engines = engines or EngineCache()
+    engines = engines or EngineCache(settings)
     try:
         job_id, engine_error = _create(
             source,
@@ -195,7 +194,8 @@ def _create(
             on_created(created.job)
         return created.job.id
 
-    readable_input(source)  # a missing file is reported before any engine starts
+    # A missing file is reported before any engine starts.
+    readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     early = spec.engine.max_model_len
     if not early:
         return _create_and_size(create, spec, settings)
@@ -234,7 +234,7 @@ def _create_and_size(
     """Create the job while sizing its context on another thread, shard by shard as they are
     stored (execution/sizing_pass.py): the two overlap instead of running one after the other.
     Returns the job id and the sizing pass's error (the job exists then: the caller fails it)."""
-    sizer = BackgroundSizer(spec, Storage.of(settings))
+    sizer = BackgroundSizer(spec, Storage.of(settings), settings)
     try:
         job_id = create(lambda shard: sizer.shard_stored(shard.path))
     except BaseException:

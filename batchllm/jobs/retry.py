@@ -23,7 +23,7 @@ from batchllm.input.schemas import JobSpec
 from batchllm.jobs.local import fail_abandoned_runs, run_shards_here
 from batchllm.jobs.submit import dispatch_shards
 from batchllm.output import commit, replace
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
@@ -85,7 +85,7 @@ def retry_job(
     job_ref: str,
     *,
     all_errors: bool = False,
-    settings: Settings | None = None,
+    settings: Settings,
     engines: EngineSource | None = None,
     on_started: ProgressFn | None = None,
     on_progress: ProgressFn | None = None,
@@ -93,7 +93,6 @@ def retry_job(
     """Retry an ended job as its next attempt. A `run` job runs here to its end (the Job row
     returned is ended); a fleet job is queued for the workers (returned queued).
     `on_started(lines, missing)` once the attempt is recorded."""
-    settings = settings or get_settings()
     fail_abandoned_runs(settings)
     plan = plan_retry(settings, job_ref, all_errors=all_errors)
     with session_scope(settings) as session:
@@ -122,7 +121,7 @@ def retry_job(
         plan.job_id,
         spec,
         settings=settings,
-        engines=engines or EngineCache(),
+        engines=engines or EngineCache(settings),
         own_engines=own_engines,
         on_progress=on_progress,
         shard_ids=plan.shard_ids,

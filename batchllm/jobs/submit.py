@@ -14,7 +14,7 @@ from batchllm.errors import BatchLLMError
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import get_one, session_scope
@@ -32,7 +32,7 @@ def submit_job(
     *,
     shard_size: int | None = None,
     strict: bool = False,
-    settings: Settings | None = None,
+    settings: Settings,
     expires_at: datetime | None = None,
     before_dispatch: Callable[[str], None] | None = None,
     on_stored: Callable[[StoredInput], None] | None = None,
@@ -48,7 +48,6 @@ def submit_job(
     records its batch there); `on_stored(stored)` once the input is stored (its counts: lines,
     invalid lines, shards); `notify`: where the job's end is announced.
     """
-    settings = settings or get_settings()
     app = create_app(settings)  # one for every release of the job's shards
     sent: list[int] = []
 

@@ -27,7 +27,7 @@ from batchllm.output.parts import (
 )
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store.db import SETTINGS_KEY, before_commit, session_scope
+from batchllm.store.db import before_commit, session_scope, settings_of
 from batchllm.store.models import Checkpoint, Job, Shard, ShardStatus
 from batchllm.store.state_machine import take_ended_jobs
 
@@ -287,7 +287,7 @@ def tidy_unrecorded_parts(session: Session, storage: Storage, job_id: str) -> li
 def tidy_ended_jobs(session: Session) -> None:
     """Tidy the output of every job this transaction ended without completing it (cancelled,
     expired, failed). A storage error is logged, not raised: the job's end must not be undone."""
-    settings: Settings = session.info[SETTINGS_KEY]
+    settings = settings_of(session)
     for job_id in take_ended_jobs(session):
         job = session.get(Job, job_id)
         if job is None:

@@ -13,8 +13,6 @@ from datetime import datetime, timezone
 
 _JOB: contextvars.ContextVar[str | None] = contextvars.ContextVar("batchllm_job", default=None)
 _SHARD: contextvars.ContextVar[int | None] = contextvars.ContextVar("batchllm_shard", default=None)
-# The `worker` and `serve` commands pass the choice to their processes through this variable.
-FORMAT_ENV = "BATCHLLM_LOG_FORMAT"
 
 
 @contextlib.contextmanager

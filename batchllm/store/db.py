@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
 from batchllm.errors import BatchLLMError, JobNotFound
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 
 if TYPE_CHECKING:  # alembic is imported when the schema is checked or upgraded
     from alembic.config import Config
@@ -100,8 +100,8 @@ def _is_current(engine: Engine) -> bool:
     return revision == _head_revision()
 
 
-def get_engine(settings: Settings | None = None) -> Engine:
-    settings = settings or get_settings()
+def get_engine(settings: Settings) -> Engine:
+    """The engine of the database `settings` name, made once per URL and process."""
     url = settings.resolved_database_url
     with _lock:
         if url in _engines:
@@ -146,13 +146,13 @@ def before_commit(hook: Callable[[Session], None]) -> Callable[[Session], None]:
 
 
 @contextmanager
-def session_scope(settings: Settings | None = None) -> Iterator[Session]:
-    """A session that commits on success (after the registered `before_commit` hooks) and
-    rolls back on error."""
+def session_scope(settings: Settings) -> Iterator[Session]:
+    """A session on the database of `settings` that commits on success (after the registered
+    `before_commit` hooks) and rolls back on error; `settings_of(session)` gives them back."""
     factory = sessionmaker(get_engine(settings), expire_on_commit=False)
     with factory() as session:
         # The hooks reach what these settings name (the job storage's S3 endpoint).
-        session.info[SETTINGS_KEY] = settings or get_settings()
+        session.info[SETTINGS_KEY] = settings
         try:
             yield session
             for hook in _BEFORE_COMMIT:
@@ -161,6 +161,13 @@ def session_scope(settings: Settings | None = None) -> Iterator[Session]:
         except BaseException:
             session.rollback()
             raise
+
+
+def settings_of(session: Session) -> Settings:
+    """The settings a `session_scope` session was opened with: what code handed only a
+    session uses (a lease, the job storage's endpoint), never the environment's."""
+    settings: Settings = session.info[SETTINGS_KEY]
+    return settings
 
 
 def get_one(session: Session, model: type[T], key: object) -> T:

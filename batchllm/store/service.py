@@ -24,10 +24,10 @@ from batchllm.input.shards import (
     readable_input,
     store_input,
 )
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
-from batchllm.store.db import get_one, session_scope
+from batchllm.store.db import get_one, session_scope, settings_of
 from batchllm.store.models import Job, JobStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
 from batchllm.store.shard_recording import ShardRecorder
@@ -58,7 +58,7 @@ def create_job(
     *,
     shard_size: int,
     strict: bool = False,
-    settings: Settings | None = None,
+    settings: Settings,
     local_run: bool = False,
     expires_at: datetime | None = None,
     on_shard: Callable[[ShardInput], None] | None = None,
@@ -76,8 +76,7 @@ def create_job(
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
     is announced (store/webhooks.py).
     """
-    settings = settings or get_settings()
-    source = readable_input(source)
+    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     storage = Storage.of(settings)
     job_id = new_job_id()
     if spec.adapters:
@@ -116,6 +115,7 @@ def create_job(
             source,
             storage,
             job_id,
+            settings=settings,
             shard_size=shard_size,
             strict=strict,
             adapters=frozenset(spec.adapters),
@@ -201,12 +201,11 @@ def record_refused_job(
     spec: JobSpec,
     error: str,
     *,
-    settings: Settings | None = None,
+    settings: Settings,
     notify: WebhookTarget | None = None,
 ) -> str:
     """A job that fails before any row is stored (e.g. a Batch API file naming several
     models): recorded `failed` with the reason, so it can be looked up like any other."""
-    settings = settings or get_settings()
     storage = Storage.of(settings)
     job_id = new_job_id()
     with session_scope(settings) as session:
@@ -257,14 +256,15 @@ def cancel_job(session: Session, job_ref: str, *, lease_seconds: float | None = 
     """Cancel a job: queued shards end now; running shards see `cancelling` within a step,
     abort their in-flight requests, keep their committed rows, and end the job `cancelled`.
     A running shard whose worker is gone (no heartbeat within the lease) ends now too; one
-    whose lease has not run out yet is ended by the reconciler when it does."""
+    whose lease has not run out yet is ended by the reconciler when it does. The lease:
+    `lease_seconds`, else the session's settings'."""
     job = get_job(session, job_ref)
     if job.status.is_final:
         raise JobStateError(f"job {job.id} is already {job.status.value}")
     state_machine.begin_cancel(session, job.id)
     # Ends the queued shards, and the running ones whose worker is gone.
     end_stale_shards_of_cancelled_jobs(
-        session, lease_seconds or get_settings().lease_seconds, job_id=job.id
+        session, lease_seconds or settings_of(session).lease_seconds, job_id=job.id
     )
     state_machine.after_last_shard(session, job.id)
     session.flush()

@@ -12,7 +12,7 @@ import re
 from celery import Celery
 
 from batchllm.input.schemas import JobSpec
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 
 TASK_RUN_SHARD = "batchllm.run_shard"
 
@@ -63,8 +63,7 @@ def worker_queues(model: str, *, task: str, enable_lora: bool, allow_rebuild: bo
     return [base, base + _KIND_SUFFIXES["lora"]] if enable_lora else [base]
 
 
-def create_app(settings: Settings | None = None) -> Celery:
-    settings = settings or get_settings()
+def create_app(settings: Settings) -> Celery:
     app = Celery("batchllm", broker=settings.broker_url, include=["batchllm.worker.tasks"])
     app.conf.update(
         # A shard is acknowledged only after it ran; a worker that dies leaves it in the broker.

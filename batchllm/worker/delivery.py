@@ -16,7 +16,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import shard_failed
 from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import leases
 from batchllm.store.db import session_scope
@@ -34,9 +34,8 @@ def process_shard(
     worker: str,
     engines: EngineSource,
     should_stop: Callable[[], bool] = lambda: False,
-    settings: Settings | None = None,
+    settings: Settings,
 ) -> Outcome:
-    settings = settings or get_settings()
     with shard_context(shard_id):
         try:
             return _process_shard(shard_id, worker, engines, should_stop, settings)

@@ -25,7 +25,7 @@ from batchllm.errors import JobNotFound
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.webhooks import deliver_due
 from batchllm.output.deletion import delete_job
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import leases, recovery
 from batchllm.store.db import session_scope
@@ -62,8 +62,7 @@ class Pass:
         )
 
 
-def reconcile_once(send: SendShard, settings: Settings | None = None) -> Pass:
-    settings = settings or get_settings()
+def reconcile_once(send: SendShard, settings: Settings) -> Pass:
     done = Pass()
     with session_scope(settings) as session:
         stale = leases.requeue_stale_shards(session, settings.lease_seconds)
@@ -175,11 +174,8 @@ def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:
     return resent
 
 
-def reconcile_forever(
-    send: SendShard, stop: threading.Event, settings: Settings | None = None
-) -> None:
+def reconcile_forever(send: SendShard, stop: threading.Event, settings: Settings) -> None:
     """Reconcile every `reconcile_seconds` until `stop` is set; survives any outage."""
-    settings = settings or get_settings()
     failing = False
     while not stop.wait(settings.reconcile_seconds):
         try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from typing import Any
@@ -16,14 +15,6 @@ from batchllm.input.schemas import JobSpec
 from batchllm.worker.redis_broker import WORKER_PREFIX, connect, is_redis, worker_key
 
 log = logging.getLogger(__name__)
-
-# The `worker` command tells its Celery process which models it serves through this variable.
-MODELS_ENV = "BATCHLLM_WORKER_MODELS"
-
-
-def worker_models() -> list[str]:
-    raw = os.environ.get(MODELS_ENV)
-    return list(json.loads(raw)) if raw else []
 
 
 def register(

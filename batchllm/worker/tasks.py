@@ -1,9 +1,12 @@
-"""Celery tasks: thin wrappers that hand a shard id to process_shard."""
+"""Celery tasks: thin wrappers that hand a shard id to process_shard.
+
+The task and the worker's signal handlers are this process's entry points: each reads the
+environment's settings once and hands them down; nothing below them reads the environment.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from celery import shared_task
@@ -20,7 +23,7 @@ from batchllm.execution.instant import InstantWorkerEngine
 from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions
 from batchllm.process import log_format
-from batchllm.settings import get_settings
+from batchllm.settings import Settings, get_settings
 from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import DATABASE_ERRORS, process_shard
@@ -33,8 +36,11 @@ log = logging.getLogger(__name__)
 
 # The worker's engine: `batchllm worker` builds its own with start_engine before Celery takes
 # a task. (A Celery worker started otherwise, e.g. by `celery -A`, builds one per job's
-# settings, as `batchllm run` does.)
-_engines: EngineSource = EngineCache()
+# settings, as `batchllm run` does: an EngineCache made by its first task.)
+_engines: EngineSource | None = None
+# What start_engine was told, for the signal handlers Celery calls later in this process.
+_served_models: list[str] = []  # announced to `batchllm serve` (GET /v1/models)
+_json_logs_wanted = False
 _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
@@ -45,7 +51,7 @@ _MAX_RETRY_SECONDS = 60
 @after_setup_logger.connect
 def _json_logs(logger=None, **_kwargs) -> None:
     """`worker --log-format json`: Celery has set up its handlers; make them write JSON."""
-    if os.environ.get(log_format.FORMAT_ENV) == "json":
+    if _json_logs_wanted:
         log_format.use_json(logger)
 
 
@@ -53,22 +59,35 @@ def start_engine(
     model: str,
     options: EngineOptions,
     *,
+    settings: Settings,
     allow_rebuild: bool,
     instant: bool = False,
     instant_step_seconds: float = 0.0,
+    json_logs: bool = False,
 ) -> WorkerEngine | InstantWorkerEngine:
-    """Build this worker process's engine; the worker says ready (and takes tasks) after.
-    `instant`: the simulation engine (execution/instant.py), never vLLM, paced by
-    `instant_step_seconds` (engine/testing.py's InstantEngine)."""
-    global _engines
+    """Build this worker process's engine under `settings`; the worker says ready (and takes
+    tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
+    never vLLM, paced by `instant_step_seconds` (engine/testing.py's InstantEngine).
+    `json_logs`: Celery's log handlers write JSON (`--log-format json`)."""
+    global _engines, _json_logs_wanted
+    _served_models[:] = [model]
+    _json_logs_wanted = json_logs
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
         engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
     else:
-        engine = WorkerEngine(model, options, allow_rebuild=allow_rebuild)
+        engine = WorkerEngine(model, options, settings=settings, allow_rebuild=allow_rebuild)
     _engines = engine
     engine.start()
     return engine
+
+
+def _engines_under(settings: Settings) -> EngineSource:
+    """The worker's engine; without one from start_engine, an EngineCache made now."""
+    global _engines
+    if _engines is None:
+        _engines = EngineCache(settings)
+    return _engines
 
 
 def _engine_profile() -> dict | None:
@@ -86,25 +105,35 @@ def _on_shutdown(**_kwargs) -> None:
 def _start_reconciler(sender=None, **_kwargs) -> None:
     """Move stuck states on within about a lease, not after Redis's visibility timeout (hours,
     so that long shards are never redelivered while they run)."""
+    settings = get_settings()
+
+    def send(shard_id: int, queue: str) -> None:
+        send_shard_tasks(run_shard.app, [shard_id], queue, settings=settings)
+
     threading.Thread(
-        target=reconcile_forever, args=(_send_shard, _stop), name="batchllm-reconciler", daemon=True
+        target=reconcile_forever,
+        args=(send, _stop, settings),
+        name="batchllm-reconciler",
+        daemon=True,
     ).start()
 
 
 @worker_ready.connect
 def _start_registration(sender=None, **_kwargs) -> None:
     """Announce this worker's models (GET /v1/models of `batchllm serve` lists them)."""
-    models = registry.worker_models()
+    models = list(_served_models)
     if not models:
         return
     node = getattr(sender, "hostname", None) or "worker"
     threading.Thread(
-        target=_register_forever, args=(node, models), name="batchllm-registry", daemon=True
+        target=_register_forever,
+        args=(node, models, get_settings()),
+        name="batchllm-registry",
+        daemon=True,
     ).start()
 
 
-def _register_forever(node: str, models: list[str]) -> None:
-    settings = get_settings()
+def _register_forever(node: str, models: list[str], settings: Settings) -> None:
     period = min(settings.reconcile_seconds, 30.0)
     while True:
         try:
@@ -121,15 +150,12 @@ def _register_forever(node: str, models: list[str]) -> None:
             return
 
 
-def _send_shard(shard_id: int, queue: str) -> None:
-    send_shard_tasks(run_shard.app, [shard_id], queue, settings=get_settings())
-
-
 @worker_shutdown.connect
 def _close_engine(**_kwargs) -> None:
     """Stop the EngineCore process before the interpreter exits: multiprocessing's exit handler
     joins it, and vLLM's own finalizer would only run after that, so the worker never exits."""
-    _engines.close()
+    if _engines is not None:
+        _engines.close()
 
 
 @shared_task(
@@ -156,7 +182,11 @@ def run_shard(self, shard_id: int) -> str:
         # Held while the engine builds, before the claim: the reconciler leaves this task be.
         with holding(settings.broker_url, shard_id, node, settings.lease_seconds):
             outcome = process_shard(
-                shard_id, worker=node, engines=_engines, should_stop=_stop.is_set
+                shard_id,
+                worker=node,
+                engines=_engines_under(settings),
+                should_stop=_stop.is_set,
+                settings=settings,
             )
     except DATABASE_ERRORS as exc:
         # Acknowledging this delivery would lose the shard's task; send it again with backoff.

@@ -45,7 +45,7 @@ class EnginePool:
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
         key = spec.engine.model_copy(update={"max_model_len": None}).engine_key(spec.model)
-        cache = self._caches.pop(key, None) or EngineCache()
+        cache = self._caches.pop(key, None) or EngineCache(settings=get_settings())
         self._caches[key] = cache
         while len(self._caches) > self.warm:
             _, oldest = self._caches.popitem(last=False)

@@ -23,6 +23,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchllm.input.schemas import LineError, Request
+from batchllm.settings import get_settings
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
 from tests.support.skips import require
 
@@ -384,8 +385,10 @@ def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp
 
     source = write_jsonl(tmp_path / "embed.jsonl", EMBED_LINES)
 
-    assert infer_task(source) == "embed"
-    read = {item.custom_id: item for item in read_requests(source, task="generate")}
+    assert infer_task(source, settings=settings) == "embed"
+    read = {
+        item.custom_id: item for item in read_requests(source, task="generate", settings=settings)
+    }
 
     assert set(read) == {line["custom_id"] for line in EMBED_LINES}
     for key in ("river", "farmer", "river-again", "list", "dims"):

@@ -150,7 +150,7 @@ def mixed_run(tiny_model, engines, tmp_path_factory):
         settings = get_settings()
         mixed = MixedFile(home / "mixed.jsonl")
         job = run_job(mixed.path, make_spec(tiny_model), settings=settings, engines=engines)
-        storage = Storage(settings.resolved_storage)
+        storage = Storage.of(settings)
         out_dir = storage.output_dir(job.id)
         table = ds.dataset(out_dir, format="parquet").to_table()
         yield {
@@ -355,7 +355,7 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
     assert (job.request_completed, job.request_failed, job.completion_tokens) == (42, 0, wanted)
     assert job.cached_tokens >= 128  # a whole block of the shared prefix
     assert job_view(job)["usage"]["input_tokens_details"] == {"cached_tokens": job.cached_tokens}
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job.id)
     table = ds.dataset(out_dir, format="parquet").to_table()
     assert sorted(table.column("line").to_pylist()) == list(range(1, 43))

@@ -215,7 +215,7 @@ def assert_completed_exactly_once(
     assert_rows_are_results(rows, asked_tokens(source))
     assert job.request_completed + job.request_failed == job.request_total == len(rows)
     assert [s.status for s in shards] == [ShardStatus.COMPLETED] * len(shards)
-    storage = Storage(env.settings.resolved_storage)
+    storage = Storage.of(env.settings)
     assert storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
     return rows
 
@@ -223,7 +223,7 @@ def assert_completed_exactly_once(
 def committed_lines(env: FaultEnv, shard_id: int) -> set[int]:
     from batchllm.output.parts import read_lines
 
-    storage = Storage(env.settings.resolved_storage)
+    storage = Storage.of(env.settings)
     lines: set[int] = set()
     for checkpoint in checkpoints_of(env, shard_id):
         lines.update(read_lines(storage, checkpoint.path))
@@ -617,7 +617,7 @@ class TestWorkerLoss:
             "rows the killed worker had committed were dropped"
         )
         assert {s.status for s in shards} <= {ShardStatus.COMPLETED, ShardStatus.CANCELLED}
-        storage = Storage(fault_env.settings.resolved_storage)
+        storage = Storage.of(fault_env.settings)
         assert not storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
         recovery(
             "cancel (dead worker) -> cancelled",
@@ -717,7 +717,7 @@ class TestWorkerLoss:
                 )
                 stuck, _ = load_job(fault_env, job.id)
                 assert stuck.status is JobStatus.FINALIZING, stuck.status
-                storage = Storage(fault_env.settings.resolved_storage)
+                storage = Storage.of(fault_env.settings)
                 early_success = storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
             finally:
                 conn.execute("DELETE FROM fault_gate")

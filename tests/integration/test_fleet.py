@@ -76,7 +76,7 @@ class TestSharedFleet:
         assert job.output_tokens_per_s == pytest.approx(job.completion_tokens / job.wall_seconds)
         assert job.total_tokens_per_s > job.output_tokens_per_s > 0
         assert job.hardware and job.vllm_version and job.finished_at is not None
-        storage = Storage(fleet_env.settings.resolved_storage)
+        storage = Storage.of(fleet_env.settings)
         assert storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
         print(
             f"\ntwo workers: {job.request_total} rows in {job.shards_total} shards, "
@@ -123,7 +123,7 @@ class TestSharedFleet:
         assert sum(s.status is ShardStatus.CANCELLED for s in shards) >= 4
         assert sum(s.rows_ok + s.rows_failed for s in shards) == len(rows)
         assert job.shards_done == job.shards_total == 6
-        storage = Storage(fleet_env.settings.resolved_storage)
+        storage = Storage.of(fleet_env.settings)
         assert not storage.exists(f"{storage.output_dir(job.id)}/{SUCCESS_NAME}")
         print(
             f"\ncancel: job ended cancelled {took:.1f}s after `batchllm cancel` started "

@@ -133,7 +133,7 @@ def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model
         assert [(s.status, s.worker) for s in shards] == [(ShardStatus.COMPLETED, WORKER)] * len(
             shards
         )
-        storage = Storage(fleet_env.settings.resolved_storage)
+        storage = Storage.of(fleet_env.settings)
         stored = f"{storage.job_dir(job_id)}/adapters/a"
         assert job.spec["adapters"] == {"a": stored}
         assert storage.exists(f"{stored}/adapter_config.json")

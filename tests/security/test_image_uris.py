@@ -6,7 +6,7 @@ s3:// probes run against a real S3-compatible server (moto); http(s) probes agai
 servers that record every request they get, so "refused" means no request reached them, not
 only an error text. Validation is driven through `read_row_chunks` (what the server's batch
 create and `batchllm submit` run) and `parse_line`; the worker's read through `open_image(url,
-decode=False)`, the call engine/images.py makes when it prepares a row.
+decode=False, settings=get_settings())`, the call engine/images.py makes when it prepares a row.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def image_line(url: str, custom_id: str = "img") -> dict[str, Any]:
 def refusal(url: str) -> str | None:
     """Why validation refuses a line naming `url` (None: accepted)."""
     try:
-        parse_line(image_line(url), 1)
+        parse_line(image_line(url), 1, settings=get_settings())
     except LineProblem as exc:
         assert exc.field == "messages.0.content.1.image_url", exc.field
         return exc.message
@@ -73,7 +73,7 @@ def validate_file(path: Path, lines: list[dict[str, Any]]) -> tuple[int, dict[st
     """Validate a file of lines as batch create does: (rows that run, {custom_id: error})."""
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     runnable, errors = 0, {}
-    for table, problems in read_row_chunks(path):
+    for table, problems in read_row_chunks(path, settings=get_settings()):
         runnable += table.num_rows - len(problems)
         errors.update({problem.custom_id: problem.message for problem in problems})
     return runnable, errors
@@ -290,7 +290,9 @@ def test_an_s3_uri_with_store_options_is_refused_and_no_request_reaches_the_name
     assert "is not a bucket name" in errors["user part"]
     assert errors["%3F"].startswith("no such image object: s3://"), errors["%3F"]
     with pytest.raises(ImageProblem, match="has a query or fragment"):
-        open_image(probes["query"], decode=False)  # the worker's read, through the same parser
+        open_image(
+            probes["query"], decode=False, settings=get_settings()
+        )  # the worker's read, through the same parser
     assert recorder.requests == []
 
 
@@ -303,7 +305,7 @@ def test_dot_dot_segments_cannot_leave_the_prefix_or_the_bucket(buckets: Buckets
         refusal(f"{inside}/../../{buckets.other}/secret.png") or ""
     )
     with pytest.raises(ImageProblem, match="outside the allowed s3 prefix"):
-        open_image(f"{inside}/../other/secret.png", decode=False)
+        open_image(f"{inside}/../other/secret.png", decode=False, settings=get_settings())
     # Resolved, a path that stays inside reads its object.
     assert refusal(f"{inside}/./sub/../b.png") is None
 
@@ -371,7 +373,9 @@ def test_by_default_loopback_is_refused_and_no_request_reaches_it(
             == f"cannot fetch image URL: {ONE_TEXT} (the server's log says which)"
         )
     with pytest.raises(ImageProblem, match=ONE_TEXT):
-        open_image(f"{images.base}/cat.png", decode=False)  # the worker's read
+        open_image(
+            f"{images.base}/cat.png", decode=False, settings=get_settings()
+        )  # the worker's read
     assert images.paths == []
     # The escape hatch lets a named network in (here, the test's own server).
     configure(http_on, BATCHLLM_IMAGE_HTTP_ALLOW_NETWORKS="127.0.0.1/32")
@@ -675,7 +679,7 @@ def test_a_parquet_table_s_images_are_fetched_concurrently_and_checked_the_same_
     pq.write_table(pa.table({"id": [f"row-{i}" for i in range(9)], "messages": messages}), path)
     table = TableColumns(messages_column="messages", id_column="id")
     started = time.monotonic()
-    chunks = list(validated_chunks(path, table=table))
+    chunks = list(validated_chunks(path, table=table, settings=get_settings()))
     elapsed = time.monotonic() - started
     problems = {problem.custom_id: problem.message for _, found in chunks for problem in found}
     assert sum(chunk.num_rows for chunk, _ in chunks) == 9
@@ -700,19 +704,19 @@ def test_the_deadline_counts_the_wait_for_images_only_and_once_spent_fetches_not
         BATCHLLM_IMAGE_HTTP_ALLOW_NETWORKS="127.0.0.1/32",
         BATCHLLM_IMAGE_FETCH_DEADLINE="1.5",
     )
-    checks = ImageChecks()
+    checks = ImageChecks(settings=get_settings())
     try:
         time.sleep(2)  # the validation of other lines
         with checks.prefetching([f"{images.base}/cat.png"]):
-            check_image(f"{images.base}/cat.png")
+            check_image(f"{images.base}/cat.png", settings=get_settings())
         slow, late = f"{images.base}/slow/1", f"{images.base}/delay/1.png"
         with checks.prefetching([slow]):
             started = time.monotonic()
             with pytest.raises(ImageProblem, match=ONE_TEXT):
-                check_image(slow)
+                check_image(slow, settings=get_settings())
             assert time.monotonic() - started < 3
         with checks.prefetching([late]), pytest.raises(ImageProblem, match=ONE_TEXT):
-            check_image(late)
+            check_image(late, settings=get_settings())
     finally:
         checks.close()
     assert images.paths == ["/cat.png", "/slow/1"]

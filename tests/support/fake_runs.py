@@ -86,14 +86,14 @@ def item_of(prompt: str) -> str:
 
 
 def output_rows(settings, job_id: str) -> list[dict]:
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     return sorted(
         read_output(storage, storage.output_dir(job_id)).to_pylist(), key=lambda r: r["line"]
     )
 
 
 def part_files(settings, job_id: str) -> list[str]:
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     return list_parts(storage, storage.output_dir(job_id))
 
 

@@ -71,7 +71,7 @@ def expected_rows(source: Path) -> dict[int, tuple[str, str]]:
 
 
 def output_rows(fleet_env, job_id: str) -> list[dict]:
-    storage = Storage(fleet_env.settings.resolved_storage)
+    storage = Storage.of(fleet_env.settings)
     return read_output(storage, storage.output_dir(job_id)).to_pylist()
 
 

@@ -156,7 +156,7 @@ def create(settings, tmp_path: Path, lines: list[dict], spec: JobSpec | None = N
 
 def end(settings, job_id: str, status: JobStatus, rows: list[list[OutputRow]]) -> Job:
     """Write each list of rows as one part file of shard 0 and end the job in `status`."""
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     for seq, part in enumerate(rows):
         write_part(storage, storage.output_dir(job_id), part_name(0, seq, 1), part)
     with session_scope(settings) as session:

@@ -81,7 +81,7 @@ def finished_job(settings, tmp_path) -> str:
         shard_size=10,
         settings=settings,
     ).job.id
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     rows = [
         OutputRow("a", 1, "ok", "first answer", "length", 2, 7),
         OutputRow.failed("line-2", 2, "field 'prompt': prompt is blank"),
@@ -143,7 +143,7 @@ def test_status_json_carries_counts_throughput_and_shards(finished_job, settings
     assert [
         (s["index"], s["status"], s["ok"], s["failed"], s["worker"]) for s in data["shards"]
     ] == [(0, "completed", 2, 1, "test-worker")]
-    assert data["output_dir"] == Storage(settings.resolved_storage).output_dir(finished_job)
+    assert data["output_dir"] == Storage.of(settings).output_dir(finished_job)
 
 
 def test_jobs_lists_the_finished_job_and_filters_by_status(finished_job):
@@ -163,7 +163,7 @@ def test_results_prints_the_output_directory_or_the_first_rows(finished_job, set
     where = invoke("results", finished_job)
     head = invoke("results", finished_job, "--head", "2")
 
-    assert where.output.strip() == Storage(settings.resolved_storage).output_dir(finished_job)
+    assert where.output.strip() == Storage.of(settings).output_dir(finished_job)
     lines = head.output.splitlines()
     assert len(lines) == 3
     assert lines[1].split()[:4] == ["1", "a", "ok", "7"]

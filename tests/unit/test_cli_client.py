@@ -25,7 +25,9 @@ def prompts(tmp_path):
 def test_run_goes_through_the_client_and_prints_the_ended_job(
     settings, prompts, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("batchllm.jobs.local.EngineCache", lambda: FakeEngines(FakeEngine()))
+    monkeypatch.setattr(
+        "batchllm.jobs.local.EngineCache", lambda settings: FakeEngines(FakeEngine())
+    )
     model = tmp_path / "model"
     model.mkdir()
 

@@ -201,10 +201,10 @@ def job_id(settings, prompts) -> str:
 
 
 @pytest.mark.parametrize("pattern", ["%{tail}", "job_%{tail}", "_{middle}", "job__{middle}"])
-def test_like_wildcards_in_a_job_id_prefix_match_only_themselves(job_id, pattern):
+def test_like_wildcards_in_a_job_id_prefix_match_only_themselves(settings, job_id, pattern):
     ref = pattern.format(tail=job_id[-6:], middle=job_id[5:12])
 
-    with session_scope() as session, pytest.raises(JobNotFound, match="no job"):
+    with session_scope(settings) as session, pytest.raises(JobNotFound, match="no job"):
         service.get_job(session, ref)
     result = invoke("cancel", ref)
 

@@ -8,6 +8,7 @@ import pytest
 from batchllm import Client, Job
 from batchllm.errors import JobStateError
 from batchllm.input.job_spec import build_job_spec
+from batchllm.settings import get_settings
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits
 
 
@@ -22,13 +23,14 @@ def test_job_options_map_to_the_spec_and_unknown_ones_are_refused():
         max_model_len=256,
         lora={"a": "/adapters/a"},
         metadata={"team": "search"},
+        settings=get_settings(),
     )
     assert (spec.sampling.max_tokens, spec.sampling.n, spec.sampling.logprobs) == (12, 2, 3)
     assert spec.sampling.structured == {"choice": ["yes", "no"]}
     assert spec.engine.max_model_len == 256 and spec.engine.enable_lora
     assert spec.adapters == {"a": "/adapters/a"} and spec.metadata == {"team": "search"}
     with pytest.raises(TypeError, match="max_tokenz"):
-        build_job_spec("m", max_tokenz=3)
+        build_job_spec("m", max_tokenz=3, settings=get_settings())
 
 
 def test_run_from_request_dicts_then_status_and_results(small_commits, tmp_path):

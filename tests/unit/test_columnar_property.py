@@ -18,6 +18,7 @@ from batchllm.input.custom_ids import CustomIds
 from batchllm.input.lines import iter_lines
 from batchllm.input.rows import INPUT_SCHEMA, InputRow
 from batchllm.input.schemas import LineError
+from batchllm.settings import get_settings
 
 LIMIT = 400
 
@@ -165,7 +166,9 @@ line_bytes = st.one_of(
 def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple]:
     return [
         (InputRow.from_item(item).stored_values(), item if isinstance(item, LineError) else None)
-        for item in validate.read_requests(path, max_line_bytes=LIMIT, adapters=adapters, task=task)
+        for item in validate.read_requests(
+            path, max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
+        )
     ]
 
 
@@ -251,7 +254,7 @@ def got_rows(path: Path, adapters: frozenset[str] = frozenset(), task: str = "ge
     """read_row_chunks' rows, each with its LineError or None, as expected_rows gives them."""
     got = []
     for rows, problems in validate.read_row_chunks(
-        path, max_line_bytes=LIMIT, adapters=adapters, task=task
+        path, max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
     ):
         assert rows.schema == INPUT_SCHEMA
         tuples = list(zip(*(column.to_pylist() for column in rows.columns)))

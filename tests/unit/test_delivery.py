@@ -58,7 +58,7 @@ def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
         patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
     assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     # A part file no checkpoint records (its worker died before the commit) is not output.
     orphan = posixpath.join(out_dir, "part-s00001-a9-00077.parquet")
@@ -95,7 +95,7 @@ def test_a_job_finalized_by_the_first_delivery_is_skipped_by_the_next(small_comm
         session.execute(
             update(Job).where(Job.id == job_id).values(status=JobStatus.FINALIZING, shards_done=1)
         )
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     manifest_path = posixpath.join(storage.output_dir(job_id), MANIFEST_NAME)
 
     assert (
@@ -179,7 +179,7 @@ def test_a_shard_of_a_job_that_already_ended_is_skipped_and_left_as_it_was(
         shard = session.get(Shard, shard_id)
         assert (shard.status, shard.attempts, shard.worker) == (ShardStatus.QUEUED, 0, None)
         assert session.get(Job, job_id).status is final
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     assert not storage.exists(posixpath.join(storage.output_dir(job_id), MANIFEST_NAME))
 
 
@@ -213,7 +213,7 @@ def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_
     transaction commits, with no call from the caller."""
     settings = small_commits
     job_id, _ = create_items_job(settings, tmp_path, 20, shard_size=12)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     orphan = posixpath.join(storage.output_dir(job_id), "part-s00000-a001-00000.parquet")
     storage.write_bytes(orphan, b"never committed")
 

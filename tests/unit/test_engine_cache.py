@@ -11,6 +11,7 @@ import pytest
 from batchllm.execution import engines as engines_module
 from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.settings import Settings
 
 MODEL = "/models/fake"
 
@@ -20,7 +21,9 @@ class FakeVllmEngine:
 
     built: ClassVar[list[FakeVllmEngine]] = []
 
-    def __init__(self, *, model: str, options: EngineOptions, max_model_len: int | None) -> None:
+    def __init__(
+        self, *, model: str, options: EngineOptions, max_model_len: int | None, settings: Settings
+    ) -> None:
         self.model, self.options = model, options
         self.max_model_len = max_model_len
         self.shut_down = False
@@ -34,7 +37,7 @@ class FakeVllmEngine:
 def cache(monkeypatch) -> EngineCache:
     FakeVllmEngine.built = []
     monkeypatch.setattr("batchllm.engine.vllm_engine.VllmEngine", FakeVllmEngine)
-    return EngineCache()
+    return EngineCache(Settings())
 
 
 def spec(**engine: object) -> JobSpec:

@@ -8,6 +8,7 @@ import pytest
 from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, Shard, ShardStatus
@@ -54,7 +55,9 @@ def test_a_worker_never_sizes_a_job_of_another_model(settings, tmp_path, monkeyp
     )
     with session_scope(settings) as session:
         (shard_id,) = [s.id for s in session.get(Job, created.job.id).shards]
-    worker_engine = WorkerEngine(SERVED, EngineOptions())  # never started: never asked for
+    worker_engine = WorkerEngine(
+        SERVED, EngineOptions(), settings=settings
+    )  # never started: never asked for
 
     outcome = process_shard(shard_id, worker="w1", engines=worker_engine, settings=settings)
 

@@ -318,7 +318,7 @@ def test_a_request_that_ended_with_another_finish_reason_becomes_an_error_row_an
     assert len(ok) == 18
     assert all(r["finish_reason"] in RESULT_REASONS and r["error"] is None for r in ok)
     assert job.completion_tokens == sum(r["completion_tokens"] for r in ok)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job.id)
     assert storage.exists(posixpath.join(out_dir, SUCCESS_NAME))
     assert storage.exists(posixpath.join(out_dir, MANIFEST_NAME))
@@ -352,7 +352,7 @@ def assert_interrupted_job(settings, engine: FakeEngine) -> list[dict]:
     assert all(r["status"] == "ok" and r["finish_reason"] in RESULT_REASONS for r in rows)
     assert shard_statuses <= {ShardStatus.QUEUED, ShardStatus.COMPLETED}
     assert not engine.has_unfinished()
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     assert not storage.exists(posixpath.join(storage.output_dir(job_id), SUCCESS_NAME))
     return rows
 

@@ -18,6 +18,7 @@ from batchllm.input.rows import INPUT_SCHEMA, InputRow, stored_row
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, part_of
+from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from tests.support.output_rows import OutputRow, rows_to_table
 
@@ -143,7 +144,9 @@ def test_prefix_grouping_orders_rows_by_kind_then_prompt_and_skips_committed_lin
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     storage = Storage(str(tmp_path / "store"))
-    shard = store_input(source, storage, "job_feed", shard_size=100).shards[0]
+    shard = store_input(
+        source, storage, "job_feed", shard_size=100, settings=get_settings()
+    ).shards[0]
     spec = JobSpec(model="m")
 
     def state(done: set[int]) -> ShardState:

@@ -53,13 +53,13 @@ def images_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pat
 
 def problem(obj: dict[str, Any]) -> tuple[str | None, str]:
     with pytest.raises(LineProblem) as caught:
-        parse_line(obj, 1)
+        parse_line(obj, 1, settings=get_settings())
     return caught.value.field, caught.value.message
 
 
 def test_an_image_line_keeps_its_references_in_both_openai_forms(images_dir: Path) -> None:
     url = data_url(png(20, 30))
-    chat = parse_line({"messages": image_message(url, "cat.png")}, 1)
+    chat = parse_line({"messages": image_message(url, "cat.png")}, 1, settings=get_settings())
     assert chat.kind == "chat" and chat.messages == [
         {
             "role": "user",
@@ -76,12 +76,14 @@ def test_an_image_line_keeps_its_references_in_both_openai_forms(images_dir: Pat
         "url": "/v1/chat/completions",
         "body": {"messages": image_message(str(images_dir / "cat.png")), "max_tokens": 3},
     }
-    batch = parse_line(line, 2)
+    batch = parse_line(line, 2, settings=get_settings())
     assert batch.messages is not None
     assert batch.messages[0]["content"][1]["image_url"] == {"url": str(images_dir / "cat.png")}
     # A text-only message is stored as before: its text joined.
     plain = parse_line(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, 3
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        3,
+        settings=get_settings(),
     )
     assert plain.messages == [{"role": "user", "content": "hi"}]
 
@@ -156,7 +158,7 @@ def test_a_file_of_image_lines_validates_to_rows_and_error_rows(images_dir: Path
     ]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    items = list(read_requests(path))
+    items = list(read_requests(path, settings=get_settings()))
     assert [type(item) for item in items] == [Request, LineError, Request]
     assert isinstance(items[1], LineError)
     assert items[1].field == "messages.0.content.1.image_url"
@@ -183,7 +185,9 @@ def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_
         chat_row(2, image_message(data_url(png(7, 300)), "cat.png", text="Compare")),
         chat_row(3, [{"role": "user", "content": "What is this?"}]),
     ]
-    prepared = prepare_prompts(tokenizer, rows, 512, None, ImageProcessor(vlm_processor))
+    prepared = prepare_prompts(
+        tokenizer, rows, 512, None, ImageProcessor(vlm_processor, settings=get_settings())
+    )
     one, two, text = prepared
     assert isinstance(one, ImagePrompt) and isinstance(two, ImagePrompt)
     assert [image.size for image in two.images] == [(7, 300), (48, 40)]
@@ -199,7 +203,11 @@ def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_
     assert len(expanded["input_ids"][0]) == one.tokens
     # Over the context: an error naming the image tokens.
     (refused,) = prepare_prompts(
-        tokenizer, rows[:1], one.tokens, None, ImageProcessor(vlm_processor)
+        tokenizer,
+        rows[:1],
+        one.tokens,
+        None,
+        ImageProcessor(vlm_processor, settings=get_settings()),
     )
     assert refused == (
         f"prompt is {one.tokens} tokens with its images; the engine's max_model_len is "
@@ -209,7 +217,11 @@ def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_
 
 def test_a_text_only_model_makes_image_rows_error_rows(images_dir: Path, vlm_processor) -> None:
     rows = [chat_row(1, image_message("cat.png")), chat_row(2, [{"role": "user", "content": "hi"}])]
-    for images in (None, ImageProcessor(None), ImageProcessor(vlm_processor.tokenizer)):
+    for images in (
+        None,
+        ImageProcessor(None, settings=get_settings()),
+        ImageProcessor(vlm_processor.tokenizer, settings=get_settings()),
+    ):
         refused, ok = prepare_prompts(vlm_processor.tokenizer, rows, 512, None, images)
         assert refused == NO_IMAGES and isinstance(ok, list) and ok
 
@@ -218,7 +230,11 @@ def test_an_image_gone_since_validation_is_an_error_row(images_dir: Path, vlm_pr
     row = chat_row(1, image_message("cat.png"))
     (images_dir / "cat.png").unlink()
     (refused,) = prepare_prompts(
-        vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
+        vlm_processor.tokenizer,
+        [row],
+        512,
+        None,
+        ImageProcessor(vlm_processor, settings=get_settings()),
     )
     assert refused == "field 'messages.0.content.1.image_url': no such image file: cat.png"
 
@@ -231,14 +247,22 @@ def test_prepared_images_are_decoded_only_when_the_engine_takes_them(
 
     row = chat_row(1, image_message("cat.png"))
     (good,) = prepare_prompts(
-        vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
+        vlm_processor.tokenizer,
+        [row],
+        512,
+        None,
+        ImageProcessor(vlm_processor, settings=get_settings()),
     )
     assert isinstance(good, ImagePrompt)
     assert [image.mode for image in decoded_images(good)] == ["RGB"]
     # Truncated since validation: the header still reads, the pixels do not.
     (images_dir / "cat.png").write_bytes((images_dir / "broken.png").read_bytes())
     (cut,) = prepare_prompts(
-        vlm_processor.tokenizer, [row], 512, None, ImageProcessor(vlm_processor)
+        vlm_processor.tokenizer,
+        [row],
+        512,
+        None,
+        ImageProcessor(vlm_processor, settings=get_settings()),
     )
     assert isinstance(cut, ImagePrompt) and cut.tokens == good.tokens
     with pytest.raises(ImageProblem, match="not a decodable image"):
@@ -266,7 +290,9 @@ def test_http_images_are_fetched_only_when_the_setting_allows(
         # A local server: loopback is refused unless let in (tests/security/test_image_uris.py)
         monkeypatch.setenv("BATCHLLM_IMAGE_HTTP_ALLOW_NETWORKS", "127.0.0.1/32")
         get_settings.cache_clear()
-        request = parse_line({"messages": image_message(f"{base}/cat.png")}, 1)
+        request = parse_line(
+            {"messages": image_message(f"{base}/cat.png")}, 1, settings=get_settings()
+        )
         assert request.messages is not None
         assert request.messages[0]["content"][1]["image_url"]["url"] == f"{base}/cat.png"
         field, message = problem({"messages": image_message(f"{base}/dog.png")})

@@ -107,7 +107,7 @@ def test_stale_running_shards_are_queued_again_once(settings, tmp_path):
 
 def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path):
     job_id, shard_id = make_job(settings, tmp_path, rows=2)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     rows = [
         OutputRow(

@@ -24,6 +24,7 @@ from batchllm.cli import cli
 from batchllm.execution import metrics
 from batchllm.execution.engines import EngineCache
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.settings import get_settings
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
@@ -248,7 +249,7 @@ def test_a_shard_taken_over_by_another_worker_is_counted_lost(small_commits, tmp
 class _FakeVllmEngine:
     fail = False
 
-    def __init__(self, *, model, options, max_model_len) -> None:
+    def __init__(self, *, model, options, max_model_len, settings) -> None:
         if self.fail:
             raise RuntimeError("does not fit")
         self.model = model
@@ -265,7 +266,7 @@ def test_the_engine_cache_counts_starts_and_keeps_the_up_gauge(settings, monkeyp
     model = "/models/engine-cache-test"
     spec = make_spec().model_copy(update={"model": model})
     starts = value("batchllm_engine_starts_total", model)
-    cache = EngineCache()
+    cache = EngineCache(settings=settings)
 
     engine = cache.get(spec, 24)
     assert cache.get(spec, 24) is engine  # warm: no second start

@@ -263,7 +263,7 @@ def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
             (0, 4, 1, 4, ShardStatus.QUEUED),
             (1, 2, 5, 6, ShardStatus.QUEUED),
         ]
-        assert job.output_dir == Storage(settings.resolved_storage).output_dir(job.id)
+        assert job.output_dir == Storage.of(settings).output_dir(job.id)
     assert Path(job.output_dir).is_dir()
 
 

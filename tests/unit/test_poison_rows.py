@@ -14,6 +14,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import LineError, Request
 from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
@@ -45,7 +46,7 @@ def poisoned_file(tmp_path: Path) -> Path:
 
 
 def test_lone_surrogates_in_content_or_custom_id_are_error_lines_naming_the_field(tmp_path):
-    items = list(read_requests(poisoned_file(tmp_path)))
+    items = list(read_requests(poisoned_file(tmp_path), settings=get_settings()))
     errors = {item.line: item for item in items if isinstance(item, LineError)}
     assert sorted(errors) == [7, 8, 9]
     assert errors[7].field == "messages.0.content"
@@ -61,7 +62,7 @@ def test_lone_surrogates_in_content_or_custom_id_are_error_lines_naming_the_fiel
 
 def test_the_columnar_reader_stores_poisoned_lines_as_invalid_rows_instead_of_raising(tmp_path):
     tables, errors = [], []
-    for table, chunk_errors in read_row_chunks(poisoned_file(tmp_path)):
+    for table, chunk_errors in read_row_chunks(poisoned_file(tmp_path), settings=get_settings()):
         tables.append(table)
         errors += chunk_errors
     rows = [row for table in tables for row in table.to_pylist()]

@@ -13,6 +13,7 @@ from batchllm.input.rows import InputRow
 from batchllm.input.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.input.validate import read_requests
+from batchllm.settings import get_settings
 from batchllm.storage import Storage
 
 
@@ -29,7 +30,7 @@ def write_lines(path: Path, lines: list[str | dict | bytes]) -> Path:
 
 
 def read_all(tmp_path: Path, lines: list[str | dict | bytes]) -> list[Request | LineError]:
-    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines)))
+    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines), settings=get_settings()))
 
 
 def only_error(tmp_path: Path, line: str | dict | bytes) -> LineError:
@@ -241,7 +242,7 @@ def test_windows_line_endings_are_accepted(tmp_path):
     path = tmp_path / "crlf.jsonl"
     path.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
 
-    items = list(read_requests(path))
+    items = list(read_requests(path, settings=get_settings()))
 
     assert [(i.line, i.prompt) for i in items] == [(1, "a"), (2, "b")]
 
@@ -264,7 +265,7 @@ def test_store_input_keeps_every_line_including_invalid_ones(tmp_path):
     )
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=100)
+    stored = store_input(source, storage, "job_x", shard_size=100, settings=get_settings())
 
     assert (stored.total, stored.invalid, len(stored.shards)) == (3, 1, 1)
     rows = stored_rows(storage, stored.shards[0].path)
@@ -287,7 +288,7 @@ def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
     source = write_lines(tmp_path / "in.jsonl", lines)
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=3)
+    stored = store_input(source, storage, "job_x", shard_size=3, settings=get_settings())
 
     assert [(s.index, s.rows, s.first_line, s.last_line) for s in stored.shards] == [
         (0, 3, 1, 3),
@@ -321,7 +322,7 @@ def test_strict_refuses_a_file_with_invalid_lines_and_leaves_no_shard_files(tmp_
     storage = Storage(str(tmp_path / "store"))
 
     with pytest.raises(InputError) as caught:
-        store_input(source, storage, "job_x", shard_size=2, strict=True)
+        store_input(source, storage, "job_x", shard_size=2, strict=True, settings=get_settings())
 
     message = str(caught.value)
     assert "2 of 6 lines are invalid" in message
@@ -334,7 +335,9 @@ def test_strict_accepts_a_clean_file(tmp_path):
     source = write_lines(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=10, strict=True)
+    stored = store_input(
+        source, storage, "job_x", shard_size=10, strict=True, settings=get_settings()
+    )
 
     assert (stored.total, stored.invalid) == (2, 0)
 
@@ -345,7 +348,13 @@ def test_empty_file_raises_input_error_naming_the_file(tmp_path, content):
     source.write_bytes(content)
 
     with pytest.raises(InputError, match="no requests") as caught:
-        store_input(source, Storage(str(tmp_path / "store")), "job_x", shard_size=10)
+        store_input(
+            source,
+            Storage(str(tmp_path / "store")),
+            "job_x",
+            shard_size=10,
+            settings=get_settings(),
+        )
 
     assert str(source) in str(caught.value)
 
@@ -354,6 +363,12 @@ def test_missing_file_raises_input_error_naming_the_file(tmp_path):
     source = tmp_path / "absent.jsonl"
 
     with pytest.raises(InputError, match="no such file") as caught:
-        store_input(source, Storage(str(tmp_path / "store")), "job_x", shard_size=10)
+        store_input(
+            source,
+            Storage(str(tmp_path / "store")),
+            "job_x",
+            shard_size=10,
+            settings=get_settings(),
+        )
 
     assert str(source) in str(caught.value)

@@ -34,7 +34,9 @@ def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -
 
 
 def read(tmp_path: Path, lines: list[str | dict | bytes], **kwargs) -> list[Request | LineError]:
-    return list(read_requests(write(tmp_path / "in.jsonl", lines), **kwargs))
+    return list(
+        read_requests(write(tmp_path / "in.jsonl", lines), **kwargs, settings=get_settings())
+    )
 
 
 def summary(items: list[Request | LineError]) -> list[tuple[str, int, str]]:
@@ -47,7 +49,7 @@ def summary(items: list[Request | LineError]) -> list[tuple[str, int, str]]:
 def test_a_utf8_bom_before_the_first_line_is_ignored(tmp_path):
     path = write(tmp_path / "bom.jsonl", [{"prompt": "a"}, {"prompt": "b"}], prefix=b"\xef\xbb\xbf")
 
-    items = list(read_requests(path))
+    items = list(read_requests(path, settings=get_settings()))
 
     assert [(type(i).__name__, i.line, i.prompt) for i in items] == [
         ("Request", 1, "a"),
@@ -66,7 +68,7 @@ def test_a_file_holding_only_a_bom_and_blank_lines_has_no_rows(tmp_path):
     path = tmp_path / "bom-only.jsonl"
     path.write_bytes(b"\xef\xbb\xbf\n  \n")
 
-    assert list(read_requests(path)) == []
+    assert list(read_requests(path, settings=get_settings())) == []
 
 
 # -- default ids never clash with given ids ------------------------------------------------------
@@ -146,18 +148,18 @@ def test_a_file_whose_lines_all_give_ids_is_read_once_and_one_needing_a_default_
     opened: list[str] = []
     real_open = validate.open_input
 
-    def counting_open(source):
+    def counting_open(source, *, s3_endpoint):
         opened.append(str(source))
-        return real_open(source)
+        return real_open(source, s3_endpoint=s3_endpoint)
 
     monkeypatch.setattr(validate, "open_input", counting_open)
 
     def ids_of(lines: list[dict]) -> list[str]:
         source = write(tmp_path / "in.jsonl", lines)
         if path == "lines":
-            return [item.custom_id for item in read_requests(source)]
+            return [item.custom_id for item in read_requests(source, settings=get_settings())]
         storage = Storage(str(tmp_path / f"store-{len(opened)}"))
-        stored = store_input(source, storage, "job_x", shard_size=10)
+        stored = store_input(source, storage, "job_x", shard_size=10, settings=get_settings())
         return [r.custom_id for r in iter_shard_rows(storage, stored.shards[0].path)]
 
     given = [{"custom_id": f"line-{n}", "prompt": "a"} for n in (3, 1)]
@@ -173,7 +175,7 @@ def test_moved_defaults_reach_the_stored_input_rows(tmp_path):
     source = write(tmp_path / "in.jsonl", [{"prompt": "a"}, {"custom_id": "line-1", "prompt": "b"}])
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=10)
+    stored = store_input(source, storage, "job_x", shard_size=10, settings=get_settings())
 
     rows = list(iter_shard_rows(storage, stored.shards[0].path))
     assert [(r.line, r.custom_id, r.kind) for r in rows] == [
@@ -347,7 +349,7 @@ def test_a_huge_line_is_skipped_without_being_held_in_memory(tmp_path):
 
     tracemalloc.start()
     try:
-        items = list(read_requests(path, max_line_bytes=1024))
+        items = list(read_requests(path, max_line_bytes=1024, settings=get_settings()))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

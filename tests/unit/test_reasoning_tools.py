@@ -14,6 +14,7 @@ from batchllm.engine.protocol import Finished
 from batchllm.execution.runner import _satisfied, with_call_ids
 from batchllm.input.validate import LineProblem, parse_line
 from batchllm.output.responses_body import chat_message, is_responses, response_body
+from batchllm.settings import get_settings
 
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
@@ -41,6 +42,7 @@ def test_a_named_tool_choice_is_enforced_by_its_parameters_schema():
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         },
         1,
+        settings=get_settings(),
     )
     assert request.sampling["structured"] == {"json": CITY}
     assert request.sampling["tool_choice"] == {"name": "get_weather"}
@@ -48,14 +50,18 @@ def test_a_named_tool_choice_is_enforced_by_its_parameters_schema():
 
 
 def test_required_is_enforced_by_vllms_array_schema_and_auto_by_nothing():
-    required = parse_line(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), 1)
+    required = parse_line(
+        chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+        1,
+        settings=get_settings(),
+    )
     schema = required.sampling["structured"]["json"]
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
     assert schema["items"]["anyOf"][0]["properties"]["name"] == {
         "type": "string",
         "enum": ["get_weather"],
     }
-    auto = parse_line({"messages": ASK, "tools": TOOLS}, 2)
+    auto = parse_line({"messages": ASK, "tools": TOOLS}, 2, settings=get_settings())
     assert auto.sampling["tool_choice"] == "auto" and "structured" not in auto.sampling
 
 
@@ -91,7 +97,7 @@ def test_required_is_enforced_by_vllms_array_schema_and_auto_by_nothing():
 )
 def test_bad_tool_and_responses_values_name_their_field(line, field):
     with pytest.raises(LineProblem) as caught:
-        parse_line(line, 1)
+        parse_line(line, 1, settings=get_settings())
     assert caught.value.field == field, caught.value.message
 
 
@@ -115,6 +121,7 @@ def test_a_multi_turn_line_keeps_the_calls_and_the_tool_results_for_the_template
             ]
         ),
         1,
+        settings=get_settings(),
     )
     assistant, tool = request.messages[1:]
     # Templates render the arguments as an object, as vLLM's server hands them over.
@@ -147,6 +154,7 @@ def test_a_responses_line_becomes_a_chat_request_marked_for_a_response_body():
             reasoning={"effort": "none"},
         ),
         1,
+        settings=get_settings(),
     )
     assert request.kind == "chat"
     assert [m["role"] for m in request.messages] == ["system", "user", "assistant", "tool"]

@@ -240,7 +240,7 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
         patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
         ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
     assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     assert not storage.exists(posixpath.join(out_dir, SUCCESS_NAME))
 

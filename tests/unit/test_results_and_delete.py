@@ -19,6 +19,7 @@ from batchllm.cli import cli
 from batchllm.errors import BatchLLMError
 from batchllm.output import commit
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, part_name, write_table
+from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
@@ -212,7 +213,7 @@ def test_a_million_rows_stream_in_flat_memory(many_parts, tmp_path):
 def _spec():
     from batchllm.input.job_spec import build_job_spec
 
-    return build_job_spec("/models/fake", max_model_len=64)
+    return build_job_spec("/models/fake", max_model_len=64, settings=get_settings())
 
 
 def _running_job_with_one_part(settings, tmp_path, *, first: bool = True):

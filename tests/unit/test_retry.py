@@ -81,7 +81,7 @@ def rows_by_id(settings, job_id: str) -> dict[str, dict]:
 
 def recorded_rows(settings, job_id: str) -> list[int]:
     """The lines the job's checkpoints record (what counts, whatever files lie around)."""
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     with session_scope(settings) as session:
         paths = session.scalars(select(Checkpoint.path).join(Shard).where(Shard.job_id == job_id))
         return sorted(line for path in paths for line in read_lines(storage, path))
@@ -189,7 +189,7 @@ def test_a_crash_after_the_new_rows_commit_leaves_the_new_rows_and_the_old_file_
     small_commits, tmp_path, monkeypatch
 ):
     client, job = run_flaky(small_commits, tmp_path)
-    storage = Storage(small_commits.resolved_storage)
+    storage = Storage.of(small_commits)
     out_dir = storage.output_dir(job.id)
     before = set(list_parts(storage, out_dir))
     real_delete = Storage.delete

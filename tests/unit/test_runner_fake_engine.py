@@ -138,7 +138,7 @@ def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small
     assert job.engine_seconds > 0
     assert (job.hardware, job.vllm_version) == (FakeEngine.hardware, FakeEngine.version)
     assert len(part_files(settings, job.id)) >= 6  # commit_rows=5 over 31 rows
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job.id)
     manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
     assert manifest["job_id"] == job.id
@@ -238,7 +238,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
         source, make_spec(), shard_size=settings.shard_size, settings=settings
     )
     job_id = created.job.id
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -342,7 +342,7 @@ def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
     assert all(r["status"] == "ok" for r in rows)
     # Every request fed either finished into a committed row or was aborted.
     assert len(rows) + len(engine.aborted) == len(engine.prompts_added)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     assert not storage.exists(posixpath.join(storage.output_dir(job.id), SUCCESS_NAME))
     with session_scope(settings) as session:
         shards = session.get(Job, job.id).shards

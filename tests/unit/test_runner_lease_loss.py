@@ -124,6 +124,6 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
         assert job.status is JobStatus.COMPLETED
         assert (job.request_completed, job.request_failed) == (ROWS, 0)
         assert job.completion_tokens == sum(r["completion_tokens"] for r in rows)
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     on_disk = {posixpath.join(storage.output_dir(job_id), n) for n in part_files(settings, job_id)}
     assert on_disk == set(recorded_paths(settings, shard_id))

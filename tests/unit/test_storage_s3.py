@@ -25,7 +25,7 @@ from batchllm.input.validate import infer_task, read_requests
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output, remove_unrecorded_parts
-from batchllm.settings import get_settings
+from batchllm.settings import Settings, get_settings
 from batchllm.storage import Storage, endpoint_options, filesystem_for, is_uri
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -106,18 +106,22 @@ def test_an_s3_uri_with_the_endpoint_setting_builds_one_filesystem_per_bucket(aw
     assert filesystem_for("s3://bucket", s3_endpoint="http://127.0.0.1:9")[1] == "bucket"
 
 
-def test_the_endpoint_comes_from_batchllm_s3_endpoint_unless_the_uri_names_one(
-    aws_env, monkeypatch
+def test_the_endpoint_comes_from_the_settings_batchllm_s3_endpoint_unless_the_uri_names_one(
+    aws_env, tmp_path
 ):
-    monkeypatch.setenv("BATCHLLM_S3_ENDPOINT", "http://127.0.0.1:19")
-    get_settings.cache_clear()
-    try:
-        fs, _ = filesystem_for("s3://bucket/prefix")
-        assert s3_options(fs)["endpoint_override"] == "127.0.0.1:19"
-        own, _ = filesystem_for("s3://bucket/prefix?endpoint_override=127.0.0.1:29&scheme=http")
-        assert s3_options(own)["endpoint_override"] == "127.0.0.1:29"
-    finally:
-        get_settings.cache_clear()
+    given = Settings(home=tmp_path, storage="s3://bucket/prefix", s3_endpoint="http://127.0.0.1:19")
+
+    assert s3_options(Storage.of(given).fs)["endpoint_override"] == "127.0.0.1:19"
+    own, _ = filesystem_for(
+        "s3://bucket/prefix?endpoint_override=127.0.0.1:29&scheme=http",
+        s3_endpoint=given.resolved_s3_endpoint,
+    )
+    assert s3_options(own)["endpoint_override"] == "127.0.0.1:29"
+
+
+def test_an_s3_storage_is_never_built_on_an_endpoint_it_was_not_given(aws_env):
+    with pytest.raises(ValueError, match="needs its s3_endpoint"):
+        Storage("s3://bucket/prefix")
 
 
 def test_an_s3_uri_without_a_bucket_is_refused(aws_env):
@@ -197,7 +201,7 @@ def s3(server: S3Server, settings, monkeypatch: pytest.MonkeyPatch):
     get_settings.cache_clear()
     current = get_settings()
     assert current.resolved_storage.startswith("s3://")
-    yield Storage(current.resolved_storage)
+    yield Storage.of(current)
     get_settings.cache_clear()
 
 
@@ -268,11 +272,18 @@ def test_a_missing_object_or_a_prefix_is_refused_as_input(server, s3):
     bucket = s3.root.split("/")[0]
     upload(server, f"{bucket}/in/prompts.jsonl", b'{"prompt": "hi"}\n')
 
-    assert readable_input(f"s3://{bucket}/in/prompts.jsonl") == f"s3://{bucket}/in/prompts.jsonl"
+    assert (
+        readable_input(
+            f"s3://{bucket}/in/prompts.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
+        )
+        == f"s3://{bucket}/in/prompts.jsonl"
+    )
     with pytest.raises(InputError, match=r"s3://.*/in/missing.jsonl: no such file"):
-        readable_input(f"s3://{bucket}/in/missing.jsonl")
+        readable_input(
+            f"s3://{bucket}/in/missing.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
+        )
     with pytest.raises(InputError, match="is a directory"):
-        readable_input(f"s3://{bucket}/in")
+        readable_input(f"s3://{bucket}/in", s3_endpoint=get_settings().resolved_s3_endpoint)
     assert input_name(f"s3://{bucket}/in/prompts.jsonl") == f"s3://{bucket}/in/prompts.jsonl"
 
 
@@ -297,15 +308,20 @@ def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
             (i.line, i.custom_id, i.message if isinstance(i, LineError) else i.kind) for i in items
         ]
 
-    from_s3 = list(read_requests(uri))
-    assert described(from_s3) == described(list(read_requests(local)))
+    from_s3 = list(read_requests(uri, settings=get_settings()))
+    assert described(from_s3) == described(list(read_requests(local, settings=get_settings())))
     assert [i.custom_id for i in from_s3] == ["line-1-2", "line-3", "line-1", "line-1", "line-6"]
     assert from_s3[1].file == uri  # errors name the URI
-    assert has_requests(uri, 1024) and infer_task(uri) == "generate"
+    assert (
+        has_requests(uri, 1024, s3_endpoint=get_settings().resolved_s3_endpoint)
+        and infer_task(uri, settings=get_settings()) == "generate"
+    )
     upload(server, f"{bucket}/in/embed.jsonl", b'{"input": "x"}\n')
-    assert infer_task(f"s3://{bucket}/in/embed.jsonl") == "embed"
+    assert infer_task(f"s3://{bucket}/in/embed.jsonl", settings=get_settings()) == "embed"
     upload(server, f"{bucket}/in/blank.jsonl", b"\n  \n")
-    assert not has_requests(f"s3://{bucket}/in/blank.jsonl", 1024)
+    assert not has_requests(
+        f"s3://{bucket}/in/blank.jsonl", 1024, s3_endpoint=get_settings().resolved_s3_endpoint
+    )
 
 
 def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
@@ -331,8 +347,8 @@ def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
 
     real_filesystem_for = lines_module.filesystem_for
 
-    def counting_filesystem_for(uri: str) -> tuple[Any, str]:
-        fs, path = real_filesystem_for(uri)
+    def counting_filesystem_for(uri: str, *, s3_endpoint: str) -> tuple[Any, str]:
+        fs, path = real_filesystem_for(uri, s3_endpoint=s3_endpoint)
         wrapped = Recording(fs)
         wrapped.open_input_stream = lambda p, **kw: Counted(fs.open_input_stream(p, **kw))  # type: ignore[method-assign]
         return wrapped, path
@@ -343,12 +359,16 @@ def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
     line = json.dumps({"prompt": "x" * 100}).encode() + b"\n"
     upload(server, f"{bucket}/in/big.jsonl", line * 20_000)  # 2.2 MB
 
-    with open_input(f"s3://{bucket}/in/big.jsonl") as handle:
+    with open_input(
+        f"s3://{bucket}/in/big.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
+    ) as handle:
         assert handle.readline() == line
         assert sum(fetched) <= 64 * 1024  # one buffer's read, not the whole object
         assert sum(1 for _ in iter(handle.readline, b"")) == 19_999
     assert max(fetched) <= 64 * 1024 and sum(fetched) == len(line) * 20_000
-    assert has_requests(f"s3://{bucket}/in/big.jsonl", 1024)
+    assert has_requests(
+        f"s3://{bucket}/in/big.jsonl", 1024, s3_endpoint=get_settings().resolved_s3_endpoint
+    )
 
 
 def test_the_cli_file_argument_takes_local_paths_and_checks_s3_uris(server, s3, tmp_path):
@@ -374,7 +394,9 @@ def test_an_s3_input_is_stored_as_shards_in_s3_storage(server, s3, tmp_path):
     source = write_items(tmp_path / "in.jsonl", 25, extra=["not json"])
     upload(server, f"{bucket}/in/items.jsonl", source.read_bytes())
 
-    stored = store_input(f"s3://{bucket}/in/items.jsonl", s3, "job_in", shard_size=10)
+    stored = store_input(
+        f"s3://{bucket}/in/items.jsonl", s3, "job_in", shard_size=10, settings=get_settings()
+    )
 
     assert (stored.total, stored.invalid) == (26, 1)
     assert [s.rows for s in stored.shards] == [10, 10, 6]
@@ -499,16 +521,20 @@ def test_chat_lines_take_images_from_the_storage_s_bucket(s3: Storage) -> None:
 
     url = s3.display(path)
     assert url.startswith("s3://")
-    request = parse_line(line(url), 1)
+    request = parse_line(line(url), 1, settings=get_settings())
     assert request.messages is not None
     assert request.messages[0]["content"][1] == {"type": "image_url", "image_url": {"url": url}}
     with pytest.raises(LineProblem) as caught:
-        parse_line(line(url.replace("cat.png", "dog.png")), 2)
+        parse_line(line(url.replace("cat.png", "dog.png")), 2, settings=get_settings())
     assert caught.value.field == "messages.0.content.1.image_url"
     assert caught.value.message.startswith("no such image object: s3://")
     # Only the storage's bucket (or BATCHLLM_IMAGE_S3_PREFIX): a line cannot make the worker
     # read any object its credentials reach.
     bucket = url.split("/")[2]
     with pytest.raises(LineProblem) as caught:
-        parse_line(line(url.replace(f"s3://{bucket}/", "s3://someone-elses-bucket/")), 3)
+        parse_line(
+            line(url.replace(f"s3://{bucket}/", "s3://someone-elses-bucket/")),
+            3,
+            settings=get_settings(),
+        )
     assert "outside the allowed s3 prefix" in caught.value.message

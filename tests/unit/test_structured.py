@@ -237,7 +237,7 @@ def write_lines(path: Path, lines: list[dict]) -> Path:
 
 
 def read_all(tmp_path: Path, lines: list[dict]) -> list[Request | LineError]:
-    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines)))
+    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines), settings=get_settings()))
 
 
 def openai_chat(custom_id: str, **body) -> dict:
@@ -773,7 +773,7 @@ def test_structured_ok_comes_from_the_text_and_the_job_counts_constrained_rows(
     # n=2 counts both samples' tokens.
     assert job.completion_tokens == sum(r["completion_tokens"] for r in ok) + 3
 
-    storage = Storage(settings.resolved_storage)
+    storage = Storage.of(settings)
     manifest = json.loads(
         storage.read_bytes(posixpath.join(storage.output_dir(job.id), MANIFEST_NAME))
     )

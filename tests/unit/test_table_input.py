@@ -27,7 +27,9 @@ from tests.support.s3server import moto_server
 def stored(source: str | Path, **columns: str) -> tuple[list[dict], list[str]]:
     rows: list[dict] = []
     errors: list[str] = []
-    for chunk, problems in validated_chunks(source, table=TableColumns(**columns)):
+    for chunk, problems in validated_chunks(
+        source, table=TableColumns(**columns), settings=get_settings()
+    ):
         rows += chunk.to_pylist()
         errors += [str(p) for p in problems]
     return rows, errors
@@ -35,7 +37,11 @@ def stored(source: str | Path, **columns: str) -> tuple[list[dict], list[str]]:
 
 def stored_jsonl(path: Path, lines: list[dict]) -> list[dict]:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return [row for chunk, _ in validated_chunks(path) for row in chunk.to_pylist()]
+    return [
+        row
+        for chunk, _ in validated_chunks(path, settings=get_settings())
+        for row in chunk.to_pylist()
+    ]
 
 
 def test_a_parquet_row_is_stored_as_the_same_row_its_jsonl_line_becomes(tmp_path):
@@ -117,7 +123,9 @@ def test_rows_are_read_a_record_batch_at_a_time_and_numbered_across_batches(tmp_
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": [f"p{i}" for i in range(8)]}), path, row_group_size=3)
 
-    chunks = list(validated_chunks(path, table=TableColumns(prompt_column="text")))
+    chunks = list(
+        validated_chunks(path, table=TableColumns(prompt_column="text"), settings=get_settings())
+    )
 
     assert [c.num_rows for c, _ in chunks] == [3, 3, 2]
     rows = [r for c, _ in chunks for r in c.to_pylist()]
@@ -164,13 +172,13 @@ def test_a_wrong_column_is_refused_up_front_naming_the_file_and_its_columns(tmp_
         f"{path}: no column 'text' (the prompt column); its columns: id, body"
     )
     with pytest.raises(InputError, match=r"column 'id' .* holds int64, not text"):
-        build_job_spec("m", requests=path, prompt_column="id")
+        build_job_spec("m", requests=path, prompt_column="id", settings=settings)
     with pytest.raises(InputError, match="needs prompt_column"):
-        build_job_spec("m", requests=path)
+        build_job_spec("m", requests=path, settings=settings)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "x"}\n')
     with pytest.raises(InputError, match="this one is read as JSONL"):
-        build_job_spec("m", requests=jsonl, prompt_column="text")
+        build_job_spec("m", requests=jsonl, prompt_column="text", settings=settings)
     with session_scope(settings) as session:
         assert session.query(Job).count() == 0  # nothing was created
 

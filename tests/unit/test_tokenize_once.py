@@ -18,6 +18,7 @@ from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import token_path
+from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -206,7 +207,7 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     for path in paths:
         assert storage.exists(token_path(path)), path
     # The overlapped pass sized exactly what the one after validation would have.
-    assert job.max_model_len == size_shards(spec, storage, paths)
+    assert job.max_model_len == size_shards(spec, storage, paths, settings=settings)
     # The feed took the stored ids: the instant engine never tokenized a row.
     assert engines.engine is not None and engines.engine.prepare_seconds < 1.0
     output = read_output(storage, storage.output_dir(job.id))

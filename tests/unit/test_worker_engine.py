@@ -5,6 +5,8 @@ fake engine class that records builds; the delivery test runs on SQLite."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import ClassVar
 
 import pytest
@@ -16,6 +18,7 @@ from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.settings import get_settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues
@@ -175,7 +178,7 @@ def test_status_says_why_a_job_waits_from_the_live_workers_profiles():
 
 
 def test_the_worker_builds_its_engine_once_and_every_fitting_job_gets_it(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(enforce_eager=True))
+    worker = WorkerEngine(MODEL, EngineOptions(enforce_eager=True), settings=get_settings())
     built = worker.start()
     (engine,) = fake_vllm.built
     assert built.max_model_len == 4096  # vLLM's fit, not a job's size
@@ -191,7 +194,7 @@ def test_the_worker_builds_its_engine_once_and_every_fitting_job_gets_it(fake_vl
 
 
 def test_a_job_the_engine_cannot_run_is_refused_without_a_rebuild(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512))
+    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), settings=get_settings())
     worker.start()
     with pytest.raises(EngineMismatch) as refused:
         worker.get(job(max_model_len=1024, enable_lora=True), 1024)
@@ -203,7 +206,9 @@ def test_a_job_the_engine_cannot_run_is_refused_without_a_rebuild(fake_vllm):
 
 
 def test_allow_rebuild_builds_for_the_job_and_gives_the_operators_engine_back(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), allow_rebuild=True)
+    worker = WorkerEngine(
+        MODEL, EngineOptions(max_model_len=512), allow_rebuild=True, settings=get_settings()
+    )
     worker.start()
     own = fake_vllm.built[0]
     for_job = worker.get(job(max_model_len=1024), 1024)
@@ -215,7 +220,7 @@ def test_allow_rebuild_builds_for_the_job_and_gives_the_operators_engine_back(fa
 
 
 def test_after_the_engine_died_the_next_job_gets_the_operators_engine_again(fake_vllm):
-    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512))
+    worker = WorkerEngine(MODEL, EngineOptions(max_model_len=512), settings=get_settings())
     worker.start()
     worker.close()  # what delivery does when the engine died mid-shard
     assert worker.engine is None
@@ -283,3 +288,63 @@ def test_concurrency_children_get_the_engine_flags_given(monkeypatch):
         assert "--enforce-eager" in given and "--no-prefix-caching" in given
         # Defaults are not forwarded: the child's own defaults are the same.
         assert "--gpu-memory-utilization" not in given and "--dtype" not in given
+
+
+def test_concurrency_children_get_the_log_format_as_an_argument_not_the_environment(monkeypatch):
+    for name in ("BATCHLLM_LOG_FORMAT", "BATCHLLM_WORKER_MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    started: list[list[str]] = []
+    monkeypatch.setattr("batchllm.engine.preflight.check_worker_concurrency", lambda *a, **k: None)
+    monkeypatch.setattr(
+        "batchllm.process.supervisor.supervise",
+        lambda commands: started.extend(argv for argv, _env in commands) or 0,
+    )
+
+    result = CliRunner().invoke(
+        cli, ["worker", "-m", MODEL, "--concurrency", "2", "--log-format", "json"]
+    )
+
+    assert result.exit_code == 0, result.output
+    assert len(started) == 2
+    for argv in started:
+        given = argv[argv.index("worker") + 1 :]
+        assert given[given.index("--log-format") + 1] == "json"
+    # Nothing is handed on through this process's environment.
+    assert "BATCHLLM_LOG_FORMAT" not in os.environ
+    assert "BATCHLLM_WORKER_MODELS" not in os.environ
+
+
+def test_start_engine_keeps_the_model_to_announce_and_the_log_format_for_celery(monkeypatch):
+    from batchllm.process.log_format import JsonFormatter
+    from batchllm.worker import tasks
+
+    class Started:
+        def __init__(self, model, options, **_named) -> None:
+            self.model = model
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(tasks, "InstantWorkerEngine", Started)
+    monkeypatch.setattr(tasks, "_engines", None)
+    monkeypatch.setattr(tasks, "_served_models", [])
+    monkeypatch.setattr(tasks, "_json_logs_wanted", False)
+
+    engine = tasks.start_engine(
+        MODEL,
+        EngineOptions(),
+        settings=get_settings(),
+        allow_rebuild=False,
+        instant=True,
+        json_logs=True,
+    )
+
+    assert tasks._engines is engine and tasks._served_models == [MODEL]
+    logger = logging.getLogger("test-celery-worker")
+    handler = logging.StreamHandler()
+    logger.addHandler(handler)
+    try:
+        tasks._json_logs(logger=logger)  # Celery's after_setup_logger
+        assert isinstance(handler.formatter, JsonFormatter)
+    finally:
+        logger.removeHandler(handler)

@@ -26,17 +26,18 @@ from typing import Any
 from batchllm.input.images.problem import ImageProblem
 from batchllm.input.images.reading import open_image
 from batchllm.input.images.web import fetch_failed
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 
 _current: ContextVar[ImageChecks | None] = ContextVar("image_checks", default=None)
 
 
-def check_image(url: str) -> None:
-    """Check that an image reference opens and decodes; ImageProblem saying why not. Inside
-    `ImageChecks.prefetching` the chunk's fetches (and the file's time for them) are used."""
+def check_image(url: str, settings: Settings) -> None:
+    """Check that an image reference opens and decodes under `settings`; ImageProblem saying
+    why not. Inside `ImageChecks.prefetching` the chunk's fetches (and the file's time for
+    them) are used, under the ImageChecks' settings."""
     checks = _current.get()
     if checks is None:
-        open_image(url)
+        open_image(url, settings)
     else:
         checks.check(url)
 
@@ -48,8 +49,8 @@ def _is_http(url: str) -> bool:
 class ImageChecks:
     """One input file's image checks (see the module's docstring); `close` when done."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or get_settings()
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.left = self.settings.image_fetch_deadline  # seconds still to wait for images
         self._pool: ThreadPoolExecutor | None = None  # started by the file's first http image
         self._verdicts: dict[str, Future[str | None]] = {}

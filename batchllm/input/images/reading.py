@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 from batchllm.input.images.problem import ImageProblem, shown
 from batchllm.input.images.s3 import s3_bytes
 from batchllm.input.images.web import http_bytes
-from batchllm.settings import Settings, get_settings
+from batchllm.settings import Settings
 
 
 def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str]]:
@@ -28,13 +28,10 @@ def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, str]
                     yield i, j, part["image_url"]["url"]
 
 
-def read_image_bytes(
-    url: str, settings: Settings | None = None, *, deadline: float | None = None
-) -> bytes:
+def read_image_bytes(url: str, settings: Settings, *, deadline: float | None = None) -> bytes:
     """The encoded bytes an image reference names; ImageProblem when it names none this
     process may read. `deadline` (time.monotonic()): when an http(s) fetch must have ended,
     besides its own timeout."""
-    settings = settings or get_settings()
     scheme = urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
     if scheme == "data":
         data = _data_url_bytes(url)
@@ -63,7 +60,7 @@ def _too_big(size: int, settings: Settings) -> ImageProblem:
 
 def open_image(
     url: str,
-    settings: Settings | None = None,
+    settings: Settings,
     *,
     decode: bool = True,
     deadline: float | None = None,
@@ -71,7 +68,6 @@ def open_image(
     """The image a reference names, as a PIL RGB image (`decode=False`: opened from its header
     only, its size known and its pixels decoded by `decoded` later); ImageProblem when it
     cannot be read, is not an image, or is over the size limits."""
-    settings = settings or get_settings()
     image = _opened(read_image_bytes(url, settings, deadline=deadline), settings)
     return decoded(image) if decode else image
 

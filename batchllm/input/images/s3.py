@@ -135,7 +135,7 @@ def s3_bytes(url: str, settings: Settings) -> bytes:
         named = shown(image.uri) + ("" if image.uri == url else f" (given as {shown(url)!r})")
         raise ImageProblem(f"image {named} is outside the allowed s3 prefix {prefix.uri}")
     try:
-        fs = s3_bucket_filesystem(image.bucket, s3_endpoint=settings.s3_endpoint or "")
+        fs = s3_bucket_filesystem(image.bucket, s3_endpoint=settings.resolved_s3_endpoint)
         with fs.open_input_stream(image.path) as source:
             return bytes(source.read(settings.max_image_bytes + 1))
     except FileNotFoundError:
