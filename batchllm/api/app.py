@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_l
 from starlette.concurrency import run_in_threadpool
 
 from batchllm.api import batches_routes, dashboard, files_routes
+from batchllm.api.backlog_metrics import backlog_registry
 from batchllm.api.errors import install_handlers
 from batchllm.api.guard import RequestGuard
 from batchllm.settings import Settings, get_settings
@@ -118,9 +119,13 @@ def create_app(
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    backlog = backlog_registry(settings)
+
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
-        """Prometheus metrics of this server process (no API key: scrapers have none)."""
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus metrics of this server process and the fleet's backlog (no API key:
+        scrapers have none)."""
+        text = generate_latest(REGISTRY) + generate_latest(backlog)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     return app
