@@ -66,3 +66,52 @@ def test_docker_compose_accepts_each_profile(profile):
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- docker/k8s ----------------------------------------------------------------------------------
+
+
+def k8s_objects() -> dict[str, dict]:
+    """Every object of the manifests, by kind/name."""
+    objects = {}
+    for path in sorted((DOCKER / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            objects[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return objects
+
+
+def test_the_k8s_manifests_are_workers_scaled_on_the_backlog_metric_and_the_api():
+    from batchllm.api.backlog_metrics import BACKLOG_ROWS
+    from batchllm.cli import cli
+
+    objects = k8s_objects()
+    assert set(objects) == {
+        "Deployment/batchllm-worker",
+        "ScaledObject/batchllm-worker",
+        "Deployment/batchllm-serve",
+        "Service/batchllm-serve",
+    }
+    worker = objects["Deployment/batchllm-worker"]["spec"]["template"]["spec"]
+    assert worker["terminationGracePeriodSeconds"] >= 30
+    (container,) = worker["containers"]
+    assert container["args"][:2] == ["-v", "worker"]
+    # The flags the manifests give exist on the commands they are given to.
+    names = {p.opts[0] for p in cli.commands["worker"].params if p.opts}
+    assert {a for a in container["args"] if a.startswith("--")} <= names, container["args"]
+
+    scaled = objects["ScaledObject/batchllm-worker"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == "batchllm-worker"
+    assert scaled["minReplicaCount"] == 0
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["query"].startswith(f"sum({BACKLOG_ROWS}{{")
+
+    serve = objects["Deployment/batchllm-serve"]["spec"]["template"]["spec"]["containers"][0]
+    assert serve["args"][0] == "serve"
+    names = {p.opts[0] for p in cli.commands["serve"].params if p.opts}
+    assert {a for a in serve["args"] if a.startswith("--")} <= names, serve["args"]
+    port = serve["args"][serve["args"].index("--port") + 1]
+    assert serve["ports"][0]["containerPort"] == int(port)
+    service = objects["Service/batchllm-serve"]["spec"]
+    assert service["selector"] == {"app": "batchllm-serve"}
+    assert service["ports"][0]["targetPort"] == serve["ports"][0]["name"]
