@@ -156,6 +156,16 @@ def cancel(job_id: str) -> None:
 )
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
 @click.option(
+    "--max-idle",
+    type=click.FloatRange(min=1),
+    default=None,
+    metavar="SECONDS",
+    help="Stop (warm, exit 0) after this long without a task, counted from when the engine "
+    "is ready: a worker Deployment scaled to zero, a Kubernetes Job or a spot instance can "
+    "then end. With --concurrency N each process stops on its own, and the command exits "
+    "when all have.",
+)
+@click.option(
     "--concurrency",
     "-c",
     type=click.IntRange(min=1),
@@ -188,6 +198,7 @@ def worker(
     engine_kind: str,
     instant_step_seconds: float,
     queues: str | None,
+    max_idle: float | None,
     concurrency: int,
     name: str | None,
     loglevel: str,
@@ -251,6 +262,8 @@ def worker(
                 "--instant-step-seconds",
                 str(instant_step_seconds),
             ]
+        if max_idle is not None:
+            child_args += ["--max-idle", str(max_idle)]
         _supervise(concurrency, child_args, name, metrics_port, verbose)
         return
     if metrics_port is not None:
@@ -280,6 +293,7 @@ def worker(
             instant=instant,
             instant_step_seconds=instant_step_seconds,
             json_logs=log_format == "json",
+            max_idle=max_idle,
         )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None

@@ -32,6 +32,7 @@ class _Slot:
     started: float = 0.0
     early_deaths: int = 0
     restart_at: float = 0.0
+    done: bool = False  # exited 0 on its own: not restarted
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env)
@@ -42,8 +43,9 @@ def supervise(
     commands: list[tuple[list[str], dict[str, str]]], *, sleep: Callable[[float], None] = time.sleep
 ) -> int:
     """Run each (argv, env) as a child until SIGTERM, SIGINT or SIGHUP, restarting children
-    that exit on their own; forwards the signal to the children (SIGHUP as SIGTERM: a Celery
-    worker without a terminal takes SIGHUP for "restart") and returns the highest exit code."""
+    that fail on their own (a child that exits 0 is done; when all are, returns 0); forwards
+    the signal to the children (SIGHUP as SIGTERM: a Celery worker without a terminal takes
+    SIGHUP for "restart") and returns the highest exit code."""
     slots = [_Slot(i, argv, env) for i, (argv, env) in enumerate(commands)]
     stopping: list[int] = []
 
@@ -60,7 +62,11 @@ def supervise(
             slot.start()
         while not stopping:
             now = time.monotonic()
+            if all(slot.done for slot in slots):
+                return 0
             for slot in slots:
+                if slot.done:
+                    continue
                 if slot.proc is None:
                     if now >= slot.restart_at:
                         log.warning("worker %d: restarting", slot.index)
@@ -68,6 +74,12 @@ def supervise(
                     continue
                 code = slot.proc.poll()
                 if code is None or stopping:
+                    continue
+                if code == 0:  # it stopped on its own, cleanly (`worker --max-idle`): done
+                    log.info(
+                        "worker %d (pid %d) exited 0: not restarted", slot.index, slot.proc.pid
+                    )
+                    slot.proc, slot.done = None, True
                     continue
                 slot.early_deaths = (
                     slot.early_deaths + 1 if now - slot.started < _YOUNG_SECONDS else 0

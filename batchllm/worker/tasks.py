@@ -7,11 +7,15 @@ environment's settings once and hands them down; nothing below them reads the en
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 
 from celery import shared_task
 from celery.signals import (
     after_setup_logger,
+    task_postrun,
+    task_prerun,
     worker_ready,
     worker_shutdown,
     worker_shutting_down,
@@ -29,6 +33,7 @@ from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.delivery import DATABASE_ERRORS, process_shard
 from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
+from batchllm.worker.idle import IdleWatch
 from batchllm.worker.reconciler import reconcile_forever
 from batchllm.worker.shard_tasks import send_shard_tasks
 
@@ -41,6 +46,7 @@ _engines: EngineSource | None = None
 # What start_engine was told, for the signal handlers Celery calls later in this process.
 _served_models: list[str] = []  # announced to `batchllm serve` (GET /v1/models)
 _json_logs_wanted = False
+_idle: IdleWatch | None = None  # `worker --max-idle`
 _stop = threading.Event()
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
@@ -64,14 +70,17 @@ def start_engine(
     instant: bool = False,
     instant_step_seconds: float = 0.0,
     json_logs: bool = False,
+    max_idle: float | None = None,
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine under `settings`; the worker says ready (and takes
     tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
     never vLLM, paced by `instant_step_seconds` (engine/testing.py's InstantEngine).
-    `json_logs`: Celery's log handlers write JSON (`--log-format json`)."""
-    global _engines, _json_logs_wanted
+    `json_logs`: Celery's log handlers write JSON (`--log-format json`). `max_idle`: stop
+    (warm, exit 0) after that many seconds without a task (worker/idle.py)."""
+    global _engines, _json_logs_wanted, _idle
     _served_models[:] = [model]
     _json_logs_wanted = json_logs
+    _idle = IdleWatch(max_idle) if max_idle else None
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
         engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
@@ -93,6 +102,27 @@ def _engines_under(settings: Settings) -> EngineSource:
 def _engine_profile() -> dict | None:
     profile = getattr(_engines, "profile", None)
     return profile.as_dict() if profile is not None else None
+
+
+@worker_ready.connect
+def _watch_idleness(sender=None, **_kwargs) -> None:
+    if _idle is None:
+        return
+    _idle.reset()
+    # SIGTERM to this process: Celery's warm shutdown, as a scale-down would send it.
+    _idle.watch(_stop, lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+
+@task_prerun.connect
+def _task_started(**_kwargs) -> None:
+    if _idle is not None:
+        _idle.started()
+
+
+@task_postrun.connect
+def _task_ended(**_kwargs) -> None:
+    if _idle is not None:
+        _idle.ended()
 
 
 @worker_shutting_down.connect

@@ -5,6 +5,7 @@ a simulation; and the fleet bench part measures a small fleet of them end to end
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -205,5 +206,38 @@ def test_a_worker_runs_a_jobs_shards_while_the_submit_is_still_validating_its_fi
         assert (job.shards_total, job.shards_done, job.request_total) == (3, 3, len(expected))
         assert_exactly_once(output_rows(fleet_env, job.id), expected)
         assert {s.worker for s in shards} == {"celery@stream1"}
+    finally:
+        stop_workers([worker])
+
+
+def test_max_idle_stops_a_worker_with_nothing_to_do_with_exit_0_after_the_set_time(
+    fleet_env, tiny_model, tmp_path
+):
+    """`worker --max-idle 5`: a job first (a task resets the clock), then nothing: the worker
+    stops warmly about 5 s after its last task and exits 0, so a Kubernetes Job or a spot
+    instance can end."""
+    (worker,) = start_workers(
+        ["idle1"],
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=(*INSTANT_ARGS, "--max-idle", "5"),
+        ready_timeout=120,
+    )
+    try:
+        source = write_workload(tmp_path / "prompts.jsonl", requests=20, prompt_words=(4, 8))
+        job = fleet_env.submit(source, tiny_model, shard_size=10, max_tokens=4)
+        job = wait_until_final(fleet_env, job.id, timeout=120)
+        assert job.status is JobStatus.COMPLETED, job.error
+        ended_at = time.monotonic()
+        code = worker.proc.wait(timeout=120)
+        stopped_after = time.monotonic() - ended_at
+        assert code == 0, worker.tail()
+        log = worker.log()
+        assert "no task for" in log and "(--max-idle 5)" in log, worker.tail()
+        # Not before its 5 s without a task: the job's last task ended before `ended_at`.
+        idle = float(log.split("no task for ", 1)[1].split(" s", 1)[0])
+        assert idle >= 5, log
+        print(f"\n--max-idle 5: exited 0 {stopped_after:.1f} s after the job ended")
     finally:
         stop_workers([worker])
