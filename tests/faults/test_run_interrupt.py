@@ -25,8 +25,8 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.output.parts import SUCCESS_NAME, read_output
 from batchllm.storage import Storage
-from tests.support.faults import alive_of, descendants, kill_recorded, tail
-from tests.support.fleet import REPO
+from tests.support.faults import alive_of, descendants, kill_recorded
+from tests.support.fleet import REPO, tail
 from tests.support.job_checks import assert_each_line_at_most_once, expected_rows
 from tests.support.skips import require
 
