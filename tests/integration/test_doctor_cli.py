@@ -196,7 +196,8 @@ def test_doctor_never_imports_vllm(tmp_path):
     code = (
         "import sys\n"
         "from batchllm.doctor.diagnose import diagnose\n"
-        "diagnose()\n"
+        "from batchllm.settings import get_settings\n"
+        "diagnose(settings=get_settings())\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))\n"
     )
     done = subprocess.run(
