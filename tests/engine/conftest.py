@@ -19,7 +19,7 @@ from click.testing import Result
 from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import JobSpec
 from batchllm.jobs import local
-from batchllm.settings import get_settings
+from batchllm.settings import Settings, get_settings
 from tests.support.cli import LOCAL_UNSET, invoke
 from tests.support.skips import require
 
@@ -52,8 +52,10 @@ class EnginePool:
             oldest.close()
         return cache.get(spec, max_model_len)
 
-    def lend(self) -> Lent:
-        """This pool for code that closes the engines it was given when its job ends."""
+    def lend(self, settings: Settings | None = None) -> Lent:
+        """This pool for code that closes the engines it was given when its job ends (in
+        EngineCache's place: `settings` is what that would be built with; the pool's own
+        caches read the test's)."""
         return Lent(self)
 
     def close(self) -> None:
