@@ -166,6 +166,19 @@ def cancel(job_id: str) -> None:
     "when all have.",
 )
 @click.option(
+    "--drain-seconds",
+    type=click.FloatRange(min=0),
+    default=20,
+    show_default=True,
+    envvar="BATCHLLM_DRAIN_SECONDS",
+    show_envvar=True,
+    metavar="SECONDS",
+    help="On SIGTERM or Ctrl-C, let the rows already in the engine finish for up to this "
+    "long (the drain), commit them, then hand the rest of the shard back and exit 0. A "
+    "second signal cuts the drain short; 0 stops at once. The default fits Kubernetes' 30 s "
+    "grace period with the engine's own shutdown.",
+)
+@click.option(
     "--concurrency",
     "-c",
     type=click.IntRange(min=1),
@@ -199,6 +212,7 @@ def worker(
     instant_step_seconds: float,
     queues: str | None,
     max_idle: float | None,
+    drain_seconds: float,
     concurrency: int,
     name: str | None,
     loglevel: str,
@@ -264,6 +278,8 @@ def worker(
             ]
         if max_idle is not None:
             child_args += ["--max-idle", str(max_idle)]
+        # The supervisor passes each signal on: a second one cuts the children's drains short.
+        child_args += ["--drain-seconds", str(drain_seconds)]
         _supervise(concurrency, child_args, name, metrics_port, verbose)
         return
     if metrics_port is not None:
@@ -294,6 +310,7 @@ def worker(
             instant_step_seconds=instant_step_seconds,
             json_logs=log_format == "json",
             max_idle=max_idle,
+            drain_seconds=drain_seconds,
         )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None

@@ -72,6 +72,17 @@ SHARDS_STOPPED = Counter(
     "ended the run; handed back, counted against BATCHLLM_MAX_SHARD_FAILURES).",
     ("model", "reason"),
 )
+DRAIN_ROWS = Counter(
+    "batchllm_drain_rows",
+    "Rows in flight when a stop (SIGTERM) began its drain, by outcome: saved (finished within "
+    "--drain-seconds and committed) or aborted (handed back with their shard, to run again).",
+    ("model", "outcome"),
+)
+DRAIN_SECONDS = Gauge(
+    "batchllm_last_drain_seconds",
+    "How long this process's last drain took, from the stop to its last row or its deadline.",
+    _MODEL,
+)
 SHARD_SECONDS = Histogram(
     "batchllm_shard_duration_seconds",
     "Wall time of shard runs that completed their shard, from the claim to the shard's end "
@@ -194,6 +205,12 @@ class ModelMetrics:
 
     def shard_stopped(self, reason: str) -> None:
         self.shards_stopped[reason].inc()
+
+    def drained(self, saved: int, aborted: int, seconds: float) -> None:
+        """A stop's drain ended: rows it saved, rows it aborted, how long it took."""
+        DRAIN_ROWS.labels(self.model, "saved").inc(saved)
+        DRAIN_ROWS.labels(self.model, "aborted").inc(aborted)
+        DRAIN_SECONDS.labels(self.model).set(seconds)
 
     def engine_started(self, seconds: float) -> None:
         self.engine_starts.inc()

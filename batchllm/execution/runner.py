@@ -24,6 +24,7 @@ from batchllm.errors import EngineDied, ShardBusy, ShardLost
 from batchllm.execution import metrics
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
+from batchllm.execution.stop_request import StopRequest
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
@@ -97,7 +98,7 @@ class ShardRunner:
         settings: Settings,
         window: int | None = None,
         on_progress: ProgressFn | None = None,
-        should_stop: Callable[[], bool] | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -105,14 +106,15 @@ class ShardRunner:
         self.worker = worker
         self.window = window or 4 * engine.max_num_seqs
         self.on_progress = on_progress or (lambda rows, tokens: None)
-        self.should_stop = should_stop or (lambda: False)
+        self.stop = stop or StopRequest()
         self._pending: dict[str, _Pending] = {}
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
         # (job, the line's override text) -> what its rows run under
         self._sampling_cache: dict[tuple[str, str | None], _Sampling] = {}
-        self._stopping = False
+        self._stopping = False  # a stop was requested: no more rows are fed
+        self._drain: _Drain | None = None  # the rows in flight may finish until its deadline
         # Prometheus (execution/metrics.py). The engine serves one model, so the per-step gauges
         # go to the model of the shard claimed last; commits and shard ends to their own.
         self._metrics: metrics.ModelMetrics | None = None
@@ -139,12 +141,16 @@ class ShardRunner:
                     self._step()
                 elif exhausted or self._stopping:
                     break
+                if self._drain is not None and self._drain.over(self.stop):
+                    self._stop_now()
                 now = time.monotonic()
                 if now - last_control >= _CONTROL_INTERVAL:
                     last_control = now
                     self._control()
                 self._housekeep()
             self._housekeep()
+            if self._stopping:  # a drain that ended with every row in flight finished
+                self._stop_now()
         except BaseException as exc:
             self._fail_active(exc)
             raise
@@ -461,14 +467,10 @@ class ShardRunner:
         state.fed_all = True
 
     def _control(self) -> None:
-        if self.should_stop() and not self._stopping:
-            log.warning("stop requested: committing finished rows, handing the rest back")
-            self._stopping = True
-            for state in list(self._active):
-                self._abort(state)
-                if self._commit(state):
-                    self._hand_back(state, Outcome.INTERRUPTED)
-            return
+        if self.stop.requested.is_set() and not self._stopping:
+            self._begin_stop()
+            if self._drain is None:
+                return
         job_ids = {s.job_id for s in self._active}
         if not job_ids:
             return
@@ -483,6 +485,55 @@ class ShardRunner:
                 self._abort(state)
                 if self._commit(state):
                     self._end(state, ShardStatus.CANCELLED, Outcome.CANCELLED)
+
+    def _begin_stop(self) -> None:
+        """Feed nothing more; drain the rows in flight when the stop allows it, else stop now."""
+        self._stopping = True
+        in_flight = len(self._pending)
+        seconds = self.stop.drain_seconds
+        if seconds > 0 and in_flight and not self.stop.cut_short.is_set():
+            log.warning(
+                "stop requested: draining %d rows in flight for up to %.0f s (a second signal "
+                "cuts it short), then committing and handing the rest back",
+                in_flight,
+                seconds,
+            )
+            self._drain = _Drain(in_flight, time.monotonic(), seconds)
+            return
+        log.warning("stop requested: committing finished rows, handing the rest back")
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        """Abort what is still in flight, commit what finished, hand the shards back."""
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            self._drained(drain, aborted=len(self._pending))
+        for state in list(self._active):
+            self._abort(state)
+            if self._commit(state):
+                self._hand_back(state, Outcome.INTERRUPTED)
+
+    def _drained(self, drain: _Drain, aborted: int) -> None:
+        saved = max(drain.in_flight - aborted, 0)
+        seconds = time.monotonic() - drain.started
+        why = (
+            "all finished"
+            if not aborted
+            else "cut short"
+            if self.stop.cut_short.is_set()
+            else "deadline"
+        )
+        log.warning(
+            "drain ended (%s) after %.1f s: %d of %d rows in flight finished and are committed, "
+            "%d aborted and handed back",
+            why,
+            seconds,
+            saved,
+            drain.in_flight,
+            aborted,
+        )
+        if self._metrics is not None:
+            self._metrics.drained(saved, aborted, seconds)
 
     def _hand_back(self, state: ShardState, outcome: Outcome) -> None:
         with session_scope(self.settings) as session:
@@ -541,6 +592,18 @@ class ShardRunner:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).
                 log.exception("shard %d: could not record its end", state.index)
+
+
+@dataclass(slots=True)
+class _Drain:
+    """A stop's drain: the rows in flight when it began, when, and for how long at most."""
+
+    in_flight: int
+    started: float
+    seconds: float
+
+    def over(self, stop: StopRequest) -> bool:
+        return stop.cut_short.is_set() or time.monotonic() - self.started >= self.seconds
 
 
 def _satisfied(constraint: dict[str, Any], out: Finished) -> bool | None:

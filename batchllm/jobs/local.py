@@ -15,6 +15,7 @@ from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
 from batchllm.execution.engines import EngineCache, resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.sizing_pass import BackgroundSizer
+from batchllm.execution.stop_request import StopRequest
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, readable_input
@@ -112,7 +113,7 @@ def run_shards_here(
             worker=f"local@{socket.gethostname()}",
             settings=settings,
             on_progress=on_progress,
-            should_stop=interrupted.is_set,
+            stop=StopRequest(requested=interrupted),  # Ctrl-C stops at once: no drain
         )
         if shard_ids is None:
             with session_scope(settings) as session:

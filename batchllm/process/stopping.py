@@ -69,8 +69,10 @@ def cleanups_run_on_signals() -> Iterator[None]:
 
 
 def stop_child(proc: subprocess.Popen, *, grace: float) -> None:
-    """SIGTERM to `proc` (a warm shutdown), then SIGKILL after `grace` seconds or at once when
-    another signal interrupts the wait; returns once it has ended."""
+    """SIGTERM to `proc` (a warm shutdown: a worker drains its rows in flight first), then
+    SIGKILL after `grace` seconds; returns once it has ended. Another signal interrupting the
+    wait is passed on as a second SIGTERM (a worker cuts its drain short), and the child gets
+    _CUT_SHORT_GRACE seconds more before SIGKILL."""
     if proc.poll() is None:
         proc.terminate()
     try:
@@ -80,9 +82,18 @@ def stop_child(proc: subprocess.Popen, *, grace: float) -> None:
         proc.kill()
         proc.wait()
     except BaseException:
-        proc.kill()
-        proc.wait()
+        try:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=_CUT_SHORT_GRACE)
+        except BaseException:  # a third signal, or still running: no more waiting
+            proc.kill()
+            proc.wait()
         raise
+
+
+# After a second signal: enough to commit the finished rows and stop the engine.
+_CUT_SHORT_GRACE = 15.0
 
 
 # Set by a command that starts a worker (serve --worker) to its own pid: the worker stops when

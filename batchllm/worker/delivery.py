@@ -4,7 +4,6 @@ it can be tested directly; worker/tasks.py is the Celery side."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
@@ -14,6 +13,7 @@ from batchllm.execution.engines import resolve_max_model_len
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import shard_failed
+from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
 from batchllm.settings import Settings
@@ -33,12 +33,12 @@ def process_shard(
     *,
     worker: str,
     engines: EngineSource,
-    should_stop: Callable[[], bool] = lambda: False,
+    stop: StopRequest | None = None,
     settings: Settings,
 ) -> Outcome:
     with shard_context(shard_id):
         try:
-            return _process_shard(shard_id, worker, engines, should_stop, settings)
+            return _process_shard(shard_id, worker, engines, stop or StopRequest(), settings)
         except DATABASE_ERRORS:
             raise  # not the shard's fault: the task sends it again once the database is back
         except Exception as exc:
@@ -52,7 +52,7 @@ def _process_shard(
     shard_id: int,
     worker: str,
     engines: EngineSource,
-    should_stop: Callable[[], bool],
+    stop: StopRequest,
     settings: Settings,
 ) -> Outcome:
     with session_scope(settings) as session:
@@ -102,7 +102,7 @@ def _process_shard(
         with session_scope(settings) as session:
             fail_job(session, job_id, str(exc))
         return Outcome.FAILED
-    runner = ShardRunner(engine, worker=worker, settings=settings, should_stop=should_stop)
+    runner = ShardRunner(engine, worker=worker, settings=settings, stop=stop)
     try:
         return runner.run([shard_id]).get(shard_id, Outcome.SKIPPED)
     except EngineDied as exc:

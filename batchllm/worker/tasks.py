@@ -25,6 +25,7 @@ from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache, WorkerEngine
 from batchllm.execution.instant import InstantWorkerEngine
 from batchllm.execution.runner import Outcome
+from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import EngineOptions
 from batchllm.process import log_format
 from batchllm.settings import Settings, get_settings
@@ -35,6 +36,7 @@ from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.idle import IdleWatch
 from batchllm.worker.reconciler import reconcile_forever
+from batchllm.worker.second_signal import DEFAULT_DRAIN_SECONDS, cut_short_on_second_sigint
 from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ _engines: EngineSource | None = None
 _served_models: list[str] = []  # announced to `batchllm serve` (GET /v1/models)
 _json_logs_wanted = False
 _idle: IdleWatch | None = None  # `worker --max-idle`
-_stop = threading.Event()
+# SIGTERM/SIGINT: drain, then hand back (execution/stop_request.py); start_engine sets the drain.
+_stop = StopRequest(DEFAULT_DRAIN_SECONDS)
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
 _RETRY_WAITING_SECONDS = 15
@@ -71,16 +74,19 @@ def start_engine(
     instant_step_seconds: float = 0.0,
     json_logs: bool = False,
     max_idle: float | None = None,
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS,
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine under `settings`; the worker says ready (and takes
     tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
     never vLLM, paced by `instant_step_seconds` (engine/testing.py's InstantEngine).
     `json_logs`: Celery's log handlers write JSON (`--log-format json`). `max_idle`: stop
-    (warm, exit 0) after that many seconds without a task (worker/idle.py)."""
+    (warm, exit 0) after that many seconds without a task (worker/idle.py). `drain_seconds`: on
+    SIGTERM, how long the rows in flight may go on finishing (0: stop at once)."""
     global _engines, _json_logs_wanted, _idle
     _served_models[:] = [model]
     _json_logs_wanted = json_logs
     _idle = IdleWatch(max_idle) if max_idle else None
+    _stop.drain_seconds = drain_seconds
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
         engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
@@ -110,7 +116,7 @@ def _watch_idleness(sender=None, **_kwargs) -> None:
         return
     _idle.reset()
     # SIGTERM to this process: Celery's warm shutdown, as a scale-down would send it.
-    _idle.watch(_stop, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    _idle.watch(_stop.requested, lambda: os.kill(os.getpid(), signal.SIGTERM))
 
 
 @task_prerun.connect
@@ -127,8 +133,14 @@ def _task_ended(**_kwargs) -> None:
 
 @worker_shutting_down.connect
 def _on_shutdown(**_kwargs) -> None:
-    """SIGTERM (warm shutdown): the running shard checkpoints and hands the rest back."""
-    _stop.set()
+    """SIGTERM or SIGINT (Celery's warm shutdown): the running shard drains, checkpoints and
+    hands the rest back. Celery sends this again on each SIGTERM: the second cuts the drain
+    short. A second SIGINT would be Celery's cold shutdown instead; it cuts the drain short too
+    (worker/second_signal.py)."""
+    first = not _stop.requested.is_set()
+    _stop.request()
+    if first:
+        cut_short_on_second_sigint(_stop)
 
 
 @worker_ready.connect
@@ -142,7 +154,7 @@ def _start_reconciler(sender=None, **_kwargs) -> None:
 
     threading.Thread(
         target=reconcile_forever,
-        args=(send, _stop, settings),
+        args=(send, _stop.requested, settings),
         name="batchllm-reconciler",
         daemon=True,
     ).start()
@@ -176,7 +188,7 @@ def _register_forever(node: str, models: list[str], settings: Settings) -> None:
             )
         except Exception as exc:  # the broker is down: the reconciler says so too
             log.debug("could not register this worker's models: %s", exc)
-        if _stop.wait(period):
+        if _stop.requested.wait(period):
             return
 
 
@@ -215,7 +227,7 @@ def run_shard(self, shard_id: int) -> str:
                 shard_id,
                 worker=node,
                 engines=_engines_under(settings),
-                should_stop=_stop.is_set,
+                stop=_stop,
                 settings=settings,
             )
     except DATABASE_ERRORS as exc:

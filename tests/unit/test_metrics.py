@@ -24,6 +24,7 @@ from batchllm.cli import cli
 from batchllm.execution import metrics
 from batchllm.execution.engines import EngineCache
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.stop_request import StopRequest
 from batchllm.settings import get_settings
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
@@ -130,17 +131,17 @@ def test_an_interrupted_shard_is_counted_handed_back_then_resumed(
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     job_id, (shard_id,) = create(settings, tmp_path, 40, shard_size=40)
     before = snapshot()
-    stop = {"now": False}
+    stop_request = StopRequest()
 
     def stop_at_step(step: int) -> None:
         if step == 8:
-            stop["now"] = True
+            stop_request.request()
 
     first = ShardRunner(
         FakeEngine(on_step=stop_at_step),
         worker="w1",
         settings=settings,
-        should_stop=lambda: stop["now"],
+        stop=stop_request,
     )
     assert first.run([shard_id]) == {shard_id: Outcome.INTERRUPTED}
     with session_scope(settings) as session:

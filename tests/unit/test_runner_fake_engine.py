@@ -16,6 +16,7 @@ from sqlalchemy import update
 from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import JobSpec
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
@@ -364,14 +365,14 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
     with session_scope(settings) as session:
         shard_id = session.get(Job, created.job.id).shards[0].id
         session.execute(update(Job).where(Job.id == created.job.id).values(max_model_len=64))
-    stop = {"now": False}
-    first = FakeEngine(on_step=lambda n: stop.update(now=n >= 8))
+    stop_request = StopRequest()
+    first = FakeEngine(on_step=lambda n: stop_request.request() if n == 8 else None)
 
     outcome = process_shard(
         shard_id,
         worker="w1",
         engines=FakeEngines(first),
-        should_stop=lambda: stop["now"],
+        stop=stop_request,
         settings=settings,
     )
 
