@@ -75,7 +75,8 @@ SHARDS_STOPPED = Counter(
 DRAIN_ROWS = Counter(
     "batchllm_drain_rows",
     "Rows in flight when a stop (SIGTERM) began its drain, by outcome: saved (finished within "
-    "--drain-seconds and committed) or aborted (handed back with their shard, to run again).",
+    "--drain-seconds and committed), aborted (cut off, handed back with their shard to run "
+    "again) or unstarted (not generating yet: handed back at the drain's start, no work lost).",
     ("model", "outcome"),
 )
 DRAIN_SECONDS = Gauge(
@@ -206,10 +207,12 @@ class ModelMetrics:
     def shard_stopped(self, reason: str) -> None:
         self.shards_stopped[reason].inc()
 
-    def drained(self, saved: int, aborted: int, seconds: float) -> None:
-        """A stop's drain ended: rows it saved, rows it aborted, how long it took."""
+    def drained(self, saved: int, aborted: int, unstarted: int, seconds: float) -> None:
+        """A stop's drain ended: rows it saved, rows it aborted, rows not started when it
+        began, how long it took."""
         DRAIN_ROWS.labels(self.model, "saved").inc(saved)
         DRAIN_ROWS.labels(self.model, "aborted").inc(aborted)
+        DRAIN_ROWS.labels(self.model, "unstarted").inc(unstarted)
         DRAIN_SECONDS.labels(self.model).set(seconds)
 
     def engine_started(self, seconds: float) -> None:

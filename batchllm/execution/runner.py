@@ -489,19 +489,34 @@ class ShardRunner:
     def _begin_stop(self) -> None:
         """Feed nothing more; drain the rows in flight when the stop allows it, else stop now."""
         self._stopping = True
-        in_flight = len(self._pending)
         seconds = self.stop.drain_seconds
-        if seconds > 0 and in_flight and not self.stop.cut_short.is_set():
+        if seconds > 0 and self._pending and not self.stop.cut_short.is_set():
+            unstarted = self._abort_unstarted()
             log.warning(
                 "stop requested: draining %d rows in flight for up to %.0f s (a second signal "
-                "cuts it short), then committing and handing the rest back",
-                in_flight,
+                "cuts it short), then committing and handing the rest back; %d rows not yet "
+                "started go back now",
+                len(self._pending),
                 seconds,
+                unstarted,
             )
-            self._drain = _Drain(in_flight, time.monotonic(), seconds)
+            self._drain = _Drain(len(self._pending), unstarted, time.monotonic(), seconds)
             return
         log.warning("stop requested: committing finished rows, handing the rest back")
         self._stop_now()
+
+    def _abort_unstarted(self) -> int:
+        """Abort the rows fed after the engine's first max_num_seqs in flight: the engine
+        schedules first come, first served, so these have not started generating. Aborting
+        them loses no work, and the drain then waits only for rows that can finish."""
+        unstarted = list(self._pending)[self.engine.max_num_seqs :]
+        if unstarted:
+            self.engine.abort(unstarted)
+            for request_id in unstarted:
+                owner, _, _ = self._pending.pop(request_id)
+                owner.inflight -= 1
+                owner.rows_dropped = True
+        return len(unstarted)
 
     def _stop_now(self) -> None:
         """Abort what is still in flight, commit what finished, hand the shards back."""
@@ -524,16 +539,17 @@ class ShardRunner:
             else "deadline"
         )
         log.warning(
-            "drain ended (%s) after %.1f s: %d of %d rows in flight finished and are committed, "
-            "%d aborted and handed back",
+            "drain ended (%s) after %.1f s: %d of %d rows generating finished and are "
+            "committed, %d aborted; with the %d not started, handed back",
             why,
             seconds,
             saved,
             drain.in_flight,
             aborted,
+            drain.unstarted,
         )
         if self._metrics is not None:
-            self._metrics.drained(saved, aborted, seconds)
+            self._metrics.drained(saved, aborted, drain.unstarted, seconds)
 
     def _hand_back(self, state: ShardState, outcome: Outcome) -> None:
         with session_scope(self.settings) as session:
@@ -596,9 +612,11 @@ class ShardRunner:
 
 @dataclass(slots=True)
 class _Drain:
-    """A stop's drain: the rows in flight when it began, when, and for how long at most."""
+    """A stop's drain: the rows generating when it began (and those not started, aborted at
+    its start), when it began, and for how long at most."""
 
     in_flight: int
+    unstarted: int
     started: float
     seconds: float
 

@@ -40,12 +40,15 @@ class ShardState:
     cached_tokens: int = 0  # the buffered rows' prefix-cache hits (no output column holds them)
     inflight: int = 0
     fed_all: bool = False
+    # Rows were aborted before they ran (a stop's drain hands them back): the shard cannot
+    # finish in this run, however many of its other rows do.
+    rows_dropped: bool = False
     last_commit: float = field(default_factory=time.monotonic)
     step_seconds: float = 0.0  # engine time to attribute to the next checkpoint
 
     @property
     def finished(self) -> bool:
-        return self.fed_all and self.inflight == 0
+        return self.fed_all and self.inflight == 0 and not self.rows_dropped
 
     def rows(self, storage: Storage) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""

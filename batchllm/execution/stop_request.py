@@ -1,7 +1,8 @@
 """How a runner stops before its shards end: a worker's SIGTERM, a Ctrl-C of `batchllm run`.
 
-On the first request the runner feeds no more rows and claims no more shards. The rows already
-in the engine may go on for up to `drain_seconds` (the drain): a spot instance's notice or a
+On the first request the runner feeds no more rows and claims no more shards. Rows in the
+engine that have not started generating go back at once; those generating may go on for up to
+`drain_seconds` (the drain): a spot instance's notice or a
 pod's grace period is long enough for many of them to finish and be committed, instead of
 being thrown away and generated again by another worker. The drain ends when they have all
 finished, at its deadline, or at a second request (a second SIGTERM or Ctrl-C). Then the

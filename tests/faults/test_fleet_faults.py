@@ -20,6 +20,8 @@ engines as possible are built.
 from __future__ import annotations
 
 import json
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -783,3 +785,117 @@ def _ppid(pid: int) -> int | None:
         return psutil.Process(pid).ppid()
     except psutil.Error:
         return None
+
+
+# -- the drain on SIGTERM (preemptible fleets) -------------------------------------------------
+
+DRAIN_ENDED = re.compile(
+    r"drain ended \((?P<why>[a-z ]+)\) after (?P<seconds>[\d.]+) s: (?P<saved>\d+) of "
+    r"(?P<generating>\d+) rows generating finished and are committed, (?P<aborted>\d+) aborted; "
+    r"with the (?P<unstarted>\d+) not started"
+)
+
+
+def drain_of(worker: Worker) -> dict[str, str]:
+    found = list(DRAIN_ENDED.finditer(worker.log()))
+    assert len(found) == 1, f"expected one drain in {worker.name}'s log:\n" + worker.tail()
+    return found[0].groupdict()
+
+
+def shard_of(env: FaultEnv, shard_id: int) -> Shard:
+    with session_scope(env.settings) as session:
+        shard = session.get(Shard, shard_id)
+        session.expunge(shard)
+        return shard
+
+
+class TestDrain:
+    """SIGTERM to a busy worker (a spot notice, a scale-down, a deploy): the rows generating
+    finish within --drain-seconds (20 s, the pool's default) and are committed, the rows not
+    started go back at once, the worker exits 0 and the other takes the shard over. Paced
+    instant workers: at 50 ms a token, the LONG_TOKENS rows generate for 3-10 s each."""
+
+    def test_sigterm_mid_generation_commits_the_generating_rows_then_hands_back_and_exits(
+        self, pool, engine_pool, fault_env, tmp_path, recovery
+    ):
+        pair = instant_workers(pool, engine_pool, 2)
+        source = workload(tmp_path, seed=31, tokens=LONG_TOKENS)
+        job = fault_env.submit(source, shard_size=1000, max_tokens=max(LONG_TOKENS))
+        shard = wait_mid_shard(fault_env, job.id, pair, min_left=500)
+        victim = by_name(pair)[shard.worker]
+        (survivor,) = [w for w in pair if w is not victim]
+        before = committed_lines(fault_env, shard.id)
+
+        stopped_at = time.monotonic()
+        victim.terminate()
+        code = victim.proc.wait(timeout=60)
+        exited = time.monotonic() - stopped_at
+
+        assert code == 0, victim.tail()
+        assert exited < 30, f"exited {exited:.1f} s after SIGTERM:\n" + victim.tail()
+        drain = drain_of(victim)
+        saved, generating = int(drain["saved"]), int(drain["generating"])
+        assert saved > 0 and generating > 0, drain
+        assert saved + int(drain["aborted"]) == generating, drain
+        after = committed_lines(fault_env, shard.id)
+        assert before <= after and len(after) >= len(before) + saved, (len(before), len(after))
+        left = shard_of(fault_env, shard.id)
+        assert not (left.status is ShardStatus.RUNNING and left.worker == victim.name), (
+            "the shard was left running on the stopped worker"
+        )
+        wait_for(
+            lambda: shard_of(fault_env, shard.id).worker == survivor.name,
+            timeout=240,
+            what="the other worker to take the shard over",
+        )
+        resumed_after = time.monotonic() - stopped_at
+
+        job, shards = wait_until_final(fault_env, job.id, pair)
+        took = time.monotonic() - stopped_at
+        assert_completed_exactly_once(fault_env, job, shards, source, pair)
+        taken = next(s for s in shards if s.id == shard.id)
+        assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts, taken.worker)
+        note = (
+            f"{saved} of {generating} generating rows saved by a {drain['why']} drain of "
+            f"{drain['seconds']} s, {drain['unstarted']} not started handed back"
+        )
+        recovery("SIGTERM (drain) -> worker exited 0", exited, note)
+        recovery("SIGTERM (drain) -> shard resumed elsewhere", resumed_after, survivor.name)
+        recovery("SIGTERM (drain) -> completed", took, f"{victim.name} on shard {shard.index}")
+
+    def test_a_second_sigterm_cuts_the_drain_short(
+        self, pool, engine_pool, fault_env, tmp_path, recovery
+    ):
+        pair = instant_workers(pool, engine_pool, 2)
+        # Rows of 5-20 s: when the second SIGTERM comes, most generating rows have seconds to go.
+        tokens = (100, 400)
+        source = workload(tmp_path, seed=32, tokens=tokens, rows=600)
+        job = fault_env.submit(source, shard_size=300, max_tokens=max(tokens))
+        shard = wait_mid_shard(fault_env, job.id, pair, min_done=1, min_left=100)
+        victim = by_name(pair)[shard.worker]
+
+        stopped_at = time.monotonic()
+        victim.terminate()
+        wait_for(
+            lambda: "stop requested: draining" in victim.log() or None,
+            timeout=30,
+            what="the drain to begin",
+        )
+        second_at = time.monotonic()
+        victim.proc.send_signal(signal.SIGTERM)  # terminate() sends one SIGTERM only
+        code = victim.proc.wait(timeout=60)
+        exited = time.monotonic() - stopped_at
+
+        assert code == 0, victim.tail()
+        # Well before the 20 s drain would have ended: commit, hand back, engine shutdown.
+        assert time.monotonic() - second_at < 15, victim.tail()
+        drain = drain_of(victim)
+        assert drain["why"] == "cut short" and int(drain["aborted"]) > 0, drain
+        job, shards = wait_until_final(fault_env, job.id, pair)
+        assert_completed_exactly_once(fault_env, job, shards, source, pair)
+        recovery(
+            "second SIGTERM -> worker exited 0",
+            exited,
+            f"drain cut short after {drain['seconds']} s: {drain['saved']} saved, "
+            f"{drain['aborted']} aborted",
+        )

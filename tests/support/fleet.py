@@ -162,7 +162,8 @@ class WorkerProcess:
             time.sleep(0.2)
 
     def terminate(self) -> None:
-        """Ask for a warm shutdown (once: a second SIGTERM would make it a cold one)."""
+        """Ask for a warm shutdown (once: a second SIGTERM would cut the worker's drain short;
+        a test that wants that sends it itself)."""
         if self.alive() and not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
             self._terminated = True
