@@ -36,7 +36,7 @@ from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.idle import IdleWatch
 from batchllm.worker.reconciler import reconcile_forever
-from batchllm.worker.second_signal import DEFAULT_DRAIN_SECONDS, cut_short_on_second_sigint
+from batchllm.worker.second_signal import DEFAULT_DRAIN_SECONDS, StopSignals
 from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ _json_logs_wanted = False
 _idle: IdleWatch | None = None  # `worker --max-idle`
 # SIGTERM/SIGINT: drain, then hand back (execution/stop_request.py); start_engine sets the drain.
 _stop = StopRequest(DEFAULT_DRAIN_SECONDS)
+_stop_signals = StopSignals(_stop)
 _RETRY_BUSY_SECONDS = 30
 # A job this worker's engine cannot run is offered to the fleet again this often.
 _RETRY_WAITING_SECONDS = 15
@@ -137,10 +138,7 @@ def _on_shutdown(**_kwargs) -> None:
     hands the rest back. Celery sends this again on each SIGTERM: the second cuts the drain
     short. A second SIGINT would be Celery's cold shutdown instead; it cuts the drain short too
     (worker/second_signal.py)."""
-    first = not _stop.requested.is_set()
-    _stop.request()
-    if first:
-        cut_short_on_second_sigint(_stop)
+    _stop_signals.received()
 
 
 @worker_ready.connect

@@ -226,3 +226,23 @@ def test_a_shard_fed_whole_is_handed_back_not_completed_when_its_unstarted_rows_
     assert len(engine.aborted) == 8
     assert committed(settings, job_id) == 4
     resume_and_check_exactly_once(settings, job_id, shard_id, already=4, rows=12)
+
+
+def test_a_signal_echoed_within_a_second_is_the_same_stop_a_later_one_cuts_short(monkeypatch):
+    from batchllm.worker import second_signal
+
+    clock = [100.0]
+    monkeypatch.setattr(second_signal.time, "monotonic", lambda: clock[0])
+    stop = StopRequest(drain_seconds=20.0)
+    signals = second_signal.StopSignals(stop)
+    # The first signal takes over SIGINT (for a second Ctrl-C): give pytest's handler back.
+    monkeypatch.setattr(second_signal.signal, "signal", lambda *args: None)
+
+    signals.received()
+    clock[0] += 0.3  # the terminal's Ctrl-C to the group, forwarded by a supervisor too
+    signals.received()
+    assert stop.requested.is_set() and not stop.cut_short.is_set()
+
+    clock[0] += second_signal.ECHO_SECONDS
+    signals.received()
+    assert stop.cut_short.is_set()
