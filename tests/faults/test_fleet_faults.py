@@ -560,36 +560,6 @@ class TestWorkerLoss:
             f"ran: {orphans} (parents {orphan_parents})"
         )
 
-    def test_a_worker_stopped_with_sigterm_hands_its_shard_back_at_once_and_exits_cleanly(
-        self, pool, engine_pool, fault_env, tmp_path, recovery
-    ):
-        """A warm shutdown (a deploy, a scale-down): the running shard commits its finished
-        rows and goes back to the queue without waiting for a lease; the worker exits 0 and
-        takes its engine processes with it."""
-        victim, survivor = engine_and_partner(pool, engine_pool)
-        pair = [victim, survivor]
-        source = workload(tmp_path, seed=21)
-        # Long shards, stopped with most of the shard to go: a 250-row shard here can finish in
-        # the second before the runner sees the stop, and then there is nothing to hand back.
-        job = fault_env.submit(source, shard_size=1000, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, [victim], min_left=600)
-        children = victim.record_descendants()
-        stopped_at = time.monotonic()
-        victim.terminate()
-        code = victim.proc.wait(timeout=120)
-        exited = time.monotonic() - stopped_at
-        assert code == 0, victim.tail()
-        wait_for(lambda: not alive_of(children), timeout=30, what="the engine processes to exit")
-
-        job, shards = wait_until_final(fault_env, job.id, pair)
-        took = time.monotonic() - stopped_at
-        assert_completed_exactly_once(fault_env, job, shards, source, pair)
-        taken = next(s for s in shards if s.id == shard.id)
-        assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts, taken.worker)
-        assert "handed back" in victim.log(), victim.tail()
-        recovery("SIGTERM -> worker exited 0", exited, f"{victim.name} on shard {shard.index}")
-        recovery("SIGTERM -> completed", took, "shard handed back, no lease wait")
-
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
         self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
@@ -813,7 +783,9 @@ class TestDrain:
     """SIGTERM to a busy worker (a spot notice, a scale-down, a deploy): the rows generating
     finish within --drain-seconds (20 s, the pool's default) and are committed, the rows not
     started go back at once, the worker exits 0 and the other takes the shard over. Paced
-    instant workers: at 50 ms a token, the LONG_TOKENS rows generate for 3-10 s each."""
+    instant workers: at 50 ms a token, the LONG_TOKENS rows generate for 3-10 s each. That a
+    vLLM worker's engine processes end with it on SIGTERM is test_serve_signals' subject (serve
+    stops its worker with SIGTERM); the warm stop needs no engine of its own here."""
 
     def test_sigterm_mid_generation_commits_the_generating_rows_then_hands_back_and_exits(
         self, pool, engine_pool, fault_env, tmp_path, recovery
