@@ -73,9 +73,10 @@ def stop_child(proc: subprocess.Popen, *, grace: float) -> None:
     SIGKILL after `grace` seconds; returns once it has ended. Another signal interrupting the
     wait is passed on as a second SIGTERM (a worker cuts its drain short), and the child gets
     _CUT_SHORT_GRACE seconds more before SIGKILL."""
-    if proc.poll() is None:
-        proc.terminate()
     try:
+        # In the try: a signal landing right after the SIGTERM is sent is a second one too.
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         log.warning("pid %d still running %.0f s after SIGTERM: killing it", proc.pid, grace)
