@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 # The output layer registers, on import, the tidying of ended jobs' output as part of every
 # commit (store/db.py `before_commit`): a job this client cancels is tidied like any other.
@@ -36,11 +36,13 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
+    from batchllm.input.source import InputSource
     from batchllm.jobs.estimate import Estimate
     from batchllm.store.models import Job as JobRow
     from batchllm.store.webhooks import WebhookTarget
 
-Requests = str | Path | Iterable[Mapping[str, Any]]
+# A path, an s3:// URI, request dicts, or an input the CLI already resolved.
+Requests: TypeAlias = "str | Path | InputSource | Iterable[Mapping[str, Any]]"
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class Client:
         request dicts in any line form) and queue the job for the fleet; returns at once.
         `priority="high"|"normal"|"low"` orders it among queued jobs; `notify=URL` gets a
         signed POST when the job ends."""
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.submit_spec(path, spec, strict=strict, shard_size=shard_size, notify=notify)
 
@@ -160,7 +162,7 @@ class Client:
 
         invalid: list[int] = []
         target = self._webhook(notify)
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             row = submit_job(
                 path,
                 spec,
@@ -195,7 +197,7 @@ class Client:
         """Run the job to its end in this process (vLLM here, no broker); returns it ended.
         `engines` hands it an engine source of the caller's (tests use a fake one); `notify`
         as for `submit`."""
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.run_spec(path, spec, strict=strict, engines=engines, notify=notify)
 
@@ -224,7 +226,7 @@ class Client:
                     )
                 )
 
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             row = run_job(
                 path,
                 spec,
@@ -242,7 +244,7 @@ class Client:
         their prompt tokens counted with the model's tokenizer (no vLLM), the output bounded
         by max_tokens, the time from this model's earlier jobs on this hardware. Creates no
         job and starts no engine."""
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             spec = build_job_spec(model, settings=self.settings, requests=path, **options)
             return self.dry_run_spec(path, spec)
 
@@ -250,7 +252,7 @@ class Client:
         """`dry_run` with a ready JobSpec."""
         from batchllm.jobs.estimate import estimate_job
 
-        with _as_file(requests) as path:
+        with _as_source(requests, self.settings) as path:
             return estimate_job(path, spec, settings=self.settings)
 
     def status(self, job: Job | str) -> Job:
@@ -374,19 +376,26 @@ def _id(job: Job | str) -> str:
     return job.id if isinstance(job, Job) else job
 
 
-class _as_file:
-    """A JSONL path for the requests: the path (or s3:// URI) given, or a temporary file the
-    dicts are streamed into (removed afterwards: the job keeps its own validated copy)."""
+class _as_source:
+    """The requests as an input file, resolved once (input/source.py): the path or s3:// URI
+    given, or a temporary JSONL file the dicts are streamed into (removed afterwards: the job
+    keeps its own validated copy). A source already resolved (the CLI's) is used as it is."""
 
-    def __init__(self, requests: Requests) -> None:
+    def __init__(self, requests: Requests, settings: Settings) -> None:
         self.requests = requests
+        self.settings = settings
         self.temporary: Path | None = None
 
-    def __enter__(self) -> str | Path:
+    def __enter__(self) -> InputSource:
+        from batchllm.input.source import InputSource, resolve_input
+
+        endpoint = self.settings.resolved_s3_endpoint
+        if isinstance(self.requests, InputSource):
+            return self.requests
         if isinstance(self.requests, str) and "://" in self.requests:
-            return self.requests  # a URI (s3://bucket/key): Path() would mangle it
+            return resolve_input(self.requests, s3_endpoint=endpoint)  # Path() would mangle it
         if isinstance(self.requests, (str, Path)):
-            return Path(self.requests)
+            return resolve_input(Path(self.requests), s3_endpoint=endpoint)
         handle = tempfile.NamedTemporaryFile(
             "w", suffix=".jsonl", prefix="batchllm-requests-", delete=False, encoding="utf-8"
         )
@@ -396,7 +405,7 @@ class _as_file:
                     raise BatchLLMError(f"a request must be a dict, got {type(request).__name__}")
                 handle.write(json.dumps(request) + "\n")
         self.temporary = Path(handle.name)
-        return self.temporary
+        return resolve_input(self.temporary, s3_endpoint=endpoint)
 
     def __exit__(self, *_exc: object) -> None:
         if self.temporary is not None:

@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -24,6 +24,9 @@ from batchllm.cli.options import (
     worker_engine_from_flags,
     worker_engine_options,
 )
+
+if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
+    from batchllm.input.source import InputSource
 
 
 @cli.command()
@@ -46,7 +49,7 @@ from batchllm.cli.options import (
 )
 @notify_option
 def submit(
-    file: str | Path,
+    file: InputSource,
     strict: bool,
     shard_size: int | None,
     wait_: bool,

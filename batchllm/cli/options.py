@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,15 +21,19 @@ from batchllm.input.schemas import (
 )
 from batchllm.settings import get_settings
 
+if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
+    from batchllm.input.source import InputSource
+
 # Hugging Face's own rule for `name` or `org/name` (huggingface_hub's validate_repo_id).
 _REPO_ID = re.compile(r"(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?")
 _PATH_STARTS = ("/", "./", "../", "~")
 
 
 class InputFile(click.ParamType):
-    """FILE of `run` and `submit`: a local JSONL, Parquet or CSV file (a Path, checked as
-    click.Path checks it), or a URI such as s3://bucket/prompts.jsonl, kept as given (a str)
-    and checked through its store (pyarrow's filesystem) before any job is created."""
+    """FILE of `run` and `submit`: a local JSONL, Parquet or CSV file (checked as click.Path
+    checks it), or a URI such as s3://bucket/prompts.jsonl (checked through its store,
+    pyarrow's filesystem), resolved once into the InputSource (input/source.py) that every
+    step after takes; before any job is created."""
 
     name = "file"
 
@@ -37,12 +41,15 @@ class InputFile(click.ParamType):
         self._local = click.Path(exists=True, dir_okay=False, path_type=Path)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and "://" in value:
-            from batchllm.errors import BatchLLMError
-            from batchllm.input.shards import readable_input
+        from batchllm.errors import BatchLLMError
+        from batchllm.input.source import InputSource, resolve_input
 
+        if isinstance(value, InputSource):
+            return value
+        endpoint = get_settings().resolved_s3_endpoint
+        if isinstance(value, str) and "://" in value:
             try:
-                return readable_input(value, s3_endpoint=get_settings().resolved_s3_endpoint)
+                return resolve_input(value, s3_endpoint=endpoint)
             except BatchLLMError as exc:
                 self.fail(str(exc), param, ctx)
         path = self._local.convert(value, param, ctx)
@@ -55,7 +62,10 @@ class InputFile(click.ParamType):
                 param,
                 ctx,
             )
-        return path
+        try:
+            return resolve_input(path, s3_endpoint=endpoint)
+        except BatchLLMError as exc:
+            self.fail(str(exc), param, ctx)
 
     def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str):
         return self._local.shell_complete(ctx, param, incomplete)
@@ -331,7 +341,7 @@ def echo_webhook_secret(secret: str | None, url: str | None) -> None:
         click.echo(f"webhook to {url} signed with secret {secret}", err=True)
 
 
-def spec_from_flags(flags: dict, file: str | Path | None = None) -> JobSpec:
+def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
     """The job spec the flags describe; the task, when not given, from FILE's lines."""
     metadata = _pairs(flags.pop("metadata", ()), "--metadata")
     adapters = _pairs(flags.pop("lora", ()), "--lora")
@@ -451,13 +461,13 @@ def _job_constraint(
         raise click.BadParameter(exc.message, param_hint=flag) from None
 
 
-def require_requests(file: str | Path) -> None:
+def require_requests(file: InputSource) -> None:
     """Refuse a file without a request before a job is created for it."""
     from batchllm.input.lines import has_requests
     from batchllm.settings import get_settings
 
     settings = get_settings()
-    if not has_requests(file, settings.max_line_bytes, s3_endpoint=settings.resolved_s3_endpoint):
+    if not has_requests(file, settings.max_line_bytes):
         raise click.ClickException(f"{file} has no requests (it is empty or has only blank lines)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +20,9 @@ from batchllm.cli.options import (
     require_requests,
     spec_from_flags,
 )
+
+if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
+    from batchllm.input.source import InputSource
 
 
 @cli.command()
@@ -40,7 +44,7 @@ from batchllm.cli.options import (
     "request one token (0: answers at once), so a simulated job lasts a set time.",
 )
 def run(
-    file: str | Path,
+    file: InputSource,
     output: Path | None,
     strict: bool,
     dry_run: bool,

@@ -5,13 +5,15 @@ the task, when the caller names none, is inferred here from the requests themsel
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import InputError
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults, TableColumns
 from batchllm.input.structured import constraint_of
 from batchllm.settings import Settings
+
+if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
+    from batchllm.input.source import InputSource
 
 SAMPLING_FIELDS = frozenset(SamplingDefaults.model_fields)
 ENGINE_FIELDS = frozenset(EngineOptions.model_fields)
@@ -21,7 +23,7 @@ def build_job_spec(
     model: str,
     *,
     settings: Settings,
-    requests: str | Path | None = None,
+    requests: InputSource | None = None,
     json_schema: dict[str, Any] | None = None,
     choice: list[str] | None = None,
     regex: str | None = None,
@@ -45,7 +47,7 @@ def build_job_spec(
 
     `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
     or CSV file read by these columns (input/table.py), checked here before any job exists.
-    `requests` is read as `settings` say (line limit, S3 endpoint)."""
+    `requests`: the resolved input file (input/source.py), read as `settings` say."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -64,7 +66,7 @@ def build_job_spec(
     if table is not None and requests is not None:
         from batchllm.input.table import table_schema
 
-        table_schema(requests, table, engine["task"], s3_endpoint=settings.resolved_s3_endpoint)
+        table_schema(requests, table, engine["task"])
     return JobSpec(
         model=model,
         sampling=SamplingDefaults(**sampling),
@@ -80,19 +82,17 @@ def build_job_spec(
 
 
 def _table_columns(
-    requests: str | Path | None,
+    requests: InputSource | None,
     prompt_column: str | None,
     messages_column: str | None,
     id_column: str | None,
     system: str | None,
 ) -> TableColumns | None:
     """The table options, or None for a JSONL file; InputError when they do not fit the file."""
-    from batchllm.input.table import table_format
-
     given = {"prompt_column": prompt_column, "messages_column": messages_column}
     named = {k: v for k, v in given.items() if v is not None}
     extra = {"id_column": id_column, "system": system}
-    fmt = table_format(requests) if requests is not None else None
+    fmt = requests.table_format if requests is not None else None
     if not named:
         if fmt is not None:
             raise InputError(

@@ -11,18 +11,14 @@ pyarrow's filesystem a buffer at a time (ranged reads), never copied whole into 
 from __future__ import annotations
 
 import functools
-import io
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from batchllm.storage import filesystem_for, is_uri
+from batchllm.input.source import InputSource
 
 # Notepad and Excel's "CSV UTF-8" write one at the start of the file; json.loads refuses it.
 _BOM = b"\xef\xbb\xbf"
 _SKIP_CHUNK = 1 << 20
-_STREAM_BUFFER = 4 << 20  # bytes per ranged read of an input URI
 _CHUNK_BYTES = 4 << 20  # bytes split into lines at once
 
 
@@ -160,26 +156,7 @@ def _skip_bom(handle: BinaryIO) -> None:
         handle.read(len(_BOM))
 
 
-@contextmanager
-def open_input(source: str | Path, *, s3_endpoint: str) -> Iterator[BinaryIO]:
-    """An input file opened for reading from its start: a local path, or a URI
-    (`s3://bucket/key`, on the S3-compatible server `s3_endpoint`; "": AWS) streamed with
-    buffered ranged reads. Reading it twice (custom_ids.py) means opening it twice."""
-    if not is_uri(source):
-        with Path(source).open("rb") as handle:
-            yield handle
-        return
-    fs, path = filesystem_for(str(source), s3_endpoint=s3_endpoint)
-    # compression=None: bytes as they are stored, as for a local file (no .gz guessing).
-    with (
-        fs.open_input_stream(path, compression=None) as stream,
-        io.BufferedReader(stream, _STREAM_BUFFER) as handle,
-    ):
-        yield handle
-
-
-def has_requests(path: str | Path, max_line_bytes: int, *, s3_endpoint: str) -> bool:
-    """Whether the file has a non-blank line; reads only up to the first one. `s3_endpoint`
-    as for `open_input`."""
-    with open_input(path, s3_endpoint=s3_endpoint) as handle:
+def has_requests(source: InputSource, max_line_bytes: int) -> bool:
+    """Whether the file has a non-blank line; reads only up to the first one."""
+    with source.open() as handle:
         return next(iter_lines(handle, max_line_bytes), None) is not None

@@ -13,22 +13,21 @@ import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
 from batchllm.heap import frozen_heap
 from batchllm.input.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
 from batchllm.input.schemas import LineError, TableColumns
+from batchllm.input.source import InputSource
 from batchllm.input.table import read_table_chunks
 from batchllm.input.token_store import iter_token_batches, token_lists
 from batchllm.input.validate import read_row_chunks
 from batchllm.settings import Settings
-from batchllm.storage import Storage, filesystem_for, is_uri
+from batchllm.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -139,38 +138,8 @@ def _not_writable(storage: Storage, exc: OSError) -> StorageError:
     return StorageError(f"job storage {storage.display(storage.root)}: cannot write: {exc}")
 
 
-def readable_input(source: str | Path, *, s3_endpoint: str) -> str | Path:
-    """The input file: a Path, or a URI string (`s3://bucket/key`, on the S3-compatible server
-    `s3_endpoint`; "": AWS) as given; InputError, naming it, when it is missing or a directory
-    (on an object store: a key prefix), or the store cannot be asked. Checked before anything
-    is created for a job (no job row, no engine start)."""
-    if is_uri(source):
-        uri = str(source)
-        try:
-            fs, path = filesystem_for(uri, s3_endpoint=s3_endpoint)
-            kind = fs.get_file_info(path).type
-        except (OSError, ValueError) as exc:  # pyarrow: ArrowIOError, ArrowInvalid
-            raise InputError(f"{uri}: cannot read: {exc}") from exc
-        if kind == pafs.FileType.Directory:
-            raise InputError(f"{uri}: is a directory, not an input file")
-        if kind != pafs.FileType.File:
-            raise InputError(f"{uri}: no such file")
-        return uri
-    source = Path(source)
-    if source.is_dir():
-        raise InputError(f"{source}: is a directory, not an input file")
-    if not source.is_file():
-        raise InputError(f"{source}: no such file")
-    return source
-
-
-def input_name(source: str | Path) -> str:
-    """How a job records its input file: the absolute path, or the URI as given."""
-    return str(source) if is_uri(source) else str(Path(source).resolve())
-
-
 def validated_chunks(
-    source: str | Path,
+    source: InputSource,
     *,
     settings: Settings,
     table: TableColumns | None = None,
@@ -179,14 +148,14 @@ def validated_chunks(
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The input's rows as stored (INPUT_SCHEMA) with the errors of those that cannot run, a
     chunk at a time: a JSONL file's lines, or with `table` a Parquet or CSV file's rows; read
-    and checked as `settings` say (limits, S3 endpoint, where images may be read from)."""
+    and checked as `settings` say (limits, where images may be read from)."""
     if table is not None:
         return read_table_chunks(source, table, settings=settings, adapters=adapters, task=task)
     return read_row_chunks(source, settings=settings, adapters=adapters, task=task)
 
 
 def store_input(
-    source: str | Path,
+    source: InputSource,
     storage: Storage,
     job_id: str,
     *,
@@ -198,7 +167,7 @@ def store_input(
     table: TableColumns | None = None,
     on_shard: Callable[[ShardInput], None] | None = None,
 ) -> StoredInput:
-    """Validate `source` (a local path or a URI, streamed) line by line, or with `table` a
+    """Validate `source` (a local file or a URI, streamed) line by line, or with `table` a
     Parquet or CSV file row by row, and store it as Parquet shards of `shard_size` rows.
 
     With `strict`, any invalid line refuses the whole file (nothing stays stored) and the
@@ -207,7 +176,6 @@ def store_input(
     with each shard once it is stored (a `run` sizes it meanwhile, `submit` queues it).
     `settings`: how the input is read and checked (validated_chunks).
     """
-    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     try:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from pathlib import Path, PurePosixPath
 from typing import Any
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,26 +27,14 @@ from batchllm.errors import InputError
 from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
 from batchllm.input.custom_ids import CustomIds
 from batchllm.input.images import ImageChecks, image_urls
-from batchllm.input.lines import open_input
 from batchllm.input.rows import request_payload
 from batchllm.input.schemas import LineError, TableColumns
+from batchllm.input.source import InputSource
 from batchllm.input.validate import LineProblem, parse_line, stored_block
 from batchllm.settings import Settings
-from batchllm.storage import filesystem_for, is_uri
 
-TABLE_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 _BATCH_ROWS = 65_536  # rows per record batch: a few MB of text, whatever the file's length
 _CSV_BLOCK = 4 << 20
-
-
-def table_format(source: str | Path) -> str | None:
-    """ "parquet" or "csv" by the file's suffix; None for any other (read as JSONL)."""
-    name = urlsplit(str(source)).path if is_uri(source) else str(source)
-    return TABLE_FORMATS.get(PurePosixPath(name).suffix.lower())
-
-
-def _name(source: str | Path) -> str:
-    return str(source) if is_uri(source) else str(Path(source))
 
 
 def _wanted(table: TableColumns) -> dict[str, str]:
@@ -83,35 +69,32 @@ def check_columns(
         )
 
 
-def table_schema(
-    source: str | Path, table: TableColumns, task: str = "generate", *, s3_endpoint: str
-) -> pa.Schema:
-    """The file's columns (read from the Parquet footer or the CSV header), checked.
-    `s3_endpoint`: the S3-compatible server of an s3:// source ("": AWS)."""
-    with _batches(source, table, task, s3_endpoint) as (schema, _):
+def table_schema(source: InputSource, table: TableColumns, task: str = "generate") -> pa.Schema:
+    """The file's columns (read from the Parquet footer or the CSV header), checked."""
+    with _batches(source, table, task) as (schema, _):
         return schema
 
 
 @contextmanager
 def _batches(
-    source: str | Path, table: TableColumns, task: str, s3_endpoint: str
+    source: InputSource, table: TableColumns, task: str
 ) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
     """The file's schema (checked) and its record batches of the named columns."""
     with ExitStack() as stack:
         try:
             columns = list(dict.fromkeys(_wanted(table).values()))
-            schema, batches = _open(stack, source, columns, s3_endpoint)
+            schema, batches = _open(stack, source, columns)
         except (pa.ArrowInvalid, OSError) as exc:  # ArrowInvalid: not Parquet, not CSV
             raise _unreadable(source, exc) from exc
-        check_columns(_name(source), schema, table, task)
+        check_columns(source.name, schema, table, task)
         yield schema, _reading(batches, source)
 
 
 def _open(
-    stack: ExitStack, source: str | Path, columns: list[str], s3_endpoint: str
+    stack: ExitStack, source: InputSource, columns: list[str]
 ) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    if table_format(source) == "csv":
-        handle = stack.enter_context(open_input(source, s3_endpoint=s3_endpoint))
+    if source.format == "csv":
+        handle = stack.enter_context(source.open())
         # Text columns stay text: an id column of "007" must not become 7.
         reader = pacsv.open_csv(
             handle,
@@ -121,29 +104,29 @@ def _open(
             ),
         )
         return reader.schema, (batch.select(columns) for batch in reader)
-    if is_uri(source):
-        fs, path = filesystem_for(str(source), s3_endpoint=s3_endpoint)
+    if source.uri:
+        fs, path = source.filesystem()
         parquet = pq.ParquetFile(stack.enter_context(fs.open_input_file(path)))
     else:
-        parquet = stack.enter_context(pq.ParquetFile(source))
+        parquet = stack.enter_context(pq.ParquetFile(source.local_path))
     schema = parquet.schema_arrow
     named = [column for column in columns if column in schema.names]  # checked after this
     return schema, parquet.iter_batches(_BATCH_ROWS, columns=named)
 
 
-def _reading(batches: Iterator[pa.RecordBatch], source: str | Path) -> Iterator[pa.RecordBatch]:
+def _reading(batches: Iterator[pa.RecordBatch], source: InputSource) -> Iterator[pa.RecordBatch]:
     try:
         yield from batches
     except (pa.ArrowInvalid, OSError) as exc:  # e.g. a CSV row with too many fields
         raise _unreadable(source, exc) from exc
 
 
-def _unreadable(source: str | Path, exc: Exception) -> InputError:
-    return InputError(f"{_name(source)}: cannot read as {table_format(source)}: {exc}")
+def _unreadable(source: InputSource, exc: Exception) -> InputError:
+    return InputError(f"{source.name}: cannot read as {source.format}: {exc}")
 
 
 def read_table_chunks(
-    source: str | Path,
+    source: InputSource,
     table: TableColumns,
     *,
     settings: Settings,
@@ -153,11 +136,11 @@ def read_table_chunks(
     """The file's rows as rows to store, a record batch at a time: a table in INPUT_SCHEMA
     and the LineErrors of its rows that cannot run (validate.read_row_chunks' contract),
     read and checked as `settings` say."""
-    name = _name(source)
+    name = source.name
     ids = CustomIds()
     images = ImageChecks(settings)
     try:
-        with _batches(source, table, task, settings.resolved_s3_endpoint) as (_, batches):
+        with _batches(source, table, task) as (_, batches):
             number = 1
             for batch in batches:
                 if not batch.num_rows:

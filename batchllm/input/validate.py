@@ -26,7 +26,7 @@ from batchllm.input.custom_ids import (
     may_give_default_id,
 )
 from batchllm.input.images import ImageChecks, ImageProblem, check_image, image_urls
-from batchllm.input.lines import Line, iter_line_chunks, iter_lines, open_input
+from batchllm.input.lines import Line, iter_line_chunks, iter_lines
 from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.input.schemas import (
@@ -45,6 +45,7 @@ from batchllm.input.schemas import (
     Request,
     SamplingOverrides,
 )
+from batchllm.input.source import InputSource, resolve_input
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
 from batchllm.input.unicode_text import (
@@ -54,7 +55,6 @@ from batchllm.input.unicode_text import (
     unencodable_field,
 )
 from batchllm.settings import Settings
-from batchllm.storage import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +200,12 @@ def is_embedding_line(obj: Any) -> bool:
     )
 
 
-def infer_task(path: str | Path, settings: Settings) -> str:
+def infer_task(source: InputSource, settings: Settings) -> str:
     """The task a file's lines ask for, from its first line that decodes to an object:
     embed for embedding lines, else generate (one task per job; lines of the other task
-    become error rows). The file is read as `settings` say (line limit, S3 endpoint)."""
+    become error rows). The file is read as `settings` say (line limit)."""
     limit = settings.max_line_bytes
-    with open_input(path, s3_endpoint=settings.resolved_s3_endpoint) as handle:
+    with source.open() as handle:
         for line in iter_lines(handle, limit):
             if line.raw is None:
                 continue
@@ -435,7 +435,7 @@ def _check(
 
 
 def read_requests(
-    path: str | Path,
+    path: str | Path | InputSource,
     *,
     settings: Settings,
     max_line_bytes: int | None = None,
@@ -449,6 +449,7 @@ def read_requests(
     A line over `max_line_bytes` (default: the settings') is an error without being parsed.
     The file is read twice (custom_ids.py), each time from its start.
     """
+    source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
     limit = max_line_bytes or settings.max_line_bytes
     images = ImageChecks(settings)
 
@@ -457,7 +458,7 @@ def read_requests(
             return [_check(line, limit, adapters, task, settings) for line in lines]
 
     try:
-        for resolved in _resolved_chunks(path, limit, settings, checked):
+        for resolved in _resolved_chunks(source, limit, checked):
             for _, custom_id, item in resolved:
                 if isinstance(item, Request):
                     item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
@@ -467,14 +468,14 @@ def read_requests(
 
 
 def read_row_chunks(
-    path: str | Path,
+    source: InputSource,
     *,
     settings: Settings,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = "generate",
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
-    """The non-blank lines of `path` as rows to store, a chunk of the file at a time: a table
+    """The non-blank lines of `source` as rows to store, a chunk of the file at a time: a table
     of the lines' input-shard values (INPUT_SCHEMA, input/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
     validated a block at a time (input/columnar.py) and kept in columns to the stored shard."""
@@ -497,10 +498,10 @@ def read_row_chunks(
     ids = CustomIds()
     images = ImageChecks(settings)
     try:
-        for chunk in _line_chunks(path, limit, settings, ids):
+        for chunk in _line_chunks(source, limit, ids):
             with images.prefetching(image_urls(line.raw for line in chunk)):
                 block = columnar.check_block(chunk, one, judge)
-            yield stored_block(block, ids, _name(path))
+            yield stored_block(block, ids, source.name)
     finally:
         images.close()
         ids.close()
@@ -555,46 +556,36 @@ def stored_block(
     ), problems
 
 
-def _name(path: str | Path) -> str:
-    """How LineErrors name the input file."""
-    return str(path) if is_uri(path) else str(Path(path))
-
-
 def _duplicate(custom_id: str, first: int) -> LineProblem:
     return LineProblem("custom_id", f"duplicate custom_id {custom_id!r} (first on line {first})")
 
 
-def _line_chunks(
-    path: str | Path, limit: int, settings: Settings, ids: CustomIds
-) -> Iterator[list[Line]]:
+def _line_chunks(source: InputSource, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
     """The file's non-blank lines, a list per chunk. The first pass, which collects the
     default-shaped custom_ids the file gives (custom_ids.py), runs when the first line without
     a custom_id needs its default, over the whole file on a handle of its own."""
-    source = path if is_uri(path) else Path(path)
-    s3_endpoint = settings.resolved_s3_endpoint
 
     def given_lines() -> Iterator[Line]:
-        with open_input(source, s3_endpoint=s3_endpoint) as handle:
+        with source.open() as handle:
             for chunk in iter_line_chunks(handle, limit, wanted=may_give_default_id):
                 yield from chunk
 
     ids.defer_first_pass(given_lines)
-    with open_input(source, s3_endpoint=s3_endpoint) as handle:
+    with source.open() as handle:
         yield from iter_line_chunks(handle, limit)
 
 
 def _resolved_chunks(
-    path: str | Path,
+    source: InputSource,
     limit: int,
-    settings: Settings,
     checked: Callable[[list[Line]], list[_Checked]],
 ) -> Iterator[list[tuple[int, str, Any]]]:
     """(line number, final custom_id, the checked item or the LineError refusing the line)
     per non-blank line, a list per chunk of lines that `checked` checks at once."""
     ids = CustomIds()
     try:
-        for chunk in _line_chunks(path, limit, settings, ids):
-            yield _resolve_chunk(checked(chunk), ids, _name(path))
+        for chunk in _line_chunks(source, limit, ids):
+            yield _resolve_chunk(checked(chunk), ids, source.name)
     finally:
         ids.close()
 

@@ -16,7 +16,8 @@ from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
 from batchllm.input.rows import InputRow, stored_row
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import readable_input, validated_chunks
+from batchllm.input.shards import validated_chunks
+from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.service import RecordedThroughput, recorded_throughput
@@ -46,9 +47,11 @@ class Estimate:
         return (self.prompt_tokens + self.max_output_tokens) / self.history.tokens_per_s
 
 
-def estimate_job(source: str | Path, spec: JobSpec, *, settings: Settings) -> Estimate:
+def estimate_job(
+    source: str | Path | InputSource, spec: JobSpec, *, settings: Settings
+) -> Estimate:
     """Validate and tokenize `source` as a job of `spec` would; create nothing."""
-    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
+    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     sizer = ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
     counts = {"requests": 0, "invalid": 0, "too_long": 0, "prompt": 0, "output": 0}
     chunk: dict[int, InputRow] = {}  # the rows being tokenized, by line

@@ -18,7 +18,8 @@ from batchllm.execution.sizing_pass import BackgroundSizer
 from batchllm.execution.stop_request import StopRequest
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import ShardInput, readable_input
+from batchllm.input.shards import ShardInput
+from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
@@ -33,7 +34,7 @@ _NOTIFY_WITHIN_SECONDS = 30.0
 
 
 def run_job(
-    source: str | Path,
+    source: str | Path | InputSource,
     spec: JobSpec,
     *,
     strict: bool = False,
@@ -48,6 +49,8 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
+    # Resolved once (input/source.py): a missing file is reported before any engine starts.
+    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     fail_abandoned_runs(settings)
     own_engines = engines is None
     engines = engines or EngineCache(settings)
@@ -160,7 +163,7 @@ def _announce_end(job_id: str, settings: Settings) -> None:
 
 
 def _create(
-    source: str | Path,
+    source: InputSource,
     spec: JobSpec,
     *,
     strict: bool,
@@ -195,8 +198,6 @@ def _create(
             on_created(created.job)
         return created.job.id
 
-    # A missing file is reported before any engine starts.
-    readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     early = spec.engine.max_model_len
     if not early:
         return _create_and_size(create, spec, settings)

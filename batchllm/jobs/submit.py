@@ -14,6 +14,7 @@ from batchllm.errors import BatchLLMError
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
+from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def submit_job(
-    source: str | Path,
+    source: str | Path | InputSource,
     spec: JobSpec,
     *,
     shard_size: int | None = None,
@@ -48,6 +49,7 @@ def submit_job(
     records its batch there); `on_stored(stored)` once the input is stored (its counts: lines,
     invalid lines, shards); `notify`: where the job's end is announced.
     """
+    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     app = create_app(settings)  # one for every release of the job's shards
     sent: list[int] = []
 

@@ -99,6 +99,16 @@ SUCCESS_NAME = "_SUCCESS"
 
 # One output row's values, in OUTPUT_SCHEMA's column order.
 Values = tuple[Any, ...]
+_NULL_ROW: dict[str, Any] = dict.fromkeys(OUTPUT_SCHEMA.names)
+
+
+def _row(**values: Any) -> Values:
+    """A row from its non-null columns by name, in OUTPUT_SCHEMA's order. (Answers, the hot
+    path, are written as a tuple instead: test_output_row_layout pins it to the schema.)"""
+    unknown = values.keys() - _NULL_ROW.keys()
+    if unknown:
+        raise KeyError(f"not output columns: {sorted(unknown)}")
+    return tuple({**_NULL_ROW, **values}.values())
 
 
 def generated_tokens(choices: list[dict[str, Any]] | None, completion_tokens: int | None) -> int:
@@ -169,28 +179,7 @@ class OutputBuffer:
         embeddings: list[list[float]] | None,
     ) -> None:
         """An embedding line's vector (one input) or vectors (a list input)."""
-        self.rows.append(
-            (
-                custom_id,
-                line,
-                "ok",
-                None,
-                None,
-                prompt_tokens,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                embedding,
-                embeddings,
-                None,
-                None,
-                None,
-                None,
-            )
-        )
+        self._add(custom_id, line, "ok", prompt_tokens, embedding=embedding, embeddings=embeddings)
 
     def failed(
         self,
@@ -201,26 +190,19 @@ class OutputBuffer:
         prompt_tokens: int | None = None,
     ) -> None:
         """An error row; `code` is one of output/row_errors.py's."""
+        self._add(custom_id, line, "error", prompt_tokens, error=error, error_code=code)
+
+    def _add(
+        self, custom_id: str, line: int, status: str, prompt_tokens: int | None, **values: Any
+    ) -> None:
+        """A row from its non-null columns by name (answers, the hot path, skip this)."""
         self.rows.append(
-            (
-                custom_id,
-                line,
-                "error",
-                None,
-                None,
-                prompt_tokens,
-                None,
-                error,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                code,
-                None,
-                None,
-                None,
+            _row(
+                custom_id=custom_id,
+                line=line,
+                status=status,
+                prompt_tokens=prompt_tokens,
+                **values,
             )
         )
 

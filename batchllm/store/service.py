@@ -17,13 +17,8 @@ from sqlalchemy.orm import Session
 from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
 from batchllm.input.adapters import store_adapters
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import (
-    ShardInput,
-    StoredInput,
-    input_name,
-    readable_input,
-    store_input,
-)
+from batchllm.input.shards import ShardInput, StoredInput, store_input
+from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
@@ -53,7 +48,7 @@ ReleaseShards = Callable[[str, list[int]], None]
 
 
 def create_job(
-    source: str | Path,
+    source: str | Path | InputSource,
     spec: JobSpec,
     *,
     shard_size: int,
@@ -74,9 +69,10 @@ def create_job(
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
-    is announced (store/webhooks.py).
+    is announced (store/webhooks.py). `source`: the input as a front door resolved it
+    (input/source.py); a path is resolved here, once.
     """
-    source = readable_input(source, s3_endpoint=settings.resolved_s3_endpoint)
+    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     storage = Storage.of(settings)
     job_id = new_job_id()
     if spec.adapters:
@@ -88,7 +84,7 @@ def create_job(
                 job_id,
                 JobStatus.VALIDATING,
                 spec,
-                input_name(source),
+                source.recorded,
                 storage,
                 settings,
                 notify,

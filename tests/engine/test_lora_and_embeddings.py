@@ -25,6 +25,7 @@ import pytest
 from batchllm.input.schemas import LineError, Request
 from batchllm.settings import get_settings
 from tests.support.cli import LOCAL_UNSET, local_env, run_cli
+from tests.support.inputs import source_of
 from tests.support.skips import require
 
 # The module fixtures build the LoRA and embedding engines (the base job shares the session's).
@@ -385,7 +386,7 @@ def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp
 
     source = write_jsonl(tmp_path / "embed.jsonl", EMBED_LINES)
 
-    assert infer_task(source, settings=settings) == "embed"
+    assert infer_task(source_of(source, settings), settings=settings) == "embed"
     read = {
         item.custom_id: item for item in read_requests(source, task="generate", settings=settings)
     }

@@ -13,6 +13,7 @@ windows of seconds expire within a test.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
-from batchllm.store.models import StoredFile
+from batchllm.store.models import Job, JobStatus, StoredFile
 from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv, Worker, stop_workers
 from tests.support.serve import (
     CHAT,
@@ -135,6 +136,27 @@ def assert_window(batch: Batch, seconds: int) -> None:
     # The window starts when the request comes (expires_at), the batch's clock once its input
     # is stored (created_at): they differ by the time storing took.
     assert 0 <= batch.created_at + seconds - batch.expires_at <= 10, batch
+
+
+def backlog(api: Api) -> dict[str, float]:
+    """serve's three backlog gauges for the worker's model, as a scraper reads them."""
+    text = httpx.get(f"{api.server.base_url}/metrics", timeout=30).text
+    found = re.findall(
+        r"^(batchllm_backlog_rows|batchllm_backlog_seconds|batchllm_live_workers)"
+        r'\{model="([^"]*)"\} (\S+)$',
+        text,
+        flags=re.M,
+    )
+    return {name: float(value) for name, model, value in found if model == api.model}
+
+
+def completed_jobs(api: Api) -> int:
+    with session_scope(api.fleet_env.settings) as session:
+        return session.scalar(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.model == api.model, Job.status == JobStatus.COMPLETED)
+        )
 
 
 def file_rows(api: Api) -> int:
@@ -442,9 +464,22 @@ def test_cancel_a_running_batch(api: Api) -> None:
         return batch if batch.request_counts.completed > 0 else None
 
     wait_for(running, timeout=BATCH_SECONDS, what=lambda: "a first checkpoint" + api.logs())
+    # The autoscaler's view while it runs (serve's /metrics, from the database and the worker
+    # registry): rows still to do, the time they take at the model's recent rate (the module's
+    # earlier batches completed), the live worker.
+    during = backlog(api)
+    assert 0 < during["batchllm_backlog_rows"] < BIG_LINES, during
+    assert during["batchllm_live_workers"] == 1, during
+    if completed_jobs(api):  # the seconds need a rate: a completed job of the model
+        assert during["batchllm_backlog_seconds"] > 0, during
+    else:
+        assert "batchllm_backlog_seconds" not in during, during
     cancelling = client.batches.cancel(created.id)
     assert cancelling.status in ("cancelling", "cancelled")
     batch = wait_status(api, client, created.id, "cancelled", 120)
+    after = backlog(api)
+    assert after["batchllm_backlog_rows"] == after["batchllm_backlog_seconds"] == 0, after
+    print(f"backlog gauges of {api.model}: during the batch {during}, after its cancel {after}")
     assert batch.cancelled_at and batch.completed_at is None
     counts = batch.request_counts
     assert counts.total == BIG_LINES

@@ -32,6 +32,7 @@ import pytest
 from batchllm.input.images import ImageProblem, open_image, shown
 from batchllm.input.validate import LineProblem, parse_line, read_row_chunks
 from batchllm.settings import get_settings
+from tests.support.inputs import source_of
 from tests.support.s3server import S3Server, moto_server
 from tests.support.serve import start_serve, stop_serve
 
@@ -73,7 +74,7 @@ def validate_file(path: Path, lines: list[dict[str, Any]]) -> tuple[int, dict[st
     """Validate a file of lines as batch create does: (rows that run, {custom_id: error})."""
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     runnable, errors = 0, {}
-    for table, problems in read_row_chunks(path, settings=get_settings()):
+    for table, problems in read_row_chunks(source_of(path), settings=get_settings()):
         runnable += table.num_rows - len(problems)
         errors.update({problem.custom_id: problem.message for problem in problems})
     return runnable, errors
@@ -679,7 +680,7 @@ def test_a_parquet_table_s_images_are_fetched_concurrently_and_checked_the_same_
     pq.write_table(pa.table({"id": [f"row-{i}" for i in range(9)], "messages": messages}), path)
     table = TableColumns(messages_column="messages", id_column="id")
     started = time.monotonic()
-    chunks = list(validated_chunks(path, table=table, settings=get_settings()))
+    chunks = list(validated_chunks(source_of(path), table=table, settings=get_settings()))
     elapsed = time.monotonic() - started
     problems = {problem.custom_id: problem.message for _, found in chunks for problem in found}
     assert sum(chunk.num_rows for chunk, _ in chunks) == 9

@@ -19,6 +19,7 @@ from batchllm.input.lines import iter_lines
 from batchllm.input.rows import INPUT_SCHEMA, InputRow
 from batchllm.input.schemas import LineError
 from batchllm.settings import get_settings
+from tests.support.inputs import source_of
 
 LIMIT = 400
 
@@ -254,7 +255,7 @@ def got_rows(path: Path, adapters: frozenset[str] = frozenset(), task: str = "ge
     """read_row_chunks' rows, each with its LineError or None, as expected_rows gives them."""
     got = []
     for rows, problems in validate.read_row_chunks(
-        path, max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
+        source_of(path), max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
     ):
         assert rows.schema == INPUT_SCHEMA
         tuples = list(zip(*(column.to_pylist() for column in rows.columns)))

@@ -20,6 +20,7 @@ from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, part_of
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, rows_to_table
 
 CHOICES = [
@@ -145,7 +146,7 @@ def test_prefix_grouping_orders_rows_by_kind_then_prompt_and_skips_committed_lin
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     storage = Storage(str(tmp_path / "store"))
     shard = store_input(
-        source, storage, "job_feed", shard_size=100, settings=get_settings()
+        source_of(source), storage, "job_feed", shard_size=100, settings=get_settings()
     ).shards[0]
     spec = JobSpec(model="m")
 

@@ -25,6 +25,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 __all__ = ["small_commits"]
 
@@ -62,7 +63,9 @@ def test_lone_surrogates_in_content_or_custom_id_are_error_lines_naming_the_fiel
 
 def test_the_columnar_reader_stores_poisoned_lines_as_invalid_rows_instead_of_raising(tmp_path):
     tables, errors = [], []
-    for table, chunk_errors in read_row_chunks(poisoned_file(tmp_path), settings=get_settings()):
+    for table, chunk_errors in read_row_chunks(
+        source_of(poisoned_file(tmp_path)), settings=get_settings()
+    ):
         tables.append(table)
         errors += chunk_errors
     rows = [row for table in tables for row in table.to_pylist()]

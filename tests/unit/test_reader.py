@@ -15,6 +15,7 @@ from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.input.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
+from tests.support.inputs import source_of
 
 
 def write_lines(path: Path, lines: list[str | dict | bytes]) -> Path:
@@ -265,7 +266,9 @@ def test_store_input_keeps_every_line_including_invalid_ones(tmp_path):
     )
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=100, settings=get_settings())
+    stored = store_input(
+        source_of(source), storage, "job_x", shard_size=100, settings=get_settings()
+    )
 
     assert (stored.total, stored.invalid, len(stored.shards)) == (3, 1, 1)
     rows = stored_rows(storage, stored.shards[0].path)
@@ -288,7 +291,7 @@ def test_shards_roll_at_shard_size_with_their_first_and_last_lines(tmp_path):
     source = write_lines(tmp_path / "in.jsonl", lines)
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=3, settings=get_settings())
+    stored = store_input(source_of(source), storage, "job_x", shard_size=3, settings=get_settings())
 
     assert [(s.index, s.rows, s.first_line, s.last_line) for s in stored.shards] == [
         (0, 3, 1, 3),
@@ -322,7 +325,9 @@ def test_strict_refuses_a_file_with_invalid_lines_and_leaves_no_shard_files(tmp_
     storage = Storage(str(tmp_path / "store"))
 
     with pytest.raises(InputError) as caught:
-        store_input(source, storage, "job_x", shard_size=2, strict=True, settings=get_settings())
+        store_input(
+            source_of(source), storage, "job_x", shard_size=2, strict=True, settings=get_settings()
+        )
 
     message = str(caught.value)
     assert "2 of 6 lines are invalid" in message
@@ -336,7 +341,7 @@ def test_strict_accepts_a_clean_file(tmp_path):
     storage = Storage(str(tmp_path / "store"))
 
     stored = store_input(
-        source, storage, "job_x", shard_size=10, strict=True, settings=get_settings()
+        source_of(source), storage, "job_x", shard_size=10, strict=True, settings=get_settings()
     )
 
     assert (stored.total, stored.invalid) == (2, 0)
@@ -349,7 +354,7 @@ def test_empty_file_raises_input_error_naming_the_file(tmp_path, content):
 
     with pytest.raises(InputError, match="no requests") as caught:
         store_input(
-            source,
+            source_of(source),
             Storage(str(tmp_path / "store")),
             "job_x",
             shard_size=10,
@@ -364,7 +369,7 @@ def test_missing_file_raises_input_error_naming_the_file(tmp_path):
 
     with pytest.raises(InputError, match="no such file") as caught:
         store_input(
-            source,
+            source_of(source),
             Storage(str(tmp_path / "store")),
             "job_x",
             shard_size=10,

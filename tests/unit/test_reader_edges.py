@@ -15,6 +15,7 @@ from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.input.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
+from tests.support.inputs import source_of
 
 
 def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -> Path:
@@ -143,23 +144,25 @@ def test_a_file_whose_lines_all_give_ids_is_read_once_and_one_needing_a_default_
 ):
     """The first pass (the given ids of the default shape) runs only for a default: a 10M-line
     file stores no shard before it ends. Both validation paths: stored rows and read_requests."""
-    from batchllm.input import validate
+    from batchllm.input.source import InputSource
 
     opened: list[str] = []
-    real_open = validate.open_input
+    real_open = InputSource.open
 
-    def counting_open(source, *, s3_endpoint):
+    def counting_open(source):
         opened.append(str(source))
-        return real_open(source, s3_endpoint=s3_endpoint)
+        return real_open(source)
 
-    monkeypatch.setattr(validate, "open_input", counting_open)
+    monkeypatch.setattr(InputSource, "open", counting_open)
 
     def ids_of(lines: list[dict]) -> list[str]:
         source = write(tmp_path / "in.jsonl", lines)
         if path == "lines":
             return [item.custom_id for item in read_requests(source, settings=get_settings())]
         storage = Storage(str(tmp_path / f"store-{len(opened)}"))
-        stored = store_input(source, storage, "job_x", shard_size=10, settings=get_settings())
+        stored = store_input(
+            source_of(source), storage, "job_x", shard_size=10, settings=get_settings()
+        )
         return [r.custom_id for r in iter_shard_rows(storage, stored.shards[0].path)]
 
     given = [{"custom_id": f"line-{n}", "prompt": "a"} for n in (3, 1)]
@@ -175,7 +178,9 @@ def test_moved_defaults_reach_the_stored_input_rows(tmp_path):
     source = write(tmp_path / "in.jsonl", [{"prompt": "a"}, {"custom_id": "line-1", "prompt": "b"}])
     storage = Storage(str(tmp_path / "store"))
 
-    stored = store_input(source, storage, "job_x", shard_size=10, settings=get_settings())
+    stored = store_input(
+        source_of(source), storage, "job_x", shard_size=10, settings=get_settings()
+    )
 
     rows = list(iter_shard_rows(storage, stored.shards[0].path))
     assert [(r.line, r.custom_id, r.kind) for r in rows] == [

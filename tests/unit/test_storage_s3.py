@@ -18,9 +18,9 @@ from sqlalchemy import update
 
 from batchllm.errors import BatchLLMError, InputError, StorageError
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.input.lines import has_requests, open_input
+from batchllm.input.lines import has_requests
 from batchllm.input.schemas import LineError
-from batchllm.input.shards import input_name, readable_input, store_input
+from batchllm.input.shards import store_input
 from batchllm.input.validate import infer_task, read_requests
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
@@ -37,6 +37,7 @@ from tests.support.fake_runs import (
     make_spec,
     write_items,
 )
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
 
@@ -272,19 +273,17 @@ def test_a_missing_object_or_a_prefix_is_refused_as_input(server, s3):
     bucket = s3.root.split("/")[0]
     upload(server, f"{bucket}/in/prompts.jsonl", b'{"prompt": "hi"}\n')
 
-    assert (
-        readable_input(
-            f"s3://{bucket}/in/prompts.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
-        )
-        == f"s3://{bucket}/in/prompts.jsonl"
+    found = source_of(f"s3://{bucket}/in/prompts.jsonl")
+    assert (found.name, found.recorded, found.uri, found.format) == (
+        f"s3://{bucket}/in/prompts.jsonl",
+        f"s3://{bucket}/in/prompts.jsonl",
+        True,
+        "jsonl",
     )
     with pytest.raises(InputError, match=r"s3://.*/in/missing.jsonl: no such file"):
-        readable_input(
-            f"s3://{bucket}/in/missing.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
-        )
+        source_of(f"s3://{bucket}/in/missing.jsonl")
     with pytest.raises(InputError, match="is a directory"):
-        readable_input(f"s3://{bucket}/in", s3_endpoint=get_settings().resolved_s3_endpoint)
-    assert input_name(f"s3://{bucket}/in/prompts.jsonl") == f"s3://{bucket}/in/prompts.jsonl"
+        source_of(f"s3://{bucket}/in")
 
 
 def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
@@ -313,21 +312,19 @@ def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
     assert [i.custom_id for i in from_s3] == ["line-1-2", "line-3", "line-1", "line-1", "line-6"]
     assert from_s3[1].file == uri  # errors name the URI
     assert (
-        has_requests(uri, 1024, s3_endpoint=get_settings().resolved_s3_endpoint)
-        and infer_task(uri, settings=get_settings()) == "generate"
+        has_requests(source_of(uri), 1024)
+        and infer_task(source_of(uri), settings=get_settings()) == "generate"
     )
     upload(server, f"{bucket}/in/embed.jsonl", b'{"input": "x"}\n')
-    assert infer_task(f"s3://{bucket}/in/embed.jsonl", settings=get_settings()) == "embed"
+    assert infer_task(source_of(f"s3://{bucket}/in/embed.jsonl"), get_settings()) == "embed"
     upload(server, f"{bucket}/in/blank.jsonl", b"\n  \n")
-    assert not has_requests(
-        f"s3://{bucket}/in/blank.jsonl", 1024, s3_endpoint=get_settings().resolved_s3_endpoint
-    )
+    assert not has_requests(source_of(f"s3://{bucket}/in/blank.jsonl"), 1024)
 
 
 def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
     import io
 
-    import batchllm.input.lines as lines_module
+    import batchllm.input.source as source_module
 
     fetched: list[int] = []
 
@@ -345,7 +342,7 @@ def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
             fetched.append(n)
             return n
 
-    real_filesystem_for = lines_module.filesystem_for
+    real_filesystem_for = source_module.filesystem_for
 
     def counting_filesystem_for(uri: str, *, s3_endpoint: str) -> tuple[Any, str]:
         fs, path = real_filesystem_for(uri, s3_endpoint=s3_endpoint)
@@ -353,22 +350,18 @@ def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
         wrapped.open_input_stream = lambda p, **kw: Counted(fs.open_input_stream(p, **kw))  # type: ignore[method-assign]
         return wrapped, path
 
-    monkeypatch.setattr(lines_module, "filesystem_for", counting_filesystem_for)
-    monkeypatch.setattr(lines_module, "_STREAM_BUFFER", 64 * 1024)
+    monkeypatch.setattr(source_module, "filesystem_for", counting_filesystem_for)
+    monkeypatch.setattr(source_module, "_STREAM_BUFFER", 64 * 1024)
     bucket = s3.root.split("/")[0]
     line = json.dumps({"prompt": "x" * 100}).encode() + b"\n"
     upload(server, f"{bucket}/in/big.jsonl", line * 20_000)  # 2.2 MB
 
-    with open_input(
-        f"s3://{bucket}/in/big.jsonl", s3_endpoint=get_settings().resolved_s3_endpoint
-    ) as handle:
+    with source_of(f"s3://{bucket}/in/big.jsonl").open() as handle:
         assert handle.readline() == line
         assert sum(fetched) <= 64 * 1024  # one buffer's read, not the whole object
         assert sum(1 for _ in iter(handle.readline, b"")) == 19_999
     assert max(fetched) <= 64 * 1024 and sum(fetched) == len(line) * 20_000
-    assert has_requests(
-        f"s3://{bucket}/in/big.jsonl", 1024, s3_endpoint=get_settings().resolved_s3_endpoint
-    )
+    assert has_requests(source_of(f"s3://{bucket}/in/big.jsonl"), 1024)
 
 
 def test_the_cli_file_argument_takes_local_paths_and_checks_s3_uris(server, s3, tmp_path):
@@ -380,9 +373,11 @@ def test_the_cli_file_argument_takes_local_paths_and_checks_s3_uris(server, s3, 
     local.write_text('{"prompt": "hi"}\n')
     param = InputFile()
 
-    assert param.convert(str(local), None, None) == local
+    resolved = param.convert(str(local), None, None)
+    assert (resolved.name, resolved.uri, resolved.format) == (str(local), False, "jsonl")
     uri = f"s3://{bucket}/in/prompts.jsonl"
-    assert param.convert(uri, None, None) == uri
+    resolved = param.convert(uri, None, None)
+    assert (resolved.name, resolved.recorded, resolved.uri) == (uri, uri, True)
     with pytest.raises(click.BadParameter, match="no such file"):
         param.convert(f"s3://{bucket}/in/nope.jsonl", None, None)
     with pytest.raises(click.BadParameter, match="does not exist"):
@@ -395,7 +390,11 @@ def test_an_s3_input_is_stored_as_shards_in_s3_storage(server, s3, tmp_path):
     upload(server, f"{bucket}/in/items.jsonl", source.read_bytes())
 
     stored = store_input(
-        f"s3://{bucket}/in/items.jsonl", s3, "job_in", shard_size=10, settings=get_settings()
+        source_of(f"s3://{bucket}/in/items.jsonl"),
+        s3,
+        "job_in",
+        shard_size=10,
+        settings=get_settings(),
     )
 
     assert (stored.total, stored.invalid) == (26, 1)

@@ -21,6 +21,7 @@ from batchllm.settings import get_settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits
+from tests.support.inputs import source_of
 from tests.support.s3server import moto_server
 
 
@@ -28,7 +29,7 @@ def stored(source: str | Path, **columns: str) -> tuple[list[dict], list[str]]:
     rows: list[dict] = []
     errors: list[str] = []
     for chunk, problems in validated_chunks(
-        source, table=TableColumns(**columns), settings=get_settings()
+        source_of(source), table=TableColumns(**columns), settings=get_settings()
     ):
         rows += chunk.to_pylist()
         errors += [str(p) for p in problems]
@@ -39,7 +40,7 @@ def stored_jsonl(path: Path, lines: list[dict]) -> list[dict]:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return [
         row
-        for chunk, _ in validated_chunks(path, settings=get_settings())
+        for chunk, _ in validated_chunks(source_of(path), settings=get_settings())
         for row in chunk.to_pylist()
     ]
 
@@ -124,7 +125,9 @@ def test_rows_are_read_a_record_batch_at_a_time_and_numbered_across_batches(tmp_
     pq.write_table(pa.table({"text": [f"p{i}" for i in range(8)]}), path, row_group_size=3)
 
     chunks = list(
-        validated_chunks(path, table=TableColumns(prompt_column="text"), settings=get_settings())
+        validated_chunks(
+            source_of(path), table=TableColumns(prompt_column="text"), settings=get_settings()
+        )
     )
 
     assert [c.num_rows for c, _ in chunks] == [3, 3, 2]
@@ -172,13 +175,13 @@ def test_a_wrong_column_is_refused_up_front_naming_the_file_and_its_columns(tmp_
         f"{path}: no column 'text' (the prompt column); its columns: id, body"
     )
     with pytest.raises(InputError, match=r"column 'id' .* holds int64, not text"):
-        build_job_spec("m", requests=path, prompt_column="id", settings=settings)
+        build_job_spec("m", requests=source_of(path), prompt_column="id", settings=settings)
     with pytest.raises(InputError, match="needs prompt_column"):
-        build_job_spec("m", requests=path, settings=settings)
+        build_job_spec("m", requests=source_of(path), settings=settings)
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "x"}\n')
     with pytest.raises(InputError, match="this one is read as JSONL"):
-        build_job_spec("m", requests=jsonl, prompt_column="text", settings=settings)
+        build_job_spec("m", requests=source_of(jsonl), prompt_column="text", settings=settings)
     with session_scope(settings) as session:
         assert session.query(Job).count() == 0  # nothing was created
 
