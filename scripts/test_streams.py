@@ -22,10 +22,17 @@ import threading
 import time
 
 BUILDS_LINE = "engine builds: "
-# Balanced by measurement: the fault tests of `batchllm run` (SQLite, no broker) need none of
-# the fleet's services and run beside the unit and engine suites, where they shorten the fleet
-# session, the long pole (test_run_interrupt's two engines: ~2-3 minutes).
-MOVED_TO_LOCAL = ["tests/faults/test_run_interrupt.py", "tests/faults/test_run_killed.py"]
+# Balanced by measurement: the fault tests of `batchllm run` (SQLite, no broker) and of `serve
+# --worker`'s signals (a private redis-server of their own, SQLite) need none of the fleet's
+# services and run beside the unit and engine suites, where they shorten the fleet session, the
+# long pole (test_run_interrupt's two engines: ~2-3 minutes; test_serve_signals' three cases:
+# ~1.4). A fresh clone on a quiet machine, 2026-12-03, before serve_signals moved: fleet
+# 19:09, local 12:09.
+MOVED_TO_LOCAL = [
+    "tests/faults/test_run_interrupt.py",
+    "tests/faults/test_run_killed.py",
+    "tests/faults/test_serve_signals.py",
+]
 STREAMS = {
     "fleet": [
         "tests/integration",

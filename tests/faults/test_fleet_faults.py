@@ -791,9 +791,10 @@ class TestDrain:
         self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
         pair = instant_workers(pool, engine_pool, 2)
-        source = workload(tmp_path, seed=31, tokens=LONG_TOKENS)
-        job = fault_env.submit(source, shard_size=1000, max_tokens=max(LONG_TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, pair, min_left=500)
+        # Two shards of 500, one a worker: the victim's has ~250 rows generating at a time.
+        source = workload(tmp_path, seed=31, tokens=LONG_TOKENS, rows=1000)
+        job = fault_env.submit(source, shard_size=500, max_tokens=max(LONG_TOKENS))
+        shard = wait_mid_shard(fault_env, job.id, pair, min_left=250)
         victim = by_name(pair)[shard.worker]
         (survivor,) = [w for w in pair if w is not victim]
         before = committed_lines(fault_env, shard.id)
@@ -839,11 +840,12 @@ class TestDrain:
         self, pool, engine_pool, fault_env, tmp_path, recovery
     ):
         pair = instant_workers(pool, engine_pool, 2)
-        # Rows of 5-20 s: when the second SIGTERM comes, most generating rows have seconds to go.
-        tokens = (100, 400)
-        source = workload(tmp_path, seed=32, tokens=tokens, rows=600)
-        job = fault_env.submit(source, shard_size=300, max_tokens=max(tokens))
-        shard = wait_mid_shard(fault_env, job.id, pair, min_done=1, min_left=100)
+        # Rows of 5-15 s, a shard of 150 a worker (all generating at once): when the second
+        # SIGTERM comes, 2 s into the drain, most of the victim's rows have seconds to go.
+        tokens = (100, 300)
+        source = workload(tmp_path, seed=32, tokens=tokens, rows=300)
+        job = fault_env.submit(source, shard_size=150, max_tokens=max(tokens))
+        shard = wait_mid_shard(fault_env, job.id, pair, min_done=1, min_left=50)
         victim = by_name(pair)[shard.worker]
 
         stopped_at = time.monotonic()
