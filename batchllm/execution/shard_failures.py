@@ -18,7 +18,6 @@ import logging
 from batchllm.errors import ShardBusy
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.shard_state import load_shard_state
-from batchllm.output import commit
 from batchllm.output.row_errors import INVALID_REQUEST, SHARD_FAILED
 from batchllm.settings import Settings
 from batchllm.storage import Storage
@@ -89,7 +88,6 @@ def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> 
     try:
         with session_scope(settings) as session:
             claimed = leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
-            commit.tidy_ended_jobs(session)
             if claimed is None:  # ended meanwhile (e.g. its job was cancelled)
                 return
             attempt, job_id = claimed.attempts, claimed.job_id
@@ -113,7 +111,7 @@ def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> 
         log.exception("shard %s: could not write its error rows", shard_id)
         status, error = ShardStatus.FAILED, f"{message}; its rows could not be read: {exc}"
     with session_scope(settings) as session:
+        # The job this may end is tidied as the transaction commits (output/commit.py's hook).
         next_step = end_shard(session, shard_id, status, error, attempt=attempt)
-        commit.tidy_ended_jobs(session)
     if next_step is JobStatus.FINALIZING:
         finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
