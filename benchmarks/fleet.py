@@ -194,15 +194,19 @@ class Sampler:
         self._thread.join(timeout=5)
 
 
-def _spec(model: str) -> JobSpec:
+def _spec(model: str, sized: bool = True) -> JobSpec:
+    """The bench's job; `sized=False`: no max_model_len, so a worker sizes it from its rows
+    (the sizing pass, once per job: execution/engines.py resolve_max_model_len)."""
     return JobSpec(
         model=model,
-        engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN if sized else None),
         sampling=SamplingDefaults(max_tokens=MAX_TOKENS[1], ignore_eos=True),
     )
 
 
-def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: float) -> dict:
+def run_jobs(
+    fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: float, sized: bool = True
+) -> dict:
     """Submit the files one after another as fast as submit goes, then follow every job to its
     end; the figures of the whole set."""
     from batchllm.jobs.submit import submit_job
@@ -212,13 +216,16 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
     assert settings is not None
     redis_before = fleet.redis.commands()
     outcomes_before = task_outcomes(fleet)
+    sizing_before = sizing_passes(fleet)
     cpu_before = (fleet.worker_cpu(), fleet.postgres_cpu(), fleet.redis_cpu())
     with Sampler(fleet.postgres) as sampler:
         started = time.monotonic()
         job_ids, submitted = [], []
         for source in sources:
             job_ids.append(
-                submit_job(source, _spec(fleet.model), shard_size=shard_size, settings=settings).id
+                submit_job(
+                    source, _spec(fleet.model, sized), shard_size=shard_size, settings=settings
+                ).id
             )
             submitted.append(time.monotonic() - started)
         get_engine(settings).dispose()  # the bench's own connection is not the fleet's
@@ -239,6 +246,8 @@ def run_jobs(fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: flo
         "rows_per_s": rows / ended,
         "rows_per_s_after_queued": rows / (ended - submitted[-1]),
         "claim_conflicts": facts["extra_claims"],
+        # Workers that ran a job's sizing pass (0 when the jobs give max_model_len).
+        "sizing_passes": sizing_passes(fleet) - sizing_before,
         # Deliveries by outcome: 'busy' is a shard claimed while another worker held it.
         "task_outcomes": {
             k: v - outcomes_before.get(k, 0)
@@ -301,6 +310,14 @@ def _shard_facts(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, int
 _OUTCOME = re.compile(r"run_shard\[[^\]]+\] succeeded in [0-9.e-]+s: '(\w+)'")
 
 
+def sizing_passes(fleet: Fleet) -> int:
+    """How many sizing passes the workers ran so far, from their log lines."""
+    return sum(
+        log.read_text(errors="replace").count("max_model_len sized to")
+        for _, _, log in fleet.workers
+    )
+
+
 def task_outcomes(fleet: Fleet) -> dict[str, int]:
     """How the workers' shard tasks ended so far, counted from their Celery log lines."""
     counts: dict[str, int] = {}
@@ -332,6 +349,7 @@ def measure_fleet(
     shard_size: int,
     concurrent_jobs: int,
     max_connections: int,
+    unsized: bool = False,
     say: Say = print,
 ) -> dict[str, Any]:
     fleet = Fleet(work_dir, model, max_connections=max_connections)
@@ -365,6 +383,12 @@ def measure_fleet(
                 f"fleet: N={count}: {one['rows_per_s']:,.0f} rows/s; {concurrent_jobs} jobs at once"
             )
             several = run_jobs(fleet, parts, shard_size=shard_size, timeout=1800)
+            without = None
+            if unsized:
+                say(f"fleet: N={count}: one job of {lines:,} lines without max_model_len")
+                without = run_jobs(
+                    fleet, [source], shard_size=shard_size, timeout=1800, sized=False
+                )
             peak_rss = [rss_bytes(proc.pid, "VmHWM") for _, proc, _ in fleet.workers]
             results.append(
                 {
@@ -375,6 +399,7 @@ def measure_fleet(
                     "worker_peak_rss_mib_max": max(peak_rss) / 2**20,
                     "one_job": one,
                     "concurrent_jobs": several,
+                    "one_job_unsized": without,
                     "reconciler_pass": reconciler_pass_ms(settings),
                 }
             )
@@ -401,6 +426,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: the tiny demo model, built")
     parser.add_argument("--work-dir", type=Path, default=Path(".bench-fleet"))
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument(
+        "--unsized",
+        action="store_true",
+        help="also run the one job without max_model_len (a worker sizes it from its rows)",
+    )
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -418,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         shard_size=args.shard_size,
         concurrent_jobs=args.concurrent_jobs,
         max_connections=args.max_connections,
+        unsized=args.unsized,
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     figures["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])

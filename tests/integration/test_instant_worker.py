@@ -241,3 +241,48 @@ def test_max_idle_stops_a_worker_with_nothing_to_do_with_exit_0_after_the_set_ti
         print(f"\n--max-idle 5: exited 0 {stopped_after:.1f} s after the job ended")
     finally:
         stop_workers([worker])
+
+
+def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_wait(
+    fleet_env, tiny_model, tmp_path
+):
+    """No max_model_len on the job: the first worker to pick up a shard runs the sizing pass
+    over all of its rows; three others, handed shards at the same moment, wait on the job's
+    sizing lock and read the size it stored instead of each running the pass (issue 37)."""
+    from batchllm.input.schemas import JobSpec, SamplingDefaults
+    from batchllm.jobs.submit import submit_job
+
+    names = ["size1", "size2", "size3", "size4"]
+    workers = start_workers(
+        names,
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=INSTANT_ARGS,
+        ready_timeout=120,
+    )
+    try:
+        # Enough rows that the pass lasts seconds: every worker's task lands during it.
+        source = write_workload(tmp_path / "unsized.jsonl", requests=20_000, max_tokens=(4, 8))
+        spec = JobSpec(
+            model=str(tiny_model),
+            engine={"enforce_eager": True},
+            sampling=SamplingDefaults(max_tokens=8),
+        )
+        job = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
+        assert job.max_model_len is None and job.shards_total == 10
+
+        job = wait_until_final(fleet_env, job.id, timeout=240)
+        job, shards = load_job(fleet_env, job.id)
+        assert job.status is JobStatus.COMPLETED, job.error
+        assert {s.status for s in shards} == {ShardStatus.COMPLETED}
+        assert_exactly_once(output_rows(fleet_env, job.id), expected_rows(source))
+        logs = {w.name: w.log() for w in workers}
+        sized = [name for name, log in logs.items() if "max_model_len sized to" in log]
+        waited = [name for name, log in logs.items() if "sized by another worker" in log]
+        assert len(sized) == 1, {name: log[-2000:] for name, log in logs.items()}
+        assert sum(log.count("max_model_len sized to") for log in logs.values()) == 1
+        assert waited and set(waited).isdisjoint(sized), (sized, waited)
+        assert job.max_model_len and job.max_model_len <= 512
+    finally:
+        stop_workers(workers)
