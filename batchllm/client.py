@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
     from batchllm.engine.protocol import EngineSource
-    from batchllm.input.source import InputSource
+    from batchllm.input.files.source import InputSource
     from batchllm.jobs.estimate import Estimate
     from batchllm.store.models import Job as JobRow
     from batchllm.store.webhooks import WebhookTarget
@@ -377,7 +377,7 @@ def _id(job: Job | str) -> str:
 
 
 class _as_source:
-    """The requests as an input file, resolved once (input/source.py): the path or s3:// URI
+    """The requests as an input file, resolved once (input/files/source.py): the path or s3:// URI
     given, or a temporary JSONL file the dicts are streamed into (removed afterwards: the job
     keeps its own validated copy). A source already resolved (the CLI's) is used as it is."""
 
@@ -387,7 +387,7 @@ class _as_source:
         self.temporary: Path | None = None
 
     def __enter__(self) -> InputSource:
-        from batchllm.input.source import InputSource, resolve_input
+        from batchllm.input.files.source import InputSource, resolve_input
 
         endpoint = self.settings.resolved_s3_endpoint
         if isinstance(self.requests, InputSource):

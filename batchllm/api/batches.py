@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 
 from batchllm.api import files
 from batchllm.api.errors import ApiError
+from batchllm.input.files.lines import iter_lines
 from batchllm.input.job_spec import build_job_spec
-from batchllm.input.lines import iter_lines
 from batchllm.input.schemas import JobSpec
 from batchllm.input.unicode_text import may_hold_surrogates, unencodable_field
 from batchllm.output.deletion import delete_job

@@ -22,7 +22,7 @@ from batchllm.input.schemas import (
 from batchllm.settings import get_settings
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
-    from batchllm.input.source import InputSource
+    from batchllm.input.files.source import InputSource
 
 # Hugging Face's own rule for `name` or `org/name` (huggingface_hub's validate_repo_id).
 _REPO_ID = re.compile(r"(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?")
@@ -32,7 +32,7 @@ _PATH_STARTS = ("/", "./", "../", "~")
 class InputFile(click.ParamType):
     """FILE of `run` and `submit`: a local JSONL, Parquet or CSV file (checked as click.Path
     checks it), or a URI such as s3://bucket/prompts.jsonl (checked through its store,
-    pyarrow's filesystem), resolved once into the InputSource (input/source.py) that every
+    pyarrow's filesystem), resolved once into the InputSource (input/files/source.py) that every
     step after takes; before any job is created."""
 
     name = "file"
@@ -42,7 +42,7 @@ class InputFile(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from batchllm.errors import BatchLLMError
-        from batchllm.input.source import InputSource, resolve_input
+        from batchllm.input.files.source import InputSource, resolve_input
 
         if isinstance(value, InputSource):
             return value
@@ -463,7 +463,7 @@ def _job_constraint(
 
 def require_requests(file: InputSource) -> None:
     """Refuse a file without a request before a job is created for it."""
-    from batchllm.input.lines import has_requests
+    from batchllm.input.files.lines import has_requests
     from batchllm.settings import get_settings
 
     settings = get_settings()

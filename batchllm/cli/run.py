@@ -22,7 +22,7 @@ from batchllm.cli.options import (
 )
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
-    from batchllm.input.source import InputSource
+    from batchllm.input.files.source import InputSource
 
 
 @cli.command()

@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
-from batchllm.input.lines import Line
+from batchllm.input.files.lines import Line
 
 _SLOW_BELOW = 64  # a part of a refused block this small goes line by line
 _BOM = b"\xef\xbb\xbf"

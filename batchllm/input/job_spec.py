@@ -13,7 +13,7 @@ from batchllm.input.structured import constraint_of
 from batchllm.settings import Settings
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
-    from batchllm.input.source import InputSource
+    from batchllm.input.files.source import InputSource
 
 SAMPLING_FIELDS = frozenset(SamplingDefaults.model_fields)
 ENGINE_FIELDS = frozenset(EngineOptions.model_fields)
@@ -46,8 +46,8 @@ def build_job_spec(
     embed job) or, with no requests to read, is `generate`.
 
     `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
-    or CSV file read by these columns (input/table.py), checked here before any job exists.
-    `requests`: the resolved input file (input/source.py), read as `settings` say."""
+    or CSV file read by these columns (input/files/table.py), checked here before any job exists.
+    `requests`: the resolved input file (input/files/source.py), read as `settings` say."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -64,7 +64,7 @@ def build_job_spec(
         lines = requests if table is None else None
         engine["task"] = infer_task(lines, settings) if lines is not None else "generate"
     if table is not None and requests is not None:
-        from batchllm.input.table import table_schema
+        from batchllm.input.files.table import table_schema
 
         table_schema(requests, table, engine["task"])
     return JobSpec(

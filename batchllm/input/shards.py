@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, StorageError
 from batchllm.heap import frozen_heap
+from batchllm.input.files.source import InputSource
+from batchllm.input.files.table import read_table_chunks
 from batchllm.input.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
 from batchllm.input.schemas import LineError, TableColumns
-from batchllm.input.source import InputSource
-from batchllm.input.table import read_table_chunks
 from batchllm.input.token_store import iter_token_batches, token_lists
 from batchllm.input.validate import read_row_chunks
 from batchllm.settings import Settings

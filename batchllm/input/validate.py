@@ -1,7 +1,7 @@
 """Streaming validation of JSONL input: one `Request` or one `LineError` per non-blank line.
 
-Memory stays flat in the file size: lines are read one at a time, bounded in size (lines.py),
-and custom_ids are kept in an on-disk SQLite table rather than a Python set (custom_ids.py).
+Memory stays flat in the file size: lines are read one at a time, bounded in size (files/lines.py),
+and custom_ids are kept in an on-disk SQLite table rather than a Python set (files/custom_ids.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from pydantic import BaseModel, ValidationError
 
 from batchllm.input import columnar
 from batchllm.input.columnar import Verdict
-from batchllm.input.custom_ids import (
+from batchllm.input.files.custom_ids import (
     CustomIds,
     default_custom_id,
     given_id,
     may_give_default_id,
 )
+from batchllm.input.files.lines import Line, iter_line_chunks, iter_lines
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.images import ImageChecks, ImageProblem, check_image, image_urls
-from batchllm.input.lines import Line, iter_line_chunks, iter_lines
 from batchllm.input.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.rows import INPUT_SCHEMA, TEMPLATE_OPTIONS, InputRow, request_payload
 from batchllm.input.schemas import (
@@ -45,7 +46,6 @@ from batchllm.input.schemas import (
     Request,
     SamplingOverrides,
 )
-from batchllm.input.source import InputSource, resolve_input
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
 from batchllm.input.unicode_text import (
@@ -447,7 +447,7 @@ def read_requests(
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
     A line over `max_line_bytes` (default: the settings') is an error without being parsed.
-    The file is read twice (custom_ids.py), each time from its start.
+    The file is read twice (files/custom_ids.py), each time from its start.
     """
     source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
     limit = max_line_bytes or settings.max_line_bytes
@@ -562,7 +562,7 @@ def _duplicate(custom_id: str, first: int) -> LineProblem:
 
 def _line_chunks(source: InputSource, limit: int, ids: CustomIds) -> Iterator[list[Line]]:
     """The file's non-blank lines, a list per chunk. The first pass, which collects the
-    default-shaped custom_ids the file gives (custom_ids.py), runs when the first line without
+    default-shaped custom_ids the file gives (files/custom_ids.py), runs when the first line without
     a custom_id needs its default, over the whole file on a handle of its own."""
 
     def given_lines() -> Iterator[Line]:

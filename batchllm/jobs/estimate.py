@@ -14,10 +14,10 @@ from batchllm.engine.hardware import machine_label
 from batchllm.engine.images import ImagePrompt
 from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.rows import InputRow, stored_row
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import validated_chunks
-from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.service import RecordedThroughput, recorded_throughput

@@ -17,9 +17,9 @@ from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.sizing_pass import BackgroundSizer
 from batchllm.execution.stop_request import StopRequest
 from batchllm.execution.webhooks import deliver_soon
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput
-from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
@@ -49,7 +49,7 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
-    # Resolved once (input/source.py): a missing file is reported before any engine starts.
+    # Resolved once (input/files/source.py): a missing file is reported before any engine starts.
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     fail_abandoned_runs(settings)
     own_engines = engines is None

@@ -12,9 +12,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from batchllm.errors import BatchLLMError
 from batchllm.execution.finalize import finalize_job
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
-from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine

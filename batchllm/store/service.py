@@ -16,9 +16,9 @@ from sqlalchemy.orm import Session
 
 from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
 from batchllm.input.adapters import store_adapters
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, StoredInput, store_input
-from batchllm.input.source import InputSource, resolve_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
@@ -70,7 +70,7 @@ def create_job(
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
-    (input/source.py); a path is resolved here, once.
+    (input/files/source.py); a path is resolved here, once.
     """
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     storage = Storage.of(settings)

@@ -1,11 +1,11 @@
-"""An input file resolved as a front door resolves it (input/source.py), for tests that call
+"""An input file resolved as a front door resolves it (input/files/source.py), for tests that call
 the layers below the front doors (store_input, the readers) directly."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from batchllm.input.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.settings import Settings, get_settings
 
 

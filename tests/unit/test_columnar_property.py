@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchllm.input import columnar, validate
-from batchllm.input.custom_ids import CustomIds
-from batchllm.input.lines import iter_lines
+from batchllm.input.files.custom_ids import CustomIds
+from batchllm.input.files.lines import iter_lines
 from batchllm.input.rows import INPUT_SCHEMA, InputRow
 from batchllm.input.schemas import LineError
 from batchllm.settings import get_settings

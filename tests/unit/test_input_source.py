@@ -1,4 +1,4 @@
-"""A job's input is resolved once where it comes in (input/source.py): what a resolved source
+"""A job's input is resolved once where it comes in (input/files/source.py): what a resolved source
 says about a local file, the refusals, and a whole `Client.run`, `submit`-free, that resolves
 its file exactly once however many layers read it. (s3:// sources: test_storage_s3.py.)"""
 
@@ -8,8 +8,8 @@ import pytest
 
 from batchllm import Client
 from batchllm.errors import InputError
-from batchllm.input import source as source_module
-from batchllm.input.source import InputSource, resolve_input
+from batchllm.input.files import source as source_module
+from batchllm.input.files.source import InputSource, resolve_input
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits, write_items
 
 

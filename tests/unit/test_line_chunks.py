@@ -8,7 +8,7 @@ import io
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchllm.input.lines import iter_line_chunks, iter_lines
+from batchllm.input.files.lines import iter_line_chunks, iter_lines
 
 pieces = st.one_of(
     st.sampled_from([b"\n", b" ", b"\t", b"\r\n", b"\xef\xbb\xbf", b"{}", b"\x0c"]),

@@ -144,7 +144,7 @@ def test_a_file_whose_lines_all_give_ids_is_read_once_and_one_needing_a_default_
 ):
     """The first pass (the given ids of the default shape) runs only for a default: a 10M-line
     file stores no shard before it ends. Both validation paths: stored rows and read_requests."""
-    from batchllm.input.source import InputSource
+    from batchllm.input.files.source import InputSource
 
     opened: list[str] = []
     real_open = InputSource.open

@@ -18,7 +18,7 @@ from sqlalchemy import update
 
 from batchllm.errors import BatchLLMError, InputError, StorageError
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.input.lines import has_requests
+from batchllm.input.files.lines import has_requests
 from batchllm.input.schemas import LineError
 from batchllm.input.shards import store_input
 from batchllm.input.validate import infer_task, read_requests
@@ -324,7 +324,7 @@ def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
 def test_an_s3_input_is_streamed_a_buffer_at_a_time(server, s3, monkeypatch):
     import io
 
-    import batchllm.input.source as source_module
+    import batchllm.input.files.source as source_module
 
     fetched: list[int] = []
 

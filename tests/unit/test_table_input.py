@@ -1,4 +1,4 @@
-"""Table input (input/table.py): Parquet and CSV rows become the stored rows JSONL lines become,
+"""Table input (input/files/table.py): Parquet and CSV rows become the stored rows JSONL lines become,
 with error rows naming row and column, ids joined back, local and on S3 (moto)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from batchllm import Client
 from batchllm.errors import InputError
-from batchllm.input import table as table_module
+from batchllm.input.files import table as table_module
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.schemas import TableColumns
 from batchllm.input.shards import validated_chunks

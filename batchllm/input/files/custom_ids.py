@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from batchllm.input.lines import Line
+from batchllm.input.files.lines import Line
 
 _DEFAULT_SHAPE = re.compile(r"line-[0-9]+(-[0-9]+)?")
 _ASCII_ESCAPE = re.compile(rb"\\u00[2-7]")

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError
 from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
-from batchllm.input.custom_ids import CustomIds
+from batchllm.input.files.custom_ids import CustomIds
+from batchllm.input.files.source import InputSource
 from batchllm.input.images import ImageChecks, image_urls
 from batchllm.input.rows import request_payload
 from batchllm.input.schemas import LineError, TableColumns
-from batchllm.input.source import InputSource
 from batchllm.input.validate import LineProblem, parse_line, stored_block
 from batchllm.settings import Settings
 

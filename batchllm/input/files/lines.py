@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
 
-from batchllm.input.source import InputSource
+from batchllm.input.files.source import InputSource
 
 # Notepad and Excel's "CSV UTF-8" write one at the start of the file; json.loads refuses it.
 _BOM = b"\xef\xbb\xbf"
