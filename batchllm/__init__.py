@@ -12,8 +12,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from batchllm.client import Client, Job
+    from batchllm.input.job_rows import JobRows
 
-__all__ = ["Client", "Job", "__version__"]
+__all__ = ["Client", "Job", "JobRows", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +23,8 @@ def __getattr__(name: str) -> Any:
         from batchllm import client
 
         return getattr(client, name)
+    if name == "JobRows":  # another job's rows as a job's input (`--from`)
+        from batchllm.input.job_rows import JobRows
+
+        return JobRows
     raise AttributeError(name)

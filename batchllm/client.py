@@ -13,6 +13,7 @@ vllm and torch are imported only by `run` (which builds an engine here).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 # commit (store/db.py `before_commit`): a job this client cancels is tidied like any other.
 import batchllm.output  # noqa: F401
 from batchllm.errors import BatchLLMError
+from batchllm.input.job_rows import JobRows, child_options
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
@@ -41,8 +43,9 @@ if TYPE_CHECKING:
     from batchllm.store.models import Job as JobRow
     from batchllm.store.webhooks import WebhookTarget
 
-# A path, an s3:// URI, request dicts, or an input the CLI already resolved.
-Requests: TypeAlias = "str | Path | InputSource | Iterable[Mapping[str, Any]]"
+# A path, an s3:// URI, request dicts, another job's rows (JobRows: `--from`), or an input the
+# CLI already resolved.
+Requests: TypeAlias = "str | Path | InputSource | JobRows | Iterable[Mapping[str, Any]]"
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class Client:
         `priority="high"|"normal"|"low"` orders it among queued jobs; `notify=URL` gets a
         signed POST when the job ends."""
         with _as_source(requests, self.settings) as path:
-            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
+            spec = _spec(model, requests, path, self.settings, options)
             return self.submit_spec(path, spec, strict=strict, shard_size=shard_size, notify=notify)
 
     def submit_spec(
@@ -198,7 +201,7 @@ class Client:
         `engines` hands it an engine source of the caller's (tests use a fake one); `notify`
         as for `submit`."""
         with _as_source(requests, self.settings) as path:
-            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
+            spec = _spec(model, requests, path, self.settings, options)
             return self.run_spec(path, spec, strict=strict, engines=engines, notify=notify)
 
     def run_spec(
@@ -245,7 +248,7 @@ class Client:
         by max_tokens, the time from this model's earlier jobs on this hardware. Creates no
         job and starts no engine."""
         with _as_source(requests, self.settings) as path:
-            spec = build_job_spec(model, settings=self.settings, requests=path, **options)
+            spec = _spec(model, requests, path, self.settings, options)
             return self.dry_run_spec(path, spec)
 
     def dry_run_spec(self, requests: Requests, spec: JobSpec) -> Estimate:
@@ -372,6 +375,15 @@ class Client:
         return delete_job(self.settings, _id(job)).removed
 
 
+def _spec(
+    model: str, requests: Requests, path: InputSource, settings: Settings, options: dict[str, Any]
+) -> JobSpec:
+    """The job spec of these options; for a parent's rows, with a child's table options."""
+    if isinstance(requests, JobRows):
+        options = child_options(requests, options)
+    return build_job_spec(model, settings=settings, requests=path, **options)
+
+
 def _id(job: Job | str) -> str:
     return job.id if isinstance(job, Job) else job
 
@@ -385,6 +397,7 @@ class _as_source:
         self.requests = requests
         self.settings = settings
         self.temporary: Path | None = None
+        self.parent: contextlib.ExitStack | None = None
 
     def __enter__(self) -> InputSource:
         from batchllm.input.files.source import InputSource, resolve_input
@@ -392,6 +405,11 @@ class _as_source:
         endpoint = self.settings.resolved_s3_endpoint
         if isinstance(self.requests, InputSource):
             return self.requests
+        if isinstance(self.requests, JobRows):  # a temporary table of the parent's rows
+            from batchllm.jobs.parent_rows import parent_input
+
+            self.parent = contextlib.ExitStack()
+            return self.parent.enter_context(parent_input(self.requests, self.settings))
         if isinstance(self.requests, str) and "://" in self.requests:
             return resolve_input(self.requests, s3_endpoint=endpoint)  # Path() would mangle it
         if isinstance(self.requests, (str, Path)):
@@ -410,3 +428,5 @@ class _as_source:
     def __exit__(self, *_exc: object) -> None:
         if self.temporary is not None:
             self.temporary.unlink(missing_ok=True)
+        if self.parent is not None:
+            self.parent.close()

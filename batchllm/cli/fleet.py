@@ -16,6 +16,7 @@ from batchllm.cli.options import (
     engine_flags_as_args,
     engine_kind_options,
     input_file,
+    job_input,
     job_options,
     log_format_option,
     notify_option,
@@ -49,7 +50,9 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
 )
 @notify_option
 def submit(
-    file: InputSource,
+    file: InputSource | None,
+    from_job: str | None,
+    from_status: str,
     strict: bool,
     shard_size: int | None,
     wait_: bool,
@@ -65,7 +68,21 @@ def submit(
       batchllm submit prompts.jsonl --model meta-llama/Llama-3.1-8B-Instruct --metadata team=search
       batchllm submit docs.parquet --prompt-column text --id-column doc_id --model ./model
       batchllm submit urgent.jsonl --model M --priority high --notify https://example.com/hook
+      batchllm submit --from job_1a2b --prompt-template 'Summarize: {text}' --model M
     """
+    with job_input(file, from_job, from_status, flags) as source:
+        _submit(source, strict, shard_size, wait_, dry_run, notify, flags)
+
+
+def _submit(
+    file: InputSource,
+    strict: bool,
+    shard_size: int | None,
+    wait_: bool,
+    dry_run: bool,
+    notify: str | None,
+    flags: dict,
+) -> None:
     from batchllm.client import Client
 
     spec = spec_from_flags(flags, file)

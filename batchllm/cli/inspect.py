@@ -37,6 +37,10 @@ def status(job_id: str, as_json: bool) -> None:
         echo_job(job)
     if waiting:
         click.echo(f"waiting: {waiting}")
+    if data["parents"]:
+        click.echo(f"from       {', '.join(data['parents'])} (its rows are this job's input)")
+    if data["children"]:
+        click.echo(f"children   {', '.join(data['children'])} (jobs reading its rows)")
     if len(data["shards"]) > 1 or any(s["attempts"] > 1 for s in data["shards"]):
         rows = [
             [

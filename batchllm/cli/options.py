@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +73,51 @@ class InputFile(click.ParamType):
         return self._local.shell_complete(ctx, param, incomplete)
 
 
-input_file = click.argument("file", type=InputFile())
+def input_file(command):
+    """FILE, or `--from JOB` (another job's rows) instead; `job_input` resolves either."""
+    command = click.option(
+        "--from-status",
+        "from_status",
+        default="ok",
+        show_default=True,
+        metavar="STATUSES",
+        help="With --from: the parent's rows of these output statuses, comma-separated "
+        "(ok, error).",
+    )(command)
+    command = click.option(
+        "--from",
+        "from_job",
+        default=None,
+        metavar="JOB",
+        help="Instead of FILE: a completed job's rows (prompt, text, finish_reason, "
+        "embedding, ... and custom_id, which each row keeps). The prompt is the parent's "
+        "answer (text) unless --prompt-template, --prompt-column or --messages-column says "
+        "otherwise.",
+    )(command)
+    return click.argument("file", type=InputFile(), required=False)(command)
+
+
+@contextmanager
+def job_input(
+    file: InputSource | None, from_job: str | None, from_status: str, flags: dict[str, Any]
+) -> Iterator[InputSource]:
+    """The job's input: FILE as resolved, or a parent's rows (`--from`, a temporary table for
+    as long as the job is being created), with the child's table options put in `flags`."""
+    if from_job is None:
+        if file is None:
+            raise click.UsageError("give FILE, or --from JOB to read another job's rows")
+        yield file
+        return
+    if file is not None:
+        raise click.UsageError(f"give FILE ({file}) or --from {from_job}, not both")
+    from batchllm.input.job_rows import JobRows, child_options
+    from batchllm.jobs.parent_rows import parent_input
+
+    rows = JobRows(from_job, tuple(s.strip() for s in from_status.split(",") if s.strip()))
+    flags.update(child_options(rows, flags))
+    with parent_input(rows, get_settings()) as source:
+        yield source
+
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 
@@ -144,17 +190,28 @@ def job_options(command):
             "{role, content}, or its JSON text) are in this column.",
         ),
         click.option(
+            "--prompt-template",
+            default=None,
+            metavar="TEXT",
+            help="Build each row's prompt from its named fields, Python str.format style: "
+            "'Q: {question}' ({{ and }} for literal braces). Fields are a table's columns, a "
+            "JSONL file's keys (one JSON object per line) or, with --from, the parent job's "
+            "columns (prompt, text, ...).",
+        ),
+        click.option(
             "--id-column",
             default=None,
             metavar="COLUMN",
             help="A table's column whose value becomes each row's custom_id, to join the "
-            "output back on [default: the row number, from 1].",
+            "output back on [default: the row number, from 1; a templated JSONL line's own "
+            "custom_id].",
         ),
         click.option(
             "--system",
             default=None,
             metavar="TEXT",
-            help="A system message put before every table row's prompt or messages.",
+            help="A system message put before every table row's (or templated line's) prompt "
+            "or messages.",
         ),
         click.option(
             "--dry-run",
@@ -362,11 +419,13 @@ def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
         metadata=metadata,
         prompt_column=flags.pop("prompt_column"),
         messages_column=flags.pop("messages_column"),
+        prompt_template=flags.pop("prompt_template"),
         id_column=flags.pop("id_column"),
         system=flags.pop("system"),
         priority=flags.pop("priority", "normal"),
         reasoning_parser=flags.pop("reasoning_parser"),
         tool_call_parser=flags.pop("tool_call_parser"),
+        parents=flags.pop("parents", None),
         task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),

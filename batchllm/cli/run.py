@@ -13,6 +13,7 @@ from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
     input_file,
+    job_input,
     job_options,
     notify_option,
     require_hardware_for,
@@ -44,7 +45,9 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     "request one token (0: answers at once), so a simulated job lasts a set time.",
 )
 def run(
-    file: InputSource,
+    file: InputSource | None,
+    from_job: str | None,
+    from_status: str,
     output: Path | None,
     strict: bool,
     dry_run: bool,
@@ -61,9 +64,26 @@ def run(
     Example:
       batchllm run prompts.jsonl --model ./tiny-model --max-tokens 64
       batchllm run docs.parquet --prompt-column text --id-column doc_id --model ./tiny-model
+      batchllm run questions.jsonl --prompt-template 'Q: {question}' --model ./tiny-model
+      batchllm run --from job_1a2b --prompt-template 'Is "{text}" right? {prompt}' \\
+        --choice yes,no --model ./tiny-model
       batchllm run prompts.jsonl --model ./tiny-model --dry-run
       batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
+    with job_input(file, from_job, from_status, flags) as source:
+        _run(source, output, strict, dry_run, notify, engine_kind, instant_step_seconds, flags)
+
+
+def _run(
+    file: InputSource,
+    output: Path | None,
+    strict: bool,
+    dry_run: bool,
+    notify: str | None,
+    engine_kind: str,
+    instant_step_seconds: float,
+    flags: dict,
+) -> None:
     from batchllm.cli.progress import Progress
     from batchllm.cli.render import echo_estimate, echo_job, job_row
     from batchllm.client import Client, Job

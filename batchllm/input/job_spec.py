@@ -32,11 +32,13 @@ def build_job_spec(
     metadata: Mapping[str, str] | None = None,
     prompt_column: str | None = None,
     messages_column: str | None = None,
+    prompt_template: str | None = None,
     id_column: str | None = None,
     system: str | None = None,
     priority: str = "normal",
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
+    parents: list[str] | None = None,
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
@@ -47,7 +49,10 @@ def build_job_spec(
 
     `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
     or CSV file read by these columns (input/files/table.py), checked here before any job exists.
-    `requests`: the resolved input file (input/files/source.py), read as `settings` say."""
+    `prompt_template` builds each row's prompt from a table's columns or a JSONL file's keys
+    (input/prompt_template.py).
+    `requests`: the resolved input file (input/files/source.py), read as `settings` say.
+    `parents`: the jobs whose rows `requests` holds (jobs/parent_rows.py), recorded."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -56,7 +61,9 @@ def build_job_spec(
     if constraint is not None:
         sampling["structured"] = constraint
     engine = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
-    table = _table_columns(requests, prompt_column, messages_column, id_column, system)
+    table = _table_columns(
+        requests, prompt_column, messages_column, prompt_template, id_column, system
+    )
     if engine.get("task") is None:
         # Lazily: `batchllm --help` and `import batchllm` stay instant.
         from batchllm.input.validate import infer_task
@@ -66,7 +73,7 @@ def build_job_spec(
     if table is not None and requests is not None:
         from batchllm.input.files.table import table_schema
 
-        table_schema(requests, table, engine["task"])
+        table_schema(requests, table, engine["task"], settings=settings)
     return JobSpec(
         model=model,
         sampling=SamplingDefaults(**sampling),
@@ -78,6 +85,7 @@ def build_job_spec(
         priority=priority,  # type: ignore[arg-type]  # pydantic refuses other values
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
+        parents=list(parents or []),
     )
 
 
@@ -85,11 +93,18 @@ def _table_columns(
     requests: InputSource | None,
     prompt_column: str | None,
     messages_column: str | None,
+    prompt_template: str | None,
     id_column: str | None,
     system: str | None,
 ) -> TableColumns | None:
-    """The table options, or None for a JSONL file; InputError when they do not fit the file."""
-    given = {"prompt_column": prompt_column, "messages_column": messages_column}
+    """The table options, or None for a JSONL file read as request lines; InputError when
+    they do not fit the file. A JSONL file with a prompt template is read as a table whose
+    columns are its lines' keys."""
+    given = {
+        "prompt_column": prompt_column,
+        "messages_column": messages_column,
+        "prompt_template": prompt_template,
+    }
     named = {k: v for k, v in given.items() if v is not None}
     extra = {"id_column": id_column, "system": system}
     fmt = requests.table_format if requests is not None else None
@@ -101,11 +116,14 @@ def _table_columns(
             )
         if any(value is not None for value in extra.values()):
             used = ", ".join(k for k, v in extra.items() if v is not None)
-            raise InputError(f"{used}: for a Parquet or CSV input, with prompt_column")
+            raise InputError(
+                f"{used}: for a Parquet or CSV input (with prompt_column, messages_column "
+                "or prompt_template), or a JSONL input with prompt_template"
+            )
         return None
     if len(named) > 1:
-        raise InputError("give one of prompt_column and messages_column, not both")
-    if requests is not None and fmt is None:
+        raise InputError(f"give one of {', '.join(named)}, not both")
+    if requests is not None and fmt is None and prompt_template is None:
         raise InputError(
             f"{requests}: {', '.join(named)} reads a Parquet (.parquet) or CSV (.csv) file; "
             "this one is read as JSONL"

@@ -236,10 +236,17 @@ class TableColumns(BaseModel):
         description="The column holding each row's chat messages: a list of {role, content} "
         "structs, or their JSON text.",
     )
+    prompt_template: NonEmptyStr | None = Field(
+        default=None,
+        description="Each row's prompt built from its fields: `str.format` named fields, "
+        "e.g. 'Question: {question}' (input/prompt_template.py). Fields are the table's "
+        "columns, or a JSONL line's own keys.",
+    )
     id_column: NonEmptyStr | None = Field(
         default=None,
         description="The column whose value becomes the row's custom_id (default: the row "
-        "number, from 1).",
+        "number, from 1; for a JSONL file with a template, the line's custom_id, else its "
+        "line number).",
     )
     system: str | None = Field(
         default=None, description="A system message put before every row's prompt or messages."
@@ -247,8 +254,13 @@ class TableColumns(BaseModel):
 
     @model_validator(mode="after")
     def _one_text_column(self) -> TableColumns:
-        if (self.prompt_column is None) == (self.messages_column is None):
-            raise ValueError("give one of prompt_column and messages_column")
+        given = [self.prompt_column, self.messages_column, self.prompt_template]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give one of prompt_column, messages_column and prompt_template")
+        if self.prompt_template is not None:
+            from batchllm.input.prompt_template import PromptTemplate
+
+            PromptTemplate.parse(self.prompt_template)  # InputError naming the flag
         return self
 
 
@@ -287,6 +299,10 @@ class JobSpec(BaseModel):
     tool_call_parser: NonEmptyStr | None = Field(
         default=None,
         description="vLLM's tool call parser (e.g. hermes, llama3_json) for tool_choice auto.",
+    )
+    parents: list[NonEmptyStr] = Field(
+        default_factory=list,
+        description="The jobs whose rows this job reads (`--from`), recorded with it.",
     )
 
     @model_validator(mode="after")

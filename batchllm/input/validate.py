@@ -209,7 +209,7 @@ def infer_task(source: InputSource, settings: Settings) -> str:
         for line in iter_lines(handle, limit):
             if line.raw is None:
                 continue
-            obj, problem = _decode(line.raw)
+            obj, problem = decode_line(line.raw)
             if problem is None and isinstance(obj, dict):
                 return "embed" if is_embedding_line(obj) else "generate"
     return "generate"
@@ -389,7 +389,8 @@ def _model_adapter(model: str | None, adapters: frozenset[str]) -> dict[str, str
     return {"adapter": model} if model is not None and model in adapters else {}
 
 
-def _decode(raw: bytes) -> tuple[Any, LineProblem | None]:
+def decode_line(raw: bytes) -> tuple[Any, LineProblem | None]:
+    """A line's JSON value, or the problem that stops it (bad UTF-8, malformed JSON)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -417,7 +418,7 @@ def _check(
                 "(BATCHLLM_MAX_LINE_BYTES)",
             ),
         )
-    obj, problem = _decode(line.raw)
+    obj, problem = decode_line(line.raw)
     if problem is None and may_hold_surrogates(line.raw):
         field = unencodable_field(obj)
         if field is not None:

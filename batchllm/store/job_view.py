@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from batchllm.store.models import Job
+from batchllm.store.models import Job, JobParent
 
 THROUGHPUT_FIELDS = (
     "prompt_tokens",
@@ -26,9 +26,26 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+def children_of(job: Job) -> list[str]:
+    """The jobs that read this one's rows (`--from`), oldest first; the job is in a session."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import object_session
+
+    session = object_session(job)
+    if session is None:
+        return []
+    query = (
+        select(JobParent.child_id)
+        .join(Job, Job.id == JobParent.child_id)
+        .where(JobParent.parent_id == job.id)
+        .order_by(Job.created_at)
+    )
+    return list(session.scalars(query))
+
+
 def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
-    """The job's state, counts, throughput and times (with `shards`, each shard's too and its
-    webhook's attempts: the job must be in a session then)."""
+    """The job's state, counts, throughput and times (with `shards`, each shard's too, its
+    webhook's attempts, its parents and children: the job must be in a session then)."""
     data: dict[str, Any] = {
         "id": job.id,
         "status": job.status.value,
@@ -55,8 +72,10 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "finished_at": _iso(job.finished_at),
         "error": job.error,
         "attempts": attempts_of(job),
+        "parents": [link.parent_id for link in job.parent_links] if shards else None,
     }
     if shards:
+        data["children"] = children_of(job)
         data["shards"] = [
             {
                 "index": s.index,

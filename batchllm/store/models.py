@@ -136,6 +136,9 @@ class Job(Base):
     webhook_attempts: Mapped[list[WebhookAttempt]] = relationship(
         order_by="WebhookAttempt.attempt", cascade="all, delete-orphan"
     )
+    parent_links: Mapped[list[JobParent]] = relationship(
+        order_by="JobParent.parent_id", cascade="all, delete-orphan"
+    )
 
     @property
     def attempt(self) -> int:
@@ -289,3 +292,18 @@ class WebhookAttempt(Base):
     error: Mapped[str | None] = mapped_column(Text)
     delivered: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class JobParent(Base):
+    """A job's parent: a job whose rows it reads (`--from`). Recorded when the child is
+    created; the parent's id has no foreign key, so a child still names a parent that was
+    deleted since."""
+
+    __tablename__ = "job_parents"
+
+    child_id: Mapped[str] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    # Indexed: `batchllm status PARENT` lists its children.
+    parent_id: Mapped[str] = mapped_column(String(32), primary_key=True, index=True)
+    kind: Mapped[str] = mapped_column(String(16), default="from", server_default="from")

@@ -23,7 +23,7 @@ from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope, settings_of
-from batchllm.store.models import Job, JobStatus, utcnow
+from batchllm.store.models import Job, JobParent, JobStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
 from batchllm.store.shard_recording import ShardRecorder
 from batchllm.store.webhooks import WebhookTarget
@@ -244,6 +244,7 @@ def _job_row(
         output_dir=storage.display(storage.output_dir(job_id)),
         notify_url=notify.url if notify else None,
         notify_secret=notify.secret if notify else None,
+        parent_links=[JobParent(parent_id=parent) for parent in spec.parents],
         **more,
     )
 

@@ -26,8 +26,10 @@ import pyarrow.parquet as pq
 from batchllm.errors import InputError
 from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
 from batchllm.input.files.custom_ids import CustomIds
+from batchllm.input.files.jsonl_table import BATCH_LINES, ID_KEY, LineBatch, jsonl_batches
 from batchllm.input.files.source import InputSource
 from batchllm.input.images import ImageChecks, image_urls
+from batchllm.input.prompt_template import PromptTemplate
 from batchllm.input.rows import request_payload
 from batchllm.input.schemas import LineError, TableColumns
 from batchllm.input.validate import LineProblem, parse_line, stored_block
@@ -37,25 +39,27 @@ _BATCH_ROWS = 65_536  # rows per record batch: a few MB of text, whatever the fi
 _CSV_BLOCK = 4 << 20
 
 
-def _wanted(table: TableColumns) -> dict[str, str]:
-    """The columns to read, by what they are for."""
-    named = {
-        "prompt column": table.prompt_column,
-        "messages column": table.messages_column,
-        "id column": table.id_column,
-    }
-    return {role: column for role, column in named.items() if column is not None}
-
-
 def check_columns(
-    name: str, schema: pa.Schema, table: TableColumns, task: str = "generate"
+    name: str,
+    schema: pa.Schema,
+    table: TableColumns,
+    task: str = "generate",
+    *,
+    jsonl: bool = False,
 ) -> None:
     """InputError, naming the file and the columns it has, for a column it lacks or one that
-    cannot hold what it is named for; also for table options an embedding job cannot use."""
+    cannot hold what it is named for; also for table options an embedding job cannot use.
+    For a JSONL file (`jsonl`), its columns are the keys of its first lines."""
     have = ", ".join(schema.names) or "none"
-    for role, column in _wanted(table).items():
-        if column not in schema.names:
-            raise InputError(f"{name}: no column {column!r} (the {role}); its columns: {have}")
+    for role, column in _wanted_columns(table):
+        if column in schema.names:
+            continue
+        if jsonl:
+            raise InputError(
+                f"{name}: no line among the first {BATCH_LINES:,} has key {column!r} "
+                f"({role}); their keys: {have}"
+            )
+        raise InputError(f"{name}: no column {column!r} ({_the(role)}); its columns: {have}")
     if table.prompt_column is not None:
         kind = schema.field(table.prompt_column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
@@ -69,30 +73,52 @@ def check_columns(
         )
 
 
-def table_schema(source: InputSource, table: TableColumns, task: str = "generate") -> pa.Schema:
-    """The file's columns (read from the Parquet footer or the CSV header), checked."""
-    with _batches(source, table, task) as (schema, _):
+def _the(role: str) -> str:
+    return role if role.startswith("a ") else f"the {role}"
+
+
+def _wanted_columns(table: TableColumns) -> list[tuple[str, str]]:
+    named = [
+        ("prompt column", table.prompt_column),
+        ("messages column", table.messages_column),
+        ("id column", table.id_column),
+    ]
+    if table.prompt_template is not None:
+        fields = PromptTemplate.parse(table.prompt_template).fields
+        named += [("a field of the prompt template", field) for field in fields]
+    return [(role, column) for role, column in named if column is not None]
+
+
+def table_schema(
+    source: InputSource, table: TableColumns, task: str, *, settings: Settings
+) -> pa.Schema:
+    """The file's columns (read from the Parquet footer or the CSV header; a JSONL file's
+    keys, from its first lines), checked."""
+    with _batches(source, table, task, max_line_bytes=settings.max_line_bytes) as (schema, _):
         return schema
 
 
 @contextmanager
 def _batches(
-    source: InputSource, table: TableColumns, task: str
-) -> Iterator[tuple[pa.Schema, Iterator[pa.RecordBatch]]]:
-    """The file's schema (checked) and its record batches of the named columns."""
+    source: InputSource, table: TableColumns, task: str, *, max_line_bytes: int
+) -> Iterator[tuple[pa.Schema, Iterator[LineBatch]]]:
+    """The file's schema (checked) and its record batches of the named columns, numbered."""
     with ExitStack() as stack:
         try:
-            columns = list(dict.fromkeys(_wanted(table).values()))
-            schema, batches = _open(stack, source, columns)
+            columns = list(dict.fromkeys(column for _, column in _wanted_columns(table)))
+            schema, batches = _open(stack, source, columns, max_line_bytes)
         except (pa.ArrowInvalid, OSError) as exc:  # ArrowInvalid: not Parquet, not CSV
             raise _unreadable(source, exc) from exc
-        check_columns(source.name, schema, table, task)
+        check_columns(source.name, schema, table, task, jsonl=source.format == "jsonl")
         yield schema, _reading(batches, source)
 
 
 def _open(
-    stack: ExitStack, source: InputSource, columns: list[str]
-) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+    stack: ExitStack, source: InputSource, columns: list[str], max_line_bytes: int
+) -> tuple[pa.Schema, Iterator[LineBatch]]:
+    if source.format == "jsonl":
+        handle = stack.enter_context(source.open())
+        return jsonl_batches(handle, columns, max_line_bytes)
     if source.format == "csv":
         handle = stack.enter_context(source.open())
         # Text columns stay text: an id column of "007" must not become 7.
@@ -103,7 +129,7 @@ def _open(
                 column_types={column: pa.string() for column in columns}
             ),
         )
-        return reader.schema, (batch.select(columns) for batch in reader)
+        return reader.schema, _numbered(batch.select(columns) for batch in reader)
     if source.uri:
         fs, path = source.filesystem()
         parquet = pq.ParquetFile(stack.enter_context(fs.open_input_file(path)))
@@ -111,10 +137,19 @@ def _open(
         parquet = stack.enter_context(pq.ParquetFile(source.local_path))
     schema = parquet.schema_arrow
     named = [column for column in columns if column in schema.names]  # checked after this
-    return schema, parquet.iter_batches(_BATCH_ROWS, columns=named)
+    return schema, _numbered(parquet.iter_batches(_BATCH_ROWS, columns=named))
 
 
-def _reading(batches: Iterator[pa.RecordBatch], source: InputSource) -> Iterator[pa.RecordBatch]:
+def _numbered(batches: Iterator[pa.RecordBatch]) -> Iterator[LineBatch]:
+    """A table's record batches with their row numbers (from 1), empty ones left out."""
+    first = 1
+    for batch in batches:
+        if batch.num_rows:
+            yield LineBatch(batch, list(range(first, first + batch.num_rows)), {})
+            first += batch.num_rows
+
+
+def _reading(batches: Iterator[LineBatch], source: InputSource) -> Iterator[LineBatch]:
     try:
         yield from batches
     except (pa.ArrowInvalid, OSError) as exc:  # e.g. a CSV row with too many fields
@@ -139,15 +174,15 @@ def read_table_chunks(
     name = source.name
     ids = CustomIds()
     images = ImageChecks(settings)
+    jsonl = source.format == "jsonl"
     try:
-        with _batches(source, table, task) as (_, batches):
-            number = 1
-            for batch in batches:
-                if not batch.num_rows:
-                    continue
-                with images.prefetching(_image_urls(batch, table)):
-                    block = _checked_batch(batch, number, table, adapters, task, settings)
-                number += batch.num_rows
+        with _batches(source, table, task, max_line_bytes=settings.max_line_bytes) as (
+            _,
+            batches,
+        ):
+            for rows in batches:
+                with images.prefetching(_image_urls(rows.batch, table)):
+                    block = _checked_batch(rows, table, adapters, task, settings, jsonl=jsonl)
                 yield stored_block(block, ids, name)
     finally:
         images.close()
@@ -167,20 +202,29 @@ def _image_urls(batch: pa.RecordBatch, table: TableColumns) -> Iterator[str]:
 
 
 def _checked_batch(
-    batch: pa.RecordBatch,
-    first: int,
+    rows: LineBatch,
     table: TableColumns,
     adapters: frozenset[str],
     task: str,
     settings: Settings,
+    *,
+    jsonl: bool = False,
 ) -> CheckedBlock:
-    numbers = list(range(first, first + batch.num_rows))
-    problems: dict[int, LineProblem] = {}
-    if table.prompt_column is not None:
-        columns = _prompt_columns(batch, table, task, numbers, problems)
+    batch, numbers = rows.batch, rows.numbers
+    problems: dict[int, LineProblem] = dict(rows.problems)  # lines that could not be read
+    unit = "line" if jsonl else "row"
+    if table.prompt_template is not None:
+        text = _templated(batch, table.prompt_template, numbers, problems, unit)
+        columns = _prompt_columns(text, "prompt_template", table, task, numbers, problems, unit)
+    elif table.prompt_column is not None:
+        column = str(table.prompt_column)
+        text = pc.cast(batch.column(column), pa.string())
+        columns = _prompt_columns(text, column, table, task, numbers, problems, unit)
     else:
         columns = _messages_columns(batch, table, adapters, numbers, problems, settings)
-    if table.id_column is None:
+    if table.id_column is None and jsonl:  # the line's own custom_id, else its number
+        columns["given"] = pc.cast(batch.column(ID_KEY), pa.string())
+    elif table.id_column is None:
         columns["given"] = pa.array(map(str, numbers), pa.string())
     else:
         given = pc.cast(batch.column(table.id_column), pa.string())
@@ -190,7 +234,7 @@ def _checked_batch(
                 at,
                 LineProblem(
                     table.id_column,
-                    f"row {numbers[at]}: no id in column {table.id_column!r}",
+                    f"{unit} {numbers[at]}: no id in column {table.id_column!r}",
                 ),
             )
         columns["given"] = pc.if_else(missing, pa.scalar(None, pa.string()), given)
@@ -202,23 +246,46 @@ def _checked_batch(
     )
 
 
-def _prompt_columns(
+def _templated(
     batch: pa.RecordBatch,
+    template_text: str,
+    numbers: list[int],
+    problems: dict[int, LineProblem],
+    unit: str,
+) -> pa.Array:
+    """Each row's prompt from the template; a row missing a field is refused, naming it."""
+    template = PromptTemplate.parse(template_text)
+    fields = {field: batch.column(field) for field in template.fields}
+    for field, missing in template.missing(fields).items():
+        for at in _positions(missing):
+            problems.setdefault(
+                at,
+                LineProblem(
+                    field, f"{unit} {numbers[at]}: no value for the template's {{{field}}}"
+                ),
+            )
+    return template.render(fields)
+
+
+def _prompt_columns(
+    text: pa.Array,
+    label: str,
     table: TableColumns,
     task: str,
     numbers: list[int],
     problems: dict[int, LineProblem],
+    unit: str = "row",
 ) -> dict[str, pa.Array]:
-    """Each row's prompt from the prompt column, checked column-wise: null and blank texts
-    (no character str.strip() keeps, as for a JSONL prompt) are refused."""
-    column = str(table.prompt_column)
-    text = pc.cast(batch.column(column), pa.string())
+    """Each row's prompt from its text (the prompt column's, or the template's), checked
+    column-wise: null and blank texts (no character str.strip() keeps, as for a JSONL
+    prompt) are refused."""
+    what = "the prompt template gives" if label == "prompt_template" else f"column {label!r} is"
     rows = len(text)
     for at in _positions(pc.is_null(text)):
-        problems[at] = LineProblem(column, f"row {numbers[at]}: column {column!r} is null")
+        problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} null"))
     blank = pc.invert(pc.match_substring_regex(text, not_space()))
     for at in _positions(pc.fill_null(blank, False)):
-        problems[at] = LineProblem(column, f"row {numbers[at]}: column {column!r} is blank")
+        problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} blank"))
     nothing = pa.nulls(rows, pa.string())
     if task == "embed":
         kind, prompt, messages = "embed", text, nothing

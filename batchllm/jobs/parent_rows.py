@@ -1,0 +1,126 @@
+"""A job's rows as the next job's input (`run|submit --from JOB`, `Client.run(JobRows(...))`).
+
+The parent's output rows of the statuses asked for (ok by default) are written, in the
+parent's line order, to a Parquet table the child reads as any table input: each row keeps
+the parent's `custom_id` (the child's id column), so a child row joins back to its parent row
+on it, and carries the parent's output columns (`text`, `finish_reason`, `structured_ok`,
+`reasoning`, `tool_calls`, `embedding`, `error`, `status`), its line as `parent_line`, and
+`prompt`: the text the parent was asked (a prompt line's prompt, a chat line's last user
+message, an embedding line's input). With no other say, the child's prompt is the parent's
+answer (`text`); `--prompt-template` builds it from any of these columns.
+
+The table is a temporary file: the child validates and stores its rows at creation (its own
+copy, as for any input), and records its parent (store/service.py, `job_parents`).
+
+Only a completed parent is read: a job still running has no final rows yet, and one that
+failed, was cancelled or expired is retried (`batchllm retry`) before its rows feed another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchllm.errors import InputError, JobStateError
+from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.job_rows import CARRIED, ID_COLUMN, JobRows
+from batchllm.output.parts import output_dataset
+from batchllm.settings import Settings
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.states import JobStatus
+
+
+@contextmanager
+def parent_input(rows: JobRows, settings: Settings) -> Iterator[InputSource]:
+    """The parent's rows as a resolved Parquet input, removed on exit (the child keeps its
+    own copy). JobNotFound for an unknown job; JobStateError for one not completed;
+    InputError when it has no row of those statuses."""
+    with session_scope(settings) as session:
+        parent = service.get_job(session, rows.job)
+        status, parent_id = parent.status, parent.id
+    if status is not JobStatus.COMPLETED:
+        raise JobStateError(
+            f"--from {parent_id}: the job is {status.value}; its rows feed another job once "
+            "it completed (`batchllm wait`, or `batchllm retry` a failed one)"
+        )
+    storage = Storage.for_job(parent, settings)
+    table = parent_table(storage, parent_id, rows.statuses)
+    if not table.num_rows:
+        raise InputError(
+            f"--from {parent_id}: the job has no row of status {', '.join(rows.statuses)}"
+        )
+    with tempfile.TemporaryDirectory(prefix="batchllm-from-") as scratch:
+        path = Path(scratch) / f"{parent_id}.parquet"
+        pq.write_table(table, path)
+        source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
+        yield dataclasses.replace(source, recorded=rows.recorded)
+
+
+def parent_table(storage: Storage, job_id: str, statuses: tuple[str, ...]) -> pa.Table:
+    """The job's output rows of these statuses, in line order, with the prompt each was asked."""
+    output = output_dataset(storage, storage.output_dir(job_id))
+    wanted = pc.field("status").isin(list(statuses))
+    rows = output.to_table(columns=[ID_COLUMN, "line", *CARRIED], filter=wanted)
+    rows = rows.sort_by("line")
+    prompts = _prompts(storage, job_id, rows.column("line"))
+    columns: dict[str, Any] = {
+        ID_COLUMN: rows.column(ID_COLUMN),
+        "parent_line": rows.column("line"),
+        "prompt": prompts,
+    }
+    columns.update({name: rows.column(name) for name in CARRIED})
+    return pa.table(columns)
+
+
+def _prompts(storage: Storage, job_id: str, lines: pa.ChunkedArray) -> pa.Array:
+    """The text each of these lines asked, read from the job's stored input."""
+    wanted = set(lines.to_pylist())
+    asked: dict[int, str | None] = {}
+    directory = storage.input_dir(job_id)
+    for name in storage.listdir(directory):
+        if not name.startswith("shard-") or not name.endswith(".parquet"):
+            continue
+        with storage.fs.open_input_file(posixpath.join(directory, name)) as handle:
+            stored = pq.read_table(handle, columns=["line", "kind", "prompt", "messages", "inputs"])
+        for row in stored.to_pylist():
+            if row["line"] in wanted:
+                asked[row["line"]] = asked_text(row)
+    return pa.array([asked.get(line) for line in lines.to_pylist()], pa.string())
+
+
+def asked_text(row: dict[str, Any]) -> str | None:
+    """A stored input row's question: its prompt, its last user message's text, or its
+    embedding inputs (joined by newlines)."""
+    if row["prompt"] is not None:
+        return str(row["prompt"])
+    if row["messages"] is not None:
+        for message in reversed(json.loads(row["messages"])):
+            if message.get("role") == "user":
+                return _content_text(message.get("content"))
+        return None
+    if row["inputs"] is not None:
+        return "\n".join(str(text) for text in json.loads(row["inputs"]))
+    return None
+
+
+def _content_text(content: Any) -> str | None:
+    """A message's text: a string as it is; the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+        texts = [text for text in texts if text]
+        return "\n".join(texts) if texts else None
+    return None
