@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def migrated_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SQLite database at the newest schema, migrated once per session. Running the 13
+    """A SQLite database at the newest schema, migrated once per session. Running the 14
     migrations takes ~0.2 s a database (a third of the unit suite's time went to ~190 of
     them); a home seeded with a copy opens at once. The migrations themselves are tested on
     fresh files (test_sqlite_first_open, test_history_indexes)."""
