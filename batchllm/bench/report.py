@@ -496,6 +496,11 @@ def summary_text(result: dict[str, Any]) -> str:
     if result.get("warm"):
         parts.append("")
         parts.append(warm_text(result["warm"]))
+    if result.get("peers"):
+        from batchllm.bench.peers_report import peers_text
+
+        parts.append("")
+        parts.append(peers_text(result["peers"]))
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")
@@ -519,7 +524,11 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
         # A warm part without its side-by-side file (--warm-file-lines 0) has nothing to draw.
         and (p != "warm" or "side_by_side" in result[p])
     ]
-    widths = [{"contenders": 3, "features": 2.2}.get(p, 1.4) for p in panels]
+    if result.get("peers"):  # its two panels: the main table and the batch-size sweep
+        panels += ["peers", "sweep"]
+    widths = [
+        {"contenders": 3, "features": 2.2, "peers": 2.6, "sweep": 2}.get(p, 1.4) for p in panels
+    ]
     fig, axes = plt.subplots(
         1,
         len(panels),
@@ -535,6 +544,8 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
             "features": _features_panel,
             "embed": _embed_panel,
             "warm": _warm_panel,
+            "peers": _peers_panel,
+            "sweep": _sweep_panel,
         }[panel](ax, result)
     config = result["config"]
     engine = (
@@ -542,6 +553,7 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
         or (result.get("features") or {}).get("engine")
         or (result.get("embed") or {}).get("engine")
         or (result.get("warm") or {}).get("engine")
+        or (result.get("peers") or {}).get("engine")
         or {}
     )
     machine = f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}"
@@ -705,3 +717,15 @@ def _warm_panel(ax, result: dict[str, Any]) -> None:
     )
     ax.set_ylabel("wall seconds, end to end")
     ax.set_title(f"one file of {side['lines']:,} lines", fontsize=9)
+
+
+def _peers_panel(ax, result: dict[str, Any]) -> None:
+    from batchllm.bench.peers_report import draw_rows
+
+    draw_rows(ax, result["peers"])
+
+
+def _sweep_panel(ax, result: dict[str, Any]) -> None:
+    from batchllm.bench.peers_report import draw_sweep
+
+    draw_sweep(ax, result["peers"])

