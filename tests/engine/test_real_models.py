@@ -1,10 +1,11 @@
-"""Real models, real answers: SmolLM2-135M-Instruct and all-MiniLM-L6-v2 through `batchllm run`.
+"""A real chat model, real answers: SmolLM2-135M-Instruct through `batchllm run`.
 
 Everything else runs on the tiny random-weight model, which never stops on its own and answers
 nothing. Here one chat job (greedy, eager mode) covers what only a trained model shows: its
 chat template and default system prompt, an end-of-turn token that ends a row `stop`, right
 answers, constraints on a model that would say something else, sampling and log probabilities,
-and the context sizing against an 8k model. One embedding job shows vectors that mean something.
+and the context sizing against an 8k model. The real embedding model's jobs (vectors that mean
+something) are test_embedding_jobs.py's, on the pooling engine the bench's embed part shares.
 
 A 135M model is not always right: answers are checked over several questions with a margin,
 never one question on which bf16 numerics could tip the greedy choice.
@@ -18,14 +19,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
 from batchllm.demo import PERSON_SCHEMA
 from tests.support.cli import local_env, run_cli
 
-# The module's fixtures convert and run the real models (SmolLM2, MiniLM): an engine each.
+# The module's fixture converts and runs the real chat model (SmolLM2): one engine build.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -270,42 +270,3 @@ def test_rows_sharing_a_long_system_prompt_all_run(chat_job, chat_tokenizer):
             chat_tokenizer.encode(text, add_special_tokens=False)
         )
         assert rows[cid]["status"] == "ok" and rows[cid]["text"].strip()
-
-
-CORPUS = {
-    "cat": "A cat sits on the mat.",
-    "kitten": "A kitten is resting on a rug.",
-    "stocks": "The stock market fell sharply today.",
-    "shares": "Shares dropped on Wall Street.",
-    "rain": "It is raining heavily in the city.",
-}
-
-
-def test_embeddings_rank_a_paraphrase_above_an_unrelated_sentence(embed_model, tmp_path):
-    source = tmp_path / "corpus.jsonl"
-    source.write_text(
-        "".join(json.dumps({"custom_id": k, "input": v}) + "\n" for k, v in CORPUS.items())
-    )
-    ran = batchllm(
-        "run",
-        str(source),
-        "--model",
-        str(embed_model),
-        "--enforce-eager",
-        "--output",
-        str(tmp_path / "out"),
-        home=tmp_path / "home",
-    )
-    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
-    rows = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
-    vectors = {cid: np.asarray(row["embedding"], dtype=np.float64) for cid, row in rows.items()}
-    assert {len(v) for v in vectors.values()} == {384}
-
-    def cosine(a: str, b: str) -> float:
-        x, y = vectors[a], vectors[b]
-        return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
-
-    # Measured: cat/kitten 0.66, cat/stocks ~0.05.
-    assert cosine("cat", "kitten") > 0.5
-    assert cosine("cat", "kitten") > cosine("cat", "stocks") + 0.3
-    assert cosine("stocks", "shares") > max(cosine("stocks", "cat"), cosine("stocks", "rain"))

@@ -53,7 +53,7 @@ def make_spec(model: Path, **sampling) -> JobSpec:
         ),
         # Every job here has these engine options, so they share one warm engine, and so do
         # test_request_features' job (whose JSON rows need compact_json; it changes nothing for
-        # the unconstrained rows here) and test_lora_and_embeddings' base-only job.
+        # the unconstrained rows here) and test_lora_jobs' base-only job.
         engine=EngineOptions(max_model_len=MAX_MODEL_LEN, enforce_eager=True, compact_json=True),
         metadata={"suite": "engine"},
     )
