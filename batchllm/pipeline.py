@@ -18,7 +18,8 @@
 
 A stage takes any `run` option by its name with underscores (model, task, max_tokens,
 temperature, choice, json_schema, prompt_template, enforce_eager, ...), and `shard_size` and
-`strict` as `submit` does.
+`strict` as `submit` does. Paths in the file (`input`, a `model` starting with ./ or ../, a
+`json_schema` file) are relative to the file's folder, so a pipeline moves with its files.
 
 Each stage's job carries the labels `pipeline`, `stage` and `stage_key` (a digest of the
 stage's settings and of its parent job), so the pipeline's state lives in the database, not
@@ -126,6 +127,8 @@ def _stage(path: Path, number: int, table: dict[str, Any], earlier: set[str]) ->
     options = {k: v for k, v in table.items() if k not in _STAGE_KEYS}
     if "model" not in options:
         raise InputError(f"{where}: needs a model")
+    if str(options["model"]).startswith(("./", "../")):  # beside the file, as input is
+        options["model"] = str((path.parent / options["model"]).resolve())
     if isinstance(options.get("choice"), str):  # "yes,no", as --choice takes it
         options["choice"] = [c.strip() for c in options["choice"].split(",") if c.strip()]
     if isinstance(options.get("json_schema"), str):  # a file, as --json-schema takes it

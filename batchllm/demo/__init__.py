@@ -4,6 +4,8 @@
     python -m batchllm.demo show-chat OUTPUT_DIR            # answers and rows read back
     python -m batchllm.demo write-embed corpus.jsonl        # sentences to embed
     python -m batchllm.demo show-embed OUTPUT_DIR           # nearest neighbours of a few queries
+    python -m batchllm.demo write-pipeline DIR              # questions and a 3-stage qa.toml
+    python -m batchllm.demo show-pipeline DIR/qa.toml       # the stages joined on custom_id
 
 The jobs themselves run through `batchllm run`, as a user would run them; this module only writes
 their input and reads their Parquet output back with pyarrow, the way a pipeline would.
@@ -264,6 +266,97 @@ def show_embed(output_dir: Path) -> None:
         )
 
 
+# The pipeline demo (docs/pipelines.md): SmolLM2 answers, SmolLM2 judges each answer from a
+# template quoting question and answer, MiniLM embeds the answers. Models are the demo's,
+# beside the pipeline's folder (.demo/qa next to .demo/chat and .demo/embed).
+PIPELINE_TOML = """\
+name = "qa"
+
+[[stage]]
+name = "answer"
+input = "questions.jsonl"
+model = "../chat"
+prompt_template = "{question}"
+temperature = 0
+max_tokens = 48
+enforce_eager = true
+gpu_memory_utilization = 0.3  # of the machine's memory on a CPU: a 135M model needs little
+
+[[stage]]
+name = "judge"
+from = "answer"
+model = "../chat"
+system = "You check answers to quiz questions. Reply yes if the answer is right, no if not."
+prompt_template = "Question: {prompt}\\nAnswer: {text}\\nIs the answer right?"
+choice = ["yes", "no"]
+temperature = 0
+max_tokens = 2
+enforce_eager = true
+gpu_memory_utilization = 0.3
+
+[[stage]]
+name = "embed"
+from = "answer"
+model = "../embed"
+task = "embed"
+enforce_eager = true
+gpu_memory_utilization = 0.3
+"""
+
+
+def write_pipeline(directory: Path) -> int:
+    """The pipeline demo's questions (plain JSON lines: custom_id and question) and qa.toml."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [
+        {"custom_id": f"capital-{country}", "question": f"What is the capital of {country}?"}
+        for country, _ in _CAPITALS
+    ]
+    lines += [{"custom_id": f"fact-{i}", "question": text} for i, text in enumerate(_FACTS)]
+    lines.append({"custom_id": "no-question"})  # a line without the field: an error row
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (directory / "questions.jsonl").write_text(text)
+    (directory / "qa.toml").write_text(PIPELINE_TOML)
+    return len(lines)
+
+
+def show_pipeline(pipeline_file: Path) -> None:
+    """The three stages' latest jobs, their rows read back and joined on custom_id."""
+    import pyarrow.dataset as ds
+
+    from batchllm.client import Client
+    from batchllm.pipeline import load_pipeline, stage_states
+
+    client = Client()
+    jobs = {s.stage.name: s.job for s in stage_states(client, load_pipeline(pipeline_file))}
+    tables = {}
+    for stage, job in jobs.items():
+        if job is None:
+            raise SystemExit(f"stage {stage} has not run: batchllm pipeline run {pipeline_file}")
+        columns = ["custom_id", "status", "text", "embedding", "error"]
+        tables[stage] = client.results(job.id).to_table(columns=columns)
+        print(f"stage {stage:<7} job {job.id}: {job.completed} ok, {job.failed} error")
+    answers = tables["answer"].filter(ds.field("status") == "ok")
+    joined = (
+        answers.select(["custom_id", "text"])
+        .join(tables["judge"].select(["custom_id", "text"]), "custom_id", right_suffix="_judge")
+        .join(tables["embed"].select(["custom_id", "embedding"]), "custom_id")
+        .sort_by("custom_id")
+    )
+    print(
+        f"\n{joined.num_rows} of {answers.num_rows} ok answers joined with their verdict and vector:"
+    )
+    for row in joined.to_pylist()[:8]:
+        vector = row["embedding"] or []
+        print(
+            f"  {row['custom_id']:<16} {_short(row['text'], 44):<44} judge={row['text_judge']:<3}"
+            f" embedding[{len(vector)}]"
+        )
+    verdicts = joined.column("text_judge").to_pylist()
+    print(f"the judge said yes to {verdicts.count('yes')} of {len(verdicts)} answers")
+    for row in tables["answer"].filter(ds.field("status") == "error").to_pylist():
+        print(f"error row {row['custom_id']}: {_short(row['error'], 80)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m batchllm.demo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -273,11 +366,17 @@ def main(argv: list[str] | None = None) -> None:
     show.add_argument("--source", type=Path, required=True, help="the job's input file")
     commands.add_parser("write-embed").add_argument("path", type=Path)
     commands.add_parser("show-embed").add_argument("output_dir", type=Path)
+    commands.add_parser("write-pipeline").add_argument("directory", type=Path)
+    commands.add_parser("show-pipeline").add_argument("pipeline_file", type=Path)
     args = parser.parse_args(argv)
     if args.command == "write-chat":
         print(f"wrote {write_chat(args.path)} lines to {args.path}")
     elif args.command == "write-embed":
         print(f"wrote {write_embed(args.path)} lines to {args.path}")
+    elif args.command == "write-pipeline":
+        print(f"wrote {write_pipeline(args.directory)} questions and qa.toml to {args.directory}")
+    elif args.command == "show-pipeline":
+        show_pipeline(args.pipeline_file)
     elif args.command == "show-chat":
         show_chat(args.output_dir, args.source)
     else:
