@@ -32,7 +32,9 @@ $(VENV)/.installed: pyproject.toml
 
 # The demo on the real models: SmolLM2-135M-Instruct answers ~400 lines (questions, sentiment
 # with a `choice`, JSON-schema extraction, two bad lines), then all-MiniLM-L6-v2 embeds a small
-# corpus. --enforce-eager: on these CPUs torch.compile of the chat model takes ~90 s, longer
+# corpus; last, a pipeline (docs/pipelines.md): SmolLM2 answers quiz questions, judges its
+# answers (yes/no), MiniLM embeds them, joined on custom_id. --enforce-eager: on these CPUs
+# torch.compile of the chat model takes ~90 s, longer
 # than the job it would speed up.
 demo: install
 	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
@@ -46,6 +48,9 @@ demo: install
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/corpus.jsonl --model $(DEMO)/embed \
 		--enforce-eager --output $(DEMO)/embeddings
 	$(BIN)/python -m batchllm.demo show-embed $(DEMO)/embeddings
+	$(BIN)/python -m batchllm.demo write-pipeline $(DEMO)/qa
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm pipeline run $(DEMO)/qa/qa.toml
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/python -m batchllm.demo show-pipeline $(DEMO)/qa/qa.toml
 
 # Two pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
 # the same tests in one session, one after the other.

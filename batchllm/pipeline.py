@@ -24,8 +24,8 @@ temperature, choice, json_schema, prompt_template, enforce_eager, ...), and `sha
 Each stage's job carries the labels `pipeline`, `stage` and `stage_key` (a digest of the
 stage's settings and of its parent job), so the pipeline's state lives in the database, not
 in a file beside it: run again, a stage whose latest job completed with the same key is not
-run again, one whose job failed, was cancelled or expired (or whose settings or parent
-changed) runs anew, and on the fleet one still queued or running is waited for.
+run again, one whose job failed, was cancelled or expired (or whose settings, input file or
+parent changed) runs anew, and on the fleet one still queued or running is waited for.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def stage_key(stage: Stage, parent_job: str | None) -> str:
     """A digest of what makes the stage's job: its input or parent job, and its options."""
     described = {
         "input": stage.input,
+        "input_version": _file_version(stage.input),
         "parent_job": parent_job,
         "from_status": list(stage.from_status),
         "options": stage.options,
@@ -184,6 +185,18 @@ def stage_key(stage: Stage, parent_job: str | None) -> str:
     }
     text = json.dumps(described, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _file_version(source: str | None) -> list[int] | None:
+    """A local input's size and modification time: a file edited since its stage ran makes
+    the stage run again. (An object-store URI is taken as it is named.)"""
+    if source is None or "://" in source:
+        return None
+    try:
+        info = Path(source).stat()
+    except OSError:
+        return None  # the run itself says the file is missing
+    return [info.st_size, info.st_mtime_ns]
 
 
 def latest_job(client: Client, pipeline: str, stage: str) -> tuple[Job, str | None] | None:

@@ -280,7 +280,9 @@ prompt_template = "{question}"
 temperature = 0
 max_tokens = 48
 enforce_eager = true
-gpu_memory_utilization = 0.3  # of the machine's memory on a CPU: a 135M model needs little
+# A fixed KV cache: a 135M model needs little, and vLLM's default reserves a share of the
+# machine's memory, which a machine busy with other work may not have free.
+kv_cache_memory_bytes = 536870912
 
 [[stage]]
 name = "judge"
@@ -292,7 +294,7 @@ choice = ["yes", "no"]
 temperature = 0
 max_tokens = 2
 enforce_eager = true
-gpu_memory_utilization = 0.3
+kv_cache_memory_bytes = 536870912
 
 [[stage]]
 name = "embed"
@@ -300,7 +302,7 @@ from = "answer"
 model = "../embed"
 task = "embed"
 enforce_eager = true
-gpu_memory_utilization = 0.3
+kv_cache_memory_bytes = 536870912
 """
 
 

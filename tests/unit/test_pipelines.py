@@ -303,10 +303,12 @@ def test_the_prompt_a_parent_row_asked_is_its_prompt_last_user_message_or_inputs
 
 
 def _pipeline(tmp_path: Path, model: str, judge_tokens: int = 2) -> Path:
-    (tmp_path / "q.jsonl").write_text(
-        '{"custom_id": "q1", "question": "2+2?"}\n{"custom_id": "q2", "question": "Sky?"}\n'
-        '{"custom_id": "q3"}\n'
-    )
+    questions = tmp_path / "q.jsonl"
+    if not questions.exists():  # rewritten, the file would make the first stage run again
+        questions.write_text(
+            '{"custom_id": "q1", "question": "2+2?"}\n{"custom_id": "q2", "question": "Sky?"}\n'
+            '{"custom_id": "q3"}\n'
+        )
     path = tmp_path / "qa.toml"
     path.write_text(
         f"""
@@ -370,6 +372,11 @@ def test_a_pipeline_runs_its_stages_joined_on_custom_id_and_resumes(settings, to
     assert now["judge"] != judge
     with session_scope(settings) as session:
         assert session.query(Job).count() == 4
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(questions.read_text() + '{"custom_id": "q4", "question": "Sea?"}\n')
+    edited = invoke("pipeline", "status", str(path)).output
+    assert edited.count("runs again") == 3  # the answers' input changed: every stage re-runs
 
 
 @pytest.mark.parametrize(
