@@ -165,6 +165,10 @@ class LlamaServer:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Collection
 
 _INTERVAL = 0.2
 _RESCAN = 1.0
@@ -17,8 +18,9 @@ _RESCAN = 1.0
 class PeakRss:
     """Samples the RSS of `pid`'s process tree in a thread while the block runs."""
 
-    def __init__(self, pid: int | None = None) -> None:
+    def __init__(self, pid: int | None = None, *, exclude: Collection[int] = ()) -> None:
         self.pid = pid or os.getpid()
+        self.exclude = set(exclude)  # children not to count (another contender's server)
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -28,9 +30,10 @@ class PeakRss:
 
         try:
             root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
+            tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+        return [proc for proc in tree if proc.pid not in self.exclude]
 
     def _sample(self) -> None:
         import psutil

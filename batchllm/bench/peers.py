@@ -11,6 +11,7 @@ up at once (an idle one costs no CPU), so the machine's drift hits them alike.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ def run_peers(config: PeersConfig) -> dict[str, Any]:
         for row, ref, label in AGREEMENT
         if row in texts and ref in texts
     ]
+    # Kept should the sweep fail or be cut short: the main table took most of the run.
+    (workdir / "peers-main.json").write_text(json.dumps(result, indent=2, default=str))
     result["sweep"] = _sweep(config, binary, extra["limits"], result["sweep"])
     result["load_average"]["end"] = os.getloadavg()
     return result
@@ -188,6 +191,8 @@ def _main_table(
         )
         for server in servers.values():
             server.run(list(iter_requests(warm, 0)))
+        # vLLM's figures count this process and its engine's, not the idle servers'.
+        others = tuple(pid for server in servers.values() if (pid := server.pid))
         _generate(engine, Prompts(engine, warm, 0))
         _job(engines, spec, config, warm, 0)
         for repeat in range(config.repeats):
@@ -198,16 +203,18 @@ def _main_table(
                 rows[key].runs.append(server_run(run))
                 texts.setdefault(key, {r.custom_id: a.text for r, a in zip(requests, run.answers)})
                 _said(say, rows[key], repeat, config.repeats)
-            raw, raw_texts = _generate(engine, Prompts(engine, workload, variant))
+            raw, raw_texts = _generate(engine, Prompts(engine, workload, variant), others)
             rows[RAW].runs.append(raw)
             texts.setdefault(RAW, raw_texts)
             _said(say, rows[RAW], repeat, config.repeats)
-            job, job_texts = _job(engines, spec, config, workload, variant)
+            job, job_texts = _job(engines, spec, config, workload, variant, others)
             rows[ENGINE].runs.append(job)
             texts.setdefault(ENGINE, job_texts)
             _said(say, rows[ENGINE], repeat, config.repeats)
         # The sweep's biggest batch on this engine, before it goes.
-        sweep = _vllm_point(config, engines, spec, biggest, config.max_model_len, engine=engine)
+        sweep = _vllm_point(
+            config, engines, spec, biggest, config.max_model_len, engine=engine, others=others
+        )
     extra = {
         "engine": info,
         "server_start_seconds": starts,
@@ -239,14 +246,18 @@ def _sweep(
                 points += _vllm_point(config, engines, spec, batch, config.max_model_len)
             finally:
                 engines.close()
-        with _server(config, binary, config.gguf, batch, f"llama-sweep-{batch}") as server:
-            requests = sweep_requests(batch, config.sweep_max_requests)
-            load = os.getloadavg()[0]
-            run = server_run(
-                server.run(list(iter_requests(_sweep_workload(config, requests, 0), 0)))
-            )
-            points.append(_point("llama.cpp (Q4_1)", batch, config.max_model_len, run, load))
-            config.say(f"[peers sweep] llama.cpp {batch} slots: {_rate(run)}")
+        try:
+            with _server(config, binary, config.gguf, batch, f"llama-sweep-{batch}") as server:
+                requests = sweep_requests(batch, config.sweep_max_requests)
+                load = os.getloadavg()[0]
+                workload = _sweep_workload(config, requests, 0)
+                run = server_run(server.run(list(iter_requests(workload, 0))))
+        except BenchFailed as exc:  # a size this machine cannot serve is a finding, not a crash
+            points.append({"engine": "llama.cpp (Q4_1)", "batch": batch, "error": str(exc)})
+            config.say(f"[peers sweep] llama.cpp {batch} slots failed: {exc}")
+            continue
+        points.append(_point("llama.cpp (Q4_1)", batch, config.max_model_len, run, load))
+        config.say(f"[peers sweep] llama.cpp {batch} slots: {_rate(run)}")
     if config.sweep_model_len != config.max_model_len:
         engines = EngineCache(config.settings)
         try:
@@ -259,7 +270,13 @@ def _sweep(
 
 
 def _vllm_point(
-    config: PeersConfig, engines, spec, batch: int, model_len: int, engine=None
+    config: PeersConfig,
+    engines,
+    spec,
+    batch: int,
+    model_len: int,
+    engine=None,
+    others: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Raw vLLM and batchllm's engine phase at one max_num_seqs and max_model_len."""
     from batchllm.bench.contenders import Prompts
@@ -268,11 +285,11 @@ def _vllm_point(
     requests = sweep_requests(batch, config.sweep_max_requests)
     workload = _sweep_workload(config, requests, 0)
     load = os.getloadavg()[0]
-    raw, _ = _generate(engine, Prompts(engine, workload, 1000 + batch))
+    raw, _ = _generate(engine, Prompts(engine, workload, 1000 + batch), others)
     config.say(
         f"[peers sweep] raw vLLM max_num_seqs {batch}, max_model_len {model_len}: {_rate(raw)}"
     )
-    job, _ = _job(engines, spec, config, workload, 2000 + batch)
+    job, _ = _job(engines, spec, config, workload, 2000 + batch, others)
     config.say(
         f"[peers sweep] batchllm max_num_seqs {batch}, max_model_len {model_len}: {_rate(job)}"
     )
@@ -357,11 +374,12 @@ def _server(config: PeersConfig, binary: Path, gguf: Path, slots: int, name: str
     )
 
 
-def _generate(engine, prompts) -> tuple[Run, dict[str, str]]:
-    """One `LLM.generate` with every prompt; the texts by custom_id (req-N, in order)."""
+def _generate(engine, prompts, others: tuple[int, ...] = ()) -> tuple[Run, dict[str, str]]:
+    """One `LLM.generate` with every prompt; the texts by custom_id (req-N, in order). Peak
+    memory: this process and its engine's, `others` (the llama-servers) left out."""
     from batchllm.bench.memory import PeakRss
 
-    with PeakRss() as memory:
+    with PeakRss(exclude=others) as memory:
         started = time.perf_counter()
         outputs = engine.llm.generate(prompts.prompts, prompts.params, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -377,7 +395,7 @@ def _generate(engine, prompts) -> tuple[Run, dict[str, str]]:
     return run, {f"req-{i}": o.outputs[0].text for i, o in enumerate(outputs)}
 
 
-def _job(engines, spec, config: PeersConfig, workload: Workload, variant: int):
+def _job(engines, spec, config: PeersConfig, workload: Workload, variant: int, others: tuple = ()):
     """batchllm's job through the real `run_job` on the warm engine: its engine phase timed
     (from the input stored to the job finished) and its answers read from its Parquet."""
     from batchllm.bench.contenders import timed_run_job
@@ -389,7 +407,7 @@ def _job(engines, spec, config: PeersConfig, workload: Workload, variant: int):
         config.workdir / f"job-{variant}.jsonl", workload, variant, model=config.model
     )
     began = time.time() - time.perf_counter()  # wall clock at perf_counter 0
-    with PeakRss() as memory:
+    with PeakRss(exclude=others) as memory:
         timed = timed_run_job(engines, spec, source, config.settings)
     source.unlink()
     job = timed.job
@@ -467,4 +485,5 @@ def _rate(run: Run) -> str:
 
 
 def _said(say: Say, contender: Contender, repeat: int, repeats: int) -> None:
+    contender.runs[-1].extra["load_average_1m"] = os.getloadavg()[0]
     say(f"[peers] {contender.label}, repeat {repeat + 1}/{repeats}: {_rate(contender.runs[-1])}")

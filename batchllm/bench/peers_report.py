@@ -73,7 +73,8 @@ def _sweep_text(points: list[dict[str, Any]]) -> str:
     table: list[tuple[str, ...]] = [
         ("engine", "batch", "max_model_len", "requests", "out tok/s", "req/s", "peak RSS", "load")
     ]
-    for p in sorted(points, key=lambda p: (p["engine"], p["max_model_len"], p["batch"])):
+    measured = [p for p in points if "error" not in p]
+    for p in sorted(measured, key=lambda p: (p["engine"], p["max_model_len"], p["batch"])):
         table.append(
             (
                 p["engine"],
@@ -86,7 +87,14 @@ def _sweep_text(points: list[dict[str, Any]]) -> str:
                 f"{p['load_average_1m']:.1f}",
             )
         )
-    return "batch-size sweep (max_num_seqs; llama.cpp: slots), one run each:\n" + _format(table)
+    failed = [f"{p['engine']} at {p['batch']}: {p['error']}" for p in points if "error" in p]
+    return "\n".join(
+        [
+            "batch-size sweep (max_num_seqs; llama.cpp: slots), one run each:",
+            _format(table),
+            *(f"failed: {line}" for line in failed),
+        ]
+    )
 
 
 def draw_rows(ax, peers: dict[str, Any]) -> None:
@@ -113,17 +121,18 @@ def draw_rows(ax, peers: dict[str, Any]) -> None:
         capsize=3,
         linewidth=0.8,
     )
-    for i, value in enumerate(medians):
-        ax.text(value, i, f"  {value:,.0f}", va="center", fontsize=7)
+    for i, (value, row) in enumerate(zip(medians, rows)):
+        reach = row["output_tokens_per_s"]["max"]
+        ax.text(reach, i, f"  {value:,.0f}", va="center", fontsize=7)
     ax.set_yticks(y, [r["label"].replace(" (", "\n(", 1) for r in rows], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlim(right=max(medians) * 1.2)
+    ax.set_xlim(right=max(r["output_tokens_per_s"]["max"] for r in rows) * 1.2)
     ax.set_xlabel("output tokens/s (median, min-max of repeats)")
     ax.set_title("the same questions on each engine", fontsize=9)
 
 
 def draw_sweep(ax, peers: dict[str, Any]) -> None:
-    points = peers["sweep"]
+    points = [p for p in peers["sweep"] if "error" not in p]
     lengths = sorted({p["max_model_len"] for p in points})
     sized = lengths[0]
     for engine, color in _ENGINE_COLORS.items():
