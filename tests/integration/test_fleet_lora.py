@@ -9,6 +9,12 @@ why) and that worker neither takes it nor rebuilds its engine for it. A worker s
 `--enable-lora` (before the adapter directory existed; no adapter flags) then runs it. The
 original directory is deleted right after submission, so the worker can only have loaded the
 copy `batchllm submit` stored under the job.
+
+The LoRA worker is also the fleet suite's real-engine case of the worker's quiet console (its
+instant-engine cases, JSON and `-v`, are test_worker_console.py's): started with
+VLLM_LOGGING_LEVEL=INFO, its console holds batchllm's and Celery's lines only, and vLLM's
+output and its engine processes' are in the log file the console names. One engine build
+serves both subjects.
 """
 
 from __future__ import annotations
@@ -16,15 +22,26 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
+
+import pytest
 
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
-from batchllm.store.models import Job, JobStatus, ShardStatus
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 
 # The fixtures' helpers (a module of its own here: the Worker log tails of a failure are added
 # by this test, not by conftest's report hook).
-from tests.support.fleet import INSTANT_ARGS, WORKER_ENGINE_ARGS, start_workers, stop_workers, tails
-from tests.support.job_checks import load_job
+from tests.support.fleet import (
+    INSTANT_ARGS,
+    WORKER_ENGINE_ARGS,
+    Worker,
+    start_workers,
+    stop_workers,
+    tails,
+)
+from tests.support.job_checks import load_job, wait_for
+from tests.support.worker_logs import assert_quiet_vllm_console
 
 WORKER = "lora@test"
 PLAIN_WORKER = "plain@test"
@@ -76,9 +93,25 @@ def wait_for_status_line(fleet_env, job_id: str, text: str, workers, timeout: fl
         time.sleep(1)
 
 
-def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model, tmp_path):
+@dataclass
+class LoraFleet:
+    job_id: str
+    waiting: str  # `batchllm status JOB` while only the plain worker was up
+    queued: tuple[Job, list[Shard]]  # the job and its shards then
+    job: Job  # ... and once it ended
+    shards: list[Shard]
+    plain: Worker
+    worker: Worker  # the LoRA worker (stopped, as the plain one, when the job had ended)
+    pid: int  # the LoRA worker's process, as started
+    served_alive: bool  # that process was still up when the job ended
+    finished: str  # batchllm's line for the job's end
+
+
+@pytest.fixture(scope="module")
+def lora_fleet(fleet_env, tiny_model, tmp_path_factory) -> LoraFleet:
     from batchllm.engine.models.demo_model import build_demo_adapters
 
+    tmp_path = tmp_path_factory.mktemp("fleet-lora")
     workers = start_workers(
         [PLAIN_WORKER],
         fleet_env=fleet_env,
@@ -108,25 +141,52 @@ def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model
 
         # Not "none of the 1 live": a worker an earlier test killed stays listed as live until
         # its registry key expires (tests/integration/test_fleet.py kills one just before).
-        shown = wait_for_status_line(
+        waiting = wait_for_status_line(
             fleet_env, job_id, f"{PLAIN_WORKER}: needs LoRA adapters", workers
         )
-        assert "waiting: none of the" in shown, shown
-        job, shards = load_job(fleet_env, job_id)
-        assert job.status is JobStatus.QUEUED
-        assert {(s.status, s.worker) for s in shards} == {(ShardStatus.QUEUED, None)}
+        queued = load_job(fleet_env, job_id)
 
+        # VLLM_LOGGING_LEVEL=INFO: vLLM has much to say (its engine processes too), all of
+        # which must reach the worker's log file and none its console.
         workers += start_workers(
             [WORKER],
             fleet_env=fleet_env,
             model=tiny_model,
             log_dir=tmp_path,
             engine_args=(*WORKER_ENGINE_ARGS, "--enable-lora"),
+            env={"VLLM_LOGGING_LEVEL": "INFO"},
         )
         worker = workers[-1]
         pid = worker.proc.pid
-        job = wait_until_final(fleet_env, job_id, timeout=420, workers=workers)
+        wait_until_final(fleet_env, job_id, timeout=420, workers=workers)
         job, shards = load_job(fleet_env, job_id)
+        served_alive = worker.proc.poll() is None and worker.proc.pid == pid
+        finished = (
+            f"batchllm.execution.finalize: job {job_id} completed: {len(job_lines())} ok, 0 failed"
+        )
+        if job.status is JobStatus.COMPLETED:
+            wait_for(
+                lambda: finished in worker.log(),
+                timeout=30,
+                what=lambda: "the job's line on the console" + tails(workers),
+            )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}{tails(workers)}") from None
+    finally:
+        stop_workers(workers)
+    return LoraFleet(
+        job_id, waiting, queued, job, shards, plain, worker, pid, served_alive, finished
+    )
+
+
+def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(lora_fleet: LoraFleet, fleet_env):
+    run = lora_fleet
+    job, shards, job_id, worker = run.job, run.shards, run.job_id, run.worker
+    try:
+        assert "waiting: none of the" in run.waiting, run.waiting
+        queued_job, queued_shards = run.queued
+        assert queued_job.status is JobStatus.QUEUED
+        assert {(s.status, s.worker) for s in queued_shards} == {(ShardStatus.QUEUED, None)}
 
         assert job.status is JobStatus.COMPLETED, job.error
         assert (job.request_completed, job.request_failed) == (len(job_lines()), 0)
@@ -152,15 +212,28 @@ def test_a_lora_job_waits_for_a_lora_worker_and_runs_on_it(fleet_env, tiny_model
                 assert adapted["prompt_tokens"] == base["prompt_tokens"]
         # The same worker process served the job: no restart to take on the adapter. The
         # plain worker never took the job, and no engine was rebuilt for it.
-        assert worker.proc.poll() is None and worker.proc.pid == pid
+        assert run.served_alive
         assert worker.log().count(f"{WORKER} ready.") == 1
-        assert job_id not in plain.log()
-        assert "rebuilding" not in plain.log() + worker.log()
+        assert job_id not in run.plain.log()
+        assert "rebuilding" not in run.plain.log() + worker.log()
         print(
             f"\nLoRA job on the fleet: {job.request_total} rows, job wall "
-            f"{job.wall_seconds:.1f} s on {WORKER} (pid {pid}, not restarted)"
+            f"{job.wall_seconds:.1f} s on {WORKER} (pid {run.pid}, not restarted)"
         )
     except AssertionError as exc:
-        raise AssertionError(f"{exc}{tails(workers)}") from None
-    finally:
-        stop_workers(workers)
+        raise AssertionError(f"{exc}{tails([run.plain, worker])}") from None
+
+
+def test_the_vllm_workers_console_shows_batchllm_and_celery_lines_and_the_file_has_vllms_output(
+    lora_fleet: LoraFleet, fleet_env
+):
+    """The text console of a worker with a real engine (test_worker_console.py checks the JSON
+    console and `-v` on instant workers): batchllm's and Celery's lines only, from start-up to
+    shutdown; vLLM's, its engine processes' and the interpreter's output in the log file the
+    console names, where batchllm's lines are too, in order with vLLM's."""
+    console = lora_fleet.worker.log()
+    assert lora_fleet.finished in console
+    log_text = assert_quiet_vllm_console(
+        console, name=WORKER, home=fleet_env.settings.home, pid=lora_fleet.pid
+    )
+    assert lora_fleet.finished in log_text

@@ -1,19 +1,17 @@
-"""`batchllm worker`'s quiet console: a real worker process (real Redis, PostgreSQL and vLLM on
-the tiny model) runs a job; its console (stdout and stderr together, as a terminal shows them)
-holds batchllm's and Celery's lines only, while vLLM's output, its engine processes' output and
-the interpreter's warnings are in the log file the console names. `-v` keeps everything on the
-console.
+"""`batchllm worker`'s quiet console: a real worker process (real Redis and PostgreSQL, the
+instant engine on the tiny model) runs a job; its console (stdout and stderr together, as a
+terminal shows them) in the JSON format holds one object per line from batchllm's and Celery's
+loggers, while Celery's banner and the interpreter's warnings are in the log file the console
+names. `-v` keeps everything on the console.
 
-The vLLM worker gets VLLM_LOGGING_LEVEL=INFO, so vLLM has much to say (its engine processes
-too): all of it must reach the file and none the console. That is the one real engine here; the
-JSON console and `-v` run instant-engine workers: the same redirection (cli/fleet.py
-_quiet_console, whatever the format) of Celery's banner and the interpreter's warnings."""
+The text console of a worker with a real vLLM engine (vLLM's output and its engine processes'
+in the file, none on the console) is checked on test_fleet_lora.py's LoRA worker, which builds
+that engine anyway: the same redirection (cli/fleet.py _quiet_console, whatever the format)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -31,19 +29,11 @@ from tests.support.job_checks import (
     wait_for,
     wait_until_final,
 )
+from tests.support.worker_logs import NOTICE, assert_celery_output_in, named_log
 
 pytestmark = pytest.mark.integration
 
-# A whole console line in the text format: time, level, and a batchllm or Celery logger.
-TEXT_LINE = re.compile(
-    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-    r"(batchllm|celery)(\.[\w.]+)?: "
-)
-NOTICE = re.compile(r"vLLM's output goes to (\S+\.log) \(-v shows it here\)")
-# What vLLM and the interpreter write, which the console must not show and the file must hold.
-ENGINE_PROCESS_LINE = "(EngineCore pid="
-VLLM_OWN_LINE = re.compile(r"\((MainProcess|EngineCore) pid=\d+\) (INFO|WARNING) ")
-JOB_SECONDS = 420  # the engine starts in 20-90 s on two loaded cores; the job takes seconds
+JOB_SECONDS = 420  # generous on two loaded cores; the job takes seconds
 
 
 @pytest.fixture
@@ -63,59 +53,6 @@ def run_job_through(worker: Worker, fleet_env, model: Path, tmp_path: Path):
     assert (job.request_completed, job.request_failed) == (5, 1)
     assert_exactly_once(output_rows(fleet_env, job.id), expected_rows(source))
     return job
-
-
-def named_log(console: str, fleet_env, worker: Worker) -> Path:
-    found = NOTICE.search(console)
-    assert found, console
-    log = Path(found.group(1))
-    assert log.parent == fleet_env.settings.home / "logs"
-    assert re.fullmatch(rf"worker-\d{{8}}-\d{{6}}-{worker.proc.pid}\.log", log.name), log.name
-    return log
-
-
-def assert_celery_output_in(log: Path) -> str:
-    text = log.read_text(errors="replace")
-    if os.geteuid() == 0:  # Celery warns about running as root: an interpreter warning
-        assert "py.warnings" in text and "SecurityWarning" in text
-    assert "[queues]" in text  # Celery's banner: sys.__stdout__, fd 1
-    return text
-
-
-def assert_vllm_output_in(log: Path) -> str:
-    text = assert_celery_output_in(log)
-    assert VLLM_OWN_LINE.search(text), text[-3000:]
-    assert ENGINE_PROCESS_LINE in text, text[-3000:]
-    assert "Loading safetensors checkpoint shards" in text  # an engine process's stderr
-    return text
-
-
-def test_the_console_shows_batchllm_and_celery_lines_and_the_file_has_vllms_output(
-    fleet_env, own_queue_model: Path, tmp_path: Path
-):
-    worker = Worker(
-        "quiet@test",
-        model=own_queue_model,
-        env=fleet_env.worker_env(VLLM_LOGGING_LEVEL="INFO"),
-        log_path=tmp_path / "console.txt",
-    )
-    try:
-        worker.wait_ready()
-        job = run_job_through(worker, fleet_env, own_queue_model, tmp_path)
-        finished = f"batchllm.execution.finalize: job {job.id} completed: 5 ok, 1 failed"
-        wait_for(lambda: finished in worker.log(), timeout=30, what="the job's line on the console")
-    finally:
-        worker.stop()
-    console = worker.log()
-    strays = [line for line in console.splitlines() if not TEXT_LINE.match(line)]
-    assert strays == [], "\n".join(strays)
-    assert "batchllm.engine.vllm_engine: building vLLM" in console
-    assert "celery.apps.worker: quiet@test ready." in console
-    assert "succeeded in" in console  # Celery's line for the task
-    assert ENGINE_PROCESS_LINE not in console and not VLLM_OWN_LINE.search(console)
-
-    log_text = assert_vllm_output_in(named_log(console, fleet_env, worker))
-    assert finished in log_text  # batchllm's lines are in the file too, in order with vLLM's
 
 
 def test_log_format_json_keeps_the_console_one_object_per_line(
@@ -144,7 +81,7 @@ def test_log_format_json_keeps_the_console_one_object_per_line(
     assert [(e["job_id"], e["level"]) for e in finished] == [(job.id, "INFO")]
     assert finished[0]["message"].startswith(f"job {job.id} completed: 5 ok, 1 failed")
     notice = next(e["message"] for e in entries if NOTICE.search(e["message"]))
-    assert_celery_output_in(named_log(notice, fleet_env, worker))
+    assert_celery_output_in(named_log(notice, home=fleet_env.settings.home, pid=worker.proc.pid))
 
 
 def test_verbose_keeps_everything_on_the_console_and_writes_no_log_file(

@@ -260,9 +260,11 @@ def start_workers(
     log_dir: Path,
     engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
     ready_timeout: float = 240,
+    env: dict[str, str] | None = None,
 ) -> list[Worker]:
     """Start the workers and wait until each consumes its queue. On two cores, each worker's
-    engine gets its own core for its OpenMP threads (vLLM would bind both to the same one)."""
+    engine gets its own core for its OpenMP threads (vLLM would bind both to the same one).
+    `env`: more environment for every one of them."""
     workers = []
     try:
         for i, name in enumerate(names):
@@ -272,7 +274,7 @@ def start_workers(
                     name,
                     model=model,
                     log_path=log_dir / f"{name}.log",
-                    env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores),
+                    env=fleet_env.worker_env(VLLM_CPU_OMP_THREADS_BIND=cores, **(env or {})),
                     engine_args=engine_args,
                 )
             )
