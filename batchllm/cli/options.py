@@ -170,11 +170,13 @@ def job_options(command):
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
         click.option(
             "--task",
-            type=click.Choice(["generate", "embed"]),
+            type=click.Choice(["generate", "embed", "classify"]),
             default=None,
-            help="generate text, or embed the lines' inputs with vLLM's pooling runner "
-            '[default: from the file\'s first line: {"input": ...} or /v1/embeddings '
-            "lines embed].",
+            help="generate text, embed the lines' inputs (and score /v1/score and /v1/rerank "
+            "lines) with vLLM's pooling runner, or classify them with a sequence-"
+            'classification model [default: from the file\'s first line: {"input": ...}, '
+            "/v1/embeddings, /v1/score or /v1/rerank lines embed; /v1/classify lines "
+            "classify].",
         ),
         click.option(
             "--prompt-column",
@@ -426,6 +428,7 @@ def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
         reasoning_parser=flags.pop("reasoning_parser"),
         tool_call_parser=flags.pop("tool_call_parser"),
         parents=flags.pop("parents", None),
+        after=flags.pop("after", None),
         task=flags.pop("task"),
         max_tokens=flags.pop("max_tokens"),
         temperature=flags.pop("temperature"),
@@ -449,15 +452,19 @@ def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
         max_lora_rank=flags.pop("max_lora_rank"),
         group_prefixes=not flags.pop("no_group_prefixes"),
     )
-    if spec.engine.task == "embed":
-        _refuse_generation_flags(spec.sampling, adapters, template_file)
+    if spec.engine.task in ("embed", "classify"):
+        _refuse_generation_flags(spec.sampling, adapters, template_file, spec.engine.task)
     return spec
 
 
 def _refuse_generation_flags(
-    sampling: SamplingDefaults, adapters: dict[str, str], template_file: Path | None
+    sampling: SamplingDefaults,
+    adapters: dict[str, str],
+    template_file: Path | None,
+    task: str = "embed",
 ) -> None:
-    """An embedding job generates nothing: flags that shape generation would be ignored."""
+    """An embedding or classification job generates nothing: flags that shape generation
+    would be ignored."""
     given = [
         flag
         for flag, used in (
@@ -470,7 +477,8 @@ def _refuse_generation_flags(
         if used
     ]
     if given:
-        raise click.UsageError(f"{', '.join(given)}: not for an embedding job (--task embed)")
+        job = "an embedding" if task == "embed" else "a classification"
+        raise click.UsageError(f"{', '.join(given)}: not for {job} job (--task {task})")
 
 
 def _pairs(items: tuple[str, ...], flag: str) -> dict[str, str]:
@@ -560,11 +568,11 @@ WORKER_GPU_MEMORY_UTILIZATION = 0.90
 _WORKER_ENGINE_FLAGS = [
     click.option(
         "--task",
-        type=click.Choice(["generate", "embed"]),
+        type=click.Choice(["generate", "embed", "classify"]),
         default="generate",
         show_default=True,
-        help="generate text, or embed with vLLM's pooling runner (an embedding worker takes "
-        "embedding jobs only).",
+        help="generate text, embed or classify with vLLM's pooling runner (an embedding or "
+        "classification worker takes jobs of its task only).",
     ),
     click.option(
         "--max-model-len",

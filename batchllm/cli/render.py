@@ -50,8 +50,8 @@ def echo_job(job: Job) -> None:
             f"{live['output_tokens_per_s']:,.1f} output tok/s over "
             f"{live['elapsed_seconds']:,.0f} s"
         )
-    if (job.spec or {}).get("engine", {}).get("task") == "embed":
-        # Nothing is generated: an embedding job's pace is its inputs.
+    if (job.spec or {}).get("engine", {}).get("task") in ("embed", "classify"):
+        # Nothing is generated: a pooling job's pace is its inputs.
         click.echo(
             f"throughput {fmt(job.requests_per_s, 2)} req/s, "
             f"{fmt(job.total_tokens_per_s)} input tok/s"

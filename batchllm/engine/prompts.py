@@ -19,7 +19,7 @@ from batchllm.engine.images import (
     prepare_image_row,
     template_messages,
 )
-from batchllm.input.rows import TEMPLATE_OPTIONS, InputRow
+from batchllm.input.rows import POOLING_KINDS, TEMPLATE_OPTIONS, InputRow
 from batchllm.output.row_errors import CONTEXT_LENGTH_EXCEEDED, INVALID_PROMPT, Refusal
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def prepare_prompts(
         if row.token_ids is not None:  # tokenized by the job's sizing pass
             results[i] = row.token_ids
             continue
-        if row.kind == "embed" and row.inputs:
+        if row.inputs:  # a list embedding input, or a score row's texts
             texts = row.texts()
             lists[i] = [[] for _ in texts]
             groups[True].extend((i, j, text) for j, text in enumerate(texts))
@@ -194,7 +194,7 @@ def within_context(
     return [
         ids
         if isinstance(ids, Refusal)
-        else _checked(ids, max_model_len, row.kind == "embed", limit)
+        else _checked(ids, max_model_len, row.kind in POOLING_KINDS, limit)
         for row, ids in zip(rows, prepared, strict=True)
     ]
 

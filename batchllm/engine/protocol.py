@@ -41,6 +41,9 @@ class Finished:
     # An embedding request's vector (one input), or its vectors (a list input).
     embedding: list[float] | None = None
     embeddings: list[list[float]] | None = None
+    # A classification request's class probabilities and its most likely class's name.
+    probs: list[float] | None = None
+    label: str | None = None
     # With a reasoning parser: the thinking (`text` holds the answer alone) and its tokens.
     reasoning: str | None = None
     reasoning_tokens: int | None = None
@@ -52,6 +55,10 @@ class Finished:
     @property
     def is_embedding(self) -> bool:
         return self.embedding is not None or self.embeddings is not None
+
+    @property
+    def is_classification(self) -> bool:
+        return self.probs is not None
 
     @property
     def generated_tokens(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchllm.engine.images import ImagePrompt, has_images, load_image_processor
 from batchllm.engine.prompts import prepare_prompts, token_count
-from batchllm.input.rows import InputRow
+from batchllm.input.rows import POOLING_KINDS, InputRow
 from batchllm.input.schemas import SamplingDefaults
 from batchllm.output.row_errors import Refusal
 from batchllm.settings import Settings
@@ -101,7 +101,7 @@ class ContextSizer:
                 continue
             # A prompt over the model's own context becomes an error row; sizing the engine for
             # it would give every other row the model's whole context (found on an 8k model).
-            if row.kind == "embed":  # the longest text, and nothing generated
+            if row.kind in POOLING_KINDS:  # the longest text, and nothing generated
                 if isinstance(ids[0], list):
                     fitting = [len(i) for i in ids if len(i) <= self.limit]
                     best = max(best, max(fitting, default=0))

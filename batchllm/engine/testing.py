@@ -3,6 +3,8 @@
 - `FakeEngine`: deterministic and scriptable, for tests of the runner: a word tokenizer, a
   fixed number of steps per request, an echo of the prompt, a hook between steps, and a
   prefix cache (a request's cached tokens: the longest prefix it shares with an earlier one).
+  For an embed job it answers bag-of-words vectors (texts sharing words are close), for a
+  classify job FAKE_LABELS probabilities from the words' ids.
 - `InstantEngine`: the bench's (bench/overhead.py): the model's real tokenizer and chat
   template and VllmEngine's own sampling settings, but generation answers at once, so a job
   costs only batchllm's own work.
@@ -25,6 +27,8 @@ from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 
 FAKE_MAX_MODEL_LEN = 24
+FAKE_DIMENSIONS = 16
+FAKE_LABELS = ("even", "odd")  # a fake classifier's classes: the parity of most word ids
 
 
 class WordTokenizer:
@@ -81,6 +85,7 @@ class FakeEngine:
         self.seen_prompts: list[list[int]] = []  # the prefix cache: every prompt added
         self.aborted: list[str] = []
         self.step_count = 0
+        self.task = "generate"  # the job's (FakeEngines.get sets it)
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         return prepare_prompts(self.tokenizer, rows, self.max_model_len)
@@ -91,7 +96,8 @@ class FakeEngine:
     def add(
         self, request_id: str, token_ids: Any, params: Any, adapter: Adapter | None = None
     ) -> None:
-        self.prompts_added.append(self.tokenizer.decode(token_ids))
+        texts = token_ids if token_ids and isinstance(token_ids[0], list) else [token_ids]
+        self.prompts_added.extend(self.tokenizer.decode(ids) for ids in texts)
         cached = max((_shared_prefix(token_ids, seen) for seen in self.seen_prompts), default=0)
         self.seen_prompts.append(list(token_ids))
         self.waiting[request_id] = [token_ids, params, self.steps, cached]
@@ -107,6 +113,9 @@ class FakeEngine:
             state[2] -= 1
             if state[2] == 0:
                 ids, params, _, cached = self.running.pop(request_id)
+                if self.task != "generate":
+                    done.append(self._pooled(request_id, ids))
+                    continue
                 echo = " ".join(self.tokenizer.decode(ids).split()[-2:])
                 done.append(
                     Finished(
@@ -120,6 +129,18 @@ class FakeEngine:
                 )
         return done
 
+    def _pooled(self, request_id: str, ids: Any) -> Finished:
+        if self.task == "classify":
+            odd = sum(i % 2 for i in ids)
+            probs = [(len(ids) - odd + 1) / (len(ids) + 2), (odd + 1) / (len(ids) + 2)]
+            label = FAKE_LABELS[probs[1] > probs[0]]
+            return Finished(request_id, "", "stop", len(ids), 0, probs=probs, label=label)
+        if ids and isinstance(ids[0], list):
+            tokens = sum(len(i) for i in ids)
+            vectors = [_bag_of_words(i) for i in ids]
+            return Finished(request_id, "", "stop", tokens, 0, embeddings=vectors)
+        return Finished(request_id, "", "stop", len(ids), 0, embedding=_bag_of_words(ids))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -131,6 +152,15 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _bag_of_words(ids: list[int]) -> list[float]:
+    """Word counts folded into FAKE_DIMENSIONS (the BOS token left out)."""
+    vector = [0.0] * FAKE_DIMENSIONS
+    for i in ids:
+        if i != WordTokenizer.BOS:
+            vector[i % FAKE_DIMENSIONS] += 1.0
+    return vector
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -152,6 +182,7 @@ class FakeEngines:
     def get(self, spec: JobSpec, max_model_len: int) -> FakeEngine:
         assert self.engine is not None
         self.engine.max_model_len = max_model_len
+        self.engine.task = spec.engine.task
         return self.engine
 
     def close(self) -> None:

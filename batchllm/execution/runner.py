@@ -28,6 +28,7 @@ from batchllm.execution.stop_request import StopRequest
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
+from batchllm.input.scoring import ScoreShape, pair_scores
 from batchllm.input.structured import field_of, satisfies
 from batchllm.output.parts import OutputBuffer, Part
 from batchllm.output.row_errors import (
@@ -364,7 +365,14 @@ class ShardRunner:
                 )
             state, row, sampling = pending
             state.inflight -= 1
-            if out.is_embedding:
+            if out.is_classification:
+                state.buffer.classified(
+                    row.custom_id, row.line, out.prompt_tokens, out.label, out.probs or []
+                )
+            elif out.is_embedding and row.kind == "score":
+                scores = pair_scores(ScoreShape.of(row.overrides()), out.embeddings or [])
+                state.buffer.scored(row.custom_id, row.line, out.prompt_tokens, scores)
+            elif out.is_embedding:
                 state.buffer.embedding(
                     row.custom_id, row.line, out.prompt_tokens, out.embedding, out.embeddings
                 )

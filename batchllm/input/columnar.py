@@ -431,7 +431,7 @@ class _Texts:
         body = where == "body"
         if kind == "chat":
             return 4 + body
-        return (2 if kind == "embed" else 0) + body
+        return (2 if kind in ("embed", "classify") else 0) + body
 
     def column(self, index: int) -> pa.Array:
         if index not in self.built:

@@ -19,7 +19,10 @@ import pyarrow as pa
 
 from batchllm.input.schemas import LineError, Request
 
-RowKind = Literal["prompt", "chat", "embed", "invalid"]
+RowKind = Literal["prompt", "chat", "embed", "score", "classify", "invalid"]
+# Rows the pooling runner serves: nothing is generated, an input needs no room for an output
+# token, and `inputs` (a list of texts) is tokenized text by text.
+POOLING_KINDS = frozenset({"embed", "score", "classify"})
 
 # A chat line's settings that change how its conversation renders: validation stores them in
 # the row's sampling text, the prompt renderer reads them from there.
@@ -34,12 +37,14 @@ INPUT_SCHEMA = pa.schema(
     [
         pa.field("line", pa.int64(), nullable=False),
         pa.field("custom_id", pa.string(), nullable=False),
-        pa.field("kind", pa.string(), nullable=False),  # prompt | chat | embed | invalid
+        # prompt | chat | embed | score | classify | invalid
+        pa.field("kind", pa.string(), nullable=False),
         pa.field("prompt", pa.string()),
         pa.field("messages", pa.string()),  # JSON list of {role, content}
         pa.field("sampling", pa.string()),  # JSON object of per-line overrides
         pa.field("error", pa.string()),
-        pa.field("inputs", pa.string()),  # JSON list of the texts of a list embedding input
+        # JSON list of the texts of a list embedding input, or a score row's (input/scoring.py)
+        pa.field("inputs", pa.string()),
     ]
 )
 
@@ -65,7 +70,7 @@ class InputRow:
     messages: str | None = None  # JSON text of the chat messages (kind "chat")
     sampling: str | None = None  # JSON text of the line's sampling overrides, if any
     error: str | None = None  # why the line is invalid (kind "invalid")
-    inputs: str | None = None  # JSON text of a list embedding input (kind "embed")
+    inputs: str | None = None  # JSON text of a list embedding input, or a score row's texts
     # The prompt's token ids from the job's context-sizing pass (input/token_store.py), so the
     # feed does not tokenize the row a second time. Not a column of the input shard.
     token_ids: list[int] | None = None

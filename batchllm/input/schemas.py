@@ -199,9 +199,11 @@ class EngineOptions(BaseModel):
         "tokens, and a weak model cannot spend max_tokens on whitespace. Uses vLLM's "
         "xgrammar backend for every constraint (no fallback to guidance).",
     )
-    task: Literal["generate", "embed"] = Field(
+    task: Literal["generate", "embed", "classify"] = Field(
         default="generate",
-        description="generate: text completions; embed: vectors from vLLM's pooling runner.",
+        description="generate: text completions; embed: vectors from vLLM's pooling runner "
+        "(and /v1/score and /v1/rerank lines, scored as the cosine of their texts' vectors); "
+        "classify: class probabilities from a sequence-classification model.",
     )
     enable_lora: bool = Field(
         default=False, description="Serve LoRA adapters (set when the job has adapters)."
@@ -303,6 +305,11 @@ class JobSpec(BaseModel):
     parents: list[NonEmptyStr] = Field(
         default_factory=list,
         description="The jobs whose rows this job reads (`--from`), recorded with it.",
+    )
+    after: list[NonEmptyStr] = Field(
+        default_factory=list,
+        description="The jobs this job starts after (`submit --after`): it waits until they "
+        "all complete, and fails if one of them does not.",
     )
 
     @model_validator(mode="after")
@@ -460,12 +467,75 @@ class OpenAIEmbeddingBody(BaseModel):
     user: str | None = None
 
 
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+# A text or a list of them, read as a list: one type rather than a union, so that a refusal
+# names the field itself (a union's error names each member tried).
+ScoreTexts = Annotated[list[NonEmptyStr], BeforeValidator(_one_or_many), Field(min_length=1)]
+
+
+class OpenAIScoreBody(BaseModel):
+    """A /v1/score line's body as vLLM's run-batch takes it (ScoreTextRequest): `text_1`
+    against each `text_2`, one text of `text_1` against them all or one per `text_2`
+    (input/scoring.py checks the counts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    text_1: ScoreTexts
+    text_2: ScoreTexts
+    user: str | None = None
+
+
+class OpenAIRerankBody(BaseModel):
+    """A /v1/rerank line's body as vLLM's run-batch takes it (RerankRequest)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    query: NonEmptyStr
+    documents: ScoreTexts
+    top_n: Int | None = Field(
+        default=None, ge=0, description="The best documents to return (0 or none: all)."
+    )
+    user: str | None = None
+
+
+class ClassifyLine(BaseModel):
+    """A text to classify, in a classification job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: NonEmptyStr | None = None
+    input: NonEmptyStr
+
+
+class OpenAIClassifyBody(BaseModel):
+    """A /v1/classify line's body (vLLM's ClassificationRequest, one text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: NonEmptyStr
+    user: str | None = None
+
+
 class OpenAIBatchLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     custom_id: NonEmptyStr
     method: Literal["POST"]
-    url: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+    url: Literal[
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/score",
+        "/v1/rerank",
+        "/v1/classify",
+    ]
     body: dict[str, Any]
 
 
@@ -474,12 +544,14 @@ class Request(BaseModel):
 
     line: int
     custom_id: str
-    kind: Literal["prompt", "chat", "embed"]
-    prompt: str | None = None  # also the text of an embedding line with one input
+    kind: Literal["prompt", "chat", "embed", "score", "classify"]
+    prompt: str | None = None  # also the text of an embedding or classify line with one input
     # {role, content}: content a string, or for a message with images its parts, text
     # {type: text, text} and images {type: image_url, image_url: {url}} (references, not pixels)
     messages: list[dict[str, Any]] | None = None
-    inputs: list[str] | None = None  # the texts of an embedding line with a list input
+    # The texts of an embedding line with a list input; of a score line, its queries then
+    # its documents (input/scoring.py).
+    inputs: list[str] | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
 
 

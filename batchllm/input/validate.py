@@ -34,18 +34,23 @@ from batchllm.input.schemas import (
     ChatLine,
     ChatMessage,
     ChatOptions,
+    ClassifyLine,
     CompletionLogprobs,
     ConstraintFields,
     EmbeddingLine,
     LineError,
     OpenAIBatchLine,
     OpenAIChatBody,
+    OpenAIClassifyBody,
     OpenAICompletionBody,
     OpenAIEmbeddingBody,
+    OpenAIRerankBody,
+    OpenAIScoreBody,
     PromptLine,
     Request,
     SamplingOverrides,
 )
+from batchllm.input.scoring import rerank_request, score_request, unpaired
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
 from batchllm.input.unicode_text import (
@@ -200,10 +205,24 @@ def is_embedding_line(obj: Any) -> bool:
     )
 
 
+_SCORE_URLS = ("/v1/score", "/v1/rerank")
+
+
+def is_score_line(obj: Any) -> bool:
+    """Whether a decoded line is a /v1/score or /v1/rerank request, which an embedding job
+    runs (input/scoring.py says why)."""
+    return isinstance(obj, dict) and obj.get("url") in _SCORE_URLS
+
+
+def is_classify_line(obj: Any) -> bool:
+    return isinstance(obj, dict) and obj.get("url") == "/v1/classify"
+
+
 def infer_task(source: InputSource, settings: Settings) -> str:
     """The task a file's lines ask for, from its first line that decodes to an object:
-    embed for embedding lines, else generate (one task per job; lines of the other task
-    become error rows). The file is read as `settings` say (line limit)."""
+    embed for embedding, score and rerank lines, classify for /v1/classify lines, else
+    generate (one task per job; lines of another task become error rows). The file is read
+    as `settings` say (line limit)."""
     limit = settings.max_line_bytes
     with source.open() as handle:
         for line in iter_lines(handle, limit):
@@ -211,7 +230,10 @@ def infer_task(source: InputSource, settings: Settings) -> str:
                 continue
             obj, problem = decode_line(line.raw)
             if problem is None and isinstance(obj, dict):
-                return "embed" if is_embedding_line(obj) else "generate"
+                if is_classify_line(obj):
+                    return "classify"
+                pooled = is_embedding_line(obj) or is_score_line(obj)
+                return "embed" if pooled else "generate"
     return "generate"
 
 
@@ -231,6 +253,15 @@ def _embedding_request(
 def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
     if "url" in obj:
         envelope = _validate(OpenAIBatchLine, obj)
+        if envelope.url == "/v1/score":
+            body = _validate(OpenAIScoreBody, envelope.body, prefix="body.")
+            problem = unpaired(body)
+            if problem is not None:
+                raise LineProblem("body.text_1", problem)
+            return score_request(line, envelope.custom_id, body)
+        if envelope.url == "/v1/rerank":
+            rerank = _validate(OpenAIRerankBody, envelope.body, prefix="body.")
+            return rerank_request(line, envelope.custom_id, rerank)
         body = _validate(OpenAIEmbeddingBody, envelope.body, prefix="body.")
         return _embedding_request(line, envelope.custom_id, body.input, body.dimensions)
     plain = _validate(EmbeddingLine, obj)
@@ -239,7 +270,28 @@ def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
     )
 
 
+def _parse_classify(obj: dict[str, Any], line: int) -> Request:
+    if "url" in obj:
+        envelope = _validate(OpenAIBatchLine, obj)
+        body = _validate(OpenAIClassifyBody, envelope.body, prefix="body.")
+        return Request(line=line, custom_id=envelope.custom_id, kind="classify", prompt=body.input)
+    plain = _validate(ClassifyLine, obj)
+    custom_id = plain.custom_id or default_custom_id(line)
+    return Request(line=line, custom_id=custom_id, kind="classify", prompt=plain.input)
+
+
 def _wrong_task(obj: dict[str, Any], task: str) -> LineProblem:
+    if is_score_line(obj):
+        return LineProblem(
+            "url",
+            f"a {obj['url']} line in a {task} job (score and rerank lines run in an "
+            "embedding job, --task embed)",
+        )
+    if is_classify_line(obj):
+        return LineProblem("url", f"a /v1/classify line in a {task} job (--task classify)")
+    if task == "classify":
+        field = "url" if "url" in obj else ("messages" if "messages" in obj else "prompt")
+        return LineProblem(field, 'a classification job takes {"input": text} lines')
     if task == "embed":
         form = "a chat" if "messages" in obj else "a completion"
         field = "url" if "url" in obj else ("messages" if "messages" in obj else "prompt")
@@ -262,13 +314,20 @@ def parse_line(
     and where images may be read from."""
     if not isinstance(obj, dict):
         raise LineProblem(None, f"expected a JSON object, got {type(obj).__name__}")
+    if task == "classify":
+        plain = "input" in obj and not {"method", "body", "url"} & obj.keys()
+        if is_classify_line(obj) or plain:
+            return _parse_classify(obj, line)
+        if not {"messages", "prompt", "url"} & obj.keys():
+            raise LineProblem(None, 'expected a classify line: {"input": text}')
+        raise _wrong_task(obj, task)
     if task == "embed":
-        if is_embedding_line(obj):
+        if is_embedding_line(obj) or is_score_line(obj):
             return _parse_embedding(obj, line)
         if not {"messages", "prompt", "url"} & obj.keys():
             raise LineProblem(None, 'expected an embedding line: {"input": text or list}')
         raise _wrong_task(obj, task)
-    if is_embedding_line(obj):
+    if is_embedding_line(obj) or is_score_line(obj) or is_classify_line(obj):
         raise _wrong_task(obj, task)
     if {"method", "url", "body"} & obj.keys():
         envelope = _validate(OpenAIBatchLine, obj)

@@ -15,7 +15,7 @@ from batchllm.engine.images import ImagePrompt
 from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.rows import InputRow, stored_row
+from batchllm.input.rows import POOLING_KINDS, InputRow, stored_row
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import validated_chunks
 from batchllm.settings import Settings
@@ -63,7 +63,7 @@ def estimate_job(
             row = chunk[line]
             tokens = token_count(ids)  # a prompt's images' tokens too
             # As the engine refuses them: a prompt must leave room for one generated token.
-            if tokens > sizer.limit or (row.kind != "embed" and tokens == sizer.limit):
+            if tokens > sizer.limit or (row.kind not in POOLING_KINDS and tokens == sizer.limit):
                 counts["too_long"] += 1
                 continue
             counts["prompt"] += tokens
@@ -99,7 +99,7 @@ def estimate_job(
 
 def _output_budget(row: InputRow, spec: JobSpec) -> int:
     """The most tokens a row may generate: its max_tokens times its samples (0 to embed)."""
-    if row.kind == "embed":
+    if row.kind in POOLING_KINDS:
         return 0
     overrides = row.overrides()
     max_tokens = overrides.get("max_tokens", spec.sampling.max_tokens)

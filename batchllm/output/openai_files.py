@@ -4,7 +4,9 @@ One line per output row, in input line order: ok rows go to the output file, err
 error file, each as OpenAI writes them (`{"id": "batch_req_...", "custom_id", "response",
 "error"}`). The line's endpoint is not stored (an OpenAI line's url is dropped at validation),
 so it follows from the stored row kind: chat -> chat.completion, prompt -> text_completion,
-embed -> an embeddings list. Plain `prompt`/`messages` lines export by their form the same way.
+embed -> an embeddings list, score -> vLLM's ScoreResponse or RerankResponse (the row's stored
+shape says which), classify -> vLLM's ClassificationResponse. Plain `prompt`/`messages`/`input`
+lines export by their form the same way.
 
 Streaming, one shard at a time: a shard holds a contiguous block of input lines
 (shards._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
@@ -35,6 +37,7 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
+from batchllm.output.pooling_bodies import classify_body, score_body
 from batchllm.output.responses_body import (
     chat_message,
     completion_details,
@@ -213,7 +216,7 @@ def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str
     """Merge the shard's input (line, kind), stored in line order, with its rows by line."""
     rows = _sorted_rows(storage, shard.parts)
     current = next(rows, None)
-    for line, kind, custom_id, settings in _input_kinds(storage, shard.input_path):
+    for line, kind, custom_id, settings, inputs in _input_kinds(storage, shard.input_path):
         # Skips a second row of one line too: a part file no checkpoint records (its worker
         # died before the commit) is deleted when a job completes, but may stay in a job that
         # was cancelled or failed meanwhile; both rows answer the same request.
@@ -223,23 +226,30 @@ def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str
             if kind == "chat" and is_responses(settings):
                 kind = "responses"  # a /v1/responses line, answered with a Response
                 current["settings"] = settings
+            elif kind == "score":  # its body needs its shape and a rerank its documents
+                current["settings"], current["inputs"] = settings, inputs
             yield kind, current
             current = next(rows, None)
         else:
             yield kind, {"line": line, "custom_id": custom_id, "status": _NOT_RUN}
 
 
-def _input_kinds(storage: Storage, path: str) -> Iterator[tuple[int, str, str, str | None]]:
-    """(line, kind, custom_id, stored settings text) per stored input row."""
+def _input_kinds(
+    storage: Storage, path: str
+) -> Iterator[tuple[int, str, str, str | None, str | None]]:
+    """(line, kind, custom_id, stored settings text, stored inputs text) per stored input
+    row."""
     with storage.fs.open_input_file(path) as src:
         for batch in pq.ParquetFile(src).iter_batches(
-            batch_size=_BATCH_ROWS * 8, columns=["line", "kind", "custom_id", "sampling"]
+            batch_size=_BATCH_ROWS * 8,
+            columns=["line", "kind", "custom_id", "sampling", "inputs"],
         ):
             yield from zip(
                 batch.column("line").to_pylist(),
                 batch.column("kind").to_pylist(),
                 batch.column("custom_id").to_pylist(),
                 batch.column("sampling").to_pylist(),
+                batch.column("inputs").to_pylist(),
             )
 
 
@@ -291,6 +301,12 @@ class _LineMaker:
         model = row["adapter"] or self.model  # vLLM's server answers with the LoRA's name
         if kind == "embed":
             body = _embedding_body(row, model)
+        elif kind == "score":
+            body = score_body(
+                row, model, self.created, lambda prefix: self._id(prefix, row["line"])
+            )
+        elif kind == "classify":
+            body = classify_body(row, model, self.created, self._id("classify-", row["line"]))
         elif kind == "responses":
             body = response_body(
                 row, model, self.created, lambda prefix: self._id(prefix, row["line"])

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 # Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
 # embeddings), version 3 error_code (output/row_errors.py), version 4 reasoning,
-# reasoning_tokens and tool_calls; a reader of an older version keeps working, since no column
-# moved or changed type.
-SCHEMA_VERSION = 4
+# reasoning_tokens and tool_calls, version 5 scores, label and probs; a reader of an older
+# version keeps working, since no column moved or changed type.
+SCHEMA_VERSION = 5
 
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("logprob", pa.float32())])
 TOKEN_LOGPROBS = pa.list_(
@@ -88,6 +88,11 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("reasoning", pa.string()),  # a reasoning model's thinking (--reasoning-parser)
         pa.field("reasoning_tokens", pa.int32()),  # its share of completion_tokens
         pa.field("tool_calls", pa.list_(TOOL_CALL)),
+        # version 5
+        # A score line's score per text_2 (a rerank line's per document), in their order.
+        pa.field("scores", pa.list_(pa.float64())),
+        pa.field("label", pa.string()),  # a classify line's most likely class
+        pa.field("probs", pa.list_(pa.float32())),  # its probability per class
     ],
     metadata={"batchllm.schema_version": str(SCHEMA_VERSION)},
 )
@@ -167,6 +172,9 @@ class OutputBuffer:
                 reasoning,
                 reasoning_tokens,
                 tool_calls,
+                None,
+                None,
+                None,
             )
         )
 
@@ -180,6 +188,16 @@ class OutputBuffer:
     ) -> None:
         """An embedding line's vector (one input) or vectors (a list input)."""
         self._add(custom_id, line, "ok", prompt_tokens, embedding=embedding, embeddings=embeddings)
+
+    def scored(self, custom_id: str, line: int, prompt_tokens: int, scores: list[float]) -> None:
+        """A score or rerank line's scores, one per document in its order."""
+        self._add(custom_id, line, "ok", prompt_tokens, scores=scores)
+
+    def classified(
+        self, custom_id: str, line: int, prompt_tokens: int, label: str | None, probs: list[float]
+    ) -> None:
+        """A classify line's class and its probability per class."""
+        self._add(custom_id, line, "ok", prompt_tokens, label=label, probs=probs)
 
     def failed(
         self,

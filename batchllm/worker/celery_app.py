@@ -33,13 +33,13 @@ def queue_for_model(model: str) -> str:
 # Jobs that need an engine built for them go to a queue of their kind: only workers whose
 # engine serves it consume it, so a LoRA or embedding job never lands on a worker that would
 # have to rebuild its engine (or refuse it) - it waits for one that can run it.
-_KIND_SUFFIXES = {"lora": ".lora", "embed": ".embed"}
+_KIND_SUFFIXES = {"lora": ".lora", "embed": ".embed", "classify": ".classify"}
 
 
 def job_kind(spec: JobSpec) -> str:
-    """generate, lora or embed: the kind of engine a job's shards need."""
-    if spec.engine.task == "embed":
-        return "embed"
+    """generate, lora, embed or classify: the kind of engine a job's shards need."""
+    if spec.engine.task in ("embed", "classify"):
+        return spec.engine.task
     return "lora" if spec.engine.enable_lora else "generate"
 
 
@@ -57,9 +57,9 @@ def worker_queues(model: str, *, task: str, enable_lora: bool, allow_rebuild: bo
     plain jobs too); every kind when it may rebuild its engine for a job."""
     base = queue_for_model(model)
     if allow_rebuild:
-        return [base, base + _KIND_SUFFIXES["lora"], base + _KIND_SUFFIXES["embed"]]
-    if task == "embed":
-        return [base + _KIND_SUFFIXES["embed"]]
+        return [base, *(base + suffix for suffix in _KIND_SUFFIXES.values())]
+    if task in ("embed", "classify"):
+        return [base + _KIND_SUFFIXES[task]]
     return [base, base + _KIND_SUFFIXES["lora"]] if enable_lora else [base]
 
 

@@ -293,6 +293,6 @@ def test_bad_tool_and_responses_values_are_error_rows_naming_the_field(ran):
     assert set(errors) == set(ERRORS)
     for custom_id, field in ERRORS.items():
         assert errors[custom_id].startswith(f"field '{field}"), errors[custom_id]
-    assert ran["schema"].metadata[b"batchllm.schema_version"] == b"4"
+    assert ran["schema"].metadata[b"batchllm.schema_version"] == b"5"
     assert {"reasoning", "reasoning_tokens", "tool_calls"} <= set(ran["schema"].names)
     assert len(ran["errors"].splitlines()) == len(ERRORS)

@@ -245,10 +245,10 @@ def test_exactly_one_row_per_line_in_a_version_2_output(features):
     assert parts
     for part in parts:
         schema = pq.read_schema(part)
-        assert schema.metadata[b"batchllm.schema_version"] == b"4"
+        assert schema.metadata[b"batchllm.schema_version"] == b"5"
         assert schema.names == OUTPUT_SCHEMA.names
     manifest = json.loads((Path(out_dir) / MANIFEST_NAME).read_text())
-    assert manifest["schema_version"] == 4
+    assert manifest["schema_version"] == 5
     assert manifest["columns"] == OUTPUT_SCHEMA.names
     assert (Path(out_dir) / SUCCESS_NAME).is_file()
     assert manifest["engine"]["compact_json"] is True

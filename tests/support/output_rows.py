@@ -33,6 +33,9 @@ class OutputRow:
     reasoning: str | None = None
     reasoning_tokens: int | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {id, name, arguments, arguments_valid}
+    scores: list[float] | None = None  # a score or rerank line's, one per document
+    label: str | None = None  # a classify line's class
+    probs: list[float] | None = None  # and its probability per class
 
     @property
     def generated_tokens(self) -> int:
@@ -77,6 +80,9 @@ class OutputRow:
             self.reasoning,
             self.reasoning_tokens,
             self.tool_calls,
+            self.scores,
+            self.label,
+            self.probs,
         )
 
 

@@ -97,7 +97,7 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
     table = ds.dataset(out_dir, format="parquet").to_table()
 
     assert table.schema.equals(OUTPUT_SCHEMA, check_metadata=False)
-    assert table.schema.metadata[b"batchllm.schema_version"] == b"4"
+    assert table.schema.metadata[b"batchllm.schema_version"] == b"5"
     assert as_tuples(table.to_pylist()) == sorted(EXPECTED)
     errors = [r for r in table.to_pylist() if r["status"] == "error"]
     assert errors == [
@@ -122,6 +122,10 @@ def test_pyarrow_dataset_reads_the_directory_as_one_table_with_the_contract_sche
             "reasoning": None,
             "reasoning_tokens": None,
             "tool_calls": None,
+            # version 5's, null on an error row
+            "scores": None,
+            "label": None,
+            "probs": None,
         }
     ]
 
@@ -183,7 +187,7 @@ def test_manifest_and_success_marker_are_written_next_to_the_data(output_dir):
 
     manifest = json.loads(storage.read_bytes(posixpath.join(out_dir, MANIFEST_NAME)))
 
-    assert manifest == {"schema_version": 4, "job_id": "job_test", "rows": {"total": 4}}
+    assert manifest == {"schema_version": 5, "job_id": "job_test", "rows": {"total": 4}}
     assert storage.read_bytes(posixpath.join(out_dir, SUCCESS_NAME)) == b""
 
 

@@ -778,7 +778,7 @@ def test_structured_ok_comes_from_the_text_and_the_job_counts_constrained_rows(
         storage.read_bytes(posixpath.join(storage.output_dir(job.id), MANIFEST_NAME))
     )
     assert manifest["structured"] == {"rows": 8, "valid": 7}
-    assert manifest["schema_version"] == 4
+    assert manifest["schema_version"] == 5
     status = invoke("status", job.id, "--json")
     assert status.exit_code == 0, status.output
     assert json.loads(status.output)["structured"] == {"rows": 8, "valid": 7}

@@ -155,7 +155,9 @@ def test_a_worker_consumes_the_kinds_its_engine_serves():
     assert plain == [base]
     assert lora == [base, base + ".lora"]
     assert embed == [base + ".embed"]
-    assert anything == [base, base + ".lora", base + ".embed"]
+    classify = worker_queues(MODEL, task="classify", enable_lora=False, allow_rebuild=False)
+    assert classify == [base + ".classify"]
+    assert anything == [base, base + ".lora", base + ".embed", base + ".classify"]
 
 
 def test_status_says_why_a_job_waits_from_the_live_workers_profiles():

@@ -265,6 +265,32 @@ def build_demo_model(
     return directory
 
 
+DEMO_LABELS = ("negative", "neutral", "positive")
+
+
+def build_demo_classifier(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+    """The demo model as a sequence classifier (LlamaForSequenceClassification, random weights,
+    the DEMO_LABELS classes): what `--task classify` runs in tests. Its classes mean nothing;
+    its probabilities are real to vLLM's classify pooler."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    config = tiny_llama_config(tokenizer)
+    config.num_labels = len(DEMO_LABELS)
+    config.id2label = dict(enumerate(DEMO_LABELS))
+    config.label2id = {label: i for i, label in enumerate(DEMO_LABELS)}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForSequenceClassification(config).to(torch.bfloat16)  # type: ignore[arg-type]
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    logger.info("built demo classifier in %s (%d classes)", directory, len(DEMO_LABELS))
+    return directory
+
+
 # The demo model's attention shapes (see build_demo_model): q_proj 256 -> 4 heads x 64,
 # v_proj 256 -> 2 kv heads x 64.
 _LORA_TARGETS = {"q_proj": (256, 256), "v_proj": (256, 128)}
