@@ -41,6 +41,14 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
 )
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
 @click.option(
+    "--after",
+    "after",
+    multiple=True,
+    metavar="JOB",
+    help="Start the job only when JOB completed (repeatable): it is validated and stored now "
+    "and waits; if JOB fails, is cancelled or expires, this job fails naming it.",
+)
+@click.option(
     "--priority",
     type=click.Choice(["high", "normal", "low"]),
     default="normal",
@@ -56,6 +64,7 @@ def submit(
     strict: bool,
     shard_size: int | None,
     wait_: bool,
+    after: tuple[str, ...],
     dry_run: bool,
     notify: str | None,
     **flags,
@@ -69,7 +78,9 @@ def submit(
       batchllm submit docs.parquet --prompt-column text --id-column doc_id --model ./model
       batchllm submit urgent.jsonl --model M --priority high --notify https://example.com/hook
       batchllm submit --from job_1a2b --prompt-template 'Summarize: {text}' --model M
+      batchllm submit eval.jsonl --model M --after job_1a2b
     """
+    flags["after"] = list(after)
     with job_input(file, from_job, from_status, flags) as source:
         _submit(source, strict, shard_size, wait_, dry_run, notify, flags)
 
@@ -94,7 +105,10 @@ def _submit(
         return
     job = Client().submit_spec(file, spec, shard_size=shard_size, strict=strict, notify=notify)
     click.echo(job.id)
-    click.echo(f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), queued", err=True)
+    state = "queued" if job.status != "waiting" else f"waiting for {', '.join(spec.after)}"
+    click.echo(
+        f"{_counts(job.total, job.invalid or 0)} in {job.shards} shard(s), {state}", err=True
+    )
     echo_webhook_secret(job.notify_secret, notify)
     if wait_:
         _follow(job.id)
@@ -454,5 +468,6 @@ def reconcile(loop: bool) -> None:
         f"{len(done.resent_lost)} lost task(s), expired {len(done.expired_jobs)} job(s), "
         f"cancelled {len(done.cancelled_jobs)} job(s), finalized {len(done.finalized_jobs)} "
         f"job(s), delivered {len(done.notified_jobs)} webhook(s), deleted "
-        f"{len(done.deleted_jobs)} old job(s)"
+        f"{len(done.deleted_jobs)} old job(s), released {len(done.released_jobs)} waiting "
+        f"job(s), failed {len(done.failed_waiting_jobs)} whose parent did not complete"
     )

@@ -39,8 +39,10 @@ def status(job_id: str, as_json: bool) -> None:
         click.echo(f"waiting: {waiting}")
     if data["parents"]:
         click.echo(f"from       {', '.join(data['parents'])} (its rows are this job's input)")
+    if data["after"]:
+        click.echo(f"after      {', '.join(data['after'])} (it starts when they completed)")
     if data["children"]:
-        click.echo(f"children   {', '.join(data['children'])} (jobs reading its rows)")
+        click.echo(f"children   {', '.join(data['children'])} (jobs reading its rows or after it)")
     if len(data["shards"]) > 1 or any(s["attempts"] > 1 for s in data["shards"]):
         rows = [
             [

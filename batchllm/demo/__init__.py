@@ -276,6 +276,9 @@ name = "qa"
 name = "answer"
 input = "questions.jsonl"
 model = "../chat"
+# A system message makes each templated prompt a chat (the model's chat template); a bare
+# prompt is a completion, which an instruct model may end at once.
+system = "Answer in one short sentence."
 prompt_template = "{question}"
 temperature = 0
 max_tokens = 48
@@ -323,6 +326,7 @@ def write_pipeline(directory: Path) -> int:
 
 def show_pipeline(pipeline_file: Path) -> None:
     """The three stages' latest jobs, their rows read back and joined on custom_id."""
+    import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
     from batchllm.client import Client
@@ -337,24 +341,27 @@ def show_pipeline(pipeline_file: Path) -> None:
         columns = ["custom_id", "status", "text", "embedding", "error"]
         tables[stage] = client.results(job.id).to_table(columns=columns)
         print(f"stage {stage:<7} job {job.id}: {job.completed} ok, {job.failed} error")
+    # As docs/pipelines.md joins them.
     answers = tables["answer"].filter(ds.field("status") == "ok")
-    joined = (
-        answers.select(["custom_id", "text"])
-        .join(tables["judge"].select(["custom_id", "text"]), "custom_id", right_suffix="_judge")
-        .join(tables["embed"].select(["custom_id", "embedding"]), "custom_id")
-        .sort_by("custom_id")
-    )
+    verdicts = tables["judge"].select(["custom_id", "text"])
+    verdicts = verdicts.rename_columns(["custom_id", "verdict"])
+    joined = answers.select(["custom_id", "text"]).join(verdicts, "custom_id")
+    # pyarrow joins no list column: each row's vector is taken by its custom_id's position
+    vectors = tables["embed"]
+    at = pc.index_in(joined["custom_id"], value_set=vectors["custom_id"])
+    joined = joined.append_column("embedding", vectors["embedding"].take(at))
+    joined = joined.sort_by("custom_id")
     print(
         f"\n{joined.num_rows} of {answers.num_rows} ok answers joined with their verdict and vector:"
     )
     for row in joined.to_pylist()[:8]:
-        vector = row["embedding"] or []
+        dims = len(row["embedding"] or [])
         print(
-            f"  {row['custom_id']:<16} {_short(row['text'], 44):<44} judge={row['text_judge']:<3}"
-            f" embedding[{len(vector)}]"
+            f"  {row['custom_id']:<16} {_short(row['text'], 44):<44} judge={row['verdict']:<3}"
+            f" embedding[{dims}]"
         )
-    verdicts = joined.column("text_judge").to_pylist()
-    print(f"the judge said yes to {verdicts.count('yes')} of {len(verdicts)} answers")
+    said = joined.column("verdict").to_pylist()
+    print(f"the judge said yes to {said.count('yes')} of {len(said)} answers")
     for row in tables["answer"].filter(ds.field("status") == "error").to_pylist():
         print(f"error row {row['custom_id']}: {_short(row['error'], 80)}")
 

@@ -39,6 +39,7 @@ def build_job_spec(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
     parents: list[str] | None = None,
+    after: list[str] | None = None,
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
@@ -52,7 +53,8 @@ def build_job_spec(
     `prompt_template` builds each row's prompt from a table's columns or a JSONL file's keys
     (input/prompt_template.py).
     `requests`: the resolved input file (input/files/source.py), read as `settings` say.
-    `parents`: the jobs whose rows `requests` holds (jobs/parent_rows.py), recorded."""
+    `parents`: the jobs whose rows `requests` holds (jobs/parent_rows.py), recorded; `after`:
+    the jobs a fleet job waits for (store/dependencies.py)."""
     unknown = set(options) - SAMPLING_FIELDS - ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown job option(s): {', '.join(sorted(unknown))}")
@@ -86,6 +88,7 @@ def build_job_spec(
         reasoning_parser=reasoning_parser,
         tool_call_parser=tool_call_parser,
         parents=list(parents or []),
+        after=list(after or []),
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
-from batchllm.errors import BatchLLMError, EngineDied, JobInterrupted
+from batchllm.errors import BatchLLMError, EngineDied, InputError, JobInterrupted
 from batchllm.execution.engines import EngineCache, resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.sizing_pass import BackgroundSizer
@@ -49,6 +49,11 @@ def run_job(
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
     """
+    if spec.after:
+        raise InputError(
+            "--after is for jobs submitted to the fleet; a local run starts at once "
+            "(`batchllm wait` for the other job first)"
+        )
     # Resolved once (input/files/source.py): a missing file is reported before any engine starts.
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     fail_abandoned_runs(settings)

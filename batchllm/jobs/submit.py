@@ -17,7 +17,7 @@ from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store import service, state_machine
+from batchllm.store import dependencies, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
@@ -47,9 +47,17 @@ def submit_job(
     the error says so. `expires_at` ends the job `expired` when it passes;
     `before_dispatch(job_id)` runs between the job's creation and its first task (the Batch API
     records its batch there); `on_stored(stored)` once the input is stored (its counts: lines,
-    invalid lines, shards); `notify`: where the job's end is announced.
+    invalid lines, shards); `notify`: where the job's end is announced. A spec with `after`
+    jobs not completed yet makes a `waiting` job: no task goes out until the reconciler
+    releases it (store/dependencies.py).
     """
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
+    hold = False
+    if spec.after:  # refused before anything is stored when a parent is unknown or failed
+        with session_scope(settings) as session:
+            resolved, waiting = dependencies.resolve_parents(session, spec.after)
+        spec = spec.model_copy(update={"after": resolved})
+        hold = bool(waiting)
     app = create_app(settings)  # one for every release of the job's shards
     sent: list[int] = []
 
@@ -68,9 +76,13 @@ def submit_job(
         expires_at=expires_at,
         release=release,
         notify=notify,
+        hold=hold,
     )
     job_id = created.job.id
-    log.info("job %s: %d shard tasks on queue %s", job_id, len(sent), queue_for_job(spec))
+    if hold:
+        log.info("job %s: waiting for %s", job_id, ", ".join(spec.after))
+    else:
+        log.info("job %s: %d shard tasks on queue %s", job_id, len(sent), queue_for_job(spec))
     if created.ended is JobStatus.FINALIZING:
         # Its shards all ran while it was validating: nobody else will finish it.
         finalize_job(

@@ -26,8 +26,13 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
+def _links(job: Job, kind: str) -> list[str]:
+    return [link.parent_id for link in job.parent_links if link.kind == kind]
+
+
 def children_of(job: Job) -> list[str]:
-    """The jobs that read this one's rows (`--from`), oldest first; the job is in a session."""
+    """The jobs that read this one's rows (`--from`) or run after it (`--after`), oldest
+    first; the job is in a session."""
     from sqlalchemy import select
     from sqlalchemy.orm import object_session
 
@@ -72,7 +77,8 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "finished_at": _iso(job.finished_at),
         "error": job.error,
         "attempts": attempts_of(job),
-        "parents": [link.parent_id for link in job.parent_links] if shards else None,
+        "parents": _links(job, "from") if shards else None,
+        "after": _links(job, "after") if shards else None,
     }
     if shards:
         data["children"] = children_of(job)

@@ -59,6 +59,7 @@ def create_job(
     on_shard: Callable[[ShardInput], None] | None = None,
     release: ReleaseShards | None = None,
     notify: WebhookTarget | None = None,
+    hold: bool = False,
 ) -> CreatedJob:
     """Validate and store the input, recording the job and its shards as `queued`.
 
@@ -70,8 +71,12 @@ def create_job(
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
-    (input/files/source.py); a path is resolved here, once.
+    (input/files/source.py); a path is resolved here, once. `hold`: the job waits for the
+    jobs it runs after (spec.after): it ends `waiting`, none of its shards released
+    (store/dependencies.py releases them).
     """
+    if hold:
+        release = None
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     storage = Storage.of(settings)
     job_id = new_job_id()
@@ -133,7 +138,11 @@ def create_job(
     with session_scope(settings) as session:
         recorder.record_rest(session)
         ended = state_machine.end_validation(
-            session, job_id, shards_total=len(stored.shards), request_total=stored.total
+            session,
+            job_id,
+            shards_total=len(stored.shards),
+            request_total=stored.total,
+            hold=hold,
         )
         job = get_one(session, Job, job_id)
     recorder.release_rest()
@@ -244,7 +253,12 @@ def _job_row(
         output_dir=storage.display(storage.output_dir(job_id)),
         notify_url=notify.url if notify else None,
         notify_secret=notify.secret if notify else None,
-        parent_links=[JobParent(parent_id=parent) for parent in spec.parents],
+        parent_links=[JobParent(parent_id=parent, kind="from") for parent in spec.parents]
+        + [
+            JobParent(parent_id=parent, kind="after")
+            for parent in spec.after
+            if parent not in spec.parents
+        ],
         **more,
     )
 

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 ACTIVE = (
     JobStatus.VALIDATING,
+    JobStatus.WAITING,
     JobStatus.QUEUED,
     JobStatus.IN_PROGRESS,
     JobStatus.FINALIZING,
@@ -32,7 +33,7 @@ TAKING_WORK = (JobStatus.VALIDATING, *RUNNABLE)
 
 
 def end_validation(
-    session: Session, job_id: str, *, shards_total: int, request_total: int
+    session: Session, job_id: str, *, shards_total: int, request_total: int, hold: bool = False
 ) -> JobStatus | None:
     """validating -> queued once its input is stored and every shard recorded; in_progress
     when workers already took shards it released while validating (store/shard_recording.py).
@@ -42,7 +43,10 @@ def end_validation(
     The counts' UPDATE comes before the shards are counted done, in one transaction: it takes
     the job's row lock (SQLite: the write lock), so a worker ending the last shard at the same
     time either ended it before (and is counted here) or waits and then sees the final counts
-    and state in after_last_shard: one of the two moves the job on, never neither."""
+    and state in after_last_shard: one of the two moves the job on, never neither.
+
+    `hold`: validating -> waiting instead, for a job that runs after others (its shards were
+    not released: store/dependencies.py releases them)."""
     session.execute(
         update(Job)
         .where(Job.id == job_id)
@@ -52,6 +56,9 @@ def end_validation(
         select(Shard.id).where(Shard.job_id == job_id, Shard.started_at.is_not(None)).limit(1)
     )
     target = JobStatus.QUEUED if started is None else JobStatus.IN_PROGRESS
+    if hold:
+        _move_job(session, job_id, (JobStatus.VALIDATING,), JobStatus.WAITING)
+        return None
     _move_job(session, job_id, (JobStatus.VALIDATING,), target)
     return after_last_shard(session, job_id)
 

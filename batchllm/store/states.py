@@ -10,6 +10,7 @@ class JobStatus(str, enum.Enum):
     """The OpenAI Batch API lifecycle."""
 
     VALIDATING = "validating"
+    WAITING = "waiting"  # stored, held until the jobs it runs after complete (--after)
     QUEUED = "queued"
     IN_PROGRESS = "in_progress"
     FINALIZING = "finalizing"

@@ -8,7 +8,9 @@ Every worker runs it in a thread (and `batchllm reconcile` runs it by hand). One
 - a cancelling job whose remaining shards have no live worker ends `cancelled`;
 - a job left `finalizing` (its last worker died while writing the manifest) is finalized;
 - an ended job's webhook event still owed (never sent, or failed and due again) is sent.
-- with BATCHLLM_RETAIN_DAYS set, ended jobs older than that are deleted (rows and files).
+- with BATCHLLM_RETAIN_DAYS set, ended jobs older than that are deleted (rows and files);
+- a waiting job (`submit --after`) whose parents all completed is released (its shards' tasks
+  sent); one with a parent that failed, was cancelled or expired fails, naming it.
 Each move is a conditional UPDATE, so reconcilers on many workers never do it twice; a task sent
 twice is harmless (the second delivery finds the shard running or done and steps aside).
 """
@@ -27,7 +29,7 @@ from batchllm.execution.webhooks import deliver_due
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store import leases, recovery
+from batchllm.store import dependencies, leases, recovery
 from batchllm.store.db import session_scope
 from batchllm.store.models import utcnow
 from batchllm.worker.broker_tasks import BrokerNotInspectable, shard_ids_in_broker
@@ -49,10 +51,14 @@ class Pass:
     expired_jobs: list[str] = field(default_factory=list)
     notified_jobs: list[str] = field(default_factory=list)
     deleted_jobs: list[str] = field(default_factory=list)
+    released_jobs: list[str] = field(default_factory=list)
+    failed_waiting_jobs: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
-            self.requeued_stale
+            self.released_jobs
+            or self.failed_waiting_jobs
+            or self.requeued_stale
             or self.resent_lost
             or self.cancelled_jobs
             or self.finalized_jobs
@@ -79,6 +85,7 @@ def reconcile_once(send: SendShard, settings: Settings) -> Pass:
         done.requeued_stale.append(shard_id)
 
     done.resent_lost = _resend_lost_tasks(send, settings)
+    _move_waiting_jobs(send, settings, done)
 
     with session_scope(settings) as session:
         done.expired_jobs = recovery.expire_overdue_jobs(session)
@@ -139,6 +146,18 @@ def _delete_retired_jobs(settings: Settings) -> list[str]:
         )
         deleted.append(gone.id)
     return deleted
+
+
+def _move_waiting_jobs(send: SendShard, settings: Settings, done: Pass) -> None:
+    with session_scope(settings) as session:
+        moved = dependencies.move_waiting_jobs(session)
+    for shard_id, spec in moved.shards:
+        send(shard_id, queue_for_stored_spec(spec))
+    for job_id in moved.released:
+        log.warning("job %s: the jobs it runs after completed; its shards are queued", job_id)
+    for job_id in moved.failed:
+        log.warning("job %s failed: a job it runs after did not complete", job_id)
+    done.released_jobs, done.failed_waiting_jobs = moved.released, moved.failed
 
 
 def _resend_lost_tasks(send: SendShard, settings: Settings) -> list[int]:

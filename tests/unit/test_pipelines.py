@@ -398,3 +398,24 @@ def test_a_pipeline_file_it_cannot_take_is_refused_naming_the_stage(settings, tm
     result = invoke("pipeline", "run", str(path), "--engine", "instant")
     assert result.exit_code == 1
     assert str(path) in result.output and says in result.output
+
+
+# --- jobs after jobs (the fleet's side: tests/integration/test_pipeline_fleet.py) -----------
+
+
+def test_after_is_refused_on_a_local_run_and_for_an_unknown_or_failed_parent(
+    settings, tokenizer, parent, tmp_path
+):
+    given = tmp_path / "f.jsonl"
+    given.write_text('{"prompt": "x"}\n')
+    with pytest.raises(InputError, match="--after is for jobs submitted to the fleet"):
+        Client().run(given, model=tokenizer.name_or_path, engines=InstantEngines(), after=[parent])
+    unknown = invoke("submit", str(given), "--model", tokenizer.name_or_path, "--after", "job_x")
+    assert unknown.exit_code == 1 and "no job 'job_x'" in unknown.output
+    with session_scope(settings) as session:
+        session.get(Job, parent).status = service.JobStatus.FAILED
+    failed = invoke("submit", str(given), "--model", tokenizer.name_or_path, "--after", parent)
+    assert failed.exit_code == 1
+    assert f"--after {parent}: the job failed; a job after it would never start" in failed.output
+    with session_scope(settings) as session:
+        assert session.query(Job).count() == 1  # the parent only
