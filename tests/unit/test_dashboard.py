@@ -221,3 +221,28 @@ def test_a_worker_is_silent_when_its_shards_heartbeat_is_older_than_the_lease():
 
 def test_durations_read_at_a_glance():
     assert [seconds(v) for v in (None, 42, 185, 7800)] == ["-", "42 s", "3 m 05 s", "2 h 10 m"]
+
+
+def test_a_jobs_page_links_its_parents_and_children_that_the_viewer_may_open(app, settings):
+    """Pipelines: `--from`/`--after` links on the job page, never naming another tenant's job."""
+    from batchllm.store.models import JobParent
+
+    alice_id, alice = new_key(settings, "alice")
+    bob_id, _ = new_key(settings, "bob")
+    _, ops = new_key(settings, "ops", admin=True)
+    add_job(settings, "job_parent", owner=alice_id, status=JobStatus.COMPLETED)
+    add_job(settings, "job_child", owner=alice_id)
+    add_job(settings, "job_bobs_child", owner=bob_id)
+    with session_scope(settings) as session:
+        session.add(JobParent(child_id="job_child", parent_id="job_parent", kind="from"))
+        session.add(JobParent(child_id="job_bobs_child", parent_id="job_parent", kind="after"))
+    client = TestClient(app)
+    log_in(client, alice)
+    parent = client.get("/ui/jobs/job_parent").text
+    assert '<a href="/ui/jobs/job_child">job_child</a>' in parent
+    assert "job_bobs_child" not in parent
+    child = client.get("/ui/jobs/job_child").text
+    assert 'reads the rows of <a href="/ui/jobs/job_parent">job_parent</a>' in child
+    admin = TestClient(app)
+    log_in(admin, ops)
+    assert '<a href="/ui/jobs/job_bobs_child">' in admin.get("/ui/jobs/job_parent").text

@@ -159,6 +159,12 @@ def _job_context(request: Request, viewer: Viewer, job_id: str) -> dict[str, Any
         if job is None:
             return None
         view = job_view(job, shards=True)
+        # Lineage links (--from, --after): only to jobs this viewer may open, so one tenant's
+        # page never names another's jobs.
+        view["lineage"] = {
+            kind: [i for i in view[kind] if queries.visible_job(db, viewer, i) is not None]
+            for kind in ("parents", "after", "children")
+        }
         shards = queries.shards_of(job, datetime.now(timezone.utc))
         if not viewer.admin:  # the workers' hosts are the operator's to know
             shards = [{**shard, "worker": queries.node_name(shard["worker"])} for shard in shards]
