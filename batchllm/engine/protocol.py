@@ -44,6 +44,8 @@ class Finished:
     # A classification request's class probabilities and its most likely class's name.
     probs: list[float] | None = None
     label: str | None = None
+    # A score row's score per pair, from a cross-encoder (a bi-encoder's come as embeddings).
+    scores: list[float] | None = None
     # With a reasoning parser: the thinking (`text` holds the answer alone) and its tokens.
     reasoning: str | None = None
     reasoning_tokens: int | None = None

@@ -25,6 +25,7 @@ from batchllm.engine.protocol import Adapter, Engine, EngineSource, Finished
 from batchllm.engine.vllm_engine import sampling_values
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
+from batchllm.input.scoring import ScoreShape
 
 FAKE_MAX_MODEL_LEN = 24
 FAKE_DIMENSIONS = 16
@@ -88,7 +89,13 @@ class FakeEngine:
         self.task = "generate"  # the job's (FakeEngines.get sets it)
 
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
-        return prepare_prompts(self.tokenizer, rows, self.max_model_len)
+        prepared = prepare_prompts(self.tokenizer, rows, self.max_model_len)
+        if self.task == "classify":  # a cross-encoder: one prompt per (query, document) pair
+            return [
+                _pairs(row, ids) if row.kind == "score" and isinstance(ids, list) else ids
+                for row, ids in zip(rows, prepared, strict=True)
+            ]
+        return prepared
 
     def sampling_params(self, merged: dict[str, Any]) -> dict[str, Any]:
         return dict(merged)
@@ -130,6 +137,11 @@ class FakeEngine:
         return done
 
     def _pooled(self, request_id: str, ids: Any) -> Finished:
+        if self.task == "classify" and ids and isinstance(ids[0], list):
+            # a score row's pairs, as a cross-encoder scores them: its share of distinct words
+            tokens = sum(len(i) for i in ids)
+            scores = [len(set(i)) / max(len(i), 1) for i in ids]
+            return Finished(request_id, "", "stop", tokens, 0, scores=scores)
         if self.task == "classify":
             odd = sum(i % 2 for i in ids)
             probs = [(len(ids) - odd + 1) / (len(ids) + 2), (odd + 1) / (len(ids) + 2)]
@@ -152,6 +164,15 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _pairs(row: InputRow, texts: list[Any]) -> list[list[int]]:
+    """A score row's (query, document) pairs as one prompt each, the document's BOS dropped."""
+    shape = ScoreShape.of(row.overrides())
+    queries, documents = texts[: shape.queries], texts[shape.queries :]
+    if len(queries) == 1:
+        queries = queries * len(documents)
+    return [query + document[1:] for query, document in zip(queries, documents, strict=True)]
 
 
 def _bag_of_words(ids: list[int]) -> list[float]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchllm.engine.build_log import note_engine_build
+from batchllm.engine.cross_encoder import CrossEncoder
 from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
 from batchllm.engine.images import (
     ImageProcessor,
@@ -272,6 +273,8 @@ class VllmEngine:
         self.dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
         self.hardware += f", {self.dtype}"  # recorded per job: throughput depends on it
         self.max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
+        # A classifier scores a score row's pairs (engine/cross_encoder.py).
+        self.cross_encoder = CrossEncoder(self.llm) if self.classifies else None
         # A classifier's class names (a config without them: the class index as text).
         labels = getattr(self.engine.model_config.hf_config, "id2label", None) or {}
         self._labels = {int(k): str(v) for k, v in labels.items()}
@@ -314,6 +317,8 @@ class VllmEngine:
     def prepare(self, rows: list[InputRow], chat_template: str | None = None) -> list[Prepared]:
         """Token ids per stored input row, or the reason the row cannot run."""
         prepared = prepare_prompts(self.tokenizer, rows, None, chat_template, self.images)
+        if self.cross_encoder is not None and any(row.kind == "score" for row in rows):
+            prepared = self.cross_encoder.prepare(rows, prepared)
         if self.model_context > self.max_model_len:
             prepared = within_context(rows, prepared, self.model_context, "the model's context")
         return within_context(rows, prepared, self.max_model_len, self.context_name)
@@ -368,18 +373,21 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = self._lora_request(adapter) if adapter is not None else None
+        pairs = None  # a score row's pairs, with their own token types on a cross-encoder
         if isinstance(token_ids, ImagePrompt):
             requests = [(request_id, token_ids)]
         elif token_ids and isinstance(token_ids[0], list):
             parts = [f"{request_id}#{i}" for i in range(len(token_ids))]
             self._lists[request_id] = [None] * len(parts)
             requests = list(zip(parts, token_ids))
+            pairs = self.cross_encoder
         else:
             requests = [(request_id, token_ids)]
         added: list[str] = []
         try:
             for engine_id, ids in requests:
-                self.engine.add_request(engine_id, _engine_prompt(ids), params, lora_request=lora)
+                own = pairs.params_for(ids, params) if pairs is not None else params
+                self.engine.add_request(engine_id, _engine_prompt(ids), own, lora_request=lora)
                 added.append(engine_id)
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc
@@ -499,26 +507,22 @@ class VllmEngine:
         embed; a classifier's class probabilities)."""
         vector = out.outputs.data.tolist()
         tokens = len(out.prompt_token_ids or ())
-        if self.classifies:
-            best = max(range(len(vector)), key=vector.__getitem__)
-            label = self._labels.get(best, str(best))
-            return Finished(out.request_id, "", "stop", tokens, 0, probs=vector, label=label)
         request_id, _, part = out.request_id.rpartition("#")
         gathered = self._lists.get(request_id) if part.isdigit() else None
         if gathered is None:
+            if self.classifies:
+                best = max(range(len(vector)), key=vector.__getitem__)
+                label = self._labels.get(best, str(best))
+                return Finished(out.request_id, "", "stop", tokens, 0, probs=vector, label=label)
             return Finished(out.request_id, "", "stop", tokens, 0, embedding=vector)
         gathered[int(part)] = (vector, tokens)
         if any(item is None for item in gathered):
             return None
         del self._lists[request_id]
-        return Finished(
-            request_id,
-            "",
-            "stop",
-            sum(t for _, t in gathered),
-            0,
-            embeddings=[v for v, _ in gathered],
-        )
+        total = sum(t for _, t in gathered)
+        if self.classifies:  # a score row's pairs: each one's probability of the one class
+            return Finished(request_id, "", "stop", total, 0, scores=[v[0] for v, _ in gathered])
+        return Finished(request_id, "", "stop", total, 0, embeddings=[v for v, _ in gathered])
 
     def has_unfinished(self) -> bool:
         return bool(self.engine.has_unfinished_requests())

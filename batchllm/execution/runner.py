@@ -365,7 +365,9 @@ class ShardRunner:
                 )
             state, row, sampling = pending
             state.inflight -= 1
-            if out.is_classification:
+            if out.scores is not None:  # a cross-encoder's
+                state.buffer.scored(row.custom_id, row.line, out.prompt_tokens, out.scores)
+            elif out.is_classification:
                 state.buffer.classified(
                     row.custom_id, row.line, out.prompt_tokens, out.label, out.probs or []
                 )

@@ -7,7 +7,11 @@ SCORE_TYPE_MAP: embed -> bi-encoder; scoring/io_processor.BiEncoderIOProcessor),
 that embeds is the engine that scores: the same build (pooling runner, embed), the same fleet
 queue, and a file may mix embeddings with score and rerank lines, as run-batch's may. The
 row's texts, queries first, are embedded as a list embedding input is (one engine request per
-text, gathered again); the scores are computed here from the vectors.
+text, gathered again); the scores are computed here from the vectors. The model decides the
+task, as it does in vLLM: with a cross-encoder (a classifier with one label) the same lines run
+in a classification job (task classify), which scores each pair in one pass
+(engine/cross_encoder.py). Neither calls `LLM.score`: it runs its requests to the end in one
+call, and a job's feed keeps the engine full across rows and commits rows as they finish.
 
 A row stores its texts in `inputs` and its shape in its settings under "score": how many texts
 are queries (1, or one per document), whether it is a rerank, its top_n.

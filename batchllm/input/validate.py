@@ -210,7 +210,7 @@ _SCORE_URLS = ("/v1/score", "/v1/rerank")
 
 def is_score_line(obj: Any) -> bool:
     """Whether a decoded line is a /v1/score or /v1/rerank request, which an embedding job
-    runs (input/scoring.py says why)."""
+    runs (input/scoring.py says why), or with a cross-encoder a classification job."""
     return isinstance(obj, dict) and obj.get("url") in _SCORE_URLS
 
 
@@ -285,7 +285,7 @@ def _wrong_task(obj: dict[str, Any], task: str) -> LineProblem:
         return LineProblem(
             "url",
             f"a {obj['url']} line in a {task} job (score and rerank lines run in an "
-            "embedding job, --task embed)",
+            "embedding job, --task embed, or with a cross-encoder --task classify)",
         )
     if is_classify_line(obj):
         return LineProblem("url", f"a /v1/classify line in a {task} job (--task classify)")
@@ -318,6 +318,8 @@ def parse_line(
         plain = "input" in obj and not {"method", "body", "url"} & obj.keys()
         if is_classify_line(obj) or plain:
             return _parse_classify(obj, line)
+        if is_score_line(obj):  # a cross-encoder's pairs (engine/cross_encoder.py)
+            return _parse_embedding(obj, line)
         if not {"messages", "prompt", "url"} & obj.keys():
             raise LineProblem(None, 'expected a classify line: {"input": text}')
         raise _wrong_task(obj, task)

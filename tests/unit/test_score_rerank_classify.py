@@ -121,13 +121,21 @@ def test_a_bad_score_or_rerank_line_is_an_error_naming_its_line_and_field(
     assert str(error).startswith(f"{source}:2 field '{field}': ")
 
 
-def test_score_lines_in_a_generation_or_classification_job_are_error_rows(tmp_path, settings):
+def test_score_lines_in_a_generation_job_are_error_rows_naming_the_url(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES[:1] + GOOD_LINES[3:4])
-    for task in ("generate", "classify"):
-        read = list(read_requests(source, task=task, settings=settings))
-        assert [type(r) for r in read] == [LineError, LineError]
-        assert {r.field for r in read} == {"url"}
-        assert "--task embed" in read[0].message
+    read = list(read_requests(source, task="generate", settings=settings))
+
+    assert [type(r) for r in read] == [LineError, LineError]
+    assert {r.field for r in read} == {"url"}
+    assert "--task embed" in read[0].message and "--task classify" in read[0].message
+
+
+def test_a_classification_job_takes_score_lines_for_a_cross_encoder(tmp_path, settings):
+    source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
+    read = {r.custom_id: r for r in read_requests(source, task="classify", settings=settings)}
+
+    assert all(isinstance(r, Request) and r.kind == "score" for r in read.values())
+    assert read["rerank"].inputs == [QUERY, UNRELATED, PARAPHRASE]
 
 
 def test_classify_lines_outside_a_classification_job_are_error_rows(tmp_path, settings):
@@ -284,3 +292,24 @@ def test_a_classification_job_writes_labels_and_probs_and_exports_them(settings,
             "num_classes": len(FAKE_LABELS),
         }
     ]
+
+
+def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
+    source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
+    engine = FakeEngine(max_model_len=64)
+    job = run_job(source, spec("classify"), settings=settings, engines=FakeEngines(engine))
+    rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
+
+    assert job.status.value == "completed"
+    # The fake cross-encoder sees each pair as one prompt: query then document.
+    assert engine.prompts_added[:2] == [f"<s> {QUERY} {PARAPHRASE}", f"<s> {QUERY} {UNRELATED}"]
+    assert [len(rows[k]["scores"]) for k in ("one-many", "pairs", "strings", "rerank")] == [
+        2,
+        2,
+        1,
+        2,
+    ]
+    for row in rows.values():
+        assert row["status"] == "ok" and row["label"] is None and row["probs"] is None
+    lines = exported(job, settings, tmp_path / "export")
+    assert len(lines["rerank"]["response"]["body"]["results"]) == 1  # top_n 1

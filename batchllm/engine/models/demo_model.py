@@ -268,10 +268,13 @@ def build_demo_model(
 DEMO_LABELS = ("negative", "neutral", "positive")
 
 
-def build_demo_classifier(directory: str | pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+def build_demo_classifier(
+    directory: str | pathlib.Path, *, seed: int = 0, labels: tuple[str, ...] = DEMO_LABELS
+) -> pathlib.Path:
     """The demo model as a sequence classifier (LlamaForSequenceClassification, random weights,
-    the DEMO_LABELS classes): what `--task classify` runs in tests. Its classes mean nothing;
-    its probabilities are real to vLLM's classify pooler."""
+    the `labels` classes): what `--task classify` runs in tests. Its classes mean nothing; its
+    probabilities are real to vLLM's classify pooler. With one label it is a cross-encoder,
+    which vLLM also scores (query, document) pairs with."""
     import torch
     from transformers import LlamaForSequenceClassification
 
@@ -279,15 +282,15 @@ def build_demo_classifier(directory: str | pathlib.Path, *, seed: int = 0) -> pa
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     config = tiny_llama_config(tokenizer)
-    config.num_labels = len(DEMO_LABELS)
-    config.id2label = dict(enumerate(DEMO_LABELS))
-    config.label2id = {label: i for i, label in enumerate(DEMO_LABELS)}
+    config.num_labels = len(labels)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForSequenceClassification(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    logger.info("built demo classifier in %s (%d classes)", directory, len(DEMO_LABELS))
+    logger.info("built demo classifier in %s (%d classes)", directory, len(labels))
     return directory
 
 
