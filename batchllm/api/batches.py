@@ -30,7 +30,23 @@ from batchllm.store.states import JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.registry import served_models
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/classify",
+)
+# The task of a batch's endpoint (any other: generate). Score and rerank batches embed (an
+# embedding model, input/scoring.py); a cross-encoder's asks for classify in its metadata.
+_TASKS = {
+    "/v1/embeddings": "embed",
+    "/v1/score": "embed",
+    "/v1/rerank": "embed",
+    "/v1/classify": "classify",
+}
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
 # only worth running soon; the tests expire batches in seconds), longer ones are not: a batch
 # holds its input and the fleet's attention for at most a day, as on OpenAI. ASCII digits only
@@ -162,9 +178,11 @@ def unserved_model(model: str, settings: Settings, *, require_live: bool) -> str
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str], settings: Settings) -> JobSpec:
-    task = "embed" if endpoint == "/v1/embeddings" else "generate"
+    task = _TASKS.get(endpoint, "generate")
+    if task == "embed" and endpoint != "/v1/embeddings" and metadata.get("task") == "classify":
+        task = "classify"  # score or rerank lines for a cross-encoder
     # OpenAI's batch has no priority field, nor output parsers: the metadata keys
-    # `priority`, `reasoning_parser` and `tool_call_parser` set them.
+    # `priority`, `reasoning_parser`, `tool_call_parser` (and `task`) set them.
     return build_job_spec(
         model,
         settings=settings,

@@ -313,3 +313,20 @@ def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
         assert row["status"] == "ok" and row["label"] is None and row["probs"] is None
     lines = exported(job, settings, tmp_path / "export")
     assert len(lines["rerank"]["response"]["body"]["results"]) == 1  # top_n 1
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "metadata", "task"),
+    [
+        ("/v1/score", {}, "embed"),
+        ("/v1/rerank", {}, "embed"),
+        ("/v1/rerank", {"task": "classify"}, "classify"),  # a cross-encoder's
+        ("/v1/classify", {}, "classify"),
+        ("/v1/embeddings", {"task": "classify"}, "embed"),
+    ],
+)
+def test_a_batch_api_batch_takes_its_task_from_its_endpoint(endpoint, metadata, task, settings):
+    from batchllm.api.batches import ENDPOINTS, spec_for
+
+    assert endpoint in ENDPOINTS
+    assert spec_for("/models/fake", endpoint, metadata, settings).engine.task == task
