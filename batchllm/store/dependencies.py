@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.errors import JobStateError
-from batchllm.store import state_machine
-from batchllm.store.db import changed
-from batchllm.store.models import Job, JobParent, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store import recovery, state_machine
+from batchllm.store.models import Job, JobParent, JobStatus, Shard, ShardStatus
 
 AFTER = "after"  # JobParent.kind of a dependency (`from`: a job whose rows are the input)
 
@@ -84,12 +83,7 @@ def move_waiting_jobs(session: Session) -> Moved:
 def _release(session: Session, job_id: str) -> list[tuple[int, dict[str, Any]]] | None:
     """waiting -> queued, its queued shards marked dispatched (their tasks go out next);
     None if another reconciler released it first."""
-    if not changed(
-        session,
-        update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.WAITING)
-        .values(status=JobStatus.QUEUED),
-    ):
+    if not state_machine.release_waiting_job(session, job_id):
         return None
     rows = session.execute(
         select(Shard.id, Job.spec)
@@ -97,25 +91,9 @@ def _release(session: Session, job_id: str) -> list[tuple[int, dict[str, Any]]] 
         .where(Shard.job_id == job_id, Shard.status == ShardStatus.QUEUED)
         .order_by(Shard.index)
     ).all()
-    shard_ids = [row.id for row in rows]
-    if shard_ids:
-        session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(dispatched_at=utcnow()))
+    recovery.mark_dispatched(session, [row.id for row in rows])
     return [(row.id, row.spec) for row in rows]
 
 
 def _fail_waiting(session: Session, job_id: str, reason: str) -> bool:
-    """waiting -> failed with the parent's reason; its queued shards end cancelled (none ran)."""
-    if not changed(
-        session,
-        update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.WAITING)
-        .values(status=JobStatus.FAILED, error=reason, finished_at=utcnow()),
-    ):
-        return False
-    session.execute(
-        update(Shard)
-        .where(Shard.job_id == job_id, Shard.status == ShardStatus.QUEUED)
-        .values(status=ShardStatus.CANCELLED, finished_at=utcnow())
-    )
-    state_machine.note_job_ended(session, job_id)
-    return True
+    return state_machine.fail_waiting_job(session, job_id, reason)

@@ -63,6 +63,30 @@ def end_validation(
     return after_last_shard(session, job_id)
 
 
+def release_waiting_job(session: Session, job_id: str) -> bool:
+    """waiting -> queued, once the jobs it runs after completed (store/dependencies.py)."""
+    return _move_job(session, job_id, (JobStatus.WAITING,), JobStatus.QUEUED)
+
+
+def fail_waiting_job(session: Session, job_id: str, reason: str) -> bool:
+    """waiting -> failed, because a job it runs after did not complete; its shards, none of
+    which ran, end cancelled."""
+    if not changed(
+        session,
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.WAITING)
+        .values(status=JobStatus.FAILED, error=reason, finished_at=utcnow()),
+    ):
+        return False
+    session.execute(
+        update(Shard)
+        .where(Shard.job_id == job_id, Shard.status == ShardStatus.QUEUED)
+        .values(status=ShardStatus.CANCELLED, finished_at=utcnow())
+    )
+    note_job_ended(session, job_id)
+    return True
+
+
 def start_job(session: Session, job_id: str) -> bool:
     """queued -> in_progress, when a worker claims its first shard (a job still validating
     moves on when its validation ends: end_validation)."""
