@@ -231,8 +231,11 @@ class VllmEngine:
                 "backend": "xgrammar",
                 "disable_any_whitespace": True,
             }
-        if not self.is_cpu:  # the CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
-            kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        # On the CPU backend too: vLLM sizes the KV cache there from VLLM_CPU_KVCACHE_SPACE,
+        # but refuses to start when less than this share of the machine's memory is free
+        # (v1/worker/cpu_worker.py), so a lower --gpu-memory-utilization is what lets an
+        # engine start beside others. The default (0.92) is vLLM's own.
+        kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
