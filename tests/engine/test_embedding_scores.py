@@ -111,6 +111,20 @@ def test_a_rerank_line_puts_the_paraphrase_first(score_job):
     assert rows["rerank"]["scores"] == pytest.approx(rows["score"]["scores"], abs=1e-6)
 
 
+def test_the_exported_bodies_parse_as_vllms_own_response_models(score_job):
+    from vllm.entrypoints.launchers.run_batch import BatchRequestOutput
+    from vllm.entrypoints.pooling.scoring.protocol import RerankResponse, ScoreResponse
+
+    rows, exported = score_job
+
+    score = ScoreResponse.model_validate(exported["score"]["response"]["body"])
+    rerank = RerankResponse.model_validate(exported["rerank"]["response"]["body"])
+    assert [d.score for d in score.data] == rows["score"]["scores"]
+    assert [r.index for r in rerank.results] == [1, 0]
+    for line in exported.values():
+        BatchRequestOutput.model_validate(line)
+
+
 def test_a_score_line_without_text_2_is_an_error_row_and_the_job_completes(score_job):
     rows, exported = score_job
 
@@ -147,6 +161,8 @@ def run_classifier_job(engines, spec: JobSpec, lines: list[dict], settings, work
 def test_a_classification_job_gives_each_text_its_class_and_probability(
     cross_encoder, engines, settings, tmp_path
 ):
+    from vllm.entrypoints.pooling.classify.protocol import ClassificationResponse
+
     _, spec = cross_encoder
     lines = [
         {"custom_id": "plain", "input": "the farmer found a wooden table"},
@@ -163,6 +179,7 @@ def test_a_classification_job_gives_each_text_its_class_and_probability(
         assert row["prompt_tokens"] > 0 and row["text"] is None and row["scores"] is None
         (data,) = exported[key]["response"]["body"]["data"]
         assert (data["label"], data["num_classes"]) == (RELEVANT, 1)
+        ClassificationResponse.model_validate(exported[key]["response"]["body"])
     assert rows["empty"]["status"] == "error"
     assert rows["empty"]["error"].startswith("field 'input': ")
 
