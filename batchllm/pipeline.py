@@ -236,6 +236,12 @@ def run_pipeline(
     waiting for a stage's parent to complete before submitting it) every stage that has no
     completed job of its current settings. Stops at the first stage that does not complete
     (its children cannot read rows it has not got) with BatchLLMError naming it."""
+    if not fleet:
+        from batchllm.jobs.local import fail_abandoned_runs
+
+        # A stage's job left running by a `pipeline run` that was killed is failed now (so it
+        # runs again) rather than waited for; one another live process runs is waited for.
+        fail_abandoned_runs(client.settings)
     done: dict[str, Job] = {}
     for stage in pipeline.stages:
         parent_job = done.get(stage.parent) if stage.parent else None
