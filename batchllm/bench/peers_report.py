@@ -53,6 +53,13 @@ def peers_text(peers: dict[str, Any]) -> str:
         )
     lines = ["peers: the same questions, greedy, on llama.cpp's server, vLLM and batchllm", ""]
     lines.append(_format(table))
+    run = rows.get("batchllm_run", {})
+    if "generation_output_tokens_per_s" in run:
+        lines.append(
+            f"batchllm run: {run['generation_output_tokens_per_s']['median']:,.0f} output "
+            f"tokens/s once its engine is up ({run['generation_seconds']['median']:,.1f} s of "
+            f"its {run['wall_seconds']['median']:,.1f} s)"
+        )
     for key, reason in peers.get("skipped", {}).items():
         lines.append(f"skipped {key}: {reason}")
     lines.append("")
@@ -161,8 +168,8 @@ def draw_sweep(ax, peers: dict[str, Any]) -> None:
     ax.set_xscale("log", base=2)
     batches = sorted({p["batch"] for p in points})
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xlabel("batch size (vLLM max_num_seqs; llama.cpp slots)")
+    ax.set_xlabel("batch size (max_num_seqs; llama.cpp: slots)")
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper left")
     ax.set_title(f"throughput against batch size (max_model_len {sized})", fontsize=9)
