@@ -22,6 +22,17 @@ from batchllm.output.row_errors import INVALID_PROMPT, REQUEST_REJECTED, Refusal
 _TYPES_KEY = "compressed_token_type_ids"  # vLLM's pooling params key of a pair's token types
 
 
+class PairIds(list[int]):
+    """A rendered pair's token ids, carrying its token types (vLLM's compressed form: where
+    the document's tokens begin) to `add`, for models that have them (BERT-like)."""
+
+    __slots__ = ("token_types",)
+
+    def __init__(self, ids: list[int], token_types: Any) -> None:
+        super().__init__(ids)
+        self.token_types = token_types
+
+
 class CrossEncoder:
     """A classification engine's scorer of score rows; `unable` says why a model cannot score
     (vLLM scores with a classifier of exactly one label)."""
@@ -36,14 +47,13 @@ class CrossEncoder:
             f"{labels}"
         )
         self._tok_params = llm.renderer.default_cmpl_tok_params if self._io is not None else None
-        # A rendered pair's token types (vLLM's compressed form) by its token ids, until added.
-        self._types: dict[tuple[int, ...], Any] = {}
 
     def prepare(self, rows: list[InputRow], prepared: list[Prepared]) -> list[Prepared]:
         """The rows' prepared ids with each score row's replaced by its pairs' ids."""
         from vllm.pooling_params import PoolingParams
 
         result = list(prepared)
+        params = PoolingParams(task="classify")
         for i, row in enumerate(rows):
             if row.kind != "score" or row.error is not None:
                 continue
@@ -58,7 +68,7 @@ class CrossEncoder:
             pairs: list[list[int]] = []
             try:
                 for query, document in zip(queries, documents, strict=True):
-                    pairs.append(self._render(query, document, PoolingParams(task="classify")))
+                    pairs.append(self._render(query, document, params))
             except Exception as exc:  # one row's texts, not the batch's
                 result[i] = Refusal(
                     f"the pair could not be prepared: {type(exc).__name__}: {exc}", INVALID_PROMPT
@@ -67,7 +77,7 @@ class CrossEncoder:
             result[i] = pairs
         return result
 
-    def _render(self, query: str, document: str, params: Any) -> list[int]:
+    def _render(self, query: str, document: str, params: Any) -> PairIds:
         assert self._io is not None
         rendered = self._io.render(
             {
@@ -84,17 +94,16 @@ class CrossEncoder:
                 "priorities": 0,
             }
         )
-        ids = list(rendered["prompts"]["prompt_token_ids"])
         types = (rendered["params"].extra_kwargs or {}).get(_TYPES_KEY)
-        if types is not None:
-            self._types[tuple(ids)] = types
-        return ids
+        return PairIds(rendered["prompts"]["prompt_token_ids"], types)
 
-    def params_for(self, ids: Any, params: Any) -> Any:
-        """The pooling params of one pair: `params` with the pair's token types, if any."""
-        types = self._types.pop(tuple(ids), None)
+    @staticmethod
+    def request(ids: Any, params: Any) -> tuple[list[int], Any]:
+        """One pair's engine ids (a plain list, as vLLM sends it to its engine process) and
+        pooling params: `params` with the pair's token types, if any."""
+        types = getattr(ids, "token_types", None)
         if types is None:
-            return params
+            return list(ids), params
         own = params.clone()
         own.extra_kwargs = {**(own.extra_kwargs or {}), _TYPES_KEY: types}
-        return own
+        return list(ids), own

@@ -389,8 +389,8 @@ class VllmEngine:
         added: list[str] = []
         try:
             for engine_id, ids in requests:
-                own = pairs.params_for(ids, params) if pairs is not None else params
-                self.engine.add_request(engine_id, _engine_prompt(ids), own, lora_request=lora)
+                prompt, own = pairs.request(ids, params) if pairs is not None else (ids, params)
+                self.engine.add_request(engine_id, _engine_prompt(prompt), own, lora_request=lora)
                 added.append(engine_id)
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc

@@ -330,3 +330,29 @@ def test_a_batch_api_batch_takes_its_task_from_its_endpoint(endpoint, metadata, 
 
     assert endpoint in ENDPOINTS
     assert spec_for("/models/fake", endpoint, metadata, settings).engine.task == task
+
+
+class _Params:
+    """Stands in for vLLM's PoolingParams: clone() and extra_kwargs."""
+
+    def __init__(self, extra: dict | None = None) -> None:
+        self.extra_kwargs = extra
+
+    def clone(self) -> _Params:
+        return _Params(dict(self.extra_kwargs or {}))
+
+
+def test_each_cross_encoder_pair_carries_its_own_token_types_to_the_engine():
+    from batchllm.engine.cross_encoder import CrossEncoder, PairIds
+
+    shared = _Params({"other": 1})
+    typed, untyped = PairIds([101, 7, 102, 9, 102], 3), PairIds([1, 7, 9], None)
+
+    ids, params = CrossEncoder.request(typed, shared)
+    assert type(ids) is list and ids == [101, 7, 102, 9, 102]
+    assert params.extra_kwargs == {"other": 1, "compressed_token_type_ids": 3}
+    assert shared.extra_kwargs == {"other": 1}  # the row's params are shared: never changed
+    ids, params = CrossEncoder.request(untyped, shared)
+    assert (type(ids), ids, params) == (list, [1, 7, 9], shared)
+    # The same pair in two rows carries its types to both (nothing is used up).
+    assert CrossEncoder.request(typed, shared)[1].extra_kwargs["compressed_token_type_ids"] == 3
