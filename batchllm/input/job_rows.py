@@ -19,6 +19,9 @@ CARRIED = (
     "reasoning",
     "tool_calls",
     "embedding",
+    "scores",
+    "label",
+    "probs",
     "error",
 )
 # Table options that say where a row's request is; with none of them the child's prompt is

@@ -419,3 +419,31 @@ def test_after_is_refused_on_a_local_run_and_for_an_unknown_or_failed_parent(
     assert f"--after {parent}: the job failed; a job after it would never start" in failed.output
     with session_scope(settings) as session:
         assert session.query(Job).count() == 1  # the parent only
+
+
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_a_templated_table_row_of_a_pooling_job_is_its_tasks_row(settings, tmp_path, task):
+    """An embedding or classification job embeds or classifies each templated text as it is
+    (the export then writes that task's body); a system message is refused for it."""
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"title": ["T1"], "body": ["B1"]}), path)
+    rows = [
+        row
+        for chunk, _ in validated_chunks(
+            source_of(path),
+            table=TableColumns(prompt_template="{title}: {body}"),
+            settings=get_settings(),
+            task=task,
+        )
+        for row in chunk.to_pylist()
+    ]
+    assert [(r["kind"], r["prompt"]) for r in rows] == [(task, "T1: B1")]
+    with pytest.raises(InputError, match="a messages column or a system message"):
+        list(
+            validated_chunks(
+                source_of(path),
+                table=TableColumns(prompt_template="{title}", system="x"),
+                settings=get_settings(),
+                task=task,
+            )
+        )

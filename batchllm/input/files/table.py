@@ -66,9 +66,12 @@ def check_columns(
             raise InputError(
                 f"{name}: column {table.prompt_column!r} (the prompt column) holds {kind}, not text"
             )
-    if task == "embed" and (table.messages_column is not None or table.system is not None):
+    if task in ("embed", "classify") and (
+        table.messages_column is not None or table.system is not None
+    ):
+        job = "an embedding job embeds" if task == "embed" else "a classification job classifies"
         raise InputError(
-            f"{name}: an embedding job embeds the prompt column's texts; "
+            f"{name}: {job} the prompt column's (or template's) texts; "
             "a messages column or a system message is for generation"
         )
 
@@ -287,8 +290,8 @@ def _prompt_columns(
     for at in _positions(pc.fill_null(blank, False)):
         problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} blank"))
     nothing = pa.nulls(rows, pa.string())
-    if task == "embed":
-        kind, prompt, messages = "embed", text, nothing
+    if task in ("embed", "classify"):  # a row's text, embedded or classified as it is
+        kind, prompt, messages = task, text, nothing
     elif table.system is None:
         kind, prompt, messages = "prompt", text, nothing
     else:  # json.dumps' text of [system, user], as a JSONL chat line stores it
