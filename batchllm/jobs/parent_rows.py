@@ -9,8 +9,10 @@ on it, and carries the parent's output columns (`text`, `finish_reason`, `struct
 message, an embedding line's input). With no other say, the child's prompt is the parent's
 answer (`text`); `--prompt-template` builds it from any of these columns.
 
-The table is a temporary file: the child validates and stores its rows at creation (its own
-copy, as for any input), and records its parent (store/service.py, `job_parents`).
+The table is a temporary file, written one of the parent's input shards at a time (memory
+stays at a shard's worth on any job size): the child validates and stores its rows at
+creation (its own copy, as for any input), and records its parent (store/service.py,
+`job_parents`).
 
 Only a completed parent is read: a job still running has no final rows yet, and one that
 failed, was cancelled or expired is retried (`batchllm retry`) before its rows feed another.
@@ -56,48 +58,67 @@ def parent_input(rows: JobRows, settings: Settings) -> Iterator[InputSource]:
             "it completed (`batchllm wait`, or `batchllm retry` a failed one)"
         )
     storage = Storage.for_job(parent, settings)
-    table = parent_table(storage, parent_id, rows.statuses)
-    if not table.num_rows:
-        raise InputError(
-            f"--from {parent_id}: the job has no row of status {', '.join(rows.statuses)}"
-        )
     with tempfile.TemporaryDirectory(prefix="batchllm-from-") as scratch:
         path = Path(scratch) / f"{parent_id}.parquet"
-        pq.write_table(table, path)
+        if not write_parent_rows(storage, parent_id, rows.statuses, path):
+            raise InputError(
+                f"--from {parent_id}: the job has no row of status {', '.join(rows.statuses)}"
+            )
         source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
         yield dataclasses.replace(source, recorded=rows.recorded)
 
 
-def parent_table(storage: Storage, job_id: str, statuses: tuple[str, ...]) -> pa.Table:
-    """The job's output rows of these statuses, in line order, with the prompt each was asked."""
+def write_parent_rows(storage: Storage, job_id: str, statuses: tuple[str, ...], path: Path) -> int:
+    """Write the job's output rows of these statuses, in line order, with the prompt each was
+    asked, to a Parquet file at `path`; returns how many. One input shard at a time: its
+    prompts, and the output rows of its lines (the part files' line statistics let pyarrow
+    skip the others), so memory stays at a shard's worth whatever the job's size."""
     output = output_dataset(storage, storage.output_dir(job_id))
     wanted = pc.field("status").isin(list(statuses))
-    rows = output.to_table(columns=[ID_COLUMN, "line", *CARRIED], filter=wanted)
-    rows = rows.sort_by("line")
-    prompts = _prompts(storage, job_id, rows.column("line"))
+    written = 0
+    writer: pq.ParquetWriter | None = None
+    try:
+        for asked in _input_shards(storage, job_id):
+            first, last = pc.min_max(asked.column("line")).values()
+            in_shard = wanted & (pc.field("line") >= first) & (pc.field("line") <= last)
+            rows = output.to_table(columns=[ID_COLUMN, "line", *CARRIED], filter=in_shard)
+            if not rows.num_rows:
+                continue
+            chunk = _with_prompts(rows.sort_by("line"), asked)
+            if writer is None:
+                writer = pq.ParquetWriter(path, chunk.schema)
+            writer.write_table(chunk)
+            written += chunk.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    return written
+
+
+def _input_shards(storage: Storage, job_id: str) -> Iterator[pa.Table]:
+    """The job's stored input shards in order (shard-00000, ...), the columns a prompt is
+    read from."""
+    directory = storage.input_dir(job_id)
+    for name in storage.listdir(directory):  # sorted: shard-NNNNN in index order
+        if name.startswith("shard-") and name.endswith(".parquet"):
+            with storage.fs.open_input_file(posixpath.join(directory, name)) as handle:
+                yield pq.read_table(
+                    handle, columns=["line", "kind", "prompt", "messages", "inputs"]
+                )
+
+
+def _with_prompts(rows: pa.Table, asked: pa.Table) -> pa.Table:
+    """Output rows (in line order) with their parent line and the text their line asked."""
+    lines = rows.column("line").to_pylist()
+    where = {line: at for at, line in enumerate(asked.column("line").to_pylist())}
+    stored = asked.take(pa.array([where[line] for line in lines], pa.int64())).to_pylist()
     columns: dict[str, Any] = {
         ID_COLUMN: rows.column(ID_COLUMN),
         "parent_line": rows.column("line"),
-        "prompt": prompts,
+        "prompt": pa.array([asked_text(row) for row in stored], pa.string()),
     }
     columns.update({name: rows.column(name) for name in CARRIED})
     return pa.table(columns)
-
-
-def _prompts(storage: Storage, job_id: str, lines: pa.ChunkedArray) -> pa.Array:
-    """The text each of these lines asked, read from the job's stored input."""
-    wanted = set(lines.to_pylist())
-    asked: dict[int, str | None] = {}
-    directory = storage.input_dir(job_id)
-    for name in storage.listdir(directory):
-        if not name.startswith("shard-") or not name.endswith(".parquet"):
-            continue
-        with storage.fs.open_input_file(posixpath.join(directory, name)) as handle:
-            stored = pq.read_table(handle, columns=["line", "kind", "prompt", "messages", "inputs"])
-        for row in stored.to_pylist():
-            if row["line"] in wanted:
-                asked[row["line"]] = asked_text(row)
-    return pa.array([asked.get(line) for line in lines.to_pylist()], pa.string())
 
 
 def asked_text(row: dict[str, Any]) -> str | None:

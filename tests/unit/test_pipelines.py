@@ -447,3 +447,37 @@ def test_a_templated_table_row_of_a_pooling_job_is_its_tasks_row(settings, tmp_p
                 task=task,
             )
         )
+
+
+def test_a_parent_of_many_shards_is_read_one_shard_at_a_time_in_line_order(
+    settings, tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("BATCHLLM_SHARD_SIZE", "4")
+    get_settings.cache_clear()
+    path = tmp_path / "many.jsonl"
+    lines = [
+        json.dumps({"custom_id": f"bad-{i}", "prompt": ""})
+        if i % 7 == 3
+        else json.dumps(
+            {"custom_id": f"c{i}", "messages": [{"role": "user", "content": f"ask {i}"}]}
+        )
+        for i in range(25)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    parent = Client().run(
+        path, model=tokenizer.name_or_path, engines=InstantEngines(), max_tokens=2
+    )
+    assert parent.shards == 7
+    with session_scope(get_settings()) as session:
+        storage = Storage.for_job(service.get_job(session, parent.id), get_settings())
+    target = tmp_path / "rows.parquet"
+
+    from batchllm.jobs.parent_rows import write_parent_rows
+
+    assert write_parent_rows(storage, parent.id, ("ok",), target) == 21
+    table = pq.read_table(target)
+    ok = [i for i in range(25) if i % 7 != 3]
+    assert table.column("custom_id").to_pylist() == [f"c{i}" for i in ok]
+    assert table.column("parent_line").to_pylist() == [i + 1 for i in ok]
+    assert table.column("prompt").to_pylist() == [f"ask {i}" for i in ok]
+    assert write_parent_rows(storage, parent.id, ("error",), tmp_path / "e.parquet") == 4
