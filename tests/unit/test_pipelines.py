@@ -481,3 +481,29 @@ def test_a_parent_of_many_shards_is_read_one_shard_at_a_time_in_line_order(
     assert table.column("parent_line").to_pylist() == [i + 1 for i in ok]
     assert table.column("prompt").to_pylist() == [f"ask {i}" for i in ok]
     assert write_parent_rows(storage, parent.id, ("error",), tmp_path / "e.parquet") == 4
+
+
+def test_a_waiting_job_is_cancelled_at_once_and_one_without_parents_left_is_released(
+    settings, tmp_path
+):
+    from batchllm.input.job_spec import build_job_spec
+    from batchllm.store import dependencies
+    from batchllm.store.models import Shard
+
+    given = tmp_path / "f.jsonl"
+    given.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    spec = build_job_spec("/models/m", settings=settings, max_tokens=2)
+    held = [
+        service.create_job(given, spec, shard_size=2, settings=settings, hold=True).job.id
+        for _ in range(2)
+    ]
+    assert {Client().status(job).status for job in held} == {"waiting"}
+    assert Client().cancel(held[0]).status == "cancelled"
+    with session_scope(settings) as session:
+        moved = dependencies.move_waiting_jobs(session)
+    assert (moved.released, moved.failed) == ([held[1]], [])
+    assert len(moved.shards) == 2  # its two shards, whose tasks the reconciler sends
+    assert Client().status(held[1]).status == "queued"
+    with session_scope(settings) as session:
+        shards = session.query(Shard).filter_by(job_id=held[1]).all()
+        assert all(s.dispatched_at is not None for s in shards)
