@@ -27,11 +27,18 @@ BUILDS_LINE = "engine builds: "
 # services and run beside the unit and engine suites, where they shorten the fleet session, the
 # long pole (test_run_interrupt's two engines: ~2-3 minutes; test_serve_signals' three cases:
 # ~1.4). A fresh clone on a quiet machine, 2026-12-03, before serve_signals moved: fleet
-# 19:09, local 12:09.
+# 19:09, local 12:09; after: fleet 17:50, local 13:58. Then the local session lost two engine
+# builds (the embedding jobs on the bench's engine) and these two moved as well, each on
+# databases of its own: test_real_model_api (its session's `fleet_env`, a PostgreSQL and a
+# Redis database no other session uses; ~1.5-3 minutes, two engines, and the SmolLM2
+# conversion test_real_models pays for in this session anyway) and test_warm_start (a SQLite
+# home and a Redis database the bench's warm part claims for itself; ~1-1.3 minutes).
 MOVED_TO_LOCAL = [
     "tests/faults/test_run_interrupt.py",
     "tests/faults/test_run_killed.py",
     "tests/faults/test_serve_signals.py",
+    "tests/integration/test_real_model_api.py",
+    "tests/integration/test_warm_start.py",
 ]
 STREAMS = {
     "fleet": [

@@ -58,6 +58,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchllm.demo import PERSON_SCHEMA
+from batchllm.input.schemas import EngineOptions
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
 from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail
@@ -247,6 +248,9 @@ def compared(
         engine_args=(
             *("--max-model-len", str(RUN_MAX_MODEL_LEN)),
             *("--enforce-eager", "--dtype", DTYPE),
+            # A worker's default share (0.90) is not `run`'s (0.92); vLLM is given it on the CPU
+            # too, so the worker gets `run`'s to build the same engine.
+            *("--gpu-memory-utilization", str(EngineOptions().gpu_memory_utilization)),
         ),
     )
     server = Server(env, work / "serve.log")
