@@ -8,6 +8,7 @@ subject is the CLI in a process of its own starts one (tests/support/cli.py `run
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -109,9 +110,15 @@ def run_here(engines: EnginePool) -> RunHere:
             patch.setenv("BATCHLLM_HOME", str(home))
             patch.setenv("HF_HUB_OFFLINE", "1")
             get_settings.cache_clear()
+            before = os.environ.copy()
             try:
                 return invoke(*args)
             finally:
                 get_settings.cache_clear()
+                # What a command sets for its own processes (bench: VLLM_LOGGING_LEVEL) must not
+                # outlive it in this one, whose later tests start processes of their own.
+                for name in set(os.environ) - set(before):
+                    del os.environ[name]
+                os.environ.update(before)
 
     return run
