@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.bench.figures import BenchFailed
-from batchllm.bench.overhead import peak_rss, write_lines
+from batchllm.bench.parts.overhead import peak_rss, write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from benchmarks.services import RedisServer, ServiceFailed

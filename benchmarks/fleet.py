@@ -29,7 +29,7 @@ from typing import Any
 
 import batchllm
 from batchllm.bench.figures import BenchFailed
-from batchllm.bench.overhead import write_lines
+from batchllm.bench.parts.overhead import write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
 from benchmarks.services import PostgresCluster, RedisServer, tail

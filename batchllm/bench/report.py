@@ -148,7 +148,7 @@ def _engine_line(engine: dict[str, Any]) -> str:
 def features_text(features: dict[str, Any]) -> str:
     """The features part: every job against the plain one, then the mixed job's plain rows
     against the control's."""
-    from batchllm.bench.features import JOBS
+    from batchllm.bench.parts.features import JOBS
 
     workload = features["workload"]
     # In the part's order (bench.json keeps its keys sorted).
@@ -233,7 +233,7 @@ def features_text(features: dict[str, Any]) -> str:
 
 def embed_text(embed: dict[str, Any]) -> str:
     """The embed part: rows/s and input tokens/s against raw `LLM.embed(texts)`."""
-    from batchllm.bench.embed import CONTENDERS
+    from batchllm.bench.parts.embed import CONTENDERS
 
     rows: list[tuple[str, ...]] = [
         ("embeddings", "rows/s", "input tok/s", "spread", "wall s", "peak RSS", "vs raw")
@@ -497,7 +497,7 @@ def summary_text(result: dict[str, Any]) -> str:
         parts.append("")
         parts.append(warm_text(result["warm"]))
     if result.get("peers"):
-        from batchllm.bench.peers_report import peers_text
+        from batchllm.bench.parts.peers_report import peers_text
 
         parts.append("")
         parts.append(peers_text(result["peers"]))
@@ -658,7 +658,7 @@ def _overhead_panel(ax, result: dict[str, Any]) -> None:
 
 
 def _features_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.features import JOBS
+    from batchllm.bench.parts.features import JOBS
 
     jobs = [result["features"]["jobs"][key] for key in JOBS]
     y = range(len(jobs))
@@ -680,7 +680,7 @@ def _features_panel(ax, result: dict[str, Any]) -> None:
 
 
 def _embed_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.embed import CONTENDERS
+    from batchllm.bench.parts.embed import CONTENDERS
 
     contenders = [result["embed"]["contenders"][key] for key in CONTENDERS]
     medians = [c["requests_per_s"]["median"] for c in contenders]
@@ -720,12 +720,12 @@ def _warm_panel(ax, result: dict[str, Any]) -> None:
 
 
 def _peers_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.peers_report import draw_rows
+    from batchllm.bench.parts.peers_report import draw_rows
 
     draw_rows(ax, result["peers"])
 
 
 def _sweep_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.peers_report import draw_sweep
+    from batchllm.bench.parts.peers_report import draw_sweep
 
     draw_sweep(ax, result["peers"])

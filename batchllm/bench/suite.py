@@ -144,7 +144,7 @@ def size_context(model: str, runs: list[tuple[Workload, int]], settings: Setting
 def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     parts = set(config.parts)
     if "peers" in parts:  # before anything costly: no llama.cpp, no peers part
-        from batchllm.bench.llama_cpp import find_llama_server
+        from batchllm.bench.parts.llama_cpp import find_llama_server
 
         find_llama_server(config.llama_server)
         if not config.model:
@@ -179,7 +179,7 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     result["contenders"] = {key: c.summary() for key, c in contenders.items()}
     # Each starts (and shuts down) an engine of its own, after the shared one is gone.
     if "features" in parts:
-        from batchllm.bench.features import run_features
+        from batchllm.bench.parts.features import run_features
 
         result["features"] = run_features(
             _own_engine_part(config, model, workdir, "features", say),
@@ -188,7 +188,7 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
             max_tokens=config.feature_max_tokens,
         )
     if "embed" in parts:
-        from batchllm.bench.embed import run_embed
+        from batchllm.bench.parts.embed import run_embed
 
         result["embed"] = run_embed(
             _own_engine_part(config, model, workdir, "embed", say),
@@ -196,7 +196,7 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
             words=config.prompt_words,
         )
     if "warm" in parts:
-        from batchllm.bench.warm import run_warm
+        from batchllm.bench.parts.warm import run_warm
 
         result["warm"] = run_warm(
             model=model,
@@ -288,7 +288,7 @@ def _shared_engine_parts(
                 config, engines, spec, settings, workdir, model, iter(engine_variants), say
             )
         if "prefix" in parts:
-            from batchllm.bench.prefix import run_prefix
+            from batchllm.bench.parts.prefix import run_prefix
 
             sides = run_prefix(
                 engines,
@@ -438,7 +438,7 @@ def _peers(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str
     from dataclasses import replace
 
     from batchllm.bench.contenders import bench_settings
-    from batchllm.bench.peers import PeersConfig, run_peers, sweep_requests
+    from batchllm.bench.parts.peers import PeersConfig, run_peers, sweep_requests
     from batchllm.engine.models.real_models import CHAT, locate
 
     workload = replace(config.workload, natural=True)
@@ -477,7 +477,7 @@ def _model_context(model: str) -> int:
 
 
 def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
-    from batchllm.bench.overhead import run_size
+    from batchllm.bench.parts.overhead import run_size
 
     sizes = []
     for lines in config.overhead_lines:

@@ -5,7 +5,7 @@
   prefix cache (a request's cached tokens: the longest prefix it shares with an earlier one).
   For an embed job it answers bag-of-words vectors (texts sharing words are close), for a
   classify job FAKE_LABELS probabilities from the words' ids.
-- `InstantEngine`: the bench's (bench/overhead.py): the model's real tokenizer and chat
+- `InstantEngine`: the bench's (bench/parts/overhead.py): the model's real tokenizer and chat
   template and VllmEngine's own sampling settings, but generation answers at once, so a job
   costs only batchllm's own work.
 

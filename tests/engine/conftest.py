@@ -99,7 +99,7 @@ def run_here(engines: EnginePool) -> RunHere:
     engines: what `batchllm run` prints and stores, without a process and an engine of its own;
     `batchllm bench`'s features and embed parts too (each starts its engine through an
     EngineCache of its own). Returns click's Result (exit_code, stdout, stderr)."""
-    from batchllm.bench import embed, features
+    from batchllm.bench.parts import embed, features
 
     def run(*args: str, home: Path) -> Result:
         with pytest.MonkeyPatch.context() as patch:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.bench import embed, features
+from batchllm.bench.parts import embed, features
 from batchllm.bench.suite import DEFAULT_PARTS, BenchConfig
 
 # The features engine is built here; the embed part's pooling engine too, unless another

@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from batchllm.bench.contenders import bench_settings
+from batchllm.bench.parts.warm import JOBS, run_warm
 from batchllm.bench.processes import EngineLimits
 from batchllm.bench.report import warm_text
-from batchllm.bench.warm import JOBS, run_warm
 from batchllm.client import Client
 from tests.support.skips import require
 

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 
 from batchllm.bench.figures import BenchFailed
-from batchllm.bench.llama_cpp import Answer, ServerRun, parse_completion
-from batchllm.bench.peers import agreement, server_run
+from batchllm.bench.parts.llama_cpp import Answer, ServerRun, parse_completion
+from batchllm.bench.parts.peers import agreement, server_run
 from tests.support.cli import invoke
 
 # The shape llama-server's /v1/chat/completions returns (llama.cpp b-11434), timings cut short.

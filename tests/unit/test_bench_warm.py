@@ -13,10 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchllm.bench.figures import BenchFailed
-from batchllm.bench.processes import EngineLimits
-from batchllm.bench.report import draw_chart, summary_text
-from batchllm.bench.suite import DEFAULT_PARTS, PARTS, BenchConfig
-from batchllm.bench.warm import (
+from batchllm.bench.parts.warm import (
     JOBS,
     WorkerProcess,
     _free_port,
@@ -27,6 +24,9 @@ from batchllm.bench.warm import (
     summarize,
     worker_command,
 )
+from batchllm.bench.processes import EngineLimits
+from batchllm.bench.report import draw_chart, summary_text
+from batchllm.bench.suite import DEFAULT_PARTS, PARTS, BenchConfig
 from batchllm.cli import cli
 
 LIMITS = EngineLimits(

@@ -4,7 +4,7 @@ The instant engine is a VllmEngine whose generation answers at once: tokenizatio
 real tokenizer and chat template) and sampling settings run VllmEngine's own code, and the job
 goes through the real `run_job`, so validation, input Parquet, context sizing, the continuous
 feed, output Parquet and database checkpoints are all measured. Each size runs in its own
-process (`python -m batchllm.bench.overhead`) so its peak RSS is its own.
+process (`python -m batchllm.bench.parts.overhead`) so its peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def run_size(
             [
                 sys.executable,
                 "-m",
-                "batchllm.bench.overhead",
+                "batchllm.bench.parts.overhead",
                 str(source),
                 str(sizedir / "home"),
                 model,

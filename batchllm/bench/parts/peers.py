@@ -19,8 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.bench.figures import BenchFailed, Contender, Run
-from batchllm.bench.llama_cpp import LlamaServer, ServerRun, convert_to_gguf, find_llama_server
 from batchllm.bench.own_engine import Say
+from batchllm.bench.parts.llama_cpp import (
+    LlamaServer,
+    ServerRun,
+    convert_to_gguf,
+    find_llama_server,
+)
 from batchllm.bench.workload import Workload, iter_requests, write_openai_chat
 from batchllm.settings import Settings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchllm.bench.peers import ROWS
+from batchllm.bench.parts.peers import ROWS
 
 _GIB = 2**30
 _ENGINE_COLORS = {
