@@ -93,3 +93,17 @@ def quiet(
     logging.captureWarnings(True)  # warnings.warn(...) -> the `py.warnings` logger -> the file
     _ACTIVE = path
     return path
+
+
+def quiet_unless_verbose(name: str) -> None:
+    """For a command that runs vLLM in this process (`run`, `pipeline run`): without -v, its
+    output goes to $BATCHLLM_HOME/logs/NAME-<time>-<pid>.log, said on the first line."""
+    import click
+
+    if click.get_current_context().find_root().params.get("verbose"):
+        return
+    from batchllm.settings import get_settings
+
+    log = quiet(get_settings().home / "logs", name)
+    if log is not None:
+        click.echo(f"vLLM's output goes to {log} (-v shows it here)", err=True)

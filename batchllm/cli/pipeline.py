@@ -49,13 +49,9 @@ def run_command(file: Path, engine_kind: str, instant_step_seconds: float) -> No
         from batchllm.execution.instant import InstantEngines
 
         engines = InstantEngines(step_seconds=instant_step_seconds)
-    if not click.get_current_context().find_root().params.get("verbose"):
-        from batchllm.cli.console import quiet
-        from batchllm.settings import get_settings
+    from batchllm.cli.console import quiet_unless_verbose
 
-        log = quiet(get_settings().home / "logs", "pipeline")
-        if log is not None:
-            click.echo(f"vLLM's output goes to {log} (-v shows it here)", err=True)
+    quiet_unless_verbose("pipeline")
     with Client(keep_engine=engines is None) as client:
         states = run_pipeline(client, loaded, fleet=False, report=_report, engines=engines)
     _echo_states(states)

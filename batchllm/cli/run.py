@@ -105,13 +105,9 @@ def _run(
     if output is not None:
         _require_usable_output(output)
     require_requests(file)
-    if not click.get_current_context().find_root().params.get("verbose"):
-        from batchllm.cli.console import quiet
-        from batchllm.settings import get_settings
+    from batchllm.cli.console import quiet_unless_verbose
 
-        log = quiet(get_settings().home / "logs", "run")
-        if log is not None:
-            click.echo(f"vLLM's output goes to {log} (-v shows it here)", err=True)
+    quiet_unless_verbose("run")
     progress: list[Progress] = []
 
     def created(job: Job) -> None:
