@@ -60,12 +60,20 @@ class ContextSizer:
         chat_template: str | None = None,
         *,
         settings: Settings,
+        tokenizer: Any = None,
+        limit: int | None = None,
+        images: bool = True,
     ) -> None:
-        """`settings`: what rows' images are read under (engine/images.py)."""
+        """`settings`: what rows' images are read under (engine/images.py). `tokenizer` and
+        `limit` (the model's context) in place of the ones transformers' Auto classes load
+        (which import torch); `images=False`: rows with images are left to the feed, and the
+        pass is then not `complete` (its size misses them)."""
         self.model, self.settings = model, settings
-        self.limit = model_limit(model)
-        self.tokenizer = load_tokenizer(model)
+        self.limit = model_limit(model) if limit is None else limit
+        self.tokenizer = load_tokenizer(model) if tokenizer is None else tokenizer
         self.defaults, self.chat_template = defaults, chat_template
+        self.images = images
+        self.complete = True  # every runnable row was measured
         self.longest = 1
 
     def add(self, rows: Iterable[InputRow], on_prepared: OnPrepared | None = None) -> None:
@@ -79,12 +87,13 @@ class ContextSizer:
 
     def _flush(self, batch: list[InputRow], on_prepared: OnPrepared | None) -> None:
         runnable = [r for r in batch if r.kind != "invalid"]
+        with_images = any(map(has_images, runnable))
+        if with_images and not self.images:
+            runnable = [r for r in runnable if not has_images(r)]
+            self.complete = False
+            with_images = False
         # The processor only for a batch with images: a text job never loads it.
-        images = (
-            load_image_processor(self.model, self.settings)
-            if any(map(has_images, runnable))
-            else None
-        )
+        images = load_image_processor(self.model, self.settings) if with_images else None
         prepared = prepare_prompts(self.tokenizer, runnable, None, self.chat_template, images)
         default_max = self.defaults.max_tokens
         best = 0

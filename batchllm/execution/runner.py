@@ -9,6 +9,7 @@ when requests are fed, commits happen only at the thresholds.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import itertools
@@ -208,6 +209,7 @@ class ShardRunner:
                         row.custom_id, row.line, row.error or "invalid line", INVALID_REQUEST
                     )
         if runnable:
+            runnable = self._checked_ids(state, runnable)
             prepared = self._prepare(runnable, state.spec.chat_template)
             limit = state.spec.engine.max_model_len
             if limit is not None and limit < self.engine.max_model_len:
@@ -218,6 +220,34 @@ class ShardRunner:
         if errors:
             self.on_progress(errors, 0)
         return False
+
+    def _checked_ids(self, state: ShardState, rows: list[InputRow]) -> list[InputRow]:
+        """The rows, without the token ids stored for them when those are not what this
+        engine's tokenizer gives. Another process tokenized them (`submit`, with a tokenizer
+        loaded without torch, or a sizing pass): the first row with ids of each shard is
+        tokenized here as well, and on a difference the shard's stored ids are dropped."""
+        if not state.ids_checked:
+            first = next((row for row in rows if row.token_ids is not None), None)
+            if first is None:
+                return rows
+            state.ids_checked = True
+            template = state.spec.chat_template
+            own = self._prepare([dataclasses.replace(first, token_ids=None)], template)
+            if own != self._prepare([first], template):
+                state.ids_dropped = True
+                log.warning(
+                    "job %s shard %d: the token ids stored for line %d differ from this "
+                    "engine's tokenizer; tokenizing the shard's rows here",
+                    state.job_id,
+                    state.index,
+                    first.line,
+                )
+        if not state.ids_dropped:
+            return rows
+        return [
+            row if row.token_ids is None else dataclasses.replace(row, token_ids=None)
+            for row in rows
+        ]
 
     def _prepare(self, rows: list[InputRow], chat_template: str | None) -> list[Any]:
         """The rows' prepared ids; when preparing the batch raises, each row alone, so a row

@@ -43,6 +43,10 @@ class ShardState:
     # Rows were aborted before they ran (a stop's drain hands them back): the shard cannot
     # finish in this run, however many of its other rows do.
     rows_dropped: bool = False
+    # Stored token ids checked against the engine's tokenizer (runner._checked_ids), and
+    # found different: the shard's rows are tokenized by the engine.
+    ids_checked: bool = False
+    ids_dropped: bool = False
     last_commit: float = field(default_factory=time.monotonic)
     step_seconds: float = 0.0  # engine time to attribute to the next checkpoint
 

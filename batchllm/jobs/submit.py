@@ -15,6 +15,7 @@ from batchllm.execution.finalize import finalize_job
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
+from batchllm.jobs.submit_tokens import submit_tokens
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import dependencies, service, state_machine
@@ -77,6 +78,9 @@ def submit_job(
         release=release,
         notify=notify,
         hold=hold,
+        # The prompts' token ids, stored beside the shards (and the context sized) here, so
+        # the workers do not tokenize: when this machine holds the model.
+        preparer=submit_tokens(spec, settings),
     )
     job_id = created.job.id
     if hold:

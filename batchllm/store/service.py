@@ -25,7 +25,7 @@ from batchllm.store import state_machine
 from batchllm.store.db import get_one, session_scope, settings_of
 from batchllm.store.models import Job, JobParent, JobStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
-from batchllm.store.shard_recording import ShardRecorder
+from batchllm.store.shard_recording import ShardPreparer, ShardRecorder
 from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def create_job(
     release: ReleaseShards | None = None,
     notify: WebhookTarget | None = None,
     hold: bool = False,
+    preparer: ShardPreparer | None = None,
 ) -> CreatedJob:
     """Validate and store the input, recording the job and its shards as `queued`.
 
@@ -73,7 +74,9 @@ def create_job(
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
     (input/files/source.py); a path is resolved here, once. `hold`: the job waits for the
     jobs it runs after (spec.after): it ends `waiting`, none of its shards released
-    (store/dependencies.py releases them).
+    (store/dependencies.py releases them). `preparer`: work on each stored shard before it is
+    recorded and released (submit's token pass); the max_model_len it sized, if any, is the
+    job's.
     """
     if hold:
         release = None
@@ -104,7 +107,12 @@ def create_job(
     recorder = ShardRecorder(settings, job_id, release, stream=stream)
 
     def stored_one(shard: ShardInput) -> None:
-        recorder.add(shard)
+        if preparer is None:
+            recorder.add(shard)
+        else:  # recorded (and released) once prepared; on this thread, which owns the session
+            preparer.stored(shard)
+            for prepared in preparer.ready():
+                recorder.add(prepared)
         if on_shard is not None:
             on_shard(shard)
 
@@ -125,6 +133,8 @@ def create_job(
             on_shard=stored_one,
         )
     except (InputError, StorageError, OSError) as exc:
+        if preparer is not None:
+            preparer.close()
         error = exc
         if isinstance(exc, OSError):  # the output directory
             error = StorageError(
@@ -135,7 +145,18 @@ def create_job(
         if error is exc:
             raise
         raise error from exc
+    except BaseException:
+        if preparer is not None:
+            preparer.close()
+        raise
+    sized = None
+    if preparer is not None:
+        sized = preparer.finish()
+        for prepared in preparer.ready():
+            recorder.add(prepared)
     with session_scope(settings) as session:
+        if sized is not None:
+            set_max_model_len(session, job_id, sized)
         recorder.record_rest(session)
         ended = state_machine.end_validation(
             session,

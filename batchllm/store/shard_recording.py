@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -33,6 +34,21 @@ from batchllm.store.models import Job, Shard, ShardStatus
 log = logging.getLogger(__name__)
 
 RELEASE_EVERY_SECONDS = 0.5
+
+
+class ShardPreparer(Protocol):
+    """Work on each stored shard before it is recorded and released (`submit`'s token pass,
+    jobs/submit_tokens.py): `stored` hands a shard over, `ready` returns the ones done since
+    the last call (in order, without waiting), `finish` waits for the rest and gives the job's
+    sized max_model_len or None, `close` gives up (the job was not created)."""
+
+    def stored(self, shard: ShardInput) -> None: ...
+
+    def ready(self) -> list[ShardInput]: ...
+
+    def finish(self) -> int | None: ...
+
+    def close(self) -> None: ...
 
 
 class ShardRecorder:

@@ -8,9 +8,12 @@ import shutil
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from batchllm.demo.workload import write_workload
+from batchllm.input.token_store import token_path
+from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.registry import live_workers
 from tests.support.fleet import start_workers, stop_workers
@@ -248,7 +251,8 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
 ):
     """No max_model_len on the job: the first worker to pick up a shard runs the sizing pass
     over all of its rows; three others, handed shards at the same moment, wait on the job's
-    sizing lock and read the size it stored instead of each running the pass (issue 37)."""
+    sizing lock and read the size it stored instead of each running the pass (issue 37). Then
+    the same file from a submit that tokenizes: sized there, and no worker sizes it."""
     from batchllm.input.schemas import JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
 
@@ -284,5 +288,27 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         assert sum(log.count("max_model_len sized to") for log in logs.values()) == 1
         assert waited and set(waited).isdisjoint(sized), (sized, waited)
         assert job.max_model_len and job.max_model_len <= 512
+
+        # The same job from a submit that tokenizes (BATCHLLM_TOKENIZE_AT_SUBMIT): sized and
+        # its ids stored at submit, so no worker sizes it and none tokenizes a row again.
+        tokenizing = fleet_env.settings.model_copy(update={"tokenize_at_submit": True})
+        again = submit_job(source, spec, shard_size=2_000, settings=tokenizing)
+        assert again.max_model_len == job.max_model_len
+        storage = Storage.of(fleet_env.settings)
+        _, queued = load_job(fleet_env, again.id)
+        for shard in queued:
+            ids = pq.read_table(storage.fs.open_input_file(token_path(shard.input_path)))
+            assert ids.num_rows == shard.rows and ids.column("token_ids").null_count == 0
+        again = wait_until_final(fleet_env, again.id, timeout=240)
+        assert again.status is JobStatus.COMPLETED, again.error
+        rows = output_rows(fleet_env, again.id)
+        assert_exactly_once(rows, expected_rows(source))
+        logs = {w.name: w.log() for w in workers}
+        assert sum(log.count("max_model_len sized to") for log in logs.values()) == 1, logs
+        assert not [name for name, log in logs.items() if "differ from this engine" in log]
+        # Each row's prompt tokens are the stored ids' (the rows of the first job: the same
+        # lines, tokenized by the worker that sized it).
+        first = {r["custom_id"]: r["prompt_tokens"] for r in output_rows(fleet_env, job.id)}
+        assert {r["custom_id"]: r["prompt_tokens"] for r in rows} == first
     finally:
         stop_workers(workers)

@@ -1,0 +1,162 @@
+"""Token ids of a fleet job's prompts, computed by `submit` while it validates the file.
+
+Why: rendering chats and tokenizing were a third of a fleet worker's own cost per row (issue
+37's profile, docs/performance.md), and a job without `--max-model-len` had a worker tokenize
+every row once more to size the context before any row ran. The submit reads every row anyway:
+here a thread tokenizes each shard as validation stores it and writes its ids beside it
+(input/token_store.py, as `batchllm run`'s sizing pass does), and the workers' feed reads them
+instead of tokenizing. A job without `--max-model-len` gets its context sized from the same
+pass, so no worker sizes it.
+
+Only where the submitting machine holds the model: a local directory with `tokenizer.json` and
+`config.json` (a hub name, or a path only the workers have, leaves tokenizing to the workers,
+as before). The tokenizer is loaded as the instant worker loads it, without torch
+(transformers' PreTrainedTokenizerFast: ~70 MB and a second, where AutoTokenizer's import of
+torch costs ~500 MB and several seconds). A model whose Auto tokenizer class differs from it
+could give other ids: each worker checks a shard's first stored ids against its own engine's
+tokenizer and tokenizes the shard itself on a difference (execution/runner.py).
+
+A shard is released to the fleet only once its ids are stored (store/shard_recording.py), so
+no worker starts one before they exist. Tokenizing runs in Rust without the GIL, beside the
+validation (Python). Any error here leaves the job to the workers' tokenizing: it never fails
+a submit.
+
+Off by default (`BATCHLLM_TOKENIZE_AT_SUBMIT=1` turns it on): it moves the cost, it does not
+remove it. Measured here (2 cores, the tiny demo model, whose small vocabulary makes ~150 tokens
+of a chat line: the tokenizer's encode alone is ~70 CPU-us a row), a 100,000-line chat job on
+one instant worker: the worker's CPU fell from 11.7 s to 3.3 s, the submit grew from 1.5 s to
+9.3 s, and the job ended later (11.9 s against 9.7 s), the submit sharing the two cores
+with the worker. Worth it where the workers' time is what is scarce (GPU nodes) and the
+submitting machine has cores to spare; `submit` then waits for the pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchllm.execution.sizing_pass import size_shard
+from batchllm.input.schemas import JobSpec
+from batchllm.input.shards import ShardInput
+from batchllm.settings import Settings
+from batchllm.storage import Storage
+
+if TYPE_CHECKING:
+    from batchllm.engine.sizing import ContextSizer
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+# A model with no max_position_embeddings in its config.json: its ids are still stored, but
+# its context is left for a worker to size (AutoConfig, which knows each model's default).
+_NO_LIMIT = 2**31
+
+
+def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
+    """The job's token pass at submit, or None when this machine cannot (or may not) run it."""
+    if not settings.tokenize_at_submit:
+        return None
+    model = Path(spec.model)
+    if not ((model / "tokenizer.json").is_file() and (model / "config.json").is_file()):
+        return None
+    return SubmitTokens(spec, Storage.of(settings), settings)
+
+
+def config_limit(model: Path) -> int | None:
+    """The model's context as its config.json states it (its text model's, for a model with a
+    `text_config`), read without transformers; None when it is not stated there."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class SubmitTokens:
+    """Tokenizes shards on a thread as validation stores them (a ShardPreparer)."""
+
+    def __init__(self, spec: JobSpec, storage: Storage, settings: Settings) -> None:
+        self.spec, self.storage, self.settings = spec, storage, settings
+        self._todo: queue.Queue[Any] = queue.Queue()
+        self._done: queue.Queue[ShardInput] = queue.Queue()
+        self._failed = False  # an error stopped the pass: later shards pass through untouched
+        self._sizer: ContextSizer | None = None
+        self._limit = config_limit(Path(spec.model))
+        self._thread = threading.Thread(target=self._run, name="batchllm-submit-tokens")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def stored(self, shard: ShardInput) -> None:
+        self._todo.put(shard)
+
+    def ready(self) -> list[ShardInput]:
+        """The shards whose ids are stored (or that passed through), in order, since the last
+        call; never waits."""
+        done = []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                return done
+
+    def finish(self) -> int | None:
+        """Wait for the shards stored so far; the job's sized max_model_len when this pass
+        sized it (every row measured, the model's context known), else None."""
+        self._todo.put(_DONE)
+        self._thread.join()
+        sizer = self._sizer
+        if (
+            self.spec.engine.max_model_len is not None
+            or self._failed
+            or sizer is None
+            or not sizer.complete
+            or self._limit is None
+        ):
+            return None
+        return sizer.result()
+
+    def close(self) -> None:
+        """The job was not created: stop (the job's storage goes with it)."""
+        self._failed = True
+        self._todo.put(_DONE)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            shard = self._todo.get()
+            if shard is _DONE:
+                return
+            if not self._failed:
+                try:
+                    size_shard(self._get_sizer(), self.storage, shard.path)
+                except Exception as exc:  # the workers tokenize what this pass could not
+                    self._failed = True
+                    log.warning(
+                        "tokenizing at submit stopped (%s: %s); the workers tokenize the job's "
+                        "rows",
+                        type(exc).__name__,
+                        exc,
+                    )
+            self._done.put(shard)
+
+    def _get_sizer(self) -> ContextSizer:
+        if self._sizer is None:
+            from batchllm.engine.sizing import ContextSizer
+            from batchllm.execution.instant import light_tokenizer
+
+            self._sizer = ContextSizer(
+                self.spec.model,
+                self.spec.sampling,
+                self.spec.chat_template,
+                settings=self.settings,
+                tokenizer=light_tokenizer(self.spec.model),
+                limit=self._limit or _NO_LIMIT,
+                images=False,
+            )
+        return self._sizer

@@ -1,0 +1,213 @@
+"""`submit`'s token pass (jobs/submit_tokens.py): the prompts' ids stored beside each shard before
+the shard is released, an unsized job's context sized there, nothing lost when the pass fails;
+and the feed's check of stored ids against its own engine's tokenizer (execution/runner.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchllm.engine.testing import InstantEngine
+from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.sizing_pass import size_shards
+from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.input.token_store import TokenFileWriter, token_path
+from batchllm.jobs.submit_tokens import SubmitTokens, config_limit, submit_tokens
+from batchllm.output.parts import read_output
+from batchllm.storage import Storage
+from batchllm.store import service
+from batchllm.store.db import session_scope
+from batchllm.store.models import Job, Shard
+
+
+def write_chats(path: Path, count: int, bad: int = 0) -> Path:
+    with path.open("w") as out:
+        for i in range(count):
+            words = " ".join(["tea", "ünïcode", "river", "日本語"][: 1 + i % 4])
+            messages = [{"role": "user", "content": f"{i}: {words}"}]
+            out.write(json.dumps({"custom_id": f"r{i}", "messages": messages}) + "\n")
+        for _ in range(bad):
+            out.write('{"prompt": 5}\n')
+    return path
+
+
+def shards_of(settings, job_id: str) -> list[Shard]:
+    with session_scope(settings) as session:
+        shards = session.get(Job, job_id).shards
+        return sorted(shards, key=lambda s: s.index)
+
+
+def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_sized(
+    tiny_model, tokenizer, settings, tmp_path
+):
+    source = write_chats(tmp_path / "in.jsonl", 230, bad=2)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    released: list[int] = []
+
+    def release(job_id: str, shard_ids: list[int]) -> None:
+        # A worker may take a shard the moment it is released: its ids must be there.
+        with session_scope(settings) as session:
+            for shard_id in shard_ids:
+                path = session.get(Shard, shard_id).input_path
+                assert storage.exists(token_path(path)), path
+        released.extend(shard_ids)
+
+    preparer = submit_tokens(spec, settings.model_copy(update={"tokenize_at_submit": True}))
+    assert preparer is not None
+    created = service.create_job(
+        source, spec, shard_size=50, settings=settings, release=release, preparer=preparer
+    )
+    shards = shards_of(settings, created.job.id)
+    assert len(shards) == 5 and sorted(released) == sorted(s.id for s in shards)
+    # The size is the one a worker's sizing pass (AutoTokenizer) gives for the same rows.
+    paths = [s.input_path for s in shards]
+    assert created.job.max_model_len == size_shards(spec, storage, paths, settings)
+    for shard in shards:
+        ids = pq.read_table(storage.fs.open_input_file(token_path(shard.input_path)))
+        assert ids.num_rows == shard.rows
+    # ...whose ids the submit's equal (the sizing pass above rewrote the files: compare one).
+    first = pq.read_table(storage.fs.open_input_file(token_path(paths[0])))
+    messages = [{"role": "user", "content": "0: tea"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (
+        first.column("token_ids")[0].as_py()
+        == tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_a_job_given_its_context_keeps_it_and_gets_the_ids(tiny_model, settings, tmp_path):
+    source = write_chats(tmp_path / "in.jsonl", 60)
+    spec = JobSpec(
+        model=str(tiny_model),
+        engine=EngineOptions(max_model_len=512),
+        sampling=SamplingDefaults(max_tokens=8),
+    )
+    preparer = SubmitTokens(spec, Storage.of(settings), settings)
+    created = service.create_job(
+        source, spec, shard_size=25, settings=settings, release=lambda *a: None, preparer=preparer
+    )
+    assert created.job.max_model_len == 512
+    storage = Storage.of(settings)
+    for shard in shards_of(settings, created.job.id):
+        assert storage.exists(token_path(shard.input_path))
+
+
+def test_a_pass_that_fails_loses_no_shard_and_leaves_the_sizing_to_the_workers(
+    tiny_model, settings, tmp_path, caplog
+):
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model, broken)
+    (broken / "tokenizer.json").write_text("{not a tokenizer")
+    source = write_chats(tmp_path / "in.jsonl", 120)
+    spec = JobSpec(model=str(broken), sampling=SamplingDefaults(max_tokens=8))
+    released: list[int] = []
+    preparer = SubmitTokens(spec, Storage.of(settings), settings)
+    with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
+        created = service.create_job(
+            source,
+            spec,
+            shard_size=50,
+            settings=settings,
+            release=lambda _job, ids: released.extend(ids),
+            preparer=preparer,
+        )
+    shards = shards_of(settings, created.job.id)
+    assert len(shards) == 3 and sorted(released) == sorted(s.id for s in shards)
+    assert created.job.request_total == 120 and created.job.max_model_len is None
+    assert "tokenizing at submit stopped" in caplog.text
+
+
+def test_the_pass_runs_only_when_asked_and_the_model_is_a_local_directory(
+    tiny_model, settings, tmp_path
+):
+    on = settings.model_copy(update={"tokenize_at_submit": True})
+    local = JobSpec(model=str(tiny_model))
+    assert submit_tokens(local, settings) is None  # off by default
+    assert submit_tokens(JobSpec(model="org/some-model"), on) is None
+    assert submit_tokens(JobSpec(model=str(tmp_path / "missing")), on) is None
+    preparer = submit_tokens(local, on)
+    assert preparer is not None
+    preparer.close()
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config_limit(tiny_model) == config.get("max_position_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 8}}))
+    assert config_limit(tmp_path) is None
+
+
+def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_own(
+    tiny_model, tokenizer, settings, tmp_path, caplog
+):
+    """A submit's tokenizer (loaded without torch) could differ from a worker's: the feed checks
+    each shard's first stored ids and tokenizes the shard itself on a difference."""
+    source = write_chats(tmp_path / "in.jsonl", 40)
+    spec = JobSpec(
+        model=str(tiny_model),
+        engine=EngineOptions(max_model_len=512),
+        sampling=SamplingDefaults(max_tokens=4),
+    )
+    created = service.create_job(source, spec, shard_size=100, settings=settings)
+    storage = Storage.of(settings)
+    (shard,) = shards_of(settings, created.job.id)
+    # Ids with one token too many on every row, as another tokenizer's might be.
+    writer = TokenFileWriter(storage, shard.input_path)
+    own = [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                json.loads(line)["messages"], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for line in source.read_text().splitlines()
+    ]
+    writer.write(list(range(1, 41)), [[*ids, 7] for ids in own])
+    writer.close()
+
+    engine = InstantEngine(tokenizer=tokenizer, max_model_len=512, max_num_seqs=16)
+    with caplog.at_level(logging.WARNING, logger="batchllm.execution.runner"):
+        outcome = ShardRunner(engine, worker="w1", settings=settings).run([shard.id])
+    assert outcome == {shard.id: Outcome.COMPLETED}
+    assert "differ from this engine's tokenizer" in caplog.text
+    rows = read_output(storage, storage.output_dir(created.job.id)).to_pylist()
+    by_line = {row["line"]: row["prompt_tokens"] for row in rows}
+    assert by_line == {line: len(ids) for line, ids in enumerate(own, start=1)}
+
+
+def test_stored_ids_equal_to_the_engines_are_used_as_they_are(
+    tiny_model, tokenizer, settings, tmp_path, caplog
+):
+    source = write_chats(tmp_path / "in.jsonl", 30)
+    spec = JobSpec(
+        model=str(tiny_model),
+        engine=EngineOptions(max_model_len=512),
+        sampling=SamplingDefaults(max_tokens=4),
+    )
+    created = service.create_job(
+        source,
+        spec,
+        shard_size=100,
+        settings=settings,
+        preparer=SubmitTokens(spec, Storage.of(settings), settings),
+    )
+    (shard,) = shards_of(settings, created.job.id)
+    engine = InstantEngine(tokenizer=tokenizer, max_model_len=512, max_num_seqs=16)
+    untokenized: list[int] = []  # rows the engine was given without ids
+    prepare = engine.prepare
+
+    def counting(rows, chat_template=None):
+        untokenized.extend(row.line for row in rows if row.token_ids is None)
+        return prepare(rows, chat_template)
+
+    engine.prepare = counting  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="batchllm.execution.runner"):
+        outcome = ShardRunner(engine, worker="w1", settings=settings).run([shard.id])
+    assert outcome == {shard.id: Outcome.COMPLETED}
+    assert "differ" not in caplog.text
+    # Only the check's one row was tokenized by the engine; the 30 ran on the stored ids.
+    assert untokenized == [1]
+    rows = read_output(Storage.of(settings), Storage.of(settings).output_dir(created.job.id))
+    assert rows.num_rows == 30
