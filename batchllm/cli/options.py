@@ -315,6 +315,13 @@ def job_options(command):
         ),
         *_ENGINE_SHAPE_FLAGS,
         click.option(
+            "--kv-cache-memory-bytes",
+            type=click.IntRange(min=1),
+            default=None,
+            help="KV cache size in bytes [default: vLLM's, a share of GPU memory; on a CPU "
+            "VLLM_CPU_KVCACHE_SPACE]. It bounds how many requests run at once.",
+        ),
+        click.option(
             "--compact-json",
             is_flag=True,
             help="JSON-constrained answers without whitespace between tokens (fewer tokens; "
@@ -449,6 +456,7 @@ def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
         enable_prefix_caching=flags.pop("prefix_caching"),
         enforce_eager=flags.pop("enforce_eager"),
         compact_json=flags.pop("compact_json"),
+        kv_cache_memory_bytes=flags.pop("kv_cache_memory_bytes"),
         max_lora_rank=flags.pop("max_lora_rank"),
         group_prefixes=not flags.pop("no_group_prefixes"),
     )

