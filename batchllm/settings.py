@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -57,11 +58,13 @@ class Settings(BaseSettings):
         default="redis://localhost:6379/0", description="Celery broker for `submit` and `worker`."
     )
     shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
-    tokenize_at_submit: bool = Field(
-        default=False,
-        description="`submit` tokenizes the prompts (and sizes a job's context) while it "
-        "validates them, when the model is a local directory it can read, so the workers do "
-        "not: their CPU per row falls by two thirds, the submit takes several times as long "
+    tokenize_at_submit: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="When `submit` tokenizes the prompts (and sizes the job's context) while it "
+        "validates them, so no worker does: `auto` for a job without --max-model-len (one pass "
+        "must read every row before any runs; at submit it overlaps the validation), `always` "
+        "for every job (the workers' CPU per row falls by half or more, the submit takes "
+        "several times as long), `never`. Only where the model is a local directory "
         "(jobs/submit_tokens.py).",
     )
     max_line_bytes: int = Field(

@@ -194,18 +194,24 @@ class Sampler:
         self._thread.join(timeout=5)
 
 
-def _spec(model: str, sized: bool = True) -> JobSpec:
+def _spec(model: str, sized: bool = True, max_tokens: int = MAX_TOKENS[1]) -> JobSpec:
     """The bench's job; `sized=False`: no max_model_len, so a worker sizes it from its rows
     (the sizing pass, once per job: execution/engines.py resolve_max_model_len)."""
     return JobSpec(
         model=model,
         engine=EngineOptions(max_model_len=MAX_MODEL_LEN if sized else None),
-        sampling=SamplingDefaults(max_tokens=MAX_TOKENS[1], ignore_eos=True),
+        sampling=SamplingDefaults(max_tokens=max_tokens, ignore_eos=True),
     )
 
 
 def run_jobs(
-    fleet: Fleet, sources: list[Path], *, shard_size: int, timeout: float, sized: bool = True
+    fleet: Fleet,
+    sources: list[Path],
+    *,
+    shard_size: int,
+    timeout: float,
+    sized: bool = True,
+    max_tokens: int = MAX_TOKENS[1],
 ) -> dict:
     """Submit the files one after another as fast as submit goes, then follow every job to its
     end; the figures of the whole set."""
@@ -224,7 +230,10 @@ def run_jobs(
         for source in sources:
             job_ids.append(
                 submit_job(
-                    source, _spec(fleet.model, sized), shard_size=shard_size, settings=settings
+                    source,
+                    _spec(fleet.model, sized, max_tokens),
+                    shard_size=shard_size,
+                    settings=settings,
                 ).id
             )
             submitted.append(time.monotonic() - started)
@@ -350,11 +359,17 @@ def measure_fleet(
     concurrent_jobs: int,
     max_connections: int,
     unsized: bool = False,
+    prompt_words: tuple[int, int] = (8, 64),
+    max_tokens: tuple[int, int] = MAX_TOKENS,
     say: Say = print,
 ) -> dict[str, Any]:
     fleet = Fleet(work_dir, model, max_connections=max_connections)
     source = write_lines(
-        work_dir / "input.jsonl", lines, model=model, prompt_words=(8, 64), output_tokens=MAX_TOKENS
+        work_dir / "input.jsonl",
+        lines,
+        model=model,
+        prompt_words=prompt_words,
+        output_tokens=max_tokens,
     )
     part = max(1, lines // concurrent_jobs)
     parts = [
@@ -362,13 +377,18 @@ def measure_fleet(
             work_dir / f"concurrent-{i}.jsonl",
             part,
             model=model,
-            prompt_words=(8, 64),
-            output_tokens=MAX_TOKENS,
+            prompt_words=prompt_words,
+            output_tokens=max_tokens,
             seed=i + 1,
         )
         for i in range(concurrent_jobs)
     ]
     results = []
+    job_args: dict[str, Any] = {
+        "shard_size": shard_size,
+        "timeout": 1800,
+        "max_tokens": max_tokens[1],
+    }
     try:
         settings = fleet.start_services()
         for count in workers:
@@ -378,17 +398,15 @@ def measure_fleet(
             idle_connections = fleet.postgres.connections()
             rss = [rss_bytes(proc.pid) for _, proc, _ in fleet.workers]
             say(f"fleet: N={count}: one job of {lines:,} lines")
-            one = run_jobs(fleet, [source], shard_size=shard_size, timeout=1800)
+            one = run_jobs(fleet, [source], **job_args)
             say(
                 f"fleet: N={count}: {one['rows_per_s']:,.0f} rows/s; {concurrent_jobs} jobs at once"
             )
-            several = run_jobs(fleet, parts, shard_size=shard_size, timeout=1800)
+            several = run_jobs(fleet, parts, **job_args)
             without = None
             if unsized:
                 say(f"fleet: N={count}: one job of {lines:,} lines without max_model_len")
-                without = run_jobs(
-                    fleet, [source], shard_size=shard_size, timeout=1800, sized=False
-                )
+                without = run_jobs(fleet, [source], **job_args, sized=False)
             peak_rss = [rss_bytes(proc.pid, "VmHWM") for _, proc, _ in fleet.workers]
             results.append(
                 {
@@ -410,10 +428,16 @@ def measure_fleet(
         "lines": lines,
         "shard_size": shard_size,
         "concurrent_jobs": concurrent_jobs,
-        "max_tokens": list(MAX_TOKENS),
+        "prompt_words": list(prompt_words),
+        "max_tokens": list(max_tokens),
         "cpus": os.cpu_count(),
         "runs": results,
     }
+
+
+def _span(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -426,6 +450,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: the tiny demo model, built")
     parser.add_argument("--work-dir", type=Path, default=Path(".bench-fleet"))
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument(
+        "--prompt-words",
+        default="8-64",
+        help="words per prompt, MIN-MAX (issue 37's job: 3-3)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        default=f"{MAX_TOKENS[0]}-{MAX_TOKENS[1]}",
+        help="max_tokens per line, MIN-MAX (issue 37's job: 8-8)",
+    )
     parser.add_argument(
         "--unsized",
         action="store_true",
@@ -449,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         concurrent_jobs=args.concurrent_jobs,
         max_connections=args.max_connections,
         unsized=args.unsized,
+        prompt_words=_span(args.prompt_words),
+        max_tokens=_span(args.max_tokens),
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     figures["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])

@@ -21,13 +21,16 @@ no worker starts one before they exist. Tokenizing runs in Rust without the GIL,
 validation (Python). Any error here leaves the job to the workers' tokenizing: it never fails
 a submit.
 
-Off by default (`BATCHLLM_TOKENIZE_AT_SUBMIT=1` turns it on): it moves the cost, it does not
-remove it. Measured here (2 cores, the tiny demo model, whose small vocabulary makes ~150 tokens
-of a chat line: the tokenizer's encode alone is ~70 CPU-us a row), a 100,000-line chat job on
-one instant worker: the worker's CPU fell from 11.7 s to 3.3 s, the submit grew from 1.5 s to
-9.3 s, and the job ended later (11.9 s against 9.7 s), the submit sharing the two cores
-with the worker. Worth it where the workers' time is what is scarce (GPU nodes) and the
-submitting machine has cores to spare; `submit` then waits for the pass.
+When (`BATCHLLM_TOKENIZE_AT_SUBMIT`): by default (`auto`) for a job without `--max-model-len`,
+whose rows must all be read before any runs anyway: here the pass overlaps the validation, where
+a worker's pass came after it, and no worker is busy sizing. For every job with `always`: it
+moves the tokenizing, it does not remove it. Measured here (2 cores, issue 37's job: 100,000
+three-word chat lines, one instant worker; `python -m benchmarks.fleet`, docs/performance.md):
+the worker's CPU fell by half or more (9.4-9.6 s to 4.2-4.9 s with the context given; 14.6-15.8
+s to 3.9-4.5 s without), the submit grew from 1-3 s to 5-8 s; jobs without a context ended
+sooner with one worker and with four, jobs with one no sooner with four workers (the submit's
+pass became the one thread the fleet waited on). `never`: the workers tokenize, and the first
+to pick up an unsized job sizes it (execution/engines.py).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ _NO_LIMIT = 2**31
 
 def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
     """The job's token pass at submit, or None when this machine cannot (or may not) run it."""
-    if not settings.tokenize_at_submit:
+    mode = settings.tokenize_at_submit
+    if mode == "never" or (mode == "auto" and spec.engine.max_model_len is not None):
         return None
     model = Path(spec.model)
     if not ((model / "tokenizer.json").is_file() and (model / "config.json").is_file()):

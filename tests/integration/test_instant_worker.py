@@ -251,8 +251,9 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
 ):
     """No max_model_len on the job: the first worker to pick up a shard runs the sizing pass
     over all of its rows; three others, handed shards at the same moment, wait on the job's
-    sizing lock and read the size it stored instead of each running the pass (issue 37). Then
-    the same file from a submit that tokenizes: sized there, and no worker sizes it."""
+    sizing lock and read the size it stored instead of each running the pass (issue 37), when
+    the submit leaves it to them. Then the same file submitted as by default: sized at submit,
+    and no worker sizes it."""
     from batchllm.input.schemas import JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
 
@@ -273,7 +274,9 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
             engine={"enforce_eager": True},
             sampling=SamplingDefaults(max_tokens=8),
         )
-        job = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
+        # `never`: the submit leaves the sizing to the workers (by default it sizes the job).
+        never = fleet_env.settings.model_copy(update={"tokenize_at_submit": "never"})
+        job = submit_job(source, spec, shard_size=2_000, settings=never)
         assert job.max_model_len is None and job.shards_total == 10
 
         job = wait_until_final(fleet_env, job.id, timeout=240)
@@ -289,10 +292,9 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         assert waited and set(waited).isdisjoint(sized), (sized, waited)
         assert job.max_model_len and job.max_model_len <= 512
 
-        # The same job from a submit that tokenizes (BATCHLLM_TOKENIZE_AT_SUBMIT): sized and
-        # its ids stored at submit, so no worker sizes it and none tokenizes a row again.
-        tokenizing = fleet_env.settings.model_copy(update={"tokenize_at_submit": True})
-        again = submit_job(source, spec, shard_size=2_000, settings=tokenizing)
+        # The same job submitted as by default: sized and its ids stored at submit, so no
+        # worker sizes it and none tokenizes a row again.
+        again = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
         assert again.max_model_len == job.max_model_len
         storage = Storage.of(fleet_env.settings)
         _, queued = load_job(fleet_env, again.id)

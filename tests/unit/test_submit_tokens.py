@@ -57,7 +57,7 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
                 assert storage.exists(token_path(path)), path
         released.extend(shard_ids)
 
-    preparer = submit_tokens(spec, settings.model_copy(update={"tokenize_at_submit": True}))
+    preparer = submit_tokens(spec, settings)  # `auto`: the job has no max_model_len
     assert preparer is not None
     created = service.create_job(
         source, spec, shard_size=50, settings=settings, release=release, preparer=preparer
@@ -122,17 +122,25 @@ def test_a_pass_that_fails_loses_no_shard_and_leaves_the_sizing_to_the_workers(
     assert "tokenizing at submit stopped" in caplog.text
 
 
-def test_the_pass_runs_only_when_asked_and_the_model_is_a_local_directory(
+def test_the_pass_runs_when_its_mode_says_and_the_model_is_a_local_directory(
     tiny_model, settings, tmp_path
 ):
-    on = settings.model_copy(update={"tokenize_at_submit": True})
-    local = JobSpec(model=str(tiny_model))
-    assert submit_tokens(local, settings) is None  # off by default
-    assert submit_tokens(JobSpec(model="org/some-model"), on) is None
-    assert submit_tokens(JobSpec(model=str(tmp_path / "missing")), on) is None
-    preparer = submit_tokens(local, on)
-    assert preparer is not None
-    preparer.close()
+    unsized, sized = (
+        JobSpec(model=str(tiny_model)),
+        JobSpec(model=str(tiny_model), engine=EngineOptions(max_model_len=512)),
+    )
+    always = settings.model_copy(update={"tokenize_at_submit": "always"})
+    never = settings.model_copy(update={"tokenize_at_submit": "never"})
+    # `auto` (the default): only a job without a context length, which must be sized.
+    assert settings.tokenize_at_submit == "auto"
+    assert submit_tokens(sized, settings) is None
+    assert submit_tokens(unsized, never) is None and submit_tokens(sized, never) is None
+    assert submit_tokens(JobSpec(model="org/some-model"), always) is None
+    assert submit_tokens(JobSpec(model=str(tmp_path / "missing")), always) is None
+    for spec, mode in ((unsized, settings), (sized, always)):
+        preparer = submit_tokens(spec, mode)
+        assert preparer is not None
+        preparer.close()
     config = json.loads((tiny_model / "config.json").read_text())
     assert config_limit(tiny_model) == config.get("max_position_embeddings")
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 8}}))
