@@ -61,8 +61,9 @@ class Settings(BaseSettings):
     tokenize_at_submit: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="When `submit` tokenizes the prompts (and sizes the job's context) while it "
-        "validates them, so no worker does: `auto` for a job without --max-model-len (one pass "
-        "must read every row before any runs; at submit it overlaps the validation), `always` "
+        "validates them, so no worker does: `auto` for a job without --max-model-len of 10,000 "
+        "lines or more (one pass must read every row before any runs; at submit it overlaps "
+        "the validation), `always` "
         "for every job (the workers' CPU per row falls by half or more, the submit takes "
         "several times as long), `never`. Only where the model is a local directory "
         "(jobs/submit_tokens.py).",

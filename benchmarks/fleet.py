@@ -212,13 +212,14 @@ def run_jobs(
     timeout: float,
     sized: bool = True,
     max_tokens: int = MAX_TOKENS[1],
+    settings: Settings | None = None,
 ) -> dict:
     """Submit the files one after another as fast as submit goes, then follow every job to its
     end; the figures of the whole set."""
     from batchllm.jobs.submit import submit_job
     from batchllm.store.db import get_engine
 
-    settings = fleet.settings
+    settings = settings or fleet.settings
     assert settings is not None
     redis_before = fleet.redis.commands()
     outcomes_before = task_outcomes(fleet)
@@ -361,8 +362,12 @@ def measure_fleet(
     unsized: bool = False,
     prompt_words: tuple[int, int] = (8, 64),
     max_tokens: tuple[int, int] = MAX_TOKENS,
+    submit_modes: list[str] | None = None,
     say: Say = print,
 ) -> dict[str, Any]:
+    """`submit_modes`: also run the one job (and, with `unsized`, the one without
+    max_model_len) once per BATCHLLM_TOKENIZE_AT_SUBMIT mode, side by side on the same
+    workers (jobs/submit_tokens.py)."""
     fleet = Fleet(work_dir, model, max_connections=max_connections)
     source = write_lines(
         work_dir / "input.jsonl",
@@ -407,6 +412,18 @@ def measure_fleet(
             if unsized:
                 say(f"fleet: N={count}: one job of {lines:,} lines without max_model_len")
                 without = run_jobs(fleet, [source], **job_args, sized=False)
+            by_mode: dict[str, dict[str, Any]] = {}
+            for mode in submit_modes or []:
+                in_mode = settings.model_copy(update={"tokenize_at_submit": mode})
+                say(f"fleet: N={count}: submit tokenizing {mode!r}")
+                by_mode[mode] = {
+                    "one_job": run_jobs(fleet, [source], **job_args, settings=in_mode),
+                    "one_job_unsized": run_jobs(
+                        fleet, [source], **job_args, sized=False, settings=in_mode
+                    )
+                    if unsized
+                    else None,
+                }
             peak_rss = [rss_bytes(proc.pid, "VmHWM") for _, proc, _ in fleet.workers]
             results.append(
                 {
@@ -418,6 +435,7 @@ def measure_fleet(
                     "one_job": one,
                     "concurrent_jobs": several,
                     "one_job_unsized": without,
+                    "submit_modes": by_mode,
                     "reconciler_pass": reconciler_pass_ms(settings),
                 }
             )
@@ -461,6 +479,12 @@ def main(argv: list[str] | None = None) -> None:
         help="max_tokens per line, MIN-MAX (issue 37's job: 8-8)",
     )
     parser.add_argument(
+        "--submit-modes",
+        default="",
+        help="comma-separated BATCHLLM_TOKENIZE_AT_SUBMIT modes (never,auto,always) to run "
+        "the one job under, side by side",
+    )
+    parser.add_argument(
         "--unsized",
         action="store_true",
         help="also run the one job without max_model_len (a worker sizes it from its rows)",
@@ -485,6 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         unsized=args.unsized,
         prompt_words=_span(args.prompt_words),
         max_tokens=_span(args.max_tokens),
+        submit_modes=[m for m in args.submit_modes.split(",") if m],
         say=lambda text: print(text, file=sys.stderr, flush=True),
     )
     figures["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])

@@ -21,16 +21,16 @@ no worker starts one before they exist. Tokenizing runs in Rust without the GIL,
 validation (Python). Any error here leaves the job to the workers' tokenizing: it never fails
 a submit.
 
-When (`BATCHLLM_TOKENIZE_AT_SUBMIT`): by default (`auto`) for a job without `--max-model-len`,
-whose rows must all be read before any runs anyway: here the pass overlaps the validation, where
-a worker's pass came after it, and no worker is busy sizing. For every job with `always`: it
-moves the tokenizing, it does not remove it. Measured here (2 cores, issue 37's job: 100,000
-three-word chat lines, one instant worker; `python -m benchmarks.fleet`, docs/performance.md):
-the worker's CPU fell by half or more (9.4-9.6 s to 4.2-4.9 s with the context given; 14.6-15.8
-s to 3.9-4.5 s without), the submit grew from 1-3 s to 5-8 s; jobs without a context ended
-sooner with one worker and with four, jobs with one no sooner with four workers (the submit's
-pass became the one thread the fleet waited on). `never`: the workers tokenize, and the first
-to pick up an unsized job sizes it (execution/engines.py).
+When (`BATCHLLM_TOKENIZE_AT_SUBMIT`): by default (`auto`) for a job without `--max-model-len`
+of at least AUTO_MIN_ROWS lines, whose rows must all be read before any runs anyway: here the
+pass overlaps the validation, where a worker's pass came after it, and no worker is busy
+sizing. For every job with `always`: it moves the tokenizing, it does not remove it. Measured
+here (2 cores, issue 37's job: 100,000 three-word chat lines; `python -m benchmarks.fleet`,
+docs/performance.md): one instant worker's CPU fell by half or more (9.4-9.6 s to 4.2-4.9 s
+with the context given; 14.6-15.8 s to 3.9-4.5 s without), the submit grew from 1-3 s to 5-8
+s; jobs without a context ended sooner with one worker and with four, jobs with one no sooner
+with four workers (the submit's pass became the one thread the fleet waited on). `never`: the
+workers tokenize, and the first to pick up an unsized job sizes it (execution/engines.py).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ _DONE = object()
 # A model with no max_position_embeddings in its config.json: its ids are still stored, but
 # its context is left for a worker to size (AutoConfig, which knows each model's default).
 _NO_LIMIT = 2**31
+# `auto` starts the pass once a job has this many rows: a smaller job's worker sizes it in well
+# under a second, where loading transformers here would add one or two to every small submit.
+AUTO_MIN_ROWS = 10_000
 
 
 def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
@@ -67,7 +70,8 @@ def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
     model = Path(spec.model)
     if not ((model / "tokenizer.json").is_file() and (model / "config.json").is_file()):
         return None
-    return SubmitTokens(spec, Storage.of(settings), settings)
+    min_rows = AUTO_MIN_ROWS if mode == "auto" else 0
+    return SubmitTokens(spec, Storage.of(settings), settings, min_rows=min_rows)
 
 
 def config_limit(model: Path) -> int | None:
@@ -85,19 +89,32 @@ def config_limit(model: Path) -> int | None:
 class SubmitTokens:
     """Tokenizes shards on a thread as validation stores them (a ShardPreparer)."""
 
-    def __init__(self, spec: JobSpec, storage: Storage, settings: Settings) -> None:
+    def __init__(
+        self, spec: JobSpec, storage: Storage, settings: Settings, *, min_rows: int = 0
+    ) -> None:
+        """`min_rows`: the pass starts once the shards stored hold this many rows; a job that
+        never gets there passes through untouched, its sizing left to a worker."""
         self.spec, self.storage, self.settings = spec, storage, settings
+        self.min_rows = min_rows
         self._todo: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[ShardInput] = queue.Queue()
         self._failed = False  # an error stopped the pass: later shards pass through untouched
         self._sizer: ContextSizer | None = None
         self._limit = config_limit(Path(spec.model))
-        self._thread = threading.Thread(target=self._run, name="batchllm-submit-tokens")
-        self._thread.daemon = True
-        self._thread.start()
+        self._before: list[ShardInput] = []  # stored while the job is under min_rows
+        self._rows = 0
+        self._thread: threading.Thread | None = None
+        if min_rows <= 0:
+            self._start()
 
     def stored(self, shard: ShardInput) -> None:
-        self._todo.put(shard)
+        if self._thread is not None:
+            self._todo.put(shard)
+            return
+        self._before.append(shard)
+        self._rows += shard.rows
+        if self._rows >= self.min_rows:
+            self._start()
 
     def ready(self) -> list[ShardInput]:
         """The shards whose ids are stored (or that passed through), in order, since the last
@@ -112,6 +129,11 @@ class SubmitTokens:
     def finish(self) -> int | None:
         """Wait for the shards stored so far; the job's sized max_model_len when this pass
         sized it (every row measured, the model's context known), else None."""
+        if self._thread is None:  # too small to start: every shard passes through
+            self._failed = True
+            for shard in self._before:
+                self._done.put(shard)
+            return None
         self._todo.put(_DONE)
         self._thread.join()
         sizer = self._sizer
@@ -128,8 +150,17 @@ class SubmitTokens:
     def close(self) -> None:
         """The job was not created: stop (the job's storage goes with it)."""
         self._failed = True
-        self._todo.put(_DONE)
-        self._thread.join()
+        if self._thread is not None:
+            self._todo.put(_DONE)
+            self._thread.join()
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="batchllm-submit-tokens")
+        self._thread.daemon = True
+        self._thread.start()
+        for shard in self._before:
+            self._todo.put(shard)
+        self._before = []
 
     def _run(self) -> None:
         while True:

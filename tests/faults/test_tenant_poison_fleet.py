@@ -59,7 +59,8 @@ class Fleet:
         before_dispatch: Callable[[str], None] | None = None,
     ) -> str:
         """A job of these lines with no max_model_len, so the worker sizes it (tokenizing
-        every prompt, where the probe's poison line raised)."""
+        every prompt, where the probe's poison line raised): the submit is told not to size
+        it itself (BATCHLLM_TOKENIZE_AT_SUBMIT=never; jobs/submit_tokens.py)."""
         from batchllm.jobs.submit import submit_job
 
         path = self.settings.home / f"{name}.jsonl"
@@ -73,7 +74,7 @@ class Fleet:
             path,
             spec,
             shard_size=shard_size,
-            settings=self.settings,
+            settings=self.settings.model_copy(update={"tokenize_at_submit": "never"}),
             before_dispatch=before_dispatch,
         ).id
 

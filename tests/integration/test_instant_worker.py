@@ -98,9 +98,19 @@ def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_m
         shard_size=250,
         concurrent_jobs=2,
         max_connections=100,
+        unsized=True,
+        submit_modes=["never", "always"],
         say=lambda _text: None,
     )
     (run,) = figures["runs"]
+    # The same jobs with the submit tokenizing never and always: a worker sizes the unsized
+    # job only when the submit did not (by default, `auto`, the submit sized it).
+    modes = run["submit_modes"]
+    assert modes["never"]["one_job_unsized"]["sizing_passes"] == 1
+    assert modes["always"]["one_job_unsized"]["sizing_passes"] == 0
+    assert run["one_job_unsized"]["sizing_passes"] == 0
+    for mode in modes.values():
+        assert mode["one_job"]["rows"] == mode["one_job_unsized"]["rows"] == 2000
     one, several = run["one_job"], run["concurrent_jobs"]
     assert (one["rows"], one["shards"], one["checkpoints"]) == (2000, 8, 8)
     assert (several["jobs"], several["rows"]) == (2, 2000)

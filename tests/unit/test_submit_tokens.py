@@ -16,6 +16,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.sizing_pass import size_shards
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.input.token_store import TokenFileWriter, token_path
+from batchllm.jobs import submit_tokens as submit_tokens_module
 from batchllm.jobs.submit_tokens import SubmitTokens, config_limit, submit_tokens
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
@@ -57,7 +58,8 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
                 assert storage.exists(token_path(path)), path
         released.extend(shard_ids)
 
-    preparer = submit_tokens(spec, settings)  # `auto`: the job has no max_model_len
+    # `always`: `auto` would wait for AUTO_MIN_ROWS rows before starting (another test).
+    preparer = submit_tokens(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
     assert preparer is not None
     created = service.create_job(
         source, spec, shard_size=50, settings=settings, release=release, preparer=preparer
@@ -145,6 +147,36 @@ def test_the_pass_runs_when_its_mode_says_and_the_model_is_a_local_directory(
     assert config_limit(tiny_model) == config.get("max_position_embeddings")
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 8}}))
     assert config_limit(tmp_path) is None
+
+
+def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_worker(
+    tiny_model, settings, tmp_path, monkeypatch
+):
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 100)
+    small = service.create_job(
+        write_chats(tmp_path / "small.jsonl", 99),
+        spec,
+        shard_size=40,
+        settings=settings,
+        preparer=submit_tokens(spec, settings),
+    )
+    shards = shards_of(settings, small.job.id)
+    assert len(shards) == 3 and small.job.max_model_len is None
+    assert not [s for s in shards if storage.exists(token_path(s.input_path))]
+
+    big = service.create_job(
+        write_chats(tmp_path / "big.jsonl", 100),
+        spec,
+        shard_size=40,
+        settings=settings,
+        preparer=submit_tokens(spec, settings),
+    )
+    shards = shards_of(settings, big.job.id)
+    assert len(shards) == 3 and big.job.max_model_len is not None
+    # The shards stored before the job reached 100 rows got their ids too.
+    assert all(storage.exists(token_path(s.input_path)) for s in shards)
 
 
 def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_own(
