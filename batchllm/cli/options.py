@@ -134,6 +134,13 @@ def _engine(name: str):
 # The engine flags `run`/`submit` and `worker` share, with the same defaults and help.
 _ENGINE_SHAPE_FLAGS = [
     click.option(
+        "--kv-cache-memory-bytes",
+        type=click.IntRange(min=1),
+        default=None,
+        help="KV cache size in bytes [default: vLLM's, a share of GPU memory; on a CPU "
+        "VLLM_CPU_KVCACHE_SPACE]. It bounds how many requests run at once.",
+    ),
+    click.option(
         "--max-num-seqs",
         type=click.IntRange(min=1),
         default=None,
@@ -314,13 +321,6 @@ def job_options(command):
             help="Context length [default: longest prompt + max_tokens, capped by the model].",
         ),
         *_ENGINE_SHAPE_FLAGS,
-        click.option(
-            "--kv-cache-memory-bytes",
-            type=click.IntRange(min=1),
-            default=None,
-            help="KV cache size in bytes [default: vLLM's, a share of GPU memory; on a CPU "
-            "VLLM_CPU_KVCACHE_SPACE]. It bounds how many requests run at once.",
-        ),
         click.option(
             "--compact-json",
             is_flag=True,
@@ -596,12 +596,6 @@ _WORKER_ENGINE_FLAGS = [
         default=WORKER_GPU_MEMORY_UTILIZATION,
         show_default=True,
         help="Share of GPU memory for vLLM (on a CPU machine: of RAM, see VLLM_CPU_KVCACHE_SPACE).",
-    ),
-    click.option(
-        "--kv-cache-memory-bytes",
-        type=click.IntRange(min=1),
-        default=None,
-        help="KV cache size in bytes [default: vLLM's, a share of GPU memory].",
     ),
     *_ENGINE_SHAPE_FLAGS,
     click.option(

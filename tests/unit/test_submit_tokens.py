@@ -155,24 +155,22 @@ def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_wo
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     storage = Storage.of(settings)
     monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 100)
-    small = service.create_job(
-        write_chats(tmp_path / "small.jsonl", 99),
-        spec,
-        shard_size=40,
-        settings=settings,
-        preparer=submit_tokens(spec, settings),
-    )
+
+    def submitted(name: str, lines: int) -> service.CreatedJob:
+        return service.create_job(
+            write_chats(tmp_path / f"{name}.jsonl", lines),
+            spec,
+            shard_size=40,
+            settings=settings,
+            preparer=submit_tokens(spec, settings),
+        )
+
+    small = submitted("small", 99)
     shards = shards_of(settings, small.job.id)
     assert len(shards) == 3 and small.job.max_model_len is None
     assert not [s for s in shards if storage.exists(token_path(s.input_path))]
 
-    big = service.create_job(
-        write_chats(tmp_path / "big.jsonl", 100),
-        spec,
-        shard_size=40,
-        settings=settings,
-        preparer=submit_tokens(spec, settings),
-    )
+    big = submitted("big", 100)
     shards = shards_of(settings, big.job.id)
     assert len(shards) == 3 and big.job.max_model_len is not None
     # The shards stored before the job reached 100 rows got their ids too.
