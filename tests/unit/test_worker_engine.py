@@ -350,3 +350,46 @@ def test_start_engine_keeps_the_model_to_announce_and_the_log_format_for_celery(
         assert isinstance(handler.formatter, JsonFormatter)
     finally:
         logger.removeHandler(handler)
+
+
+def _start_instant(monkeypatch, settings):
+    from batchllm.worker import tasks
+
+    class Started:
+        def __init__(self, model, options, **_named) -> None:
+            self.model = model
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(tasks, "InstantWorkerEngine", Started)
+    monkeypatch.setattr(tasks, "_engines", None)
+    monkeypatch.setattr(tasks, "_served_models", [])
+    return tasks.start_engine(
+        MODEL, EngineOptions(), settings=settings, allow_rebuild=False, instant=True
+    )
+
+
+def test_a_worker_opens_and_checks_its_database_before_its_first_task(monkeypatch):
+    """Issue 37's profile: the first task paid ~0.5 s of imports and migration reading inside
+    a job's time; the worker now pays it while it starts."""
+    from batchllm.store import db
+
+    monkeypatch.setattr(db, "_engines", {})
+    settings = get_settings()
+    _start_instant(monkeypatch, settings)
+    assert list(db._engines) == [settings.resolved_database_url]
+
+
+def test_a_worker_whose_database_is_down_still_starts_and_says_why(monkeypatch, caplog):
+    from batchllm.store import db
+
+    monkeypatch.setattr(db, "_engines", {})
+    down = get_settings().model_copy(
+        update={"database_url": "postgresql+psycopg://nobody@127.0.0.1:1/none"}
+    )
+    with caplog.at_level(logging.WARNING, logger="batchllm.worker.tasks"):
+        engine = _start_instant(monkeypatch, down)
+    assert engine.model == MODEL
+    assert db._engines == {}  # opened again by the first task, once the database is back
+    assert any("the database is not usable yet" in r.getMessage() for r in caplog.records)
