@@ -14,6 +14,7 @@ report can say which of them bends the curve.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -227,6 +228,9 @@ def run_jobs(
     cpu_before = (fleet.worker_cpu(), fleet.postgres_cpu(), fleet.redis_cpu())
     with Sampler(fleet.postgres) as sampler:
         started = time.monotonic()
+        # This process's CPU while it submits: validation, storing, the submit's token pass
+        # (its thread) and queueing; the sampler's 0.2 s polls are in it too, a few ms.
+        submit_cpu = time.process_time()
         job_ids, submitted = [], []
         for source in sources:
             job_ids.append(
@@ -238,12 +242,19 @@ def run_jobs(
                 ).id
             )
             submitted.append(time.monotonic() - started)
+        submit_cpu = time.process_time() - submit_cpu
         get_engine(settings).dispose()  # the bench's own connection is not the fleet's
         first_row, rows = _follow(fleet.postgres, job_ids, started, timeout)
         ended = time.monotonic() - started
     cpu_after = (fleet.worker_cpu(), fleet.postgres_cpu(), fleet.redis_cpu())
     redis_after = fleet.redis.commands()
     facts = _shard_facts(fleet.postgres, job_ids)
+    cpu = {
+        "submit": submit_cpu,
+        "workers": cpu_after[0] - cpu_before[0],
+        "postgres": cpu_after[1] - cpu_before[1],
+        "redis": cpu_after[2] - cpu_before[2],
+    }
     redis_calls = {k: v - redis_before.get(k, 0) for k, v in redis_after.items()}
     redis_total = sum(redis_calls.values())
     return {
@@ -270,11 +281,10 @@ def run_jobs(
         "redis_commands": redis_total,
         "redis_commands_per_shard": redis_total / max(1, facts["shards"]),
         "redis_top_commands": dict(sorted(redis_calls.items(), key=lambda kv: -kv[1])[:6]),
-        "cpu_seconds": {
-            "workers": cpu_after[0] - cpu_before[0],
-            "postgres": cpu_after[1] - cpu_before[1],
-            "redis": cpu_after[2] - cpu_before[2],
-        },
+        "cpu_seconds": cpu,
+        # Item 4 of issue 37: where a row's CPU goes (µs a row).
+        "cpu_us_per_row": {k: round(v * 1e6 / max(1, rows), 1) for k, v in cpu.items()},
+        "worker_idle_share": facts["idle_share"],
         "checkpoints": facts["checkpoints"],
         "load_average_1m": os.getloadavg()[0],
     }
@@ -303,7 +313,7 @@ def _follow(
             time.sleep(0.05)
 
 
-def _shard_facts(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, int]:
+def _shard_facts(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, Any]:
     with postgres.connect() as conn:
         shards, attempts = conn.execute(
             "SELECT count(*), coalesce(sum(attempts), 0) FROM shards WHERE job_id = ANY(%s)",
@@ -314,7 +324,33 @@ def _shard_facts(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, int
             "WHERE s.job_id = ANY(%s)",
             (job_ids,),
         ).fetchone()
-    return {"shards": shards, "extra_claims": attempts - shards, "checkpoints": checkpoints}
+        runs = conn.execute(
+            "SELECT worker, extract(epoch from started_at), extract(epoch from finished_at) "
+            "FROM shards WHERE job_id = ANY(%s) AND started_at IS NOT NULL "
+            "AND finished_at IS NOT NULL",
+            (job_ids,),
+        ).fetchall()
+    return {
+        "shards": shards,
+        "extra_claims": attempts - shards,
+        "checkpoints": checkpoints,
+        "idle_share": idle_share([(w, float(a), float(b)) for w, a, b in runs]),
+    }
+
+
+def idle_share(runs: list[tuple[str, float, float]]) -> float | None:
+    """The share of each worker's time, from its first shard's start to its last shard's end,
+    that went between shards (the task's acknowledgement, the next delivery, fair share, the
+    claim): the time its engine had no shard to run. Summed over the workers."""
+    by_worker: dict[str, list[tuple[float, float]]] = {}
+    for worker, started, finished in runs:
+        by_worker.setdefault(worker, []).append((started, finished))
+    span = idle = 0.0
+    for spans in by_worker.values():
+        spans.sort()
+        span += spans[-1][1] - spans[0][0]
+        idle += sum(max(0.0, b[0] - a[1]) for a, b in itertools.pairwise(spans))
+    return round(idle / span, 3) if span > 0 else None
 
 
 _OUTCOME = re.compile(r"run_shard\[[^\]]+\] succeeded in [0-9.e-]+s: '(\w+)'")

@@ -119,7 +119,20 @@ def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_m
     assert 0 < one["first_row_s"] <= one["completed_s"]
     assert 0 < one["pg_connections_peak"] <= 100
     assert one["redis_commands_per_shard"] > 0
+    # Where a row's CPU went, submit included, and the share of the workers' time between shards.
+    assert set(one["cpu_us_per_row"]) == {"submit", "workers", "postgres", "redis"}
+    assert one["cpu_us_per_row"]["submit"] > 0 and one["cpu_us_per_row"]["workers"] > 0
+    assert 0 <= one["worker_idle_share"] < 1
     assert run["reconciler_pass"]["resent"] == 0
+
+
+def test_the_idle_share_counts_each_workers_time_between_its_shards():
+    from benchmarks.fleet import idle_share
+
+    # w1 runs 0-1 and 1.5-2.5 (0.5 s idle of 2.5); w2 runs 0-2 (no gap): 0.5 / 4.5.
+    runs = [("w1", 1.5, 2.5), ("w1", 0.0, 1.0), ("w2", 0.0, 2.0)]
+    assert idle_share(runs) == round(0.5 / 4.5, 3)
+    assert idle_share([]) is None
 
 
 def test_the_first_shard_bench_times_a_streamed_and_a_whole_file_submit(tmp_path, monkeypatch):
