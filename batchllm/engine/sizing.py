@@ -125,8 +125,12 @@ class ContextSizer:
         if on_prepared is not None:
             on_prepared([r.line for r in batch], [kept.get(r.line) for r in batch])
 
+    def sized(self) -> int:
+        """The max_model_len for the rows added so far (result() without its log line)."""
+        return min(self.limit, -(-self.longest // _ROUND) * _ROUND)
+
     def result(self) -> int:
-        sized = min(self.limit, -(-self.longest // _ROUND) * _ROUND)
+        sized = self.sized()
         log.info(
             "max_model_len sized to %d (longest request %d tokens, model limit %d)",
             sized,

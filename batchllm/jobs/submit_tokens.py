@@ -147,6 +147,21 @@ class SubmitTokens:
             return None
         return sizer.result()
 
+    def sized_so_far(self) -> int | None:
+        """The job's max_model_len over every shard `ready` has returned, while this pass sizes
+        the job (no --max-model-len, every row measured so far, the model's context known);
+        None otherwise, and for good from the first shard the pass could not tokenize."""
+        sizer = self._sizer
+        if (
+            self.spec.engine.max_model_len is not None
+            or self._failed  # set before that shard is handed back
+            or sizer is None
+            or not sizer.complete
+            or self._limit is None
+        ):
+            return None
+        return sizer.sized()
+
     def close(self) -> None:
         """The job was not created: stop (the job's storage goes with it)."""
         self._failed = True

@@ -65,9 +65,9 @@ def create_job(
     """Validate and store the input, recording the job and its shards as `queued`.
 
     `release(job_id, shard_ids)`: queue committed shards for the fleet. When the job's
-    max_model_len is given, it is called while validation goes on, with the shards stored so
-    far (shard_recording.py), so a big file starts working within seconds; otherwise, and
-    under --strict, once the whole file is stored.
+    max_model_len is given, or sized shard by shard by `preparer`, it is called while
+    validation goes on, with the shards stored so far (shard_recording.py), so a big file
+    starts working within seconds; otherwise, and under --strict, once the whole file is stored.
 
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
@@ -105,13 +105,30 @@ def create_job(
     # from all of its rows (execution/engines.py), which must all be there.
     stream = release is not None and not strict and spec.engine.max_model_len is not None
     recorder = ShardRecorder(settings, job_id, release, stream=stream)
+    # Or a context length sized as the shards come: submit's token pass (the preparer) measures
+    # each shard before it is recorded, and the job's max_model_len is raised to cover it before
+    # it is released (issue 37: an unsized job's workers waited for the whole pass before).
+    sizes_as_it_goes = (
+        release is not None and not strict and spec.engine.max_model_len is None
+    ) and preparer is not None
+    covered: int | None = None  # the max_model_len recorded for the shards released so far
 
     def stored_one(shard: ShardInput) -> None:
+        nonlocal covered
         if preparer is None:
             recorder.add(shard)
         else:  # recorded (and released) once prepared; on this thread, which owns the session
             preparer.stored(shard)
-            for prepared in preparer.ready():
+            ready = preparer.ready()
+            if ready and sizes_as_it_goes:
+                sized = preparer.sized_so_far()
+                if sized is not None and sized != covered:
+                    with session_scope(settings) as session:
+                        record_sized_so_far(session, job_id, sized)
+                    covered = sized
+                # From the first shard the pass cannot size on, the rest wait for the end.
+                recorder.stream = sized is not None
+            for prepared in ready:
                 recorder.add(prepared)
         if on_shard is not None:
             on_shard(shard)
@@ -152,11 +169,16 @@ def create_job(
     sized = None
     if preparer is not None:
         sized = preparer.finish()
+        recorder.stream = False  # released after the commit that records the job's size
         for prepared in preparer.ready():
             recorder.add(prepared)
     with session_scope(settings) as session:
         if sized is not None:
-            set_max_model_len(session, job_id, sized)
+            record_sized_so_far(session, job_id, sized)
+        elif covered is not None:
+            # The pass stopped after shards ran on a size of part of the job: a worker sizes
+            # the whole job again, from all of its rows.
+            forget_max_model_len(session, job_id)
         recorder.record_rest(session)
         ended = state_machine.end_validation(
             session,
@@ -220,6 +242,21 @@ def set_max_model_len(session: Session, job_id: str, value: int) -> int:
         update(Job).where(Job.id == job_id, Job.max_model_len.is_(None)).values(max_model_len=value)
     )
     return int(session.scalar(select(Job.max_model_len).where(Job.id == job_id)) or value)
+
+
+def record_sized_so_far(session: Session, job_id: str, value: int) -> None:
+    """Raise the job's context length to `value`, submit's token pass's size of the shards it
+    measured so far: only ever raised, so every shard released before stays covered."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, (Job.max_model_len.is_(None)) | (Job.max_model_len < value))
+        .values(max_model_len=value)
+    )
+
+
+def forget_max_model_len(session: Session, job_id: str) -> None:
+    """Clear a context length sized from part of the job's rows: a worker sizes it again."""
+    session.execute(update(Job).where(Job.id == job_id).values(max_model_len=None))
 
 
 def record_refused_job(

@@ -13,7 +13,10 @@ Without a release (`batchllm run`, which runs the shards itself), under --strict
 run before the whole file passed) and for a job without a given max_model_len (the first worker
 sizes the job's context from all of its rows, execution/engines.py: sized from the shards stored so
 far, it would be too short for a longer prompt further down the file), every shard is recorded
-at the end, in the transaction that ends the validation, and released after it.
+at the end, in the transaction that ends the validation, and released after it. The exception:
+an unsized job whose submit tokenizes it (jobs/submit_tokens.py) streams too, each shard once the
+pass measured it and the job's max_model_len was raised to cover it (store/service.py); a worker
+reads the size as it stands when it takes a shard, and it only ever grows.
 """
 
 from __future__ import annotations
@@ -40,13 +43,16 @@ class ShardPreparer(Protocol):
     """Work on each stored shard before it is recorded and released (`submit`'s token pass,
     jobs/submit_tokens.py): `stored` hands a shard over, `ready` returns the ones done since
     the last call (in order, without waiting), `finish` waits for the rest and gives the job's
-    sized max_model_len or None, `close` gives up (the job was not created)."""
+    sized max_model_len or None, `sized_so_far` the max_model_len of the shards `ready` gave
+    so far (None when it cannot size the job), `close` gives up (the job was not created)."""
 
     def stored(self, shard: ShardInput) -> None: ...
 
     def ready(self) -> list[ShardInput]: ...
 
     def finish(self) -> int | None: ...
+
+    def sized_so_far(self) -> int | None: ...
 
     def close(self) -> None: ...
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -20,9 +21,9 @@ from batchllm.jobs import submit_tokens as submit_tokens_module
 from batchllm.jobs.submit_tokens import SubmitTokens, config_limit, submit_tokens
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
-from batchllm.store import service
+from batchllm.store import service, shard_recording
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, Shard
+from batchllm.store.models import Job, JobStatus, Shard
 
 
 def write_chats(path: Path, count: int, bad: int = 0) -> Path:
@@ -249,3 +250,109 @@ def test_stored_ids_equal_to_the_engines_are_used_as_they_are(
     assert untokenized == [1]
     rows = read_output(Storage.of(settings), Storage.of(settings).output_dir(created.job.id))
     assert rows.num_rows == 30
+
+
+class PacedTokens(SubmitTokens):
+    """The pass kept level with validation: each stored shard is tokenized before the next is
+    read, so it is ready (and released) while validation goes on, as on a big file."""
+
+    def stored(self, shard) -> None:
+        super().stored(shard)
+        deadline = time.monotonic() + 60
+        while self._done.empty() and self._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def write_growing_chats(path: Path, shards: int, per_shard: int) -> Path:
+    """Each shard's prompts longer than the last one's: the job's size grows shard by shard."""
+    with path.open("w") as out:
+        for i in range(shards * per_shard):
+            words = " ".join(["tea", "river"] * (1 + 40 * (i // per_shard)))
+            messages = [{"role": "user", "content": f"{i}: {words}"}]
+            out.write(json.dumps({"custom_id": f"r{i}", "messages": messages}) + "\n")
+    return path
+
+
+def stored_need(storage: Storage, shard: Shard, max_tokens: int) -> int:
+    ids = pq.read_table(storage.fs.open_input_file(token_path(shard.input_path)))
+    return max(len(row) for row in ids.column("token_ids").to_pylist()) + max_tokens
+
+
+def test_an_unsized_job_streams_its_shards_each_covered_by_the_size_recorded_before_it(
+    tiny_model, settings, tmp_path, monkeypatch
+):
+    """Issue 37: an unsized job's workers used to wait for the submit's whole pass. Now each
+    shard is released once measured, after the job's max_model_len was raised to cover it."""
+    monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    seen: list[tuple[int, JobStatus, int | None]] = []  # (shard, job status, its size) on release
+
+    def release(job_id: str, shard_ids: list[int]) -> None:
+        with session_scope(settings) as session:
+            job = session.get(Job, job_id)
+            seen.extend((shard_id, job.status, job.max_model_len) for shard_id in shard_ids)
+
+    created = service.create_job(
+        write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20),
+        spec,
+        shard_size=20,
+        settings=settings,
+        release=release,
+        preparer=PacedTokens(spec, storage, settings),
+    )
+    shards = {s.id: s for s in shards_of(settings, created.job.id)}
+    assert sorted(shard_id for shard_id, _, _ in seen) == sorted(shards)  # each once
+    streamed = [entry for entry in seen if entry[1] is JobStatus.VALIDATING]
+    assert len(streamed) >= 3  # released while the file was still being validated
+    sizes = [size for _, _, size in seen]
+    assert all(size is not None for size in sizes)
+    assert sizes == sorted(sizes) and len(set(sizes)) >= 3  # raised as the shards came
+    for shard_id, _, size in seen:
+        assert stored_need(storage, shards[shard_id], 8) <= size
+    # The end: the size of every row, as a worker's own pass over the job gives it.
+    paths = [s.input_path for s in sorted(shards.values(), key=lambda s: s.index)]
+    assert created.job.max_model_len == size_shards(spec, storage, paths, settings)
+
+
+def test_a_pass_that_stops_after_shards_streamed_leaves_the_whole_job_to_a_worker(
+    tiny_model, settings, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
+    passes = 0
+    real_size_shard = submit_tokens_module.size_shard
+
+    def failing_third(sizer, storage, path) -> None:
+        nonlocal passes
+        passes += 1
+        if passes == 3:
+            raise RuntimeError("the tokenizer broke")
+        real_size_shard(sizer, storage, path)
+
+    monkeypatch.setattr(submit_tokens_module, "size_shard", failing_third)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    seen: list[tuple[int, JobStatus]] = []
+
+    def release(job_id: str, shard_ids: list[int]) -> None:
+        with session_scope(settings) as session:
+            status = session.get(Job, job_id).status
+        seen.extend((shard_id, status) for shard_id in shard_ids)
+
+    with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
+        created = service.create_job(
+            write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20),
+            spec,
+            shard_size=20,
+            settings=settings,
+            release=release,
+            preparer=PacedTokens(spec, storage, settings),
+        )
+    shards = shards_of(settings, created.job.id)
+    assert sorted(shard_id for shard_id, _ in seen) == sorted(s.id for s in shards)
+    # The two measured shards went while validating; the rest after, with no size recorded:
+    # a size of part of the rows would be too short for the longer ones further down.
+    early = {shard_id for shard_id, status in seen if status is JobStatus.VALIDATING}
+    assert early == {shards[0].id, shards[1].id}
+    assert created.job.max_model_len is None
+    assert "tokenizing at submit stopped" in caplog.text
