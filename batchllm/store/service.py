@@ -108,9 +108,7 @@ def create_job(
     # Or a context length sized as the shards come: submit's token pass (the preparer) measures
     # each shard before it is recorded, and the job's max_model_len is raised to cover it before
     # it is released (issue 37: an unsized job's workers waited for the whole pass before).
-    sizes_as_it_goes = (
-        release is not None and not strict and spec.engine.max_model_len is None
-    ) and preparer is not None
+    sizes_as_it_goes = release is not None and not strict and preparer is not None and not stream
     covered: int | None = None  # the max_model_len recorded for the shards released so far
 
     def stored_one(shard: ShardInput) -> None:

@@ -278,15 +278,12 @@ def stored_need(storage: Storage, shard: Shard, max_tokens: int) -> int:
     return max(len(row) for row in ids.column("token_ids").to_pylist()) + max_tokens
 
 
-def test_an_unsized_job_streams_its_shards_each_covered_by_the_size_recorded_before_it(
-    tiny_model, settings, tmp_path, monkeypatch
-):
-    """Issue 37: an unsized job's workers used to wait for the submit's whole pass. Now each
-    shard is released once measured, after the job's max_model_len was raised to cover it."""
-    monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
-    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    storage = Storage.of(settings)
-    seen: list[tuple[int, JobStatus, int | None]] = []  # (shard, job status, its size) on release
+def submit_growing(
+    spec: JobSpec, settings, tmp_path: Path
+) -> tuple[service.CreatedJob, list[tuple[int, JobStatus, int | None]]]:
+    """A 5-shard job of growing prompts through the paced pass; each released shard with the
+    job's status and recorded max_model_len at its release."""
+    seen: list[tuple[int, JobStatus, int | None]] = []
 
     def release(job_id: str, shard_ids: list[int]) -> None:
         with session_scope(settings) as session:
@@ -299,8 +296,20 @@ def test_an_unsized_job_streams_its_shards_each_covered_by_the_size_recorded_bef
         shard_size=20,
         settings=settings,
         release=release,
-        preparer=PacedTokens(spec, storage, settings),
+        preparer=PacedTokens(spec, Storage.of(settings), settings),
     )
+    return created, seen
+
+
+def test_an_unsized_job_streams_its_shards_each_covered_by_the_size_recorded_before_it(
+    tiny_model, settings, tmp_path, monkeypatch
+):
+    """Issue 37: an unsized job's workers used to wait for the submit's whole pass. Now each
+    shard is released once measured, after the job's max_model_len was raised to cover it."""
+    monkeypatch.setattr(shard_recording, "RELEASE_EVERY_SECONDS", 0.0)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    created, seen = submit_growing(spec, settings, tmp_path)
     shards = {s.id: s for s in shards_of(settings, created.job.id)}
     assert sorted(shard_id for shard_id, _, _ in seen) == sorted(shards)  # each once
     streamed = [entry for entry in seen if entry[1] is JobStatus.VALIDATING]
@@ -331,28 +340,13 @@ def test_a_pass_that_stops_after_shards_streamed_leaves_the_whole_job_to_a_worke
 
     monkeypatch.setattr(submit_tokens_module, "size_shard", failing_third)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    storage = Storage.of(settings)
-    seen: list[tuple[int, JobStatus]] = []
-
-    def release(job_id: str, shard_ids: list[int]) -> None:
-        with session_scope(settings) as session:
-            status = session.get(Job, job_id).status
-        seen.extend((shard_id, status) for shard_id in shard_ids)
-
     with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
-        created = service.create_job(
-            write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20),
-            spec,
-            shard_size=20,
-            settings=settings,
-            release=release,
-            preparer=PacedTokens(spec, storage, settings),
-        )
+        created, seen = submit_growing(spec, settings, tmp_path)
     shards = shards_of(settings, created.job.id)
-    assert sorted(shard_id for shard_id, _ in seen) == sorted(s.id for s in shards)
+    assert sorted(shard_id for shard_id, _, _ in seen) == sorted(s.id for s in shards)
     # The two measured shards went while validating; the rest after, with no size recorded:
     # a size of part of the rows would be too short for the longer ones further down.
-    early = {shard_id for shard_id, status in seen if status is JobStatus.VALIDATING}
+    early = {shard_id for shard_id, status, _ in seen if status is JobStatus.VALIDATING}
     assert early == {shards[0].id, shards[1].id}
     assert created.job.max_model_len is None
     assert "tokenizing at submit stopped" in caplog.text

@@ -320,26 +320,8 @@ def test_start_engine_keeps_the_model_to_announce_and_the_log_format_for_celery(
     from batchllm.process.log_format import JsonFormatter
     from batchllm.worker import tasks
 
-    class Started:
-        def __init__(self, model, options, **_named) -> None:
-            self.model = model
-
-        def start(self) -> None:
-            pass
-
-    monkeypatch.setattr(tasks, "InstantWorkerEngine", Started)
-    monkeypatch.setattr(tasks, "_engines", None)
-    monkeypatch.setattr(tasks, "_served_models", [])
     monkeypatch.setattr(tasks, "_json_logs_wanted", False)
-
-    engine = tasks.start_engine(
-        MODEL,
-        EngineOptions(),
-        settings=get_settings(),
-        allow_rebuild=False,
-        instant=True,
-        json_logs=True,
-    )
+    engine = _start_instant(monkeypatch, get_settings(), json_logs=True)
 
     assert tasks._engines is engine and tasks._served_models == [MODEL]
     logger = logging.getLogger("test-celery-worker")
@@ -352,7 +334,8 @@ def test_start_engine_keeps_the_model_to_announce_and_the_log_format_for_celery(
         logger.removeHandler(handler)
 
 
-def _start_instant(monkeypatch, settings):
+def _start_instant(monkeypatch, settings, **named):
+    """tasks.start_engine with an instant engine class that only records its model."""
     from batchllm.worker import tasks
 
     class Started:
@@ -366,7 +349,7 @@ def _start_instant(monkeypatch, settings):
     monkeypatch.setattr(tasks, "_engines", None)
     monkeypatch.setattr(tasks, "_served_models", [])
     return tasks.start_engine(
-        MODEL, EngineOptions(), settings=settings, allow_rebuild=False, instant=True
+        MODEL, EngineOptions(), settings=settings, allow_rebuild=False, instant=True, **named
     )
 
 
