@@ -60,13 +60,13 @@ class Settings(BaseSettings):
     shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
     tokenize_at_submit: Literal["auto", "always", "never"] = Field(
         default="auto",
-        description="When `submit` tokenizes the prompts (and sizes the job's context) while it "
+        description="When `submit` sizes the job's context (and tokenizes the prompts) while it "
         "validates them, so no worker does: `auto` for a job without --max-model-len of 10,000 "
         "lines or more (one pass must read every row before any runs; at submit it overlaps "
-        "the validation), `always` "
-        "for every job (the workers' CPU per row falls by half or more, the submit takes "
-        "several times as long), `never`. Only where the model is a local directory "
-        "(jobs/submit_tokens.py).",
+        "the validation), short prompts sized from their bytes and left to the workers to "
+        "tokenize, long ones tokenized; `always` tokenizes every job's prompts and stores their "
+        "ids (the workers' CPU per row falls by half or more, the submit takes several times as "
+        "long); `never`. Only where the model is a local directory (jobs/submit_tokens.py).",
     )
     max_line_bytes: int = Field(
         default=8 * 1024 * 1024,

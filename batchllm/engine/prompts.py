@@ -102,10 +102,12 @@ def prepare_prompts(
     max_model_len: int | None,
     chat_template: str | None = None,
     images: ImageProcessor | None = None,
+    encode: Encode | None = None,
 ) -> list[Prepared]:
     """For each row: its prompt token ids (a list of them for a list embedding input; with
     its decoded images for a chat row with images, through the model's processor `images`,
-    without which such a row cannot run), or an error message (row stays in place)."""
+    without which such a row cannot run), or an error message (row stays in place).
+    `encode`: in place of the tokenizer's own (engine/token_bound.py measures with it)."""
     results: list[Prepared] = [Refusal("not prepared")] * len(rows)
     lists: dict[int, list[list[int]]] = {}  # rows with a list input: their texts' ids
     # (row index, position in a list input or None, text), by whether special tokens are added
@@ -136,7 +138,7 @@ def prepare_prompts(
                 _render_one(tokenizer, rows, i, chat_template, groups, results)
         else:
             groups[False].extend((i, None, text) for i, text in zip(plain_chats, rendered))
-    encode = batch_encoder(tokenizer)
+    encode = encode or batch_encoder(tokenizer)
     refused: dict[int, Refusal] = {}  # rows a text of which the tokenizer refused
     for special, items in groups.items():
         if not items:

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _BATCH = 2048
 _ROUND = 64  # so jobs of similar size share one warm engine
+_BOUND_FLOOR = 256  # the smallest context sized from a bound (sized() says why)
 
 # What a sized batch hands on: its rows' line numbers and each one's prompt ids (None where
 # the feed must prepare the row itself: invalid, failed, or a list embedding input; an
@@ -75,6 +76,44 @@ class ContextSizer:
         self.images = images
         self.complete = True  # every runnable row was measured
         self.longest = 1
+        self.bounded = False  # some rows were measured by their bytes' bound, not their ids
+        self._bound_encoder: Any = None  # byte_bound_encoder's, looked up once
+
+    def add_bound(self, rows: list[InputRow], ceiling: int) -> bool:
+        """Measure rows by their bytes (engine/token_bound.py) instead of their ids: True when
+        the bound applies and the context it asks for is at most `ceiling` (the size so far
+        then covers these rows), False when they must be tokenized (`add`): a tokenizer the
+        bound does not hold for, a row with images, or a bound over the ceiling, where the
+        exact size could be several times smaller."""
+        if self._bound_encoder is None:
+            from batchllm.engine.token_bound import byte_bound_encoder
+
+            self._bound_encoder = byte_bound_encoder(self.tokenizer) or False
+        runnable = [r for r in rows if r.kind != "invalid"]
+        if self._bound_encoder is False or any(map(has_images, runnable)):
+            return False
+        ceiling = min(ceiling, self.limit)
+        default_max = self.defaults.max_tokens
+        need = 0
+        bounds = prepare_prompts(
+            self.tokenizer, runnable, None, self.chat_template, encode=self._bound_encoder
+        )
+        for row, ids in zip(runnable, bounds, strict=True):
+            if isinstance(ids, Refusal | ImagePrompt) or not ids:
+                continue  # the feed makes its error row, as it would of its real ids
+            if row.kind in POOLING_KINDS:
+                lengths = [len(i) for i in ids] if isinstance(ids[0], list) else [len(ids)]
+                need = max(need, *lengths)
+                continue
+            max_tokens = row.overrides().get("max_tokens") if row.sampling else None
+            need = max(need, len(ids) + (default_max if max_tokens is None else max_tokens))
+            if need > ceiling:
+                return False
+        if need > ceiling:
+            return False
+        self.longest = max(self.longest, need)
+        self.bounded = True
+        return True
 
     def add(self, rows: Iterable[InputRow], on_prepared: OnPrepared | None = None) -> None:
         batch: list[InputRow] = []
@@ -126,14 +165,20 @@ class ContextSizer:
             on_prepared([r.line for r in batch], [kept.get(r.line) for r in batch])
 
     def sized(self) -> int:
-        """The max_model_len for the rows added so far (result() without its log line)."""
+        """The max_model_len for the rows added so far (result() without its log line).
+        A bound is rounded up to a power of two: an unsized job's shards are released as they
+        are measured and a worker rebuilds its engine when the job's size grows past it, so a
+        loose measure gets coarse steps (at most 256, 512, 1024) rather than one per 64."""
+        if self.bounded:
+            return min(self.limit, max(_BOUND_FLOOR, 1 << (self.longest - 1).bit_length()))
         return min(self.limit, -(-self.longest // _ROUND) * _ROUND)
 
     def result(self) -> int:
         sized = self.sized()
         log.info(
-            "max_model_len sized to %d (longest request %d tokens, model limit %d)",
+            "max_model_len sized to %d (longest request %s%d tokens, model limit %d)",
             sized,
+            "at most " if self.bounded else "",
             self.longest,
             self.limit,
         )

@@ -13,6 +13,7 @@ import queue
 import threading
 from typing import TYPE_CHECKING
 
+from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import TokenFileWriter, token_path
@@ -31,10 +32,13 @@ def new_sizer(spec: JobSpec, settings: Settings) -> ContextSizer:
     return ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
 
 
-def size_shard(sizer: ContextSizer, storage: Storage, input_path: str) -> None:
-    """Size one stored shard and store its prompts' ids beside it."""
+def size_shard(
+    sizer: ContextSizer, storage: Storage, input_path: str, rows: list[InputRow] | None = None
+) -> None:
+    """Size one stored shard and store its prompts' ids beside it; `rows`: its rows, when
+    they were already read."""
     token_file = TokenFileWriter(storage, input_path)
-    sizer.add(iter_shard_rows(storage, input_path), token_file.write)
+    sizer.add(iter_shard_rows(storage, input_path) if rows is None else rows, token_file.write)
     token_file.close()
 
 

@@ -24,13 +24,15 @@ a submit.
 When (`BATCHLLM_TOKENIZE_AT_SUBMIT`): by default (`auto`) for a job without `--max-model-len`
 of at least AUTO_MIN_ROWS lines, whose rows must all be read before any runs anyway: here the
 pass overlaps the validation, where a worker's pass came after it, and no worker is busy
-sizing. For every job with `always`: it moves the tokenizing, it does not remove it. Measured
-here (2 cores, issue 37's job: 100,000 three-word chat lines; `python -m benchmarks.fleet`,
-docs/performance.md): one instant worker's CPU fell by half or more (9.4-9.6 s to 4.2-4.9 s
-with the context given; 14.6-15.8 s to 3.9-4.5 s without), the submit grew from 1-3 s to 5-8
-s; jobs without a context ended sooner with one worker and with four, jobs with one no sooner
-with four workers (the submit's pass became the one thread the fleet waited on). `never`: the
-workers tokenize, and the first to pick up an unsized job sizes it (execution/engines.py).
+sizing. `auto` sizes a shard of short prompts from its bytes, not its ids (an upper bound on
+its tokens, engine/token_bound.py, up to BOUND_CEILING): an exact pass here was the one thread
+an unsized job's workers waited on, so more workers made such a job no faster (issue 37);
+measured by bytes, the submit sizes the job at about the validation's pace and each worker
+tokenizes its own shards, in parallel. A shard whose bound asks for more is tokenized here and
+its ids stored. For every job with `always`: every shard tokenized and its ids stored; it moves
+the tokenizing, it does not remove it (measured: one instant worker's CPU fell by half or more,
+the submit's grew several times; docs/performance.md). `never`: the workers tokenize, and the
+first to pick up an unsized job sizes it (execution/engines.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchllm.execution.sizing_pass import size_shard
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import ShardInput
+from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 
@@ -60,6 +62,11 @@ _NO_LIMIT = 2**31
 # `auto` starts the pass once a job has this many rows: a smaller job's worker sizes it in well
 # under a second, where loading transformers here would add one or two to every small submit.
 AUTO_MIN_ROWS = 10_000
+# `auto` sizes a shard by its bytes (engine/token_bound.py) while the context that asks for is at
+# most this many tokens; over it the prompts are long, the exact size may be a fraction of the
+# bound (English runs ~4 bytes a token) and tokenizing is a small share of a row's engine time,
+# so such a shard is tokenized and its ids stored as `always` does.
+BOUND_CEILING = 1024
 
 
 def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
@@ -70,8 +77,9 @@ def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
     model = Path(spec.model)
     if not ((model / "tokenizer.json").is_file() and (model / "config.json").is_file()):
         return None
-    min_rows = AUTO_MIN_ROWS if mode == "auto" else 0
-    return SubmitTokens(spec, Storage.of(settings), settings, min_rows=min_rows)
+    if mode == "always":
+        return SubmitTokens(spec, Storage.of(settings), settings)
+    return SubmitTokens(spec, Storage.of(settings), settings, min_rows=AUTO_MIN_ROWS, bound=True)
 
 
 def config_limit(model: Path) -> int | None:
@@ -90,12 +98,21 @@ class SubmitTokens:
     """Tokenizes shards on a thread as validation stores them (a ShardPreparer)."""
 
     def __init__(
-        self, spec: JobSpec, storage: Storage, settings: Settings, *, min_rows: int = 0
+        self,
+        spec: JobSpec,
+        storage: Storage,
+        settings: Settings,
+        *,
+        min_rows: int = 0,
+        bound: bool = False,
     ) -> None:
         """`min_rows`: the pass starts once the shards stored hold this many rows; a job that
-        never gets there passes through untouched, its sizing left to a worker."""
+        never gets there passes through untouched, its sizing left to a worker. `bound`: a
+        shard of short prompts is sized by its bytes and left to the workers to tokenize
+        (BOUND_CEILING); without it, every shard is tokenized and its ids stored."""
         self.spec, self.storage, self.settings = spec, storage, settings
         self.min_rows = min_rows
+        self.bound = bound
         self._todo: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[ShardInput] = queue.Queue()
         self._failed = False  # an error stopped the pass: later shards pass through untouched
@@ -184,7 +201,7 @@ class SubmitTokens:
                 return
             if not self._failed:
                 try:
-                    size_shard(self._get_sizer(), self.storage, shard.path)
+                    self._measure(shard.path)
                 except Exception as exc:  # the workers tokenize what this pass could not
                     self._failed = True
                     log.warning(
@@ -194,6 +211,15 @@ class SubmitTokens:
                         exc,
                     )
             self._done.put(shard)
+
+    def _measure(self, path: str) -> None:
+        sizer = self._get_sizer()
+        if not self.bound:
+            size_shard(sizer, self.storage, path)
+            return
+        rows = list(iter_shard_rows(self.storage, path))
+        if not sizer.add_bound(rows, BOUND_CEILING):
+            size_shard(sizer, self.storage, path, rows)
 
     def _get_sizer(self) -> ContextSizer:
         if self._sizer is None:

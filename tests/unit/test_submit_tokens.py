@@ -173,9 +173,10 @@ def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_wo
 
     big = submitted("big", 100)
     shards = shards_of(settings, big.job.id)
-    assert len(shards) == 3 and big.job.max_model_len is not None
-    # The shards stored before the job reached 100 rows got their ids too.
-    assert all(storage.exists(token_path(s.input_path)) for s in shards)
+    # Sized at submit, every shard (those stored before the job reached 100 rows too), from
+    # its bytes: these prompts are short, so the workers tokenize them (no ids stored).
+    assert len(shards) == 3 and big.job.max_model_len == 256
+    assert not [s for s in shards if storage.exists(token_path(s.input_path))]
 
 
 def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_own(
@@ -350,3 +351,79 @@ def test_a_pass_that_stops_after_shards_streamed_leaves_the_whole_job_to_a_worke
     assert early == {shards[0].id, shards[1].id}
     assert created.job.max_model_len is None
     assert "tokenizing at submit stopped" in caplog.text
+
+
+def test_auto_sizes_short_prompts_by_their_bytes_and_tokenizes_only_the_shards_of_long_ones(
+    tiny_model, settings, tmp_path, monkeypatch, caplog
+):
+    """Issue 37: an exact pass at submit was the one thread an unsized job's workers waited
+    on. `auto` sizes a shard of short prompts from its bytes (an upper bound on its tokens,
+    engine/token_bound.py) and leaves its tokenizing to the workers; a shard whose bound asks
+    for more than BOUND_CEILING is tokenized and its ids stored, as before."""
+    monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 1)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    storage = Storage.of(settings)
+    source = tmp_path / "in.jsonl"
+    with source.open("w") as out:
+        for i in range(90):
+            # Line 75 is long: its bytes bound it over 1,024 tokens, its real ids far fewer.
+            words = "tea river sky " * (120 if i == 75 else 1)
+            messages = [{"role": "user", "content": f"{i}: {words}"}]
+            out.write(json.dumps({"custom_id": f"r{i}", "messages": messages}) + "\n")
+    with caplog.at_level(logging.INFO, logger="batchllm.engine.sizing"):
+        created = service.create_job(
+            source,
+            spec,
+            shard_size=30,
+            settings=settings,
+            release=lambda *a: None,
+            preparer=submit_tokens(spec, settings),
+        )
+    shards = shards_of(settings, created.job.id)
+    with_ids = [s.index for s in shards if storage.exists(token_path(s.input_path))]
+    assert with_ids == [2]  # the long line's shard only
+    # The job's size: the long line's exact need (its shard was tokenized), above every
+    # bound of the short ones, and what an exact pass over all rows gives.
+    exact = size_shards(spec, storage, [s.input_path for s in shards], settings)
+    long_need = stored_need(storage, shards[2], 8)
+    assert long_need > 256 and created.job.max_model_len >= exact >= long_need
+    assert "max_model_len sized to" in caplog.text
+
+
+def test_a_job_of_short_prompts_is_sized_from_bytes_at_or_above_its_exact_size(
+    tiny_model, tokenizer, settings, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 1)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
+    created = service.create_job(
+        source, spec, shard_size=50, settings=settings, preparer=submit_tokens(spec, settings)
+    )
+    storage = Storage.of(settings)
+    shards = shards_of(settings, created.job.id)
+    exact = size_shards(spec, storage, [s.input_path for s in shards], settings)
+    # A bound is rounded to a power of two from 256 (ContextSizer.sized says why).
+    assert exact < 256 and created.job.max_model_len == 256
+    assert created.job.request_total == 121
+
+
+def test_the_byte_bound_covers_the_real_ids_and_holds_only_for_byte_level_bpe(tokenizer):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from batchllm.engine.prompts import batch_encoder
+    from batchllm.engine.token_bound import byte_bound_encoder
+
+    bound, encode = byte_bound_encoder(tokenizer), batch_encoder(tokenizer)
+    assert bound is not None
+    texts = ["", "tea", "ünïcode 日本語 🎉🎉", "<s>user: hi</s>", "  \n\t x" * 9, "a" * 500]
+    texts += ["".join(chr(c) for c in range(start, start + 60)) for start in (33, 0x400, 0x4E00)]
+    for special in (True, False):
+        for text, bounded, ids in zip(texts, bound(texts, special), encode(texts, special)):
+            assert len(bounded) >= len(ids), text
+    # A normalizer may expand a character (NFKC: one 3-byte ligature, 18 characters): none.
+    vocab = {"[UNK]": 0, "a": 1}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    word_level.normalizer = normalizers.NFKC()
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert byte_bound_encoder(PreTrainedTokenizerFast(tokenizer_object=word_level)) is None
