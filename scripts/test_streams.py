@@ -36,22 +36,30 @@ BUILDS_LINE = "engine builds: "
 MOVED_TO_LOCAL = [
     "tests/faults/test_run_interrupt.py",
     "tests/faults/test_run_killed.py",
-    "tests/faults/test_serve_signals.py",
     "tests/integration/test_real_model_api.py",
     "tests/integration/test_warm_start.py",
+]
+# The engine-free suites (unit, security, smoke) are a third session: a fresh clone, 2026-12-04,
+# with two sessions: fleet 17:51, local (those suites in it) 18:49, a quarter of the two cores
+# idle; with them apart: unit 3:43, local 15:12, fleet 17:31. So the third session then takes
+# these from the other two (each on services of its own, as above): ~3.5 minutes of fleet
+# tests that run on instant workers, and serve's signal cases (~2 minutes, a private
+# redis-server of their own).
+MOVED_TO_UNIT = [
+    "tests/integration/test_instant_worker.py",
+    "tests/integration/test_priority_webhooks.py",
+    "tests/integration/test_pipeline_fleet.py",
+    "tests/integration/test_dashboard_browser.py",
+    "tests/faults/test_serve_signals.py",
 ]
 STREAMS = {
     "fleet": [
         "tests/integration",
         "tests/faults",
-        *(f"--ignore={path}" for path in MOVED_TO_LOCAL),
+        *(f"--ignore={path}" for path in MOVED_TO_LOCAL + MOVED_TO_UNIT),
     ],
     "local": ["tests/engine", *MOVED_TO_LOCAL],
-    # The engine-free suites as a third session: measured, the two sessions above left about a
-    # quarter of the two cores idle (a fleet test waiting out an outage, an engine test waiting
-    # on its subprocess), and these ~1,000 short tests fill it instead of queueing behind the
-    # engine tests in `local`.
-    "unit": ["tests/unit", "tests/security", "tests/smoke"],
+    "unit": ["tests/unit", "tests/security", "tests/smoke", *MOVED_TO_UNIT],
 }
 
 

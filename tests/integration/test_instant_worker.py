@@ -276,8 +276,8 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
     """No max_model_len on the job: the first worker to pick up a shard runs the sizing pass
     over all of its rows; three others, handed shards at the same moment, wait on the job's
     sizing lock and read the size it stored instead of each running the pass (issue 37), when
-    the submit leaves it to them. Then the same file submitted as by default: sized at submit,
-    and no worker sizes it."""
+    the submit leaves it to them. Then the same file submitted with `always` and as by default
+    (`auto`): sized at submit, and no worker sizes it."""
     from batchllm.input.schemas import JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
 
@@ -316,9 +316,10 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         assert waited and set(waited).isdisjoint(sized), (sized, waited)
         assert job.max_model_len and job.max_model_len <= 512
 
-        # The same job submitted as by default: sized and its ids stored at submit, so no
+        # The same job submitted with `always`: sized and its ids stored at submit, so no
         # worker sizes it and none tokenizes a row again.
-        again = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
+        always = fleet_env.settings.model_copy(update={"tokenize_at_submit": "always"})
+        again = submit_job(source, spec, shard_size=2_000, settings=always)
         assert again.max_model_len == job.max_model_len
         storage = Storage.of(fleet_env.settings)
         _, queued = load_job(fleet_env, again.id)
@@ -336,5 +337,20 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         # lines, tokenized by the worker that sized it).
         first = {r["custom_id"]: r["prompt_tokens"] for r in output_rows(fleet_env, job.id)}
         assert {r["custom_id"]: r["prompt_tokens"] for r in rows} == first
+
+        # And as by default (`auto`): sized at submit from the prompts' bytes, an upper bound
+        # (engine/token_bound.py), with no ids stored: the workers tokenize, none sizes it.
+        bounded = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
+        assert bounded.max_model_len is not None
+        assert job.max_model_len <= bounded.max_model_len <= 1024
+        _, queued = load_job(fleet_env, bounded.id)
+        assert not [s for s in queued if storage.exists(token_path(s.input_path))]
+        bounded = wait_until_final(fleet_env, bounded.id, timeout=240)
+        assert bounded.status is JobStatus.COMPLETED, bounded.error
+        rows = output_rows(fleet_env, bounded.id)
+        assert_exactly_once(rows, expected_rows(source))
+        assert {r["custom_id"]: r["prompt_tokens"] for r in rows} == first
+        logs = {w.name: w.log() for w in workers}
+        assert sum(log.count("max_model_len sized to") for log in logs.values()) == 1, logs
     finally:
         stop_workers(workers)
