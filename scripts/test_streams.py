@@ -44,8 +44,11 @@ MOVED_TO_LOCAL = [
 # idle; with them apart: unit 3:43, local 15:12, fleet 17:31. So the third session then takes
 # these from the other two (each on services of its own, as above): ~3.5 minutes of fleet
 # tests that run on instant workers, and serve's signal cases (~2 minutes, a private
-# redis-server of their own).
+# redis-server of their own). Measured with them: unit 11:21, local 14:25, fleet 16:32 (the fault
+# suite's engine builds and outages, one after the other, are its long pole); so test_fleet_lora
+# (one engine build, ~2 minutes under load) moved too.
 MOVED_TO_UNIT = [
+    "tests/integration/test_fleet_lora.py",
     "tests/integration/test_instant_worker.py",
     "tests/integration/test_priority_webhooks.py",
     "tests/integration/test_pipeline_fleet.py",
