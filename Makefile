@@ -58,7 +58,8 @@ demo: install
 
 # Three pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
 # the same tests in one session, one after the other.
-test: install browser lint
+# `make lint` runs beside the sessions (test_streams.py starts it) and fails `make test` too.
+test: install browser
 	$(BIN)/python scripts/test_streams.py
 
 test-serial: install browser lint
