@@ -45,10 +45,14 @@ class Server:
     """A `batchllm serve` process in its own process group, its output in a log file."""
 
     def __init__(self, env: dict[str, str], log_path: Path, *args: str) -> None:
+        self.env, self.args, self.log_path = env, args, log_path
+        self._log = log_path.open("wb")
+        self._launch()
+
+    def _launch(self) -> None:
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
+        env, args = self.env, self.args
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -86,8 +90,15 @@ class Server:
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
+        relaunches = 0
         while True:
             if self.proc.poll() is not None:
+                # free_port's port can be taken by another process (another session's server)
+                # before serve binds it: a new port, not a failed test.
+                if "address already in use" in self.tail(5) and relaunches < 3:
+                    relaunches += 1
+                    self._launch()
+                    continue
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).json() == {"status": "ok"}:
