@@ -107,8 +107,6 @@ class ContextSizer:
                 continue
             max_tokens = row.overrides().get("max_tokens") if row.sampling else None
             need = max(need, len(ids) + (default_max if max_tokens is None else max_tokens))
-            if need > ceiling:
-                return False
         if need > ceiling:
             return False
         self.longest = max(self.longest, need)
