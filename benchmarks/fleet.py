@@ -289,11 +289,7 @@ def run_jobs(
         # Workers that ran a job's sizing pass (0 when the jobs give max_model_len).
         "sizing_passes": sizing_passes(fleet) - sizing_before,
         # Deliveries by outcome: 'busy' is a shard claimed while another worker held it.
-        "task_outcomes": {
-            k: v - outcomes_before.get(k, 0)
-            for k, v in task_outcomes(fleet).items()
-            if v - outcomes_before.get(k, 0)
-        },
+        "task_outcomes": settled_outcomes(fleet, outcomes_before, facts["shards"]),
         "pg_connections_peak": max(sampler.samples, default=0),
         "pg_connections_median": statistics.median(sampler.samples) if sampler.samples else 0,
         "pg_max_connections": fleet.postgres.max_connections,
@@ -390,6 +386,25 @@ def task_outcomes(fleet: Fleet) -> dict[str, int]:
         for outcome in _OUTCOME.findall(log.read_text(errors="replace")):
             counts[outcome] = counts.get(outcome, 0) + 1
     return counts
+
+
+def settled_outcomes(
+    fleet: Fleet, before: dict[str, int], shards: int, deadline_s: float = 30.0
+) -> dict[str, int]:
+    """The task outcomes since `before`, once every shard's 'completed' line is in the logs.
+
+    Celery logs a task's outcome after the task returned, and the last shard's task marks its
+    job completed before it returns: a job seen completed can still miss that line for a moment
+    (a busy machine: 7 of 8 read once). So wait for it, with a deadline; what is there then is
+    the answer (a shard completed twice shows as more)."""
+    until = time.monotonic() + deadline_s
+    while True:
+        counts = {
+            k: v - before.get(k, 0) for k, v in task_outcomes(fleet).items() if v - before.get(k, 0)
+        }
+        if counts.get("completed", 0) >= shards or time.monotonic() > until:
+            return counts
+        time.sleep(0.2)
 
 
 def reconciler_pass_ms(settings: Settings, repeats: int = 5) -> dict[str, float]:

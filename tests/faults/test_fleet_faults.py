@@ -523,14 +523,25 @@ class TestWorkerLoss:
     ):
         victim, survivor = engine_and_partner(pool, engine_pool)
         pair = [victim, survivor]
-        source = workload(tmp_path, seed=15)
-        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
-        shard = wait_mid_shard(fault_env, job.id, [victim])
+        # LONG_TOKENS: the vLLM worker's shard has 3-4 s to go when it is found with a
+        # checkpoint in, not the ~1 s of TOKENS, which a busy machine's stall of the test process
+        # once outlasted (the found shard was completed by the victim before the kill came).
+        # 1,000 rows: the paced partner's LONG_TOKENS shards take ~10 s each.
+        source = workload(tmp_path, seed=15, tokens=LONG_TOKENS, rows=1000)
+        job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(LONG_TOKENS))
+        wait_mid_shard(fault_env, job.id, [victim], min_done=1, min_left=100)
         children = victim.record_descendants()
         assert any("VLLM" in t or "EngineCore" in t for t in alive_of(children).values()), (
             f"no engine process recorded under {victim.name}: {alive_of(children)}"
         )
         killed_at = victim.kill_main()
+        # The shard it held when it died: the found one, or (after a stall of this process) the
+        # next it took. Read at once: no other worker claims it before its lease runs out.
+        held = [
+            s
+            for s in load_job(fault_env, job.id)[1]
+            if s.status is ShardStatus.RUNNING and s.worker == victim.name
+        ]
 
         # Its engine processes must die with it, not live on under PID 1.
         gone_after = None
@@ -543,13 +554,20 @@ class TestWorkerLoss:
         orphans = alive_of(children)
         orphan_parents = {pid: _ppid(pid) for pid in orphans}
         kill_recorded(children)  # whatever the verdict, they must not slow the rest down
+        assert held, f"{victim.name} held no shard when it was killed: the case needs one"
+        (shard,) = held
 
         job, shards = wait_until_final(fault_env, job.id, pair)
         took = time.monotonic() - killed_at
         assert_completed_exactly_once(fault_env, job, shards, source, pair)
         taken = next(s for s in shards if s.id == shard.id)
         assert taken.attempts >= 2 and taken.worker == survivor.name, (taken.attempts, taken.worker)
-        recovery("worker kill -> completed", took, f"{victim.name} killed on shard {shard.index}")
+        recovery(
+            "worker kill -> completed",
+            took,
+            f"{victim.name} killed on shard {shard.index}, "
+            f"{shard.rows_ok + shard.rows_failed} of {shard.rows} rows committed",
+        )
         recovery(
             "worker kill -> its engine processes gone",
             gone_after,
