@@ -8,6 +8,7 @@ task or worker signal; they hand the Settings down, and library code uses what i
 from __future__ import annotations
 
 import ipaddress
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -87,6 +88,15 @@ class Settings(BaseSettings):
         "longest shard, or a slow shard would run twice.",
     )
 
+    keep_alive: str = Field(
+        default="5m",
+        description="How long `batchllm run` (and the Client's local runs) keep their engine "
+        "loaded after the last job on it ended, in a background process of this user's that "
+        "the next run with the same model and engine settings reuses instead of starting vLLM "
+        "again (as Ollama keeps a model): a duration such as 300, 90s, 5m or 1h; -1 keeps it "
+        "until `batchllm engine stop`; 0 keeps none (each run builds its engine in its own "
+        "process and unloads it at its end; a kept engine already up is still used).",
+    )
     lease_seconds: float = Field(
         default=120.0,
         gt=0,
@@ -309,6 +319,16 @@ class Settings(BaseSettings):
                 ) from None
         return value
 
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        duration_seconds(value)  # refuses what it cannot read
+        return value
+
+    @property
+    def keep_alive_seconds(self) -> float:
+        return duration_seconds(self.keep_alive)
+
     @model_validator(mode="after")
     def _expand_home(self) -> Settings:
         self.home = self.home.expanduser()
@@ -326,6 +346,26 @@ class Settings(BaseSettings):
     def resolved_s3_endpoint(self) -> str:
         """The S3-compatible server of s3:// storage and inputs; "": AWS S3's own."""
         return self.s3_endpoint or ""
+
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds of a keep-alive duration: `300`, `90s`, `5m`, `1h`, `1d`; a negative number is
+    forever (math.inf). A ValueError that quotes the text for anything else."""
+    value = text.strip().lower()
+    number, unit = value.rstrip("smhd"), value[len(value.rstrip("smhd")) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = math.nan
+    if unit not in _UNITS or math.isnan(amount):
+        raise ValueError(
+            f"{text!r} is not a duration: give seconds (300), or a number with s, m, h or d "
+            "(90s, 5m, 1h); -1 for forever, 0 for none"
+        )
+    return math.inf if amount < 0 else amount * _UNITS[unit]
 
 
 @lru_cache(maxsize=1)

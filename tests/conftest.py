@@ -19,6 +19,9 @@ from tests.support.homes import seed_home
 from tests.support.skips import require
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# A run keeps no engine after it unless its test asks (--keep-alive): an engine left loaded by
+# every test that runs one would hold gigabytes each (tests/integration/test_kept_engine.py).
+os.environ["BATCHLLM_KEEP_ALIVE"] = "0"
 _BUILD_LOG = pytest.StashKey[str]()
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine import keep_alive_option
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
@@ -37,6 +38,12 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     help="Also copy the finished Parquet dataset into this new or empty directory.",
 )
 @notify_option
+@keep_alive_option(
+    "How long the engine stays loaded after this run, in a background process the next run "
+    "with the same model and engine flags reuses: 300, 90s, 5m, 1h; -1 until `batchllm engine "
+    "stop`; 0 keeps none (the engine is built in this process and unloaded at its end). "
+    "[default: BATCHLLM_KEEP_ALIVE, 5m]"
+)
 @engine_kind_options(
     "instant: SIMULATION ONLY, no vLLM and no generation; every request answers with "
     "filler text at its max_tokens (the job records the hardware 'none (instant engine)'). "
@@ -52,6 +59,7 @@ def run(
     strict: bool,
     dry_run: bool,
     notify: str | None,
+    keep_alive: float | None,
     engine_kind: str,
     instant_step_seconds: float,
     **flags,
@@ -71,7 +79,7 @@ def run(
       batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
     with job_input(file, from_job, from_status, flags) as source:
-        _run(source, output, strict, dry_run, notify, engine_kind, instant_step_seconds, flags)
+        _run(source, output, strict, dry_run, notify, keep_alive, engine_kind, instant_step_seconds, flags)
 
 
 def _run(
@@ -80,6 +88,7 @@ def _run(
     strict: bool,
     dry_run: bool,
     notify: str | None,
+    keep_alive: float | None,
     engine_kind: str,
     instant_step_seconds: float,
     flags: dict,
@@ -95,13 +104,18 @@ def _run(
         echo_estimate(Client().dry_run_spec(file, spec), spec.model)
         return
     require_local_model(spec.model)
-    engines = None
-    if engine_kind == "instant":  # holds no GPU: nothing to check of the machine
-        from batchllm.execution.instant import InstantEngines
-
-        engines = InstantEngines(step_seconds=instant_step_seconds)
-    else:
+    if engine_kind != "instant":  # the instant engine holds no GPU: nothing to check
         require_hardware_for(spec.engine)
+    from batchllm.kept_engine.client import KeptEngines
+    from batchllm.settings import get_settings
+
+    engines = KeptEngines(
+        get_settings(),
+        keep_alive=keep_alive,
+        kind=engine_kind,
+        step_seconds=instant_step_seconds,
+        on_status=lambda text: click.echo(text, err=True),
+    )
     if output is not None:
         _require_usable_output(output)
     require_requests(file)
@@ -111,19 +125,22 @@ def _run(
     progress: list[Progress] = []
 
     def created(job: Job) -> None:
-        click.echo(f"job {job.id}: {job.total:,} requests, loading {spec.model} ...", err=True)
+        click.echo(f"job {job.id}: {job.total:,} requests for {spec.model}", err=True)
         echo_webhook_secret(job.notify_secret, notify)
         progress.append(Progress(job.total))
 
-    ended = Client().run_spec(
-        file,
-        spec,
-        strict=strict,
-        engines=engines,
-        on_created=created,
-        on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
-        notify=notify,
-    )
+    try:
+        ended = Client().run_spec(
+            file,
+            spec,
+            strict=strict,
+            engines=engines,
+            on_created=created,
+            on_progress=lambda rows, tokens: progress[0].advance(rows, tokens),
+            notify=notify,
+        )
+    finally:
+        engines.close()  # a kept engine stays loaded; one built in this process unloads
     if progress:
         progress[0].close()
     row = job_row(ended.id)

@@ -12,6 +12,12 @@ from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 
 
+# The finish reason of a request the engine refused when it was added, for an engine that
+# reports refusals with its finished requests rather than from `add` (a kept engine in another
+# process, which takes a run's requests in batches): `text` holds the engine's reason.
+REJECTED = "rejected"
+
+
 @dataclass(frozen=True, slots=True)
 class Adapter:
     """A LoRA adapter a request runs through: its name in the job and where it is stored."""

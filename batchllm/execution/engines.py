@@ -69,7 +69,7 @@ def with_min_lora_rank(spec: JobSpec, floor: int | None) -> JobSpec:
     return spec.model_copy(update={"engine": engine})
 
 
-def _context_free_key(spec: JobSpec) -> str:
+def context_free_key(spec: JobSpec) -> str:
     """The engine key without the context length, which a longer warm engine covers."""
     return spec.engine.model_copy(update={"max_model_len": None}).engine_key(spec.model)
 
@@ -86,7 +86,7 @@ def _differences(old: JobSpec, new: JobSpec) -> str:
     return ", ".join(changes)
 
 
-def _build(
+def build_vllm_engine(
     model: str, options: EngineOptions, max_model_len: int, settings: Settings, **named: str
 ) -> tuple[VllmEngine, float]:
     """A new vLLM engine and the seconds it took, counted in the process's metrics."""
@@ -124,7 +124,7 @@ class EngineCache:
 
     def get(self, spec: JobSpec, max_model_len: int) -> VllmEngine:
         spec = with_min_lora_rank(spec, self.settings.min_lora_rank)
-        key = _context_free_key(spec)
+        key = context_free_key(spec)
         warm, built_for = self.engine, self._spec
         if warm is not None and key == self._key:
             if max_model_len <= warm.max_model_len:
@@ -148,7 +148,7 @@ class EngineCache:
             )
         self.close()
 
-        engine, _ = _build(spec.model, spec.engine, max_model_len, self.settings)
+        engine, _ = build_vllm_engine(spec.model, spec.engine, max_model_len, self.settings)
         self.engine, self._key, self._spec = engine, key, spec
         return engine
 
@@ -194,7 +194,7 @@ class WorkerEngine(ProfiledEngine):
         """Build the operator's engine (again, after it died or a rebuild replaced it)."""
         self._rebuilt.close()
 
-        engine, seconds = _build(
+        engine, seconds = build_vllm_engine(
             self.model,
             self.options,
             # -1: vLLM's auto-fit, the model's context or the longest its KV cache holds.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.prompts import token_count, within_context
-from batchllm.engine.protocol import Adapter, Engine, Finished
+from batchllm.engine.protocol import REJECTED, Adapter, Engine, Finished
 from batchllm.errors import EngineDied, ShardBusy, ShardLost
 from batchllm.execution import metrics
 from batchllm.execution.finalize import finalize_job
@@ -113,6 +113,7 @@ class ShardRunner:
         self._active: list[ShardState] = []
         self._outcomes: dict[int, Outcome] = {}
         self._started_jobs: set[str] = set()
+        self._first_rows_committed: set[str] = set()
         # (job, the line's override text) -> what its rows run under
         self._sampling_cache: dict[tuple[str, str | None], _Sampling] = {}
         self._stopping = False  # a stop was requested: no more rows are fed
@@ -321,7 +322,7 @@ class ShardRunner:
                 except EngineDied:
                     raise
                 except Exception as exc:  # vLLM refused this one request, not the job
-                    self._refused(state, row, ids, sampling, exc)
+                    self._refused(state, row, token_count(ids), sampling, exc)
                     refused += 1
                     continue
                 pending[request_id] = (state, row, sampling)
@@ -331,7 +332,12 @@ class ShardRunner:
         return refused
 
     def _refused(
-        self, state: ShardState, row: InputRow, ids: list[Any], sampling: _Sampling, exc: Exception
+        self,
+        state: ShardState,
+        row: InputRow,
+        prompt_tokens: int,
+        sampling: _Sampling,
+        exc: Exception | str,
     ) -> None:
         # A constraint the engine cannot compile, or embedding dimensions the model does not
         # have, is the usual cause: name the field.
@@ -344,7 +350,7 @@ class ShardRunner:
             row.line,
             f"{where}rejected by vLLM: {exc}",
             REQUEST_REJECTED,
-            prompt_tokens=token_count(ids),
+            prompt_tokens=prompt_tokens,
         )
 
     def _sampling(self, state: ShardState, row: InputRow) -> _Sampling:
@@ -395,7 +401,9 @@ class ShardRunner:
                 )
             state, row, sampling = pending
             state.inflight -= 1
-            if out.scores is not None:  # a cross-encoder's
+            if out.finish_reason == REJECTED:  # refused when added (a kept engine's way)
+                self._refused(state, row, out.prompt_tokens, sampling, out.text)
+            elif out.scores is not None:  # a cross-encoder's
                 state.buffer.scored(row.custom_id, row.line, out.prompt_tokens, out.scores)
             elif out.is_classification:
                 state.buffer.classified(
@@ -455,8 +463,16 @@ class ShardRunner:
                 if self._commit(state):
                     self._end(state, ShardStatus.COMPLETED, Outcome.COMPLETED)
             elif len(state.buffer) >= self.settings.commit_rows or (
-                state.buffer and now - state.last_commit >= self.settings.commit_seconds
+                state.buffer
+                and (
+                    now - state.last_commit >= self.settings.commit_seconds
+                    or state.job_id not in self._first_rows_committed
+                )
             ):
+                # A job's first finished rows are committed at once, so `results --follow`
+                # and the Client show answers seconds after generation starts; then the
+                # usual cadence.
+                self._first_rows_committed.add(state.job_id)
                 self._commit(state)
 
     def _commit(self, state: ShardState) -> bool:

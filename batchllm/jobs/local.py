@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, InputError, JobInterrupted
-from batchllm.execution.engines import EngineCache, resolve_max_model_len
+from batchllm.execution.engines import resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.sizing_pass import BackgroundSizer
 from batchllm.execution.stop_request import StopRequest
@@ -20,6 +20,7 @@ from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput
+from batchllm.kept_engine.client import KeptEngines, RemoteEngine, size_on
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
@@ -58,7 +59,7 @@ def run_job(
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     fail_abandoned_runs(settings)
     own_engines = engines is None
-    engines = engines or EngineCache(settings)
+    engines = engines or KeptEngines(settings)
     try:
         job_id, engine_error = _create(
             source,
@@ -115,19 +116,20 @@ def run_shards_here(
         if engine_error is not None:
             raise engine_error
         max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
-        engine = engines.get(spec, max_model_len)
-        runner = ShardRunner(
-            engine,
-            worker=f"local@{socket.gethostname()}",
-            settings=settings,
-            on_progress=on_progress,
-            stop=StopRequest(requested=interrupted),  # Ctrl-C stops at once: no drain
-        )
         if shard_ids is None:
             with session_scope(settings) as session:
                 shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
         with _stop_on_first_interrupt(interrupted):
-            runner.run(shard_ids)
+            _run_through_engine_deaths(
+                job_id,
+                spec,
+                shard_ids,
+                max_model_len,
+                engines=engines,
+                settings=settings,
+                on_progress=on_progress,
+                interrupted=interrupted,
+            )
         if interrupted.is_set():
             with session_scope(settings) as session:
                 finished = service.job_status(session, job_id) is JobStatus.COMPLETED
@@ -157,6 +159,45 @@ def run_shards_here(
         _announce_end(job_id, settings)
     with session_scope(settings) as session:
         return get_one(session, Job, job_id)
+
+
+def _run_through_engine_deaths(
+    job_id: str,
+    spec: JobSpec,
+    shard_ids: list[int],
+    max_model_len: int,
+    *,
+    engines: EngineSource,
+    settings: Settings,
+    on_progress: ProgressFn | None,
+    interrupted: threading.Event,
+) -> None:
+    """Run the shards; when the engine dies, on a new engine again, as a fleet redelivers a
+    shard: its committed rows are kept and only the others run (each death counts against the
+    shard's BATCHLLM_MAX_SHARD_ATTEMPTS, past which the shard fails and the job with it)."""
+    for restart in range(settings.max_shard_attempts + 1):
+        runner = ShardRunner(
+            engines.get(spec, max_model_len),
+            worker=f"local@{socket.gethostname()}",
+            settings=settings,
+            on_progress=on_progress,
+            stop=StopRequest(requested=interrupted),  # Ctrl-C stops at once: no drain
+        )
+        try:
+            runner.run(shard_ids)
+            return
+        except EngineDied as exc:
+            with session_scope(settings) as session:
+                ended = service.job_status(session, job_id).is_final
+            if ended or interrupted.is_set() or restart == settings.max_shard_attempts:
+                raise
+            log.warning(
+                "job %s: the engine died (%s); starting a new one, the rows already "
+                "committed are kept",
+                job_id,
+                exc,
+            )
+            engines.close()
 
 
 def _announce_end(job_id: str, settings: Settings) -> None:
@@ -204,6 +245,9 @@ def _create(
         return created.job.id
 
     early = spec.engine.max_model_len
+    warm = engines.warm(spec) if not early and isinstance(engines, KeptEngines) else None
+    if warm is not None:
+        return _create_and_size_on(warm, create, spec, settings)
     if not early:
         return _create_and_size(create, spec, settings)
     if strict:
@@ -249,6 +293,23 @@ def _create_and_size(
         raise
     try:
         sized = sizer.finish()
+    except BaseException as exc:
+        return job_id, exc
+    with session_scope(settings) as session:
+        service.set_max_model_len(session, job_id, sized)
+    return job_id, None
+
+
+def _create_and_size_on(
+    warm: RemoteEngine, create: Callable[[], str], spec: JobSpec, settings: Settings
+) -> tuple[str, BaseException | None]:
+    """Create the job, then size it on a kept engine that is up for its model: its tokenizer is
+    loaded, where this process would take seconds to load one (most of a small job's time)."""
+    job_id = create()
+    try:
+        with session_scope(settings) as session:
+            paths = [s.input_path for s in get_one(session, Job, job_id).shards]
+        sized = size_on(warm, spec, settings, paths)
     except BaseException as exc:
         return job_id, exc
     with session_scope(settings) as session:

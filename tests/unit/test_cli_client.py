@@ -38,7 +38,7 @@ def test_run_goes_through_the_client_and_prints_the_ended_job(
     assert result.exit_code == 0, result.output
     assert "requests   6/6 done: 5 ok, 1 error" in result.output
     job_id = result.output.split("job        ", 1)[1].split()[0]
-    assert f"job {job_id}: 6 requests, loading {model} ..." in result.output
+    assert f"job {job_id}: 6 requests for {model}" in result.output
     client = Client(settings)
     ended = client.status(job_id)
     assert (ended.status, ended.completed, ended.failed) == ("completed", 5, 1)

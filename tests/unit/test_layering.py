@@ -1,5 +1,6 @@
 """The package's layers import only downwards:
-cli -> api -> bench -> doctor -> jobs -> worker -> execution -> engine -> output -> store -> input.
+cli -> api -> bench -> doctor -> jobs -> kept_engine -> worker -> execution -> engine -> output
+-> store -> input.
 
 jobs is a job's front doors (submit to the fleet, run locally, retry, estimate); worker the
 Celery fleet; execution running a shard through an engine, in a worker or in `run`.
@@ -24,6 +25,7 @@ LAYERS = [
     "bench",
     "doctor",
     "jobs",
+    "kept_engine",
     "worker",
     "execution",
     "engine",

@@ -1,0 +1,150 @@
+"""The kept engine's process: `python -m batchllm.kept_engine.server CONFIG_JSON`, started by
+`batchllm run` or `batchllm engine start` in a session of its own (a terminal's Ctrl-C stops the
+run, never the engine). It builds the engine, says so in its state file, serves runs over its
+socket, and unloads when idle for its keep-alive, when stopped, or when the engine dies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from batchllm.engine.protocol import Engine
+from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.kept_engine import registry
+from batchllm.kept_engine.host import EngineHost
+from batchllm.settings import Settings, get_settings
+from batchllm.storage import Storage
+
+log = logging.getLogger("batchllm.kept_engine")
+
+
+def build(config: dict[str, Any], settings: Settings) -> Engine:
+    """The engine the config names: vLLM, or the instant engine that simulates one."""
+    options = EngineOptions.model_validate(config["options"])
+    max_model_len = config["max_model_len"]
+    if config["kind"] == "instant":
+        from batchllm.engine.testing import InstantEngine
+        from batchllm.execution.instant import DEFAULT_MAX_MODEL_LEN, light_tokenizer
+
+        return InstantEngine(
+            tokenizer=light_tokenizer(config["model"]),
+            max_model_len=max_model_len if max_model_len > 0 else DEFAULT_MAX_MODEL_LEN,
+            max_num_seqs=options.max_num_seqs or 256,
+            step_seconds=config.get("step_seconds", 0.0),
+        )
+    from batchllm.execution.engines import build_vllm_engine
+
+    engine, _ = build_vllm_engine(config["model"], options, max_model_len, settings)
+    return engine
+
+
+def size_job(job: dict[str, Any], settings: Settings) -> int:
+    """A job's max_model_len, sized here with this process's warm tokenizer (loading one
+    takes the run seconds); the prompts' ids are stored beside the shards, as a run's own
+    pass stores them."""
+    from batchllm.execution.sizing_pass import size_shards
+
+    storage = Storage(job["storage_root"], s3_endpoint=job["s3_endpoint"])
+    spec = JobSpec.model_validate_json(job["spec"])
+    return size_shards(spec, storage, job["paths"], settings)
+
+
+def _warm_tokenizer(model: str) -> None:
+    """Load the sizing pass's tokenizer now, not in the first run that needs it."""
+    try:
+        from batchllm.engine.sizing import load_tokenizer
+
+        load_tokenizer(model)
+    except Exception as exc:  # the first job's sizing reports it, if it matters
+        log.info("could not load %s's tokenizer ahead of the first job: %s", model, exc)
+
+
+def serve(config: dict[str, Any]) -> int:
+    settings = get_settings()
+    home = settings.home
+    record = registry.EngineRecord(
+        id=config["id"],
+        key=config["key"],
+        model=config["model"],
+        kind=config["kind"],
+        pid=os.getpid(),
+        uid=os.getuid(),
+        socket=config["socket"],
+        max_model_len=config["max_model_len"],
+        keep_alive=config["keep_alive"],
+        started_at=time.time(),
+    )
+    registry.write_record(home, record)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        engine = build(config, settings)
+    except BaseException as exc:
+        log.exception("the engine could not start")
+        record.state, record.error = registry.FAILED, f"{type(exc).__name__}: {exc}"
+        registry.write_record(home, record)  # the run waiting for it reads why, then removes it
+        return 1
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    reason = "stopped"
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(record.socket)
+        old_umask = os.umask(0o077)  # the socket is its user's alone
+        try:
+            listener.bind(record.socket)
+        finally:
+            os.umask(old_umask)
+        listener.listen(64)
+        info = {
+            "id": record.id,
+            "model": record.model,
+            "kind": record.kind,
+            "pid": record.pid,
+            "max_model_len": engine.max_model_len,
+            "max_num_seqs": engine.max_num_seqs,
+            "version": engine.version,
+            "hardware": engine.hardware,
+        }
+        host = EngineHost(
+            engine,
+            info=info,
+            keep_alive=config["keep_alive"],
+            size=lambda job: size_job(job, settings),
+        )
+        threading.Thread(target=lambda: stop.wait() and host.stopping.set(), daemon=True).start()
+        threading.Thread(target=_warm_tokenizer, args=(record.model,), daemon=True).start()
+        record.state, record.max_model_len = registry.READY, engine.max_model_len
+        registry.write_record(home, record)
+        log.info("kept engine %s ready: %s, max_model_len %d", record.id, record.model,
+                 engine.max_model_len)
+        reason = host.serve(listener)
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(record.socket)
+        registry.remove_record(home, record.id)
+        log.info("kept engine %s unloading: %s", record.id, reason)
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = json.loads(argv[1])
+    if config["keep_alive"] < 0:
+        config["keep_alive"] = float("inf")
+    return serve(config)
+
+
+if __name__ == "__main__":  # vLLM starts its EngineCore with spawn: the guard is required
+    sys.exit(main(sys.argv))
