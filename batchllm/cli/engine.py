@@ -50,7 +50,21 @@ def engine() -> None:
     show_default=True,
     help="instant: SIMULATION ONLY, no vLLM (as `run --engine instant`).",
 )
-def start(model: str, keep_alive: float | None, engine_kind: str, **flags) -> None:
+@click.option(
+    "--instant-step-seconds",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="With --engine instant: each step's time (as `run --instant-step-seconds`; a run "
+    "uses this engine only with the same value).",
+)
+def start(
+    model: str,
+    keep_alive: float | None,
+    engine_kind: str,
+    instant_step_seconds: float,
+    **flags,
+) -> None:
     """Load MODEL now, so the next `batchllm run` with the same model and engine flags starts
     generating at once. Without --max-model-len the engine takes the longest context its
     memory holds (a job that needs more gets an engine of its own)."""
@@ -65,6 +79,7 @@ def start(model: str, keep_alive: float | None, engine_kind: str, **flags) -> No
         get_settings(),
         keep_alive=keep_alive,
         kind=engine_kind,
+        step_seconds=instant_step_seconds,
         on_status=lambda text: click.echo(text, err=True),
     )
     started = time.monotonic()

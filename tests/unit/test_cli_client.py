@@ -26,7 +26,7 @@ def test_run_goes_through_the_client_and_prints_the_ended_job(
     settings, prompts, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(
-        "batchllm.jobs.local.EngineCache", lambda settings: FakeEngines(FakeEngine())
+        "batchllm.kept_engine.client.EngineCache", lambda settings: FakeEngines(FakeEngine())
     )
     model = tmp_path / "model"
     model.mkdir()

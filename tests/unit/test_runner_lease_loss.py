@@ -29,7 +29,9 @@ from tests.support.fake_runs import (
 )
 
 ROWS = 40
-TAKEOVER_STEP = 7
+# A commit follows step 1 (a job's first rows at once), then every 5 rows: step 10 is the next
+# commit after the takeover.
+TAKEOVER_STEP = 9
 
 
 def recorded_paths(settings, shard_id: int) -> list[str]:
