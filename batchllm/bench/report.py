@@ -501,6 +501,11 @@ def summary_text(result: dict[str, Any]) -> str:
 
         parts.append("")
         parts.append(peers_text(result["peers"]))
+    if result.get("kept"):
+        from batchllm.bench.parts.kept import kept_table
+
+        parts.append("")
+        parts.append(kept_table(result["kept"]))
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")

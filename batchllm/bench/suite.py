@@ -26,14 +26,26 @@ from batchllm.bench.targets import add_ratios_and_targets
 from batchllm.bench.workload import Workload, stored_rows
 from batchllm.settings import Settings
 
-PARTS = ("engine", "run-batch", "run", "prefix", "overhead", "features", "embed", "warm", "peers")
+PARTS = (
+    "engine",
+    "run-batch",
+    "run",
+    "prefix",
+    "overhead",
+    "features",
+    "embed",
+    "warm",
+    "peers",
+    "kept",
+)
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
 # engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
 # (7 jobs and their raw twins per repeat, then 3 embedding contenders), which would make the
 # default run (~8.5 minutes) about 70% longer to answer other questions than its own. warm is
 # opt-in too: it needs Redis on 127.0.0.1:6379 and starts three engines (a worker's, run-batch's
 # and `batchllm run`'s). peers is opt-in: it needs llama.cpp's server (`make bench-peers` builds
-# it) and a real chat model, and runs for half an hour here.
+# it) and a real chat model, and runs for half an hour here; so is kept (the same needs: cold
+# and warm `batchllm run` against llama.cpp by file size).
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -90,6 +102,10 @@ class BenchConfig:
     peers_max_model_len: int | None = None
     llama_server: str | None = None
     llama_cpp_converter: Path | None = None
+    # The kept part: the file sizes (requests) run cold, warm and through llama.cpp; llama.cpp's
+    # 1 slot answers one by one, so only up to kept_one_slot_max requests.
+    kept_sizes: tuple[int, ...] = (1, 8, 64, 1000)
+    kept_one_slot_max: int = 64
     seed: int = 0
 
     @property
@@ -143,14 +159,14 @@ def size_context(model: str, runs: list[tuple[Workload, int]], settings: Setting
 
 def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
     parts = set(config.parts)
-    if "peers" in parts:  # before anything costly: no llama.cpp, no peers part
+    if parts & {"peers", "kept"}:  # before anything costly: no llama.cpp, no such part
         from batchllm.bench.parts.llama_cpp import find_llama_server
 
         find_llama_server(config.llama_server)
         if not config.model:
             raise BenchFailed(
-                "the peers part compares engines on the demo's chat model, whose GGUF llama.cpp "
-                "loads: pass --model .demo/chat (`make bench-peers` builds it)"
+                "the peers and kept parts compare engines on the demo's chat model, whose GGUF "
+                "llama.cpp loads: pass --model .demo/chat (`make bench-peers` builds it)"
             )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     workdir = config.output / "work"
@@ -219,6 +235,8 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
         result["overhead"] = _overhead(config, model, workdir, say)
     if "peers" in parts:
         result["peers"] = _peers(config, model, workdir / "peers", say)
+    if "kept" in parts:
+        result["kept"] = _kept(config, model, workdir / "kept", say)
     add_ratios_and_targets(result)
     result["seconds"] = time.perf_counter() - began
     return result
@@ -466,6 +484,38 @@ def _peers(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str
             enforce_eager=config.enforce_eager,
             llama_server=config.llama_server,
             converter=config.llama_cpp_converter,
+        )
+    )
+
+
+def _kept(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    """The kept part, on the peers part's natural questions and llama.cpp's slots."""
+    from dataclasses import replace
+
+    from batchllm.bench.contenders import bench_settings
+    from batchllm.bench.parts.kept import KeptConfig, run_kept
+    from batchllm.engine.models.real_models import CHAT, locate
+
+    workload = replace(config.workload, natural=True)
+    biggest = max(config.kept_sizes)
+    say("[kept] sizing the context for the largest file's requests")
+    max_model_len = size_context(
+        model, [(replace(workload, requests=biggest), 1)], bench_settings(workdir / "size-home")
+    )
+    return run_kept(
+        KeptConfig(
+            model=model,
+            gguf=locate(CHAT),
+            workload=workload,
+            sizes=config.kept_sizes,
+            slots=config.peers_slots,
+            one_slot_max=config.kept_one_slot_max,
+            max_model_len=max_model_len,
+            max_num_seqs=max(config.peers_slots, 256),
+            enforce_eager=config.enforce_eager,
+            workdir=workdir,
+            say=say,
+            llama_server=config.llama_server,
         )
     )
 

@@ -255,6 +255,17 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     "keeps it in .demo/peers/llama.cpp): converts --model to a GGUF of the same weights for "
     "the equal-weights row [default: no such row].",
 )
+@_config_option(
+    "--kept-sizes",
+    type=_Numbers(),
+    show=_numbers,
+    help="The kept part's file sizes (requests): each run cold, warm and through llama.cpp.",
+)
+@_config_option(
+    "--kept-one-slot-max",
+    type=click.IntRange(min=1),
+    help="The kept part: llama.cpp's 1 slot answers files up to this many requests.",
+)
 @_config_option("--seed", type=int)
 def bench(
     output: Path,
@@ -275,7 +286,8 @@ def bench(
     engine, then one file through run-batch, run and that worker; needs Redis on
     127.0.0.1:6379) and peers (llama.cpp's server with 1 and N slots against vLLM and
     batchllm on the chat model's questions, and a batch-size sweep; needs llama.cpp: `make
-    bench-peers`). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
+    bench-peers`) and kept (cold and warm `batchllm run` against llama.cpp by file size, the
+    same needs: `make bench-kept`). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
     from batchllm.bench.suite import BenchConfig, run_bench, write_results

@@ -68,11 +68,18 @@ def start(
     """Load MODEL now, so the next `batchllm run` with the same model and engine flags starts
     generating at once. Without --max-model-len the engine takes the longest context its
     memory holds (a job that needs more gets an engine of its own)."""
-    from batchllm.input.schemas import JobSpec
+    from batchllm.input.schemas import EngineOptions, JobSpec
     from batchllm.kept_engine.client import KeptEngines
     from batchllm.settings import get_settings
 
     options = worker_engine_from_flags(flags)
+    source = click.get_current_context().get_parameter_source("gpu_memory_utilization")
+    if source is not click.core.ParameterSource.COMMANDLINE:
+        # A fleet worker's default share is not a run's: the engine must match what `run`
+        # asks for with the same flags, or no run would ever use it.
+        options = options.model_copy(
+            update={"gpu_memory_utilization": EngineOptions().gpu_memory_utilization}
+        )
     if keep_alive == 0:
         raise click.BadParameter("0 keeps no engine: give a duration", param_hint="--keep-alive")
     engines = KeptEngines(

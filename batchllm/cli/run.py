@@ -79,7 +79,17 @@ def run(
       batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
     with job_input(file, from_job, from_status, flags) as source:
-        _run(source, output, strict, dry_run, notify, keep_alive, engine_kind, instant_step_seconds, flags)
+        _run(
+            source,
+            output,
+            strict,
+            dry_run,
+            notify,
+            keep_alive,
+            engine_kind,
+            instant_step_seconds,
+            flags,
+        )
 
 
 def _run(

@@ -11,7 +11,6 @@ from batchllm.engine.prompts import Prepared
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 
-
 # The finish reason of a request the engine refused when it was added, for an engine that
 # reports refusals with its finished requests rather than from `add` (a kept engine in another
 # process, which takes a run's requests in batches): `text` holds the engine's reason.

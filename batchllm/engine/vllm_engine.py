@@ -188,6 +188,7 @@ class VllmEngine:
         max_model_len: int | None,
         settings: Settings,
         context_name: str = "the engine's max_model_len",
+        sleep_mode: bool = False,
     ) -> None:
         """`context_name` names the context in a too-long row's error: a job's own engine, or
         the fleet worker's whose context the job adapts to. `settings`: whether an untested
@@ -236,6 +237,12 @@ class VllmEngine:
         # (v1/worker/cpu_worker.py), so a lower --gpu-memory-utilization is what lets an
         # engine start beside others. The default (0.92) is vLLM's own.
         kwargs["gpu_memory_utilization"] = options.gpu_memory_utilization
+        # A kept engine sleeps when idle where vLLM can (CUDA, ROCm, XPU): level 1 moves the
+        # weights to CPU memory and frees the GPU, and waking takes well under a second. On
+        # the CPU backend there is nothing to free but by unloading.
+        self.can_sleep = sleep_mode and current_platform.is_sleep_mode_available()
+        if self.can_sleep:
+            kwargs["enable_sleep_mode"] = True
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -543,6 +550,14 @@ class VllmEngine:
             for request_id in request_ids:
                 self._top_k.pop(request_id, None)
                 self._to_parse.pop(request_id, None)
+
+    def sleep(self) -> None:
+        """Free the GPU (level 1: weights to CPU memory, the KV cache dropped); `can_sleep`
+        engines only, with no request in flight."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
 
     def shutdown(self) -> None:
         """Stop the EngineCore process now rather than at interpreter exit.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import EngineMismatch
 from batchllm.execution import metrics
@@ -87,7 +87,7 @@ def _differences(old: JobSpec, new: JobSpec) -> str:
 
 
 def build_vllm_engine(
-    model: str, options: EngineOptions, max_model_len: int, settings: Settings, **named: str
+    model: str, options: EngineOptions, max_model_len: int, settings: Settings, **named: Any
 ) -> tuple[VllmEngine, float]:
     """A new vLLM engine and the seconds it took, counted in the process's metrics."""
     from batchllm.engine.vllm_engine import VllmEngine

@@ -188,7 +188,8 @@ def _run_through_engine_deaths(
             return
         except EngineDied as exc:
             with session_scope(settings) as session:
-                ended = service.job_status(session, job_id).is_final
+                status = service.job_status(session, job_id)
+            ended = status is not None and status.is_final
             if ended or interrupted.is_set() or restart == settings.max_shard_attempts:
                 raise
             log.warning(

@@ -259,7 +259,9 @@ class KeptEngines:
         self._remote_key: str | None = None
         self._gone: set[str] = set()  # engines that died under this source
         self._local: EngineSource = (
-            InstantEngines(step_seconds=step_seconds) if kind == "instant" else EngineCache(settings)
+            InstantEngines(step_seconds=step_seconds)
+            if kind == "instant"
+            else EngineCache(settings)
         )
         self._local_used = False
 
@@ -285,10 +287,19 @@ class KeptEngines:
         # than the job needs, the others stay free for longer jobs).
         return sorted(found, key=lambda r: (r.state != registry.READY, r.max_model_len or 0))
 
+    def _normalized(self, spec: JobSpec) -> JobSpec:
+        """The spec as engines are told apart: the LoRA rank floor applied, and a model
+        directory by its absolute path (`./model` from two folders is two models)."""
+        spec = with_min_lora_rank(spec, self.settings.min_lora_rank)
+        local = Path(spec.model).expanduser()
+        if local.exists():
+            spec = spec.model_copy(update={"model": str(local.resolve())})
+        return spec
+
     def warm(self, spec: JobSpec) -> RemoteEngine | None:
         """A ready kept engine for the spec's model and settings (any context), connected: it
         sizes the job with its warm tokenizer. None when there is none."""
-        spec = with_min_lora_rank(spec, self.settings.min_lora_rank)
+        spec = self._normalized(spec)
         for record in self._candidates(self.key(spec), None):
             if record.state != registry.READY:
                 continue
@@ -300,7 +311,7 @@ class KeptEngines:
         return None
 
     def get(self, spec: JobSpec, max_model_len: int) -> Any:
-        spec = with_min_lora_rank(spec, self.settings.min_lora_rank)
+        spec = self._normalized(spec)
         key = self.key(spec)
         remote = self._remote
         if (

@@ -78,6 +78,10 @@ class EngineHost:
         self.stopping = threading.Event()
         self.last_active = time.monotonic()
         self.runs_served = 0
+        # A GPU engine sleeps through its first idle keep-alive (vLLM's sleep level 1) and
+        # unloads after a second one; an engine that cannot sleep unloads after the first.
+        self.can_sleep = bool(getattr(engine, "can_sleep", False))
+        self.asleep = False
 
     # -- the engine thread ----------------------------------------------------------------
 
@@ -178,9 +182,7 @@ class EngineHost:
             except EngineDied:
                 raise
             except Exception as exc:  # this request alone: its row becomes an error row
-                rejected.append(
-                    Finished(request_id, str(exc), REJECTED, token_count(ids), 0)
-                )
+                rejected.append(Finished(request_id, str(exc), REJECTED, token_count(ids), 0))
                 continue
             with self._lock:
                 self._owner[name] = run
@@ -204,7 +206,9 @@ class EngineHost:
                 self._owner.pop(name, None)
             run.in_flight.clear()
         if names:
-            log.info("run %d left with %d requests in flight: aborting them", run.number, len(names))
+            log.info(
+                "run %d left with %d requests in flight: aborting them", run.number, len(names)
+            )
             self.engine.abort(names)
 
     def handle(self, run: _Run, op: str, args: tuple) -> Any:
@@ -233,6 +237,7 @@ class EngineHost:
             (keep_alive,) = args
             if keep_alive is not None:
                 self.keep_alive = keep_alive
+            self._wake()
             return dict(self.info)
         if op == "size":
             (job,) = args
@@ -250,6 +255,41 @@ class EngineHost:
             return {"stopped": False, "runs": others}
         raise ValueError(f"unknown request {op!r}")
 
+    def _wake(self) -> None:
+        """Wake a sleeping engine for a run (on the engine thread, after any sleep queued)."""
+
+        def wake() -> None:
+            if self.asleep:
+                started = time.monotonic()
+                self.engine.wake_up()  # type: ignore[attr-defined]
+                self.asleep = False
+                log.info("awake again in %.2f s", time.monotonic() - started)
+
+        if self.can_sleep:
+            self._call(wake)
+
+    def _idle_past_keep_alive(self) -> bool:
+        """What an idle keep-alive ends in: True to unload; a sleep where the engine can."""
+        if not self.can_sleep or self.asleep:
+            return True
+
+        def sleep() -> bool:
+            with self._lock:
+                if self._runs:  # a run connected meanwhile: it wakes nothing, so stay up
+                    return False
+            self.engine.sleep()  # type: ignore[attr-defined]
+            self.asleep = True
+            return True
+
+        if self._call(sleep):
+            log.info(
+                "asleep after %g s idle: the GPU is free, the weights wait in CPU memory; the "
+                "next run wakes it, or it unloads after as long again",
+                self.keep_alive,
+            )
+        self.last_active = time.monotonic()
+        return False
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             runs, in_flight = len(self._runs), len(self._owner)
@@ -260,6 +300,7 @@ class EngineHost:
             "runs_served": self.runs_served,
             "idle_seconds": 0.0 if runs else time.monotonic() - self.last_active,
             "keep_alive": self.keep_alive,
+            "asleep": self.asleep,
         }
 
     # -- connections ----------------------------------------------------------------------
@@ -311,7 +352,11 @@ class EngineHost:
             except TimeoutError:
                 with self._lock:
                     idle = not self._runs
-                if idle and time.monotonic() - self.last_active >= self.keep_alive:
+                if (
+                    idle
+                    and time.monotonic() - self.last_active >= self.keep_alive
+                    and self._idle_past_keep_alive()
+                ):
                     reason = f"idle for {self.keep_alive:g} s (BATCHLLM_KEEP_ALIVE)"
                     break
                 continue

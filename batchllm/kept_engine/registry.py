@@ -46,8 +46,10 @@ class EngineRecord:
     def fits(self, max_model_len: int) -> bool:
         """Whether rows of a job that needs `max_model_len` fit this engine's context (unknown
         while an auto-sized engine starts: it is checked again once it is ready)."""
-        return self.max_model_len is None or self.max_model_len < 0 or (
-            self.max_model_len >= max_model_len
+        return (
+            self.max_model_len is None
+            or self.max_model_len < 0
+            or (self.max_model_len >= max_model_len)
         )
 
 

@@ -42,7 +42,9 @@ def build(config: dict[str, Any], settings: Settings) -> Engine:
         )
     from batchllm.execution.engines import build_vllm_engine
 
-    engine, _ = build_vllm_engine(config["model"], options, max_model_len, settings)
+    engine, _ = build_vllm_engine(
+        config["model"], options, max_model_len, settings, sleep_mode=True
+    )
     return engine
 
 
@@ -119,12 +121,18 @@ def serve(config: dict[str, Any]) -> int:
             keep_alive=config["keep_alive"],
             size=lambda job: size_job(job, settings),
         )
-        threading.Thread(target=lambda: stop.wait() and host.stopping.set(), daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: host.stopping.set())
+        if stop.is_set():  # asked to stop while the engine was being built
+            host.stopping.set()
         threading.Thread(target=_warm_tokenizer, args=(record.model,), daemon=True).start()
         record.state, record.max_model_len = registry.READY, engine.max_model_len
         registry.write_record(home, record)
-        log.info("kept engine %s ready: %s, max_model_len %d", record.id, record.model,
-                 engine.max_model_len)
+        log.info(
+            "kept engine %s ready: %s, max_model_len %d",
+            record.id,
+            record.model,
+            engine.max_model_len,
+        )
         reason = host.serve(listener)
     finally:
         listener.close()

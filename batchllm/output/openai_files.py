@@ -32,7 +32,6 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, TextIO
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
@@ -258,6 +257,8 @@ def _sorted_rows(storage: Storage, parts: list[str]) -> Iterator[dict[str, Any]]
     schema version 1 read with the newer columns null."""
     if not parts:
         return
+    import pyarrow.dataset as ds  # imports pandas: only where a dataset is read
+
     table = (
         ds.dataset(parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")
         .to_table()

@@ -273,3 +273,9 @@ def test_custom_ids_refuse_a_duplicate_within_and_across_chunks():
         assert ids.add_first(["d", "e"], [7, 8]) == [("d", 7, 6)]
     finally:
         ids.close()
+
+
+def test_the_written_out_spaces_are_every_character_str_isspace_accepts():
+    from batchllm.input.columnar import SPACES
+
+    assert "".join(chr(c) for c in range(0x110000) if chr(c).isspace()) == SPACES

@@ -465,3 +465,13 @@ def test_strict_refusal_leaves_a_failed_job_with_the_reason(settings, tmp_path):
         assert job.status is JobStatus.FAILED
         assert "--strict refuses the file" in job.error
         assert job.shards == []
+
+
+def test_the_head_revision_read_from_the_scripts_is_alembics_own():
+    from alembic.script import ScriptDirectory
+
+    from batchllm.store.db import _head_revision, alembic_config
+
+    alembics = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+    assert alembics is not None
+    assert _head_revision() == alembics

@@ -348,7 +348,7 @@ def _batchllm_run(config: PeersConfig, limits: dict[str, Any]) -> tuple[Contende
     )
     from batchllm.bench.contenders import bench_settings
 
-    texts, first = _job_output(run.extra["job_id"], bench_settings(workdir / "batchllm-home"))
+    texts, first = job_output(run.extra["job_id"], bench_settings(workdir / "batchllm-home"))
     run.extra["first_row_seconds"] = first - began if first else None
     contender = Contender(RUN, "batchllm run (end to end, engine start included)", end_to_end=True)
     contender.runs.append(run)
@@ -418,7 +418,7 @@ def _job(engines, spec, config: PeersConfig, workload: Workload, variant: int, o
     job = timed.job
     if job.status is not JobStatus.COMPLETED:
         raise BenchFailed(f"bench job {job.id} ended {job.status.value}: {job.error}")
-    texts, first = _job_output(job.id, config.settings)
+    texts, first = job_output(job.id, config.settings)
     return (
         job_run(
             job,
@@ -430,7 +430,7 @@ def _job(engines, spec, config: PeersConfig, workload: Workload, variant: int, o
     )
 
 
-def _job_output(job_id: str, settings: Settings) -> tuple[dict[str, str], float | None]:
+def job_output(job_id: str, settings: Settings) -> tuple[dict[str, str], float | None]:
     """A finished job's answers by custom_id, and when its first part file was written (the
     first rows a reader could see; wall-clock seconds)."""
     import posixpath

@@ -24,7 +24,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError
-from batchllm.input.columnar import BLOCK_COLUMNS, CheckedBlock, json_strings, not_space
+from batchllm.input.columnar import BLANK, BLOCK_COLUMNS, CheckedBlock, json_strings
 from batchllm.input.files.custom_ids import CustomIds
 from batchllm.input.files.jsonl_table import BATCH_LINES, ID_KEY, LineBatch, jsonl_batches
 from batchllm.input.files.source import InputSource
@@ -286,7 +286,7 @@ def _prompt_columns(
     rows = len(text)
     for at in _positions(pc.is_null(text)):
         problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} null"))
-    blank = pc.invert(pc.match_substring_regex(text, not_space()))
+    blank = pc.match_substring_regex(text, BLANK)
     for at in _positions(pc.fill_null(blank, False)):
         problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} blank"))
     nothing = pa.nulls(rows, pa.string())
