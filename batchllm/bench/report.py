@@ -531,6 +531,8 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
     ]
     if result.get("peers"):  # its two panels: the main table and the batch-size sweep
         panels += ["peers", "sweep"]
+    if result.get("kept"):
+        panels.append("kept")
     widths = [
         {"contenders": 3, "features": 2.2, "peers": 2.6, "sweep": 2}.get(p, 1.4) for p in panels
     ]
@@ -551,6 +553,7 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
             "warm": _warm_panel,
             "peers": _peers_panel,
             "sweep": _sweep_panel,
+            "kept": _kept_panel,
         }[panel](ax, result)
     config = result["config"]
     engine = (
@@ -722,6 +725,12 @@ def _warm_panel(ax, result: dict[str, Any]) -> None:
     )
     ax.set_ylabel("wall seconds, end to end")
     ax.set_title(f"one file of {side['lines']:,} lines", fontsize=9)
+
+
+def _kept_panel(ax, result: dict[str, Any]) -> None:
+    from batchllm.bench.parts.kept import draw_kept
+
+    draw_kept(ax, result["kept"])
 
 
 def _peers_panel(ax, result: dict[str, Any]) -> None:

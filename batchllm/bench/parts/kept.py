@@ -219,3 +219,24 @@ def kept_table(result: dict[str, Any]) -> str:
         f"the kept engine started in {result['engine_start_seconds']:.1f} s, once, before the sizes"
     )
     return "\n".join(lines)
+
+
+def draw_kept(ax: Any, result: dict[str, Any]) -> None:
+    """Wall time per file size, each contender a bar (log scale: seconds to minutes)."""
+    labels = {
+        LLAMA_1: "llama.cpp 1 slot",
+        LLAMA_N: f"llama.cpp {result['slots']} slots",
+        COLD: "batchllm run, cold",
+        WARM: "batchllm run, kept engine",
+    }
+    sizes = [row["requests"] for row in result["sizes"]]
+    width = 0.2
+    for i, key in enumerate(labels):
+        walls = [row[key].get("wall_seconds", 0.0) for row in result["sizes"]]
+        ax.bar([n + (i - 1.5) * width for n in range(len(sizes))], walls, width, label=labels[key])
+    ax.set_xticks(range(len(sizes)), [f"{n:,}" for n in sizes])
+    ax.set_yscale("log")
+    ax.set_xlabel("questions in the file")
+    ax.set_ylabel("seconds from the command to the last answer")
+    ax.set_title("kept engine: run end to end", fontsize=9)
+    ax.legend(fontsize=7)
