@@ -39,22 +39,28 @@ $(VENV)/.installed: pyproject.toml
 # corpus; last, a pipeline (docs/pipelines.md): SmolLM2 answers quiz questions, judges its
 # answers (yes/no), MiniLM embeds them, joined on custom_id. --enforce-eager: on these CPUs
 # torch.compile of the chat model takes ~90 s, longer
-# than the job it would speed up.
+# than the job it would speed up. The runs and the pipeline's stages keep their engines
+# (BATCHLLM_KEEP_ALIVE): with the same engine flags as the pipeline file's stages
+# (DEMO_ENGINE), its answer and judge stages run on the chat engine of the first run and its
+# embed stage on the embedding run's, so the demo starts two engines, not four; the last step
+# unloads them.
+DEMO_ENGINE := --enforce-eager --kv-cache-memory-bytes 536870912
 demo: install
 	$(BIN)/batchllm demo-model $(DEMO)/chat --kind chat
 	$(BIN)/batchllm demo-model $(DEMO)/embed --kind embed
 	$(BIN)/python -m batchllm.demo write-chat $(DEMO)/prompts.jsonl
 	rm -rf $(DEMO)/answers $(DEMO)/embeddings
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/prompts.jsonl --model $(DEMO)/chat \
-		--temperature 0 --max-tokens 64 --enforce-eager --output $(DEMO)/answers
+		--temperature 0 --max-tokens 64 $(DEMO_ENGINE) --output $(DEMO)/answers
 	$(BIN)/python -m batchllm.demo show-chat $(DEMO)/answers --source $(DEMO)/prompts.jsonl
 	$(BIN)/python -m batchllm.demo write-embed $(DEMO)/corpus.jsonl
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm run $(DEMO)/corpus.jsonl --model $(DEMO)/embed \
-		--enforce-eager --output $(DEMO)/embeddings
+		$(DEMO_ENGINE) --output $(DEMO)/embeddings
 	$(BIN)/python -m batchllm.demo show-embed $(DEMO)/embeddings
 	$(BIN)/python -m batchllm.demo write-pipeline $(DEMO)/qa
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm pipeline run $(DEMO)/qa/qa.toml
 	BATCHLLM_HOME=$(DEMO)/home $(BIN)/python -m batchllm.demo show-pipeline $(DEMO)/qa/qa.toml
+	BATCHLLM_HOME=$(DEMO)/home $(BIN)/batchllm engine stop --all
 
 # Three pytest sessions side by side (scripts/test_streams.py says why); `make test-serial` runs
 # the same tests in one session, one after the other.

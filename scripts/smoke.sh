@@ -139,7 +139,8 @@ step "prompts: $LINES lines, $BAD_LINES of them invalid"
     --bad-lines "$BAD_LINES"
 
 step "batchllm run: $LINES lines on $MODEL"
-run_flags=(--max-tokens 128)
+# --keep-alive 0: the run builds its engine and unloads it at its end, as the report times it.
+run_flags=(--max-tokens 128 --keep-alive 0)
 if [ "$EXTRA" = gpu ]; then
     # The defaults, spelled out so the log shows what the GPU ran with.
     run_flags+=(--gpu-memory-utilization 0.92 --dtype auto --prefix-caching)

@@ -170,6 +170,10 @@ def run_batchllm(
         str(max_tokens),
         "--ignore-eos",
         *limits.flags(),
+        # Cold, as this contender is measured: its own engine, unloaded at its end (the kept
+        # part measures a run on a kept engine).
+        "--keep-alive",
+        "0",
     ]
     # Only the home: a user's BATCHLLM_DATABASE_URL or BATCHLLM_STORAGE must not be used.
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}

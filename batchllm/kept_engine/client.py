@@ -55,7 +55,12 @@ class RemoteEngine:
     def __init__(self, record: EngineRecord, *, keep_alive: float | None) -> None:
         """`keep_alive`: the engine's new idle time (None leaves it as it is)."""
         self.record = record
-        registry.check_owned(record.socket)
+        try:
+            registry.check_owned(record.socket)
+        except FileNotFoundError:  # it unloaded (or its socket was removed) as it was found
+            raise EngineDied(
+                f"the kept engine {record.id} cannot be reached: {record.socket} is gone"
+            ) from None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._lock = threading.Lock()
         self.broken = False
@@ -258,6 +263,7 @@ class KeptEngines:
         self._remote: RemoteEngine | None = None
         self._remote_key: str | None = None
         self._gone: set[str] = set()  # engines that died under this source
+        self._announced: set[str] = set()  # engines the run was told it uses or starts
         self._local: EngineSource = (
             InstantEngines(step_seconds=step_seconds)
             if kind == "instant"
@@ -320,6 +326,8 @@ class KeptEngines:
             and self._remote_key == key
             and remote.max_model_len >= max_model_len
         ):
+            if remote.record.id not in self._announced:  # connected by warm(): say so now
+                self._using(remote.record)
             return remote
         self._disconnect()
         for _ in range(3):  # a found engine may unload, or die, as it is reached
@@ -343,12 +351,9 @@ class KeptEngines:
             if found:
                 record = found[0]
                 if record.state == registry.READY:
-                    idle = time.time() - record.started_at
-                    self.on_status(
-                        f"using the kept engine {record.id} (pid {record.pid}, up "
-                        f"{_minutes(idle)}): no start needed"
-                    )
+                    self._using(record)
                 else:
+                    self._announced.add(record.id)
                     self.on_status(f"waiting for kept engine {record.id}, starting ...")
                 return record
             if self.keep_alive == 0:
@@ -362,11 +367,20 @@ class KeptEngines:
                 keep_alive=self.keep_alive,
                 step_seconds=self.step_seconds,
             )
+        self._announced.add(record.id)
         self.on_status(
             f"starting kept engine {record.id} for {spec.model} (kept "
             f"{_duration(self.keep_alive)} after the run; `batchllm engine stop` unloads it)"
         )
         return record
+
+    def _using(self, record: EngineRecord) -> None:
+        self._announced.add(record.id)
+        up = time.time() - record.started_at
+        self.on_status(
+            f"using the kept engine {record.id} (pid {record.pid}, up {_minutes(up)}): "
+            "no start needed"
+        )
 
     def _connect(self, record: EngineRecord, key: str) -> RemoteEngine:
         self._disconnect()
