@@ -55,6 +55,8 @@ MOVED_TO_UNIT = [
     "tests/integration/test_pipeline_fleet.py",
     "tests/integration/test_dashboard_browser.py",
     "tests/faults/test_serve_signals.py",
+    # Kept engines on the instant engine (~2 minutes, SQLite homes of their own, no services).
+    "tests/integration/test_kept_engine.py",
 ]
 STREAMS = {
     "fleet": [

@@ -276,6 +276,11 @@ class KeptEngines:
         return self._remote if self._remote is not None else self._local.engine
 
     def key(self, spec: JobSpec) -> str:
+        # Not max_loras: how many adapters one batch may mix, which a run sets to its adapter
+        # count; an engine with fewer runs such a job's adapters in turn, not wrongly.
+        spec = spec.model_copy(
+            update={"engine": spec.engine.model_copy(update={"max_loras": None})}
+        )
         key = f"{self.kind}|{context_free_key(spec)}"
         return f"{key}|step={self.step_seconds:g}" if self.kind == "instant" else key
 
