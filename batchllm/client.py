@@ -103,6 +103,8 @@ _THROUGHPUT = (
     "requests_per_s",
     "output_tokens_per_s",
     "wall_seconds",
+    "cached_tokens",
+    "prefix_cache_hit_rate",
 )
 
 

@@ -501,6 +501,11 @@ def summary_text(result: dict[str, Any]) -> str:
 
         parts.append("")
         parts.append(peers_text(result["peers"]))
+    if result.get("prefix_cache"):
+        from batchllm.bench.parts.prefix_cache import prefix_cache_table
+
+        parts.append("")
+        parts.append(prefix_cache_table(result["prefix_cache"]))
     if result.get("kept"):
         from batchllm.bench.parts.kept import kept_table
 
@@ -533,6 +538,8 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
         panels += ["peers", "sweep"]
     if result.get("kept"):
         panels.append("kept")
+    if result.get("prefix_cache"):
+        panels.append("prefix_cache")
     widths = [
         {"contenders": 3, "features": 2.2, "peers": 2.6, "sweep": 2}.get(p, 1.4) for p in panels
     ]
@@ -554,6 +561,7 @@ def draw_chart(result: dict[str, Any], path: Path) -> Path:
             "peers": _peers_panel,
             "sweep": _sweep_panel,
             "kept": _kept_panel,
+            "prefix_cache": _prefix_cache_panel,
         }[panel](ax, result)
     config = result["config"]
     engine = (
@@ -725,6 +733,22 @@ def _warm_panel(ax, result: dict[str, Any]) -> None:
     )
     ax.set_ylabel("wall seconds, end to end")
     ax.set_title(f"one file of {side['lines']:,} lines", fontsize=9)
+
+
+def _prefix_cache_panel(ax, result: dict[str, Any]) -> None:
+    from batchllm.bench.parts.prefix_cache import LABELS
+
+    rows = result["prefix_cache"]["rows"]
+    keys = list(rows)
+    ax.barh(range(len(keys)), [rows[k]["output_tokens_per_s"] for k in keys])
+    ax.set_yticks(
+        range(len(keys)),
+        [f"{LABELS[k]}\n(hits {rows[k]['hit_rate']:.0%})" for k in keys],
+        fontsize=6,
+    )
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens/s")
+    ax.set_title("shared documents, shuffled", fontsize=9)
 
 
 def _kept_panel(ax, result: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ PARTS = (
     "warm",
     "peers",
     "kept",
+    "prefix-cache",
 )
 # What `batchllm bench` runs without --parts. features and embed are opt-in: each starts an
 # engine of its own (compact_json; pooling) and they take about 6 minutes together on 2 cores
@@ -45,7 +46,8 @@ PARTS = (
 # opt-in too: it needs Redis on 127.0.0.1:6379 and starts three engines (a worker's, run-batch's
 # and `batchllm run`'s). peers is opt-in: it needs llama.cpp's server (`make bench-peers` builds
 # it) and a real chat model, and runs for half an hour here; so is kept (the same needs: cold
-# and warm `batchllm run` against llama.cpp by file size).
+# and warm `batchllm run` against llama.cpp by file size). prefix-cache is opt-in: two engines of
+# its own and a raw run with the prefix cache off, a few minutes here.
 DEFAULT_PARTS = PARTS[:5]
 _WARMUP = Workload(requests=128, prompt_words=(8, 64), output_tokens=(8, 32), seed=7)
 _FIRST_VARIANT = 1
@@ -106,6 +108,13 @@ class BenchConfig:
     # 1 slot answers one by one, so only up to kept_one_slot_max requests.
     kept_sizes: tuple[int, ...] = (1, 8, 64, 1000)
     kept_one_slot_max: int = 64
+    # The prefix-cache part: documents, questions per document, words per document (about 1.5
+    # tokens each on the demo model), max_tokens, and the KV cache in documents' tokens.
+    prefix_cache_documents: int = 16
+    prefix_cache_questions: int = 16
+    prefix_cache_document_words: int = 800
+    prefix_cache_max_tokens: int = 32
+    prefix_cache_kv_documents: float = 4.0
     seed: int = 0
 
     @property
@@ -237,6 +246,25 @@ def run_bench(config: BenchConfig, say: Say = print) -> dict[str, Any]:
         result["peers"] = _peers(config, model, workdir / "peers", say)
     if "kept" in parts:
         result["kept"] = _kept(config, model, workdir / "kept", say)
+    if "prefix-cache" in parts:
+        from batchllm.bench.contenders import bench_settings
+        from batchllm.bench.parts.prefix_cache import PrefixCacheConfig, run_prefix_cache
+
+        result["prefix_cache"] = run_prefix_cache(
+            PrefixCacheConfig(
+                model=model,
+                documents=config.prefix_cache_documents,
+                questions=config.prefix_cache_questions,
+                document_words=config.prefix_cache_document_words,
+                max_tokens=config.prefix_cache_max_tokens,
+                kv_documents=config.prefix_cache_kv_documents,
+                settings=bench_settings(workdir / "prefix-cache" / "home"),
+                workdir=workdir / "prefix-cache",
+                say=say,
+                enforce_eager=config.enforce_eager,
+                seed=config.seed,
+            )
+        )
     add_ratios_and_targets(result)
     result["seconds"] = time.perf_counter() - began
     return result

@@ -266,6 +266,21 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     type=click.IntRange(min=1),
     help="The kept part: llama.cpp's 1 slot answers files up to this many requests.",
 )
+@_config_option(
+    "--prefix-cache-documents",
+    type=click.IntRange(min=1),
+    help="The prefix-cache part: documents, each asked --prefix-cache-questions questions.",
+)
+@_config_option("--prefix-cache-questions", type=click.IntRange(min=1), help="Per document.")
+@_config_option(
+    "--prefix-cache-document-words", type=click.IntRange(min=1), help="Words per document."
+)
+@_config_option("--prefix-cache-max-tokens", type=click.IntRange(min=1), help="Per answer.")
+@_config_option(
+    "--prefix-cache-kv-documents",
+    type=click.FloatRange(min=0.5),
+    help="The prefix-cache part's KV cache, in documents' tokens (the cache's pressure).",
+)
 @_config_option("--seed", type=int)
 def bench(
     output: Path,
@@ -287,7 +302,9 @@ def bench(
     127.0.0.1:6379) and peers (llama.cpp's server with 1 and N slots against vLLM and
     batchllm on the chat model's questions, and a batch-size sweep; needs llama.cpp: `make
     bench-peers`) and kept (cold and warm `batchllm run` against llama.cpp by file size, the
-    same needs: `make bench-kept`). Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
+    same needs: `make bench-kept`) and prefix-cache (documents asked many questions, shuffled:
+    raw generate with vLLM's prefix cache off, on, on over sorted lines, and batchllm's job).
+    Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
     from batchllm.bench.suite import BenchConfig, run_bench, write_results

@@ -62,9 +62,12 @@ def echo_job(job: Job) -> None:
             f"{fmt(job.output_tokens_per_s)} output tok/s, "
             f"{fmt(job.total_tokens_per_s)} total tok/s"
         )
+    cached = ""
+    if job.prompt_tokens and job.cached_tokens:
+        cached = f" ({job.cached_tokens / job.prompt_tokens:.0%} from the prefix cache)"
     click.echo(
-        f"tokens     {job.prompt_tokens:,} prompt, {job.completion_tokens:,} completion; "
-        f"engine {fmt(job.engine_seconds)} s, wall {fmt(job.wall_seconds)} s"
+        f"tokens     {job.prompt_tokens:,} prompt{cached}, {job.completion_tokens:,} "
+        f"completion; engine {fmt(job.engine_seconds)} s, wall {fmt(job.wall_seconds)} s"
     )
     if job.hardware:
         click.echo(f"hardware   {job.hardware}, vLLM {job.vllm_version}")

@@ -41,6 +41,12 @@ ROWS = Counter(
 PROMPT_TOKENS = Counter(
     "batchllm_prompt_tokens", "Prompt tokens of the rows this process committed.", _MODEL
 )
+PROMPT_CACHED_TOKENS = Counter(
+    "batchllm_prompt_cached_tokens",
+    "Prompt tokens of the committed rows that vLLM served from its prefix cache; over "
+    "batchllm_prompt_tokens, the prefix cache's hit rate.",
+    _MODEL,
+)
 COMPLETION_TOKENS = Counter(
     "batchllm_completion_tokens",
     "Completion tokens of the rows this process committed (every sample when n > 1); equals "
@@ -160,6 +166,7 @@ class ModelMetrics:
         self.rows_ok = ROWS.labels(model, "ok")
         self.rows_error = ROWS.labels(model, "error")
         self.prompt_tokens = PROMPT_TOKENS.labels(model)
+        self.prompt_cached_tokens = PROMPT_CACHED_TOKENS.labels(model)
         self.completion_tokens = COMPLETION_TOKENS.labels(model)
         self.shards_started = SHARDS_STARTED.labels(model)
         self.shards_resumed = SHARDS_RESUMED.labels(model)
@@ -175,8 +182,17 @@ class ModelMetrics:
         self.rate = TokenRate()
         OUTPUT_TOKENS_PER_SECOND.labels(model).set_function(self.rate.per_second)
 
-    def committed(self, ok: int, error: int, prompt_tokens: int, completion_tokens: int) -> None:
+    def committed(
+        self,
+        ok: int,
+        error: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+    ) -> None:
         """A committed part's totals: its rows by status and their tokens."""
+        if cached_tokens:
+            self.prompt_cached_tokens.inc(cached_tokens)
         if ok:
             self.rows_ok.inc(ok)
         if error:

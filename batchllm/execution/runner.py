@@ -701,5 +701,9 @@ def with_call_ids(custom_id: str, calls: list[dict[str, Any]]) -> list[dict[str,
 def _count_committed(model: str, part: Part) -> None:
     """Add a committed part's rows and tokens to the model's counters."""
     metrics.for_model(model).committed(
-        part.rows_ok, part.rows_failed, part.prompt_tokens, part.completion_tokens
+        part.rows_ok,
+        part.rows_failed,
+        part.prompt_tokens,
+        part.completion_tokens,
+        part.cached_tokens,
     )

@@ -66,7 +66,11 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         "progress": (job.request_completed + job.request_failed) / job.request_total
         if job.request_total
         else 0.0,
-        "throughput": {name: getattr(job, name) for name in THROUGHPUT_FIELDS},
+        "throughput": {
+            **{name: getattr(job, name) for name in THROUGHPUT_FIELDS},
+            "cached_tokens": job.cached_tokens or 0,
+            "prefix_cache_hit_rate": prefix_cache_hit_rate(job),
+        },
         "throughput_so_far": live_throughput(job),
         "usage": usage(job),
         "max_model_len": job.max_model_len,
@@ -101,6 +105,14 @@ def job_view(job: Job, *, shards: bool = False) -> dict[str, Any]:
         if job.notify_url:
             data["webhook"] = webhook_view(job)
     return data
+
+
+def prefix_cache_hit_rate(job: Job) -> float | None:
+    """The share of the job's prompt tokens vLLM served from its prefix cache (None before a
+    prompt token was counted): what ordering rows by shared prefix earns."""
+    if not job.prompt_tokens:
+        return None
+    return min((job.cached_tokens or 0) / job.prompt_tokens, 1.0)
 
 
 def usage(job: Job) -> dict[str, Any]:

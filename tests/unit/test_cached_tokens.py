@@ -98,3 +98,30 @@ def test_a_retry_adds_its_hits_and_keeps_the_replaced_rows_hits(small_commits, t
     assert usage["input_tokens"] == 18
     assert usage["cached_tokens"] == FIRST_RUN_CACHED + 5
     assert usage["input_tokens_details"] == {"cached_tokens": FIRST_RUN_CACHED + 5}
+
+
+def test_the_hit_rate_is_in_the_jobs_throughput_its_summary_and_the_metrics(
+    small_commits, tmp_path
+):
+    from prometheus_client import REGISTRY
+
+    from batchllm.store.job_view import job_view as view_of
+    from tests.support.cli import invoke
+
+    def counted() -> float:
+        value = REGISTRY.get_sample_value(
+            "batchllm_prompt_cached_tokens_total", {"model": "/models/fake"}
+        )
+        return value or 0.0
+
+    before = counted()
+    client, job = run(small_commits, tmp_path, FakeEngine())
+
+    with session_scope(small_commits) as session:
+        throughput = view_of(session.get(Job, job.id))["throughput"]
+    assert throughput["cached_tokens"] == FIRST_RUN_CACHED
+    assert throughput["prefix_cache_hit_rate"] == FIRST_RUN_CACHED / 18
+    assert client.status(job.id).throughput["prefix_cache_hit_rate"] == FIRST_RUN_CACHED / 18
+    assert counted() - before == FIRST_RUN_CACHED
+    shown = invoke("status", job.id)
+    assert f"18 prompt ({FIRST_RUN_CACHED / 18:.0%} from the prefix cache)" in shown.output

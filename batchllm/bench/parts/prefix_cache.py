@@ -1,0 +1,243 @@
+"""The prefix-cache part: batch work that repeats itself (each of N documents asked M questions,
+the lines shuffled, as a file of RAG or extraction requests comes) through raw `LLM.generate`
+with vLLM's prefix cache off, with it on, with it on over the lines sorted by document (what a
+user could reach by hand), and through batchllm's job, which orders each shard's rows by their
+prompt so the lines sharing a document run while it is cached.
+
+vLLM's cache is LRU over KV blocks: when the KV cache cannot hold every document at once (a
+GPU's, full of running requests, usually cannot), a shuffled file evicts a document before its
+next question comes. The part gives every engine a KV cache of `kv_documents` documents, so
+the cache is under that pressure here too; each contender starts from an empty prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchllm.bench.figures import BenchFailed
+from batchllm.bench.own_engine import Say
+from batchllm.settings import Settings
+
+RAW_OFF, RAW_ON, RAW_SORTED, JOB = "raw_cache_off", "raw_cache_on", "raw_sorted", "batchllm"
+LABELS = {
+    RAW_OFF: "raw generate, prefix cache off, shuffled",
+    RAW_ON: "raw generate, prefix cache on, shuffled",
+    RAW_SORTED: "raw generate, prefix cache on, sorted by document (by hand)",
+    JOB: "batchllm job engine phase, shuffled file",
+}
+_WORDS = (
+    "river stone market winter signal harbor copper garden ledger orbit lantern meadow "
+    "quarry saddle timber violet anchor beacon cinder delta ember fabric glacier hollow "
+    "island jasper kettle lumen marble nectar oyster pepper quiver ribbon silver tundra "
+    "umber velvet willow yonder zephyr"
+).split()
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    model: str
+    documents: int
+    questions: int  # per document
+    document_words: int
+    max_tokens: int
+    kv_documents: float  # the KV cache holds this many documents' tokens
+    settings: Settings
+    workdir: Path
+    say: Say
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+def write_lines(config: PrefixCacheConfig) -> tuple[Path, list[tuple[str, str, int]]]:
+    """The shuffled file (plain prompts: a document, then one question about it) and its lines
+    as (custom_id, prompt, document)."""
+    rng = random.Random(config.seed)
+    documents = [
+        f"Document {d}. " + " ".join(rng.choice(_WORDS) for _ in range(config.document_words))
+        for d in range(config.documents)
+    ]
+    lines = [
+        (
+            f"d{d}-q{q}",
+            f"{text}\n\nQuestion {q}: what does the document say about "
+            f"{rng.choice(_WORDS)}?\nAnswer:",
+            d,
+        )
+        for d, text in enumerate(documents)
+        for q in range(config.questions)
+    ]
+    rng.shuffle(lines)
+    path = config.workdir / "shared-documents.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for custom_id, prompt, _ in lines:
+            out.write(json.dumps({"custom_id": custom_id, "prompt": prompt}) + "\n")
+    return path, lines
+
+
+def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
+    from batchllm.bench.contenders import job_spec, kv_cache_tokens, run_job_phase
+    from batchllm.bench.workload import Workload
+    from batchllm.execution.engines import EngineCache
+
+    say = config.say
+    source, lines = write_lines(config)
+    cache_on = EngineCache(config.settings)
+    cache_off = EngineCache(config.settings)
+    try:
+        probe = _tokenizer(config.model)
+        lengths = [len(probe(prompt).input_ids) for _, prompt, _ in lines]
+        longest = max(lengths) + config.max_tokens
+        max_model_len = -(-longest // 64) * 64
+        per_document = sum(lengths) / len(lengths)
+        workload = Workload(
+            requests=len(lines), prompt_words=(1, 1), output_tokens=(config.max_tokens,) * 2
+        )
+        kv_bytes = _kv_bytes(config, per_document, max_model_len)
+        specs = {
+            on: job_spec(
+                config.model,
+                workload,
+                max_model_len,
+                kv_cache_bytes=kv_bytes,
+                enforce_eager=config.enforce_eager,
+            )
+            for on in (True, False)
+        }
+        for on, spec in specs.items():
+            engine = spec.engine.model_copy(update={"enable_prefix_caching": on})
+            specs[on] = spec.model_copy(update={"engine": engine})
+        say(
+            f"[prefix-cache] {config.documents} documents x {config.questions} questions, "
+            f"~{per_document:,.0f} prompt tokens a line, a KV cache of "
+            f"{config.kv_documents:g} documents; starting two engines (prefix cache on, off)"
+        )
+        engine_on = cache_on.get(specs[True], max_model_len)
+        engine_off = cache_off.get(specs[False], max_model_len)
+        ids = {custom_id: probe(prompt).input_ids for custom_id, prompt, _ in lines}
+        shuffled = [ids[c] for c, _, _ in lines]
+        by_document = [ids[c] for c, _, _ in sorted(lines, key=lambda line: line[2])]
+        runs: dict[str, dict[str, Any]] = {}
+        runs[RAW_OFF] = _generate(engine_off, shuffled, config.max_tokens)
+        for key, prompts in ((RAW_ON, shuffled), (RAW_SORTED, by_document)):
+            engine_on.llm.reset_prefix_cache()
+            runs[key] = _generate(engine_on, prompts, config.max_tokens)
+        engine_on.llm.reset_prefix_cache()
+        run = run_job_phase(cache_on, specs[True], source, config.settings)
+        runs[JOB] = _figures(
+            run.seconds, run.prompt_tokens, run.output_tokens, _job_cached(run, config.settings)
+        )
+        for key, figures in runs.items():
+            say(
+                f"[prefix-cache] {LABELS[key]}: {figures['seconds']:.1f} s, "
+                f"{figures['output_tokens_per_s']:,.0f} output tok/s, hit rate "
+                f"{figures['hit_rate']:.0%}"
+            )
+        result = {
+            "documents": config.documents,
+            "questions": config.questions,
+            "lines": len(lines),
+            "prompt_tokens_per_line": per_document,
+            "max_tokens": config.max_tokens,
+            "max_model_len": max_model_len,
+            "kv_cache_tokens": kv_cache_tokens(engine_on),
+            "kv_documents": config.kv_documents,
+            "rows": runs,
+        }
+        result["ratios"] = {
+            "batchllm_vs_raw_cache_on": runs[RAW_ON]["seconds"] / runs[JOB]["seconds"],
+            "batchllm_vs_sorted": runs[RAW_SORTED]["seconds"] / runs[JOB]["seconds"],
+            "batchllm_vs_raw_cache_off": runs[RAW_OFF]["seconds"] / runs[JOB]["seconds"],
+            "sorted_vs_raw_cache_on": runs[RAW_ON]["seconds"] / runs[RAW_SORTED]["seconds"],
+        }
+        return result
+    finally:
+        cache_on.close()
+        cache_off.close()
+
+
+def _tokenizer(model: str):
+    from batchllm.engine.sizing import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+def _kv_bytes(config: PrefixCacheConfig, per_document: float, max_model_len: int) -> int:
+    """KV cache bytes for `kv_documents` documents' tokens (and at least two sequences)."""
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(config.model)
+    text = getattr(model, "get_text_config", lambda: model)()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * 2  # K and V, 16-bit
+    tokens = max(config.kv_documents * per_document, 2 * max_model_len)
+    return int(tokens * per_token)
+
+
+def _generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    started = time.perf_counter()
+    outputs = engine.llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
+    )
+    seconds = time.perf_counter() - started
+    return _figures(
+        seconds,
+        sum(len(o.prompt_token_ids) for o in outputs),
+        sum(len(o.outputs[0].token_ids) for o in outputs),
+        sum(o.num_cached_tokens or 0 for o in outputs),
+    )
+
+
+def _figures(seconds: float, prompt: int, output: int, cached: int) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens_per_s": prompt / seconds,
+        "output_tokens_per_s": output / seconds,
+    }
+
+
+def _job_cached(run, settings: Settings) -> int:
+    from batchllm.store.db import session_scope
+    from batchllm.store.models import Job
+
+    with session_scope(settings) as session:
+        job = session.get(Job, run.extra["job_id"])
+        if job is None:
+            raise BenchFailed(f"bench job {run.extra['job_id']} is gone")
+        return job.cached_tokens or 0
+
+
+def prefix_cache_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"prefix cache: {result['documents']} documents x {result['questions']} questions "
+        f"({result['lines']:,} lines, ~{result['prompt_tokens_per_line']:,.0f} prompt tokens "
+        f"each, shuffled), a KV cache of {result['kv_cache_tokens']:,} tokens",
+        f"{'contender':<62} {'seconds':>8} {'out tok/s':>10} {'prompt tok/s':>13} {'hits':>6}",
+    ]
+    for key, figures in result["rows"].items():
+        lines.append(
+            f"{LABELS[key]:<62} {figures['seconds']:>8.1f} "
+            f"{figures['output_tokens_per_s']:>10,.0f} {figures['prompt_tokens_per_s']:>13,.0f} "
+            f"{figures['hit_rate']:>6.0%}"
+        )
+    ratios = result["ratios"]
+    lines.append(
+        f"batchllm {ratios['batchllm_vs_raw_cache_on']:.2f}x raw generate with the prefix cache "
+        f"on, {ratios['batchllm_vs_sorted']:.2f}x the sorted bound, "
+        f"{ratios['batchllm_vs_raw_cache_off']:.2f}x with it off"
+    )
+    return "\n".join(lines)
