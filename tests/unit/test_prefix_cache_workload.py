@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from itertools import pairwise
 
 from batchllm.bench.parts.prefix_cache import PrefixCacheConfig, write_lines
 from batchllm.settings import Settings
@@ -35,5 +36,5 @@ def test_the_file_asks_every_document_every_question_once_in_shuffled_order(tmp_
     for custom_id, prompt, document in lines:
         assert prompt.startswith(f"Document {document}. ")
         assert f"Question {custom_id.split('-q')[1]}:" in prompt
-    same_as_next = sum(a[2] == b[2] for a, b in zip(lines, lines[1:]))
+    same_as_next = sum(a[2] == b[2] for a, b in pairwise(lines))
     assert same_as_next < 6 * 4  # sorted by document, 24 neighbours would share one
