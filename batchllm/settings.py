@@ -88,6 +88,15 @@ class Settings(BaseSettings):
         "longest shard, or a slow shard would run twice.",
     )
 
+    first_wave: int = Field(
+        default=8,
+        ge=0,
+        description="Requests a local run (`batchllm run`, the Client) puts in the engine until "
+        "the first one finishes, so its first answers come within a second or two, not when "
+        "the shortest answer of a full batch ends (a full batch shares each step among all its "
+        "requests); then the whole window. 0: the whole window at once. Fleet workers never "
+        "hold back.",
+    )
     keep_alive: str = Field(
         default="5m",
         description="How long `batchllm run` (and the Client's local runs) keep their engine "

@@ -101,12 +101,20 @@ class ShardRunner:
         window: int | None = None,
         on_progress: ProgressFn | None = None,
         stop: StopRequest | None = None,
+        first_wave: int = 0,
     ) -> None:
+        """`first_wave` > 0: until the first request finishes, at most that many are in the
+        engine. A full batch shares each step among all its requests, so its first answer
+        comes late (1,000 questions here: 19 s into the run at 256 at once); a small first
+        wave answers within a second or two, and the window then opens in full. `batchllm
+        run` asks for it (its user watches); a fleet worker does not."""
         self.engine = engine
         self.settings = settings
         self.storage = Storage.of(self.settings)
         self.worker = worker
         self.window = window or 4 * engine.max_num_seqs
+        self.first_wave = min(first_wave, self.window)
+        self._ramping = self.first_wave > 0  # no request has finished yet
         self.on_progress = on_progress or (lambda rows, tokens: None)
         self.stop = stop or StopRequest()
         self._pending: dict[str, _Pending] = {}
@@ -138,7 +146,8 @@ class ShardRunner:
         last_control = time.monotonic()
         try:
             while True:
-                while not exhausted and len(self._pending) < self.window and not self._stopping:
+                window = self.first_wave if self._ramping else self.window
+                while not exhausted and len(self._pending) < window and not self._stopping:
                     exhausted = self._feed(source)
                 if self.engine.has_unfinished():
                     self._step()
@@ -188,10 +197,11 @@ class ShardRunner:
             self._shard_started[shard_id] = time.monotonic()
             rows = state.rows(self.storage)
             while not (self._stopping or state.fed_all):  # fed_all early: the job was cancelled
-                batch = list(itertools.islice(rows, _PREPARE_BATCH))
+                size = self.first_wave if self._ramping else _PREPARE_BATCH
+                batch = list(itertools.islice(rows, size))
                 if batch:
                     yield state, batch
-                if len(batch) < _PREPARE_BATCH:
+                if len(batch) < size:
                     break
             state.fed_all = True
 
@@ -386,6 +396,8 @@ class ShardRunner:
         started = time.perf_counter()
         finished = self.engine.step()
         elapsed = time.perf_counter() - started
+        if finished:
+            self._ramping = False
         running = [s for s in self._active if s.inflight]
         for state in running:
             state.step_seconds += elapsed / len(running)

@@ -182,6 +182,7 @@ def _run_through_engine_deaths(
             settings=settings,
             on_progress=on_progress,
             stop=StopRequest(requested=interrupted),  # Ctrl-C stops at once: no drain
+            first_wave=settings.first_wave,
         )
         try:
             runner.run(shard_ids)
