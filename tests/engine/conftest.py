@@ -19,7 +19,7 @@ from click.testing import Result
 
 from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import JobSpec
-from batchllm.jobs import local
+from batchllm.kept_engine import client as local_engines
 from batchllm.settings import Settings, get_settings
 from tests.support.cli import LOCAL_UNSET, invoke
 from tests.support.skips import require
@@ -103,7 +103,7 @@ def run_here(engines: EnginePool) -> RunHere:
 
     def run(*args: str, home: Path) -> Result:
         with pytest.MonkeyPatch.context() as patch:
-            for module in (local, features, embed):
+            for module in (local_engines, features, embed):
                 patch.setattr(module, "EngineCache", engines.lend)
             for name in (*LOCAL_UNSET, "BATCHLLM_MAX_N"):
                 patch.delenv(name, raising=False)

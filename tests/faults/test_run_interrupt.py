@@ -79,6 +79,7 @@ def start_run(variant: str, *, model: Path, work_dir: Path, core: int) -> Run:
     home.mkdir(parents=True)
     source = write_workload(work_dir / variant / "j.jsonl", requests=ROWS, seed=30 + core)
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env["BATCHLLM_KEEP_ALIVE"] = "0"  # no engine kept after the test
     env.update(
         {
             "BATCHLLM_HOME": str(home),

@@ -60,6 +60,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 def _env(home: Path, broker: RedisServer) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env["BATCHLLM_KEEP_ALIVE"] = "0"  # no engine kept after the test
     env.update(
         {
             "BATCHLLM_HOME": str(home),

@@ -47,6 +47,7 @@ def closed_port() -> int:
 def clean_env(home: Path, **settings: str) -> dict[str, str]:
     """The caller's environment without its BATCHLLM_ variables, plus these."""
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("BATCHLLM_")}
+    env["BATCHLLM_KEEP_ALIVE"] = "0"  # no engine kept after the test
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["BATCHLLM_HOME"] = str(home)
     env.update(settings)

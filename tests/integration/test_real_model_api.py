@@ -146,6 +146,7 @@ class Run:
         self.log_path = work / "run.log"
         self._log = self.log_path.open("wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+        env["BATCHLLM_KEEP_ALIVE"] = "0"  # no engine kept after the test
         env.update(
             {
                 "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),

@@ -100,6 +100,7 @@ def upload(s3_server: S3Server, key: str, source: Path) -> str:
 
 def run_env(s3_env: dict[str, str], home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env["BATCHLLM_KEEP_ALIVE"] = "0"  # no engine kept after the test
     env.update(s3_env)
     env.update(
         {
