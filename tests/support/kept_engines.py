@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import psutil
 
 from batchllm.settings import Settings
+from tests.support import job_checks
 from tests.support.cli import REPO, local_env
 
 T = TypeVar("T")
@@ -34,16 +35,8 @@ _ENGINE_ID = re.compile(r"eng_[0-9a-f]{8}")
 
 
 def wait_for(check: Callable[[], T | None], *, timeout: float, what: Callable[[], str] | str) -> T:
-    """`check()`'s first true value, asked every 0.05 s; an AssertionError naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            told = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {told}")
-        time.sleep(0.05)
+    """job_checks.wait_for, asked every 0.05 s: an engine's start and a run's steps are quick."""
+    return job_checks.wait_for(check, timeout=timeout, what=what, interval=0.05)
 
 
 def pid_alive(pid: int) -> bool:
