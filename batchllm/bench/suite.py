@@ -108,12 +108,12 @@ class BenchConfig:
     # 1 slot answers one by one, so only up to kept_one_slot_max requests.
     kept_sizes: tuple[int, ...] = (1, 8, 64, 1000)
     kept_one_slot_max: int = 64
-    # The prefix-cache part: documents, questions per document, words per document (about 1.5
+    # The prefix-cache part: documents, questions per document, words per document (about 3.5
     # tokens each on the demo model), max_tokens, and the KV cache in documents' tokens.
-    prefix_cache_documents: int = 16
-    prefix_cache_questions: int = 16
-    prefix_cache_document_words: int = 800
-    prefix_cache_max_tokens: int = 32
+    prefix_cache_documents: int = 24
+    prefix_cache_questions: int = 24
+    prefix_cache_document_words: int = 500
+    prefix_cache_max_tokens: int = 64
     prefix_cache_kv_documents: float = 4.0
     seed: int = 0
 

@@ -81,7 +81,7 @@ def write_lines(config: PrefixCacheConfig) -> tuple[Path, list[tuple[str, str, i
 
 
 def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
-    from batchllm.bench.contenders import job_spec, kv_cache_tokens, run_job_phase
+    from batchllm.bench.contenders import job_spec, kv_cache_tokens
     from batchllm.bench.workload import Workload
     from batchllm.execution.engines import EngineCache
 
@@ -96,7 +96,10 @@ def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
         max_model_len = -(-longest // 64) * 64
         per_document = sum(lengths) / len(lengths)
         workload = Workload(
-            requests=len(lines), prompt_words=(1, 1), output_tokens=(config.max_tokens,) * 2
+            requests=len(lines),
+            prompt_words=(1, 1),
+            output_tokens=(config.max_tokens,) * 2,
+            greedy=True,  # as _generate samples: every contender decodes alike
         )
         kv_bytes = _kv_bytes(config, per_document, max_model_len)
         specs = {
@@ -128,10 +131,7 @@ def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
             engine_on.llm.reset_prefix_cache()
             runs[key] = _generate(engine_on, prompts, config.max_tokens)
         engine_on.llm.reset_prefix_cache()
-        run = run_job_phase(cache_on, specs[True], source, config.settings)
-        runs[JOB] = _figures(
-            run.seconds, run.prompt_tokens, run.output_tokens, _job_cached(run, config.settings)
-        )
+        runs[JOB] = _job_engine_phase(cache_on, specs[True], source, config.settings)
         for key, figures in runs.items():
             say(
                 f"[prefix-cache] {LABELS[key]}: {figures['seconds']:.1f} s, "
@@ -210,15 +210,40 @@ def _figures(seconds: float, prompt: int, output: int, cached: int) -> dict[str,
     }
 
 
-def _job_cached(run, settings: Settings) -> int:
+def _job_engine_phase(engines, spec, source: Path, settings: Settings) -> dict[str, Any]:
+    """batchllm's job over the shuffled file, as `batchllm run` runs one by default (no
+    --max-model-len): validation stores the lines and the sizing pass stores their prompts'
+    token ids; then, timed, the engine phase, which feeds the stored ids in prefix order. The
+    raw contenders are handed token ids too, so neither side's time holds tokenization."""
+    from batchllm.execution.sizing_pass import size_shards
+    from batchllm.jobs.local import run_shards_here
+    from batchllm.storage import Storage
+    from batchllm.store import service
     from batchllm.store.db import session_scope
-    from batchllm.store.models import Job
+    from batchllm.store.models import JobStatus
 
+    unsized = spec.model_copy(
+        update={"engine": spec.engine.model_copy(update={"max_model_len": None})}
+    )
+    created = service.create_job(
+        source, unsized, shard_size=settings.shard_size, settings=settings, local_run=True
+    )
+    job_id = created.job.id
+    paths = [shard.path for shard in created.stored.shards]
+    sized = size_shards(unsized, Storage.of(settings), paths, settings)
+    built = spec.engine.max_model_len or 0
+    if sized > built:  # the warm engine would be rebuilt inside the timed phase
+        raise BenchFailed(f"the job was sized to {sized} tokens; the engine holds {built}")
     with session_scope(settings) as session:
-        job = session.get(Job, run.extra["job_id"])
-        if job is None:
-            raise BenchFailed(f"bench job {run.extra['job_id']} is gone")
-        return job.cached_tokens or 0
+        service.set_max_model_len(session, job_id, sized)
+    started = time.perf_counter()
+    job = run_shards_here(job_id, unsized, settings=settings, engines=engines, own_engines=False)
+    seconds = time.perf_counter() - started
+    if job.status is not JobStatus.COMPLETED:
+        raise BenchFailed(f"bench job {job_id} ended {job.status.value}: {job.error}")
+    return _figures(
+        seconds, job.prompt_tokens or 0, job.completion_tokens or 0, job.cached_tokens or 0
+    )
 
 
 def prefix_cache_table(result: dict[str, Any]) -> str:
