@@ -11,33 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.prompts import token_count, within_context
-from batchllm.engine.protocol import REJECTED, Adapter, Engine, Finished
+from batchllm.engine.protocol import Adapter, Engine
 from batchllm.errors import EngineDied, ShardBusy, ShardLost
 from batchllm.execution import metrics
+from batchllm.execution.drain import Drain, start_drain
 from batchllm.execution.finalize import finalize_job
+from batchllm.execution.results import Sampling, record_finished, record_refused
 from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
 from batchllm.execution.stop_request import StopRequest
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
-from batchllm.input.scoring import ScoreShape, pair_scores
-from batchllm.input.structured import field_of, satisfies
 from batchllm.output.parts import OutputBuffer, Part
-from batchllm.output.row_errors import (
-    ENGINE_ERROR,
-    INVALID_REQUEST,
-    REQUEST_REJECTED,
-    Refusal,
-)
+from batchllm.output.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
@@ -49,9 +42,6 @@ log = logging.getLogger(__name__)
 _PREPARE_BATCH = 256
 _CONTROL_INTERVAL = 1.0  # seconds between checks for cancel / stop requests
 _SAMPLING_CACHE = 4096  # distinct (job, per-line overrides) pairs kept built
-# Only these end a request with its full answer. vLLM reports "abort" for a request it dropped
-# (the engine stopping, e.g. on a Ctrl-C that reached it): such a request must run again.
-_RESULT_REASONS = ("stop", "length")
 # Request ids are unique per process, not per runner: requests of a runner that ended on an
 # error may still be in the engine when the next runner starts on it.
 _request_ids = itertools.count()
@@ -70,19 +60,9 @@ class Outcome(str, enum.Enum):
     RETRYING = "retrying"  # its run failed (counted on the shard); it runs again after a backoff
 
 
-@dataclass(frozen=True, slots=True)
-class _Sampling:
-    """What rows with the same job and per-line override text run under (built once)."""
-
-    params: Any  # the engine's sampling parameters
-    constraint: dict[str, Any] | None  # the structured output constraint
-    adapter: Adapter | None  # what the engine runs the row through
-    adapter_name: str | None  # the LoRA adapter the output names; None for the base model
-
-
 # A request in the engine: its shard, its row and what it runs under (a plain tuple: one is
 # made per row).
-_Pending = tuple[ShardState, InputRow, _Sampling]
+_Pending = tuple[ShardState, InputRow, Sampling]
 # One batch of a shard's rows to feed.
 _Batch = tuple[ShardState, list[InputRow]]
 
@@ -123,9 +103,9 @@ class ShardRunner:
         self._started_jobs: set[str] = set()
         self._first_rows_committed: set[str] = set()
         # (job, the line's override text) -> what its rows run under
-        self._sampling_cache: dict[tuple[str, str | None], _Sampling] = {}
+        self._sampling_cache: dict[tuple[str, str | None], Sampling] = {}
         self._stopping = False  # a stop was requested: no more rows are fed
-        self._drain: _Drain | None = None  # the rows in flight may finish until its deadline
+        self._drain: Drain | None = None  # the rows in flight may finish until its deadline
         # Prometheus (execution/metrics.py). The engine serves one model, so the per-step gauges
         # go to the model of the shard claimed last; commits and shard ends to their own.
         self._metrics: metrics.ModelMetrics | None = None
@@ -332,7 +312,7 @@ class ShardRunner:
                 except EngineDied:
                     raise
                 except Exception as exc:  # vLLM refused this one request, not the job
-                    self._refused(state, row, token_count(ids), sampling, exc)
+                    record_refused(state.buffer, row, token_count(ids), sampling, exc)
                     refused += 1
                     continue
                 pending[request_id] = (state, row, sampling)
@@ -341,29 +321,7 @@ class ShardRunner:
             state.inflight += added
         return refused
 
-    def _refused(
-        self,
-        state: ShardState,
-        row: InputRow,
-        prompt_tokens: int,
-        sampling: _Sampling,
-        exc: Exception | str,
-    ) -> None:
-        # A constraint the engine cannot compile, or embedding dimensions the model does not
-        # have, is the usual cause: name the field.
-        constraint = sampling.constraint
-        where = f"field '{field_of(constraint)}': " if constraint else ""
-        if not where and getattr(sampling.params, "dimensions", None) is not None:
-            where = "field 'dimensions': "
-        state.buffer.failed(
-            row.custom_id,
-            row.line,
-            f"{where}rejected by vLLM: {exc}",
-            REQUEST_REJECTED,
-            prompt_tokens=prompt_tokens,
-        )
-
-    def _sampling(self, state: ShardState, row: InputRow) -> _Sampling:
+    def _sampling(self, state: ShardState, row: InputRow) -> Sampling:
         """The row's engine sampling parameters, constraint and adapter, built on a miss of
         the cache `_add_all` looks in first: once per job and distinct per-line override text.
         A job's lines share few of them, and decoding, merging and keying them again for every
@@ -372,7 +330,7 @@ class ShardRunner:
             self._sampling_cache.clear()
         merged = sampling_for(state.spec, row)
         adapter = self._adapter_of(state, merged.get("adapter"))
-        built = _Sampling(
+        built = Sampling(
             params=self.engine.sampling_params(merged),
             constraint=merged.get("structured"),
             adapter=adapter,
@@ -413,52 +371,7 @@ class ShardRunner:
                 )
             state, row, sampling = pending
             state.inflight -= 1
-            if out.finish_reason == REJECTED:  # refused when added (a kept engine's way)
-                self._refused(state, row, out.prompt_tokens, sampling, out.text)
-            elif out.scores is not None:  # a cross-encoder's
-                state.buffer.scored(row.custom_id, row.line, out.prompt_tokens, out.scores)
-            elif out.is_classification:
-                state.buffer.classified(
-                    row.custom_id, row.line, out.prompt_tokens, out.label, out.probs or []
-                )
-            elif out.is_embedding and row.kind == "score":
-                scores = pair_scores(ScoreShape.of(row.overrides()), out.embeddings or [])
-                state.buffer.scored(row.custom_id, row.line, out.prompt_tokens, scores)
-            elif out.is_embedding:
-                state.buffer.embedding(
-                    row.custom_id, row.line, out.prompt_tokens, out.embedding, out.embeddings
-                )
-            elif out.finish_reason in _RESULT_REASONS:
-                constraint = sampling.constraint
-                calls = out.tool_calls
-                finish_reason = out.finish_reason
-                if calls:
-                    calls = with_call_ids(row.custom_id, calls)
-                    if finish_reason == "stop":  # OpenAI's reason for an answer that calls
-                        finish_reason = "tool_calls"
-                state.buffer.answer(
-                    row.custom_id,
-                    row.line,
-                    out.text,
-                    finish_reason,
-                    out.prompt_tokens,
-                    out.completion_tokens,
-                    _satisfied(constraint, out) if constraint else None,
-                    out.logprobs,
-                    out.choices,
-                    sampling.adapter_name,
-                    out.reasoning,
-                    out.reasoning_tokens,
-                    calls,
-                )
-            else:
-                state.buffer.failed(
-                    row.custom_id,
-                    row.line,
-                    f"vLLM ended the request with finish reason {out.finish_reason!r}",
-                    ENGINE_ERROR,
-                    prompt_tokens=out.prompt_tokens,
-                )
+            record_finished(state.buffer, row, sampling, out)
             state.cached_tokens += out.cached_tokens
             tokens += out.generated_tokens
         if finished:
@@ -557,67 +470,20 @@ class ShardRunner:
     def _begin_stop(self) -> None:
         """Feed nothing more; drain the rows in flight when the stop allows it, else stop now."""
         self._stopping = True
-        seconds = self.stop.drain_seconds
-        if seconds > 0 and self._pending and not self.stop.cut_short.is_set():
-            unstarted = self._abort_unstarted()
-            log.warning(
-                "stop requested: draining %d rows in flight for up to %.0f s (a second signal "
-                "cuts it short), then committing and handing the rest back; %d rows not yet "
-                "started go back now",
-                len(self._pending),
-                seconds,
-                unstarted,
-            )
-            self._drain = _Drain(len(self._pending), unstarted, time.monotonic(), seconds)
-            return
-        log.warning("stop requested: committing finished rows, handing the rest back")
-        self._stop_now()
-
-    def _abort_unstarted(self) -> int:
-        """Abort the rows fed after the engine's first max_num_seqs in flight: the engine
-        schedules first come, first served, so these have not started generating. Aborting
-        them loses no work, and the drain then waits only for rows that can finish."""
-        unstarted = list(self._pending)[self.engine.max_num_seqs :]
-        if unstarted:
-            self.engine.abort(unstarted)
-            for request_id in unstarted:
-                owner, _, _ = self._pending.pop(request_id)
-                owner.inflight -= 1
-                owner.rows_dropped = True
-        return len(unstarted)
+        self._drain = start_drain(self.engine, self._pending, self.stop)
+        if self._drain is None:
+            log.warning("stop requested: committing finished rows, handing the rest back")
+            self._stop_now()
 
     def _stop_now(self) -> None:
         """Abort what is still in flight, commit what finished, hand the shards back."""
         drain, self._drain = self._drain, None
         if drain is not None:
-            self._drained(drain, aborted=len(self._pending))
+            drain.ended(len(self._pending), self.stop, self._metrics)
         for state in list(self._active):
             self._abort(state)
             if self._commit(state):
                 self._hand_back(state, Outcome.INTERRUPTED)
-
-    def _drained(self, drain: _Drain, aborted: int) -> None:
-        saved = max(drain.in_flight - aborted, 0)
-        seconds = time.monotonic() - drain.started
-        why = (
-            "all finished"
-            if not aborted
-            else "cut short"
-            if self.stop.cut_short.is_set()
-            else "deadline"
-        )
-        log.warning(
-            "drain ended (%s) after %.1f s: %d of %d rows generating finished and are "
-            "committed, %d aborted; with the %d not started, handed back",
-            why,
-            seconds,
-            saved,
-            drain.in_flight,
-            aborted,
-            drain.unstarted,
-        )
-        if self._metrics is not None:
-            self._metrics.drained(saved, aborted, drain.unstarted, seconds)
 
     def _hand_back(self, state: ShardState, outcome: Outcome) -> None:
         with session_scope(self.settings) as session:
@@ -676,38 +542,6 @@ class ShardRunner:
                 # The database is unreachable, most likely: the shard stays `running` and is
                 # re-driven once its lease runs out (the reconciler).
                 log.exception("shard %d: could not record its end", state.index)
-
-
-@dataclass(slots=True)
-class _Drain:
-    """A stop's drain: the rows generating when it began (and those not started, aborted at
-    its start), when it began, and for how long at most."""
-
-    in_flight: int
-    unstarted: int
-    started: float
-    seconds: float
-
-    def over(self, stop: StopRequest) -> bool:
-        return stop.cut_short.is_set() or time.monotonic() - self.started >= self.seconds
-
-
-def _satisfied(constraint: dict[str, Any], out: Finished) -> bool | None:
-    """Whether the generated text meets its constraint: the whole text the constraint ran
-    over, before thinking and tool calls were split off it."""
-    return satisfies(constraint, out.raw_text if out.raw_text is not None else out.text)
-
-
-def with_call_ids(custom_id: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool calls with OpenAI-style ids, derived from the row so a rerun gives the same."""
-    return [
-        {
-            "id": "call_"
-            + hashlib.blake2b(f"{custom_id}/{i}".encode(), digest_size=12).hexdigest(),
-            **call,
-        }
-        for i, call in enumerate(calls)
-    ]
 
 
 def _count_committed(model: str, part: Part) -> None:

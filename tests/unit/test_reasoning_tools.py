@@ -11,7 +11,7 @@ import pytest
 
 from batchllm.engine.outputs import output_spec
 from batchllm.engine.protocol import Finished
-from batchllm.execution.runner import _satisfied, with_call_ids
+from batchllm.execution.results import satisfied, with_call_ids
 from batchllm.input.validate import LineProblem, parse_line
 from batchllm.output.responses_body import chat_message, is_responses, response_body
 from batchllm.settings import get_settings
@@ -180,8 +180,8 @@ def test_the_engine_is_asked_to_parse_only_what_a_row_needs():
 
 def test_structured_ok_checks_the_text_the_constraint_ran_over():
     finished = Finished("r1", "answer", "stop", 3, 9, raw_text="<think>hm</think>answer")
-    assert _satisfied({"regex": r"<think>[a-z]+</think>[a-z]+"}, finished) is True
-    assert _satisfied({"regex": "[a-z]+"}, finished) is False
+    assert satisfied({"regex": r"<think>[a-z]+</think>[a-z]+"}, finished) is True
+    assert satisfied({"regex": "[a-z]+"}, finished) is False
 
 
 def test_tool_call_ids_are_stable_per_row_and_call():

@@ -12,13 +12,6 @@ from typing import Any
 
 import click
 import pytest
-from test_runner_fake_engine import (
-    FakeEngine,
-    FakeEngines,
-    make_spec,
-    output_rows,
-    small_commits,
-)
 
 from batchllm.cli.options import spec_from_flags
 from batchllm.cli.run import run as run_command
@@ -44,6 +37,7 @@ from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
 from tests.support.cli import invoke
+from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, output_rows, small_commits
 
 SCHEMA = {
     "type": "object",

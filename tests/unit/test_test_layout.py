@@ -16,9 +16,12 @@ def test_every_test_module_has_a_name_no_other_folder_uses():
 
 
 def _tests_imports(path: Path) -> list[str]:
-    """The `tests.*` modules a file imports, at any depth (function-level imports too)."""
+    """The `tests.*` modules a file imports, at any depth (function-level imports too), and
+    test modules or conftests imported by their bare name (pytest puts each test folder on
+    sys.path, so `from test_runner import x` works, and runs that module's fixtures twice)."""
     import ast
 
+    bare = {p.stem for p in TESTS.rglob("*.py") if p.stem.startswith("test_")} | {"conftest"}
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -27,7 +30,11 @@ def _tests_imports(path: Path) -> list[str]:
             names = [alias.name for alias in node.names]
         else:
             continue
-        found += [name for name in names if name == "tests" or name.startswith("tests.")]
+        found += [
+            name
+            for name in names
+            if name == "tests" or name.startswith("tests.") or name.split(".")[0] in bare
+        ]
     return found
 
 
@@ -46,3 +53,11 @@ def test_test_files_share_code_only_through_tests_support():
         )
     }
     assert offenders == {}
+
+
+def test_the_walk_catches_a_test_module_imported_by_its_bare_name(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from test_test_layout import TESTS\nimport conftest\nfrom tests.support import cli\n"
+    )
+    assert _tests_imports(module) == ["test_test_layout", "conftest", "tests.support"]
