@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from batchllm.engine.protocol import Engine
 from batchllm.execution import metrics
@@ -20,6 +20,9 @@ class _Owner(Protocol):
 
     inflight: int
     rows_dropped: bool
+
+
+Owner = TypeVar("Owner", bound=_Owner)
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ class Drain:
 
 
 def start_drain(
-    engine: Engine, pending: dict[str, tuple[_Owner, Any, Any]], stop: StopRequest
+    engine: Engine, pending: dict[str, tuple[Owner, Any, Any]], stop: StopRequest
 ) -> Drain | None:
     """The drain of a stop that allows one (rows in flight, drain seconds, no second stop yet),
     after aborting the rows not yet generating; None: stop now."""
@@ -82,7 +85,7 @@ def start_drain(
     return Drain(len(pending), unstarted, time.monotonic(), seconds)
 
 
-def _abort_unstarted(engine: Engine, pending: dict[str, tuple[_Owner, Any, Any]]) -> int:
+def _abort_unstarted(engine: Engine, pending: dict[str, tuple[Owner, Any, Any]]) -> int:
     """Abort the rows fed after the engine's first max_num_seqs in flight: the engine
     schedules first come, first served, so these have not started generating. Aborting
     them loses no work, and the drain then waits only for rows that can finish."""

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # vllm is imported only when an engine is built
 log = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) -> int:
+def resolve_max_model_len(job_id: str, *, settings: Settings) -> int:
     """The job's max_model_len: as given, or sized once from its rows and stored on the job.
 
     One process sizes a job. On PostgreSQL (a fleet) the job's sizing lock lets the first
@@ -49,6 +49,7 @@ def resolve_max_model_len(job_id: str, *, storage: Storage, settings: Settings) 
             job = get_one(session, Job, job_id)
             spec = JobSpec.model_validate(job.spec)
             paths = [s.input_path for s in job.shards]
+            storage = Storage.for_job(job, settings)
         # The ids go beside each shard, so the feed does not tokenize its rows again.
         sized = size_shards(spec, storage, paths, settings)
         with session_scope(settings) as session:

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 def finalize_job(
     job_id: str,
     *,
-    storage: Storage,
     settings: Settings,
     hardware: str | None,
     vllm_version: str | None,
@@ -33,6 +32,7 @@ def finalize_job(
         )
         if job is None:
             return False
+        storage = Storage.for_job(job, settings)
         commit.tidy_unrecorded_parts(session, storage, job_id)
         # The manifest is written before the commit: a crash in between leaves the job
         # `finalizing` and the redelivered shard task finalizes it again.

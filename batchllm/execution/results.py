@@ -44,7 +44,7 @@ def record_finished(buffer: OutputBuffer, row: InputRow, sampling: Sampling, out
     elif out.is_embedding:
         buffer.embedding(row.custom_id, row.line, out.prompt_tokens, out.embedding, out.embeddings)
     elif out.finish_reason in RESULT_REASONS:
-        _record_answer(buffer, row, sampling, out)
+        _record_answer(buffer, row, sampling, out, out.finish_reason)
     else:
         buffer.failed(
             row.custom_id,
@@ -55,10 +55,11 @@ def record_finished(buffer: OutputBuffer, row: InputRow, sampling: Sampling, out
         )
 
 
-def _record_answer(buffer: OutputBuffer, row: InputRow, sampling: Sampling, out: Finished) -> None:
+def _record_answer(
+    buffer: OutputBuffer, row: InputRow, sampling: Sampling, out: Finished, finish_reason: str
+) -> None:
     constraint = sampling.constraint
     calls = out.tool_calls
-    finish_reason = out.finish_reason
     if calls:
         calls = with_call_ids(row.custom_id, calls)
         if finish_reason == "stop":  # OpenAI's reason for an answer that calls

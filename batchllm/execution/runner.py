@@ -32,7 +32,6 @@ from batchllm.input.rows import InputRow
 from batchllm.output.parts import OutputBuffer, Part
 from batchllm.output.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, ShardStatus
@@ -90,7 +89,6 @@ class ShardRunner:
         run` asks for it (its user watches); a fleet worker does not."""
         self.engine = engine
         self.settings = settings
-        self.storage = Storage.of(self.settings)
         self.worker = worker
         self.window = window or 4 * engine.max_num_seqs
         self.first_wave = min(first_wave, self.window)
@@ -170,12 +168,12 @@ class ShardRunner:
             if claimed is None:
                 self._outcomes[shard_id] = Outcome.SKIPPED
                 continue
-            state = load_shard_state(self.storage, self.settings, shard_id)
+            state = load_shard_state(self.settings, shard_id)
             self._active.append(state)
             self._metrics = metrics.for_model(state.spec.model)
             self._metrics.shard_started(resumed=bool(state.done_lines))
             self._shard_started[shard_id] = time.monotonic()
-            rows = state.rows(self.storage)
+            rows = state.rows()
             while not (self._stopping or state.fed_all):  # fed_all early: the job was cancelled
                 size = self.first_wave if self._ramping else _PREPARE_BATCH
                 batch = list(itertools.islice(rows, size))
@@ -344,10 +342,10 @@ class ShardRunner:
         one of them (an engine may need its shapes, engine/vllm_engine.py)."""
         adapters = state.spec.adapters
         if name is not None:
-            return Adapter(name, local_adapter_path(self.storage, adapters[name]))
+            return Adapter(name, local_adapter_path(state.storage, adapters[name]))
         if adapters:
             first = sorted(adapters)[0]
-            return Adapter("", local_adapter_path(self.storage, adapters[first]), base=True)
+            return Adapter("", local_adapter_path(state.storage, adapters[first]), base=True)
         return None
 
     def _step(self) -> None:
@@ -403,7 +401,7 @@ class ShardRunner:
     def _commit(self, state: ShardState) -> bool:
         """Commit the state's finished rows; False (and the shard dropped) if it was lost."""
         try:
-            part = state.commit(self.storage, self.settings)
+            part = state.commit(self.settings)
         except ShardLost as exc:
             self._drop(state, exc)
             return False
@@ -433,7 +431,6 @@ class ShardRunner:
         if next_step is JobStatus.FINALIZING:
             finalize_job(
                 state.job_id,
-                storage=self.storage,
                 settings=self.settings,
                 hardware=self.engine.hardware,
                 vllm_version=self.engine.version,

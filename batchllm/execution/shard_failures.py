@@ -20,7 +20,6 @@ from batchllm.execution.finalize import finalize_job
 from batchllm.execution.shard_state import load_shard_state
 from batchllm.output.row_errors import INVALID_REQUEST, SHARD_FAILED
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import leases
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, ShardStatus
@@ -84,7 +83,6 @@ def shard_failed(shard_id: int, exc: BaseException, *, worker: str, settings: Se
 def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> None:
     """End the shard: each row it has not committed becomes an error row (an invalid line
     keeps its own error), then the job moves on as after any shard's end."""
-    storage = Storage.of(settings)
     try:
         with session_scope(settings) as session:
             claimed = leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
@@ -95,8 +93,8 @@ def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> 
         log.info("%s", exc)
         return
     try:
-        state = load_shard_state(storage, settings, shard_id)
-        for row in state.rows(storage):
+        state = load_shard_state(settings, shard_id)
+        for row in state.rows():
             if row.kind == "invalid":
                 state.buffer.failed(
                     row.custom_id, row.line, row.error or "invalid line", INVALID_REQUEST
@@ -104,8 +102,8 @@ def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> 
             else:
                 state.buffer.failed(row.custom_id, row.line, message, SHARD_FAILED)
             if len(state.buffer) >= settings.commit_rows:
-                state.commit(storage, settings)
-        state.commit(storage, settings)
+                state.commit(settings)
+        state.commit(settings)
         status, error = ShardStatus.COMPLETED, message
     except Exception as exc:  # its rows cannot even be read: the shard (and job) fails
         log.exception("shard %s: could not write its error rows", shard_id)
@@ -114,4 +112,4 @@ def give_up(shard_id: int, message: str, *, worker: str, settings: Settings) -> 
         # The job this may end is tidied as the transaction commits (output/commit.py's hook).
         next_step = end_shard(session, shard_id, status, error, attempt=attempt)
     if next_step is JobStatus.FINALIZING:
-        finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
+        finalize_job(job_id, settings=settings, hardware=None, vllm_version=None)

@@ -30,6 +30,7 @@ class ShardState:
     spec: JobSpec
     input_path: str
     out_dir: str
+    storage: Storage  # the job's (Storage.for_job)
     attempt: int  # this run's claim; fences every write against a worker that took over
     next_seq: int
     done_lines: set[int]
@@ -54,9 +55,9 @@ class ShardState:
     def finished(self) -> bool:
         return self.fed_all and self.inflight == 0 and not self.rows_dropped
 
-    def rows(self, storage: Storage) -> Iterator[InputRow]:
+    def rows(self) -> Iterator[InputRow]:
         """The shard's rows still to do, prefix-grouped when the job asks for it."""
-        rows = iter_shard_rows(storage, self.input_path, with_token_ids=True)
+        rows = iter_shard_rows(self.storage, self.input_path, with_token_ids=True)
         if self.done_lines:  # resumed: skip the rows its checkpoints hold
             rows = (r for r in rows if r.line not in self.done_lines)
         if not self.spec.engine.group_prefixes:
@@ -70,7 +71,7 @@ class ShardState:
         ordered.sort(key=attrgetter("kind"))
         return iter(ordered)
 
-    def commit(self, storage: Storage, settings: Settings) -> Part | None:
+    def commit(self, settings: Settings) -> Part | None:
         """Write buffered rows as one part file, then record the checkpoint. Returns the part
         committed, None when there was nothing to commit."""
         if not self.buffer:
@@ -88,18 +89,26 @@ class ShardState:
         )
         if self.replacing:
             self.next_seq = replace.commit_replacing_part(
-                storage, settings, part, self.replacing, place, engine_seconds=self.step_seconds
+                self.storage,
+                settings,
+                part,
+                self.replacing,
+                place,
+                engine_seconds=self.step_seconds,
             )
         else:
-            commit.commit_part(storage, settings, part, place, engine_seconds=self.step_seconds)
+            commit.commit_part(
+                self.storage, settings, part, place, engine_seconds=self.step_seconds
+            )
             self.next_seq += 1
         self.step_seconds = 0.0
         self.last_commit = time.monotonic()
         return part
 
 
-def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> ShardState:
-    """State of a claimed shard, resuming from its checkpoints (commit.resume_shard)."""
+def load_shard_state(settings: Settings, shard_id: int) -> ShardState:
+    """State of a claimed shard, resuming from its checkpoints (commit.resume_shard), in its
+    job's storage."""
     with session_scope(settings) as session:
         shard = get_one(session, Shard, shard_id)
         job = shard.job
@@ -109,6 +118,7 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         attempt = shard.attempts
         job_attempt = job.attempt
         all_errors = bool(job.attempts and job.attempts[-1].get("all_errors"))
+        storage = Storage.for_job(job, settings)
     out_dir = storage.output_dir(job_id)
     done = commit.resume_shard(storage, out_dir, index, committed)
     replacing: dict[int, str] = {}
@@ -131,6 +141,7 @@ def load_shard_state(storage: Storage, settings: Settings, shard_id: int) -> Sha
         spec=spec,
         input_path=input_path,
         out_dir=out_dir,
+        storage=storage,
         attempt=attempt,
         next_seq=next_seq,
         done_lines=done,

@@ -110,12 +110,11 @@ def run_shards_here(
     """Run a created job's shards (all, or `shard_ids`: a retry's) to their end in this
     process; returns the final Job row. Any failure, a Ctrl-C too, ends the job failed with
     the rows finished before kept. `own_engines`: close `engines` afterwards."""
-    storage = Storage.of(settings)
     interrupted = threading.Event()
     try:
         if engine_error is not None:
             raise engine_error
-        max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
+        max_model_len = resolve_max_model_len(job_id, settings=settings)
         if shard_ids is None:
             with session_scope(settings) as session:
                 shard_ids = [s.id for s in get_one(session, Job, job_id).shards]

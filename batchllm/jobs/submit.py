@@ -17,7 +17,6 @@ from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.jobs.submit_tokens import submit_tokens
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import dependencies, service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
@@ -91,7 +90,6 @@ def submit_job(
         # Its shards all ran while it was validating: nobody else will finish it.
         finalize_job(
             job_id,
-            storage=Storage.of(settings),
             settings=settings,
             hardware=None,
             vllm_version=None,

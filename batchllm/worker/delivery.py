@@ -17,7 +17,6 @@ from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import leases
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard
@@ -64,7 +63,6 @@ def _process_shard(
         status, job_id = job.status, job.id
         spec = JobSpec.model_validate(job.spec)
     note_job(job_id)
-    storage = Storage.of(settings)
     if status.is_final:
         return Outcome.SKIPPED
     if status is JobStatus.CANCELLING:
@@ -74,7 +72,7 @@ def _process_shard(
         return Outcome.CANCELLED
     if status is JobStatus.FINALIZING:
         # The worker that ended the last shard died before finishing the job: finish it here.
-        finalize_job(job_id, storage=storage, settings=settings, hardware=None, vllm_version=None)
+        finalize_job(job_id, settings=settings, hardware=None, vllm_version=None)
         return Outcome.SKIPPED
     own_model = getattr(engines, "model", None)
     if own_model is not None and spec.model != own_model:
@@ -87,7 +85,7 @@ def _process_shard(
             own_model,
         )
         return Outcome.WAITING
-    max_model_len = resolve_max_model_len(job_id, storage=storage, settings=settings)
+    max_model_len = resolve_max_model_len(job_id, settings=settings)
     try:
         engine = engines.get(spec, max_model_len)
     except EngineMismatch as exc:

@@ -28,7 +28,6 @@ from batchllm.execution.finalize import finalize_job
 from batchllm.execution.webhooks import deliver_due
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import dependencies, leases, recovery
 from batchllm.store.db import session_scope
 from batchllm.store.models import utcnow
@@ -104,12 +103,9 @@ def reconcile_once(send: SendShard, settings: Settings) -> Pass:
 
     with session_scope(settings) as session:
         finalizing = recovery.finalizing_jobs(session)
-    storage = Storage.of(settings)
     for job_id in finalizing:
         # hardware/version: the job row has them from its first engine step.
-        if finalize_job(
-            job_id, storage=storage, settings=settings, hardware=None, vllm_version=None
-        ):
+        if finalize_job(job_id, settings=settings, hardware=None, vllm_version=None):
             log.warning("job %s was left finalizing: finalized it", job_id)
             done.finalized_jobs.append(job_id)
     done.notified_jobs = deliver_due(settings)

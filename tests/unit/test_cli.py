@@ -108,9 +108,7 @@ def finished_job(settings, tmp_path) -> str:
             state_machine.end_shard(session, shard.id, ShardStatus.COMPLETED)
             is JobStatus.FINALIZING
         )
-    finalize_job(
-        job_id, storage=storage, settings=settings, hardware="fake CPU", vllm_version="0.0-test"
-    )
+    finalize_job(job_id, settings=settings, hardware="fake CPU", vllm_version="0.0-test")
     return job_id
 
 

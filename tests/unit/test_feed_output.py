@@ -158,14 +158,15 @@ def test_prefix_grouping_orders_rows_by_kind_then_prompt_and_skips_committed_lin
             spec=spec,
             input_path=shard.path,
             out_dir=storage.output_dir("job_feed"),
+            storage=storage,
             attempt=1,
             next_seq=0,
             done_lines=done,
         )
 
     stored = list(iter_shard_rows(storage, shard.path))
-    grouped = [r.custom_id for r in state(set()).rows(storage)]
-    resumed = [r.custom_id for r in state({3, 6}).rows(storage)]
+    grouped = [r.custom_id for r in state(set()).rows()]
+    resumed = [r.custom_id for r in state({3, 6}).rows()]
 
     expected = sorted(stored, key=lambda r: (r.kind, r.messages or r.prompt or ""))
     assert grouped == [r.custom_id for r in expected]

@@ -143,7 +143,7 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
             is JobStatus.FINALIZING
         )
 
-    finalize_job(job_id, storage=storage, settings=settings, hardware="test", vllm_version="0")
+    finalize_job(job_id, settings=settings, hardware="test", vllm_version="0")
 
     assert [n for n in storage.listdir(out_dir) if n.startswith("part-")] == [
         part_name(0, 0, attempt)

@@ -125,7 +125,7 @@ def test_the_sizing_pass_stores_the_ids_and_the_feed_reads_them_back(
         paths = [s.input_path for s in session.get(Job, created.job.id).shards]
     assert len(paths) == 3
 
-    sized = resolve_max_model_len(created.job.id, storage=storage, settings=settings)
+    sized = resolve_max_model_len(created.job.id, settings=settings)
     assert sized >= 16
 
     seen = 0
@@ -151,7 +151,7 @@ def one_sized_shard(tiny_model, settings, tmp_path, prompts: list[str]) -> tuple
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     created = service.create_job(source, spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
-    resolve_max_model_len(created.job.id, storage=storage, settings=settings)
+    resolve_max_model_len(created.job.id, settings=settings)
     with session_scope(settings) as session:
         (path,) = [s.input_path for s in session.get(Job, created.job.id).shards]
     return storage, path
