@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import glob
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,47 +22,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-HOST = "127.0.0.1"
-# The machine's own services: a private server must never take (or be mistaken for) them.
-MACHINE_PORTS = frozenset({5432, 6379})
+from batchllm.process.ports import HOST, free_port
+from batchllm.process.ports import MACHINE_PORTS as MACHINE_PORTS  # tests/support/ports.py's
+
 BENCH_DATABASE = "batchllm_fleet"
 
 
 class ServiceFailed(RuntimeError):
     """A private service did not start or stop as asked."""
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now, never one of the machine's, and below the kernel's
-    ephemeral range: a port the OS hands out (bind to 0) is one every outgoing connection may
-    take too, and between this check and the server's own bind one did (a serve's "address
-    already in use" with three test sessions at once). Below that range only another explicit
-    bind can take it, and the pick is random over thousands of ports."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(20_000, low)
-        if port in MACHINE_PORTS:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind((HOST, port))
-            except OSError:
-                continue
-        return port
-    while True:  # the range is crowded: the OS's pick, as before
-        with socket.socket() as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if port not in MACHINE_PORTS:
-            return port
-
-
-def _ephemeral_low() -> int:
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32_768  # Linux's default
-    return max(low, 20_001)
 
 
 def tail(path: Path, lines: int = 60) -> str:

@@ -18,8 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchllm.bench.figures import BenchFailed, Run, job_run
+from batchllm.bench.config import BenchConfig
+from batchllm.bench.figures import BenchFailed, Contender, Run, job_run
 from batchllm.bench.memory import PeakRss
+from batchllm.bench.own_engine import Say
 from batchllm.engine.build_log import note_engine_build
 from batchllm.process.stopping import stop_child
 
@@ -28,6 +30,8 @@ from batchllm.process.stopping import stop_child
 _LOG_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"}
 _RUN_BATCH_STARTS = "Reading batch from"
 _RUN_BATCH_ENDS = "Writing outputs to"
+# The variant of the one file both contenders run (the shared engine is sized for it too).
+END_TO_END_VARIANT = 0
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,20 @@ class EngineLimits:
     enforce_eager: bool = False
 
     def flags(self) -> list[str]:
-        eager = ["--enforce-eager"] if self.enforce_eager else []
         return [
-            *eager,
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
+            *scheduler_flags(self.max_model_len, self.max_num_seqs, self.enforce_eager),
             "--max-num-batched-tokens",
             str(self.max_num_batched_tokens),
             "--dtype",
             self.dtype,
         ]
+
+
+def scheduler_flags(max_model_len: int, max_num_seqs: int, enforce_eager: bool) -> list[str]:
+    """The engine flags of `batchllm run` (and run-batch) for a context, a batch size and the
+    eager mode, in that order."""
+    eager = ["--enforce-eager"] if enforce_eager else []
+    return [*eager, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
 
 
 @dataclass
@@ -187,3 +193,60 @@ def run_batchllm(
     return job_run(
         job, seconds=done.seconds, peak_rss=done.peak_rss, generation_seconds=job.wall_seconds
     )
+
+
+def run_end_to_end(
+    config: BenchConfig,
+    model: str,
+    parts: set[str],
+    workdir: Path,
+    limits: EngineLimits,
+    skipped: dict[str, str],
+    say: Say,
+) -> dict[str, Contender]:
+    """`vllm run-batch` and `batchllm run` as processes. run-batch is a peer that may not run
+    here (a vLLM without it, a model it refuses): then it is reported as skipped."""
+    from batchllm.bench.workload import write_openai_chat
+
+    workload = config.workload
+    # One file for both: each process starts its own engine, with an empty prefix cache.
+    source = write_openai_chat(
+        workdir / "end-to-end.jsonl", workload, END_TO_END_VARIANT, model=model
+    )
+    steps = []
+    if "run-batch" in parts:
+        steps.append(
+            (
+                Contender("vllm_run_batch", "vllm run-batch (end to end)", end_to_end=True),
+                lambda: run_vllm_batch(source, workdir, model=model, limits=limits),
+            )
+        )
+    if "run" in parts:
+        steps.append(
+            (
+                Contender("batchllm_run", "batchllm run (end to end)", end_to_end=True),
+                lambda: run_batchllm(
+                    source, workdir, model=model, limits=limits, max_tokens=workload.max_output
+                ),
+            )
+        )
+    for repeat in range(config.process_repeats):
+        for contender, go in steps:
+            if contender.key in skipped:
+                continue
+            try:
+                run = go()
+            except BenchFailed as exc:
+                if contender.key != "vllm_run_batch":
+                    raise
+                skipped[contender.key] = str(exc)
+                say(f"[end to end] {contender.label} did not run: {exc}")
+                continue
+            contender.runs.append(run)
+            say(
+                f"[end to end] {contender.label}, repeat {repeat + 1}/{config.process_repeats}: "
+                f"{run.seconds:.1f} s wall, "
+                f"{run.output_tokens / (run.generation_seconds or run.seconds):,.0f} "
+                "output tokens/s generating"
+            )
+    return {contender.key: contender for contender, _ in steps if contender.runs}

@@ -1,19 +1,11 @@
-"""The bench's figures as a terminal table and as a PNG chart for docs/performance.md."""
+"""The bench's figures as the terminal report `batchllm bench` prints: a section per part."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-_GIB = 2**30
-_MIB = 2**20
-
-
-def _spread(figure: dict[str, float]) -> str:
-    """The half-range of the repeats as a share of the median: how much to trust a ratio."""
-    half = (figure["max"] - figure["min"]) / 2 / figure["median"] if figure["median"] else 0.0
-    return f"±{half:.0%}"
+from batchllm.bench.display import GIB, MIB, format_table, spread
 
 
 def _rate_cells(figures: dict[str, Any]) -> tuple[str, ...]:
@@ -23,7 +15,7 @@ def _rate_cells(figures: dict[str, Any]) -> tuple[str, ...]:
         figures["label"],
         f"{figures['requests_per_s']['median']:,.1f}",
         f"{figures['output_tokens_per_s']['median']:,.0f}",
-        _spread(figures["output_tokens_per_s"]),
+        spread(figures["output_tokens_per_s"]),
     )
 
 
@@ -59,7 +51,7 @@ def contender_table(contenders: dict[str, Any]) -> str:
                 *_rate_cells(figures),
                 f"{figures['total_tokens_per_s']['median']:,.0f}",
                 f"{figures['wall_seconds']['median']:,.1f}",
-                f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{figures['peak_rss_bytes'] / GIB:.2f} GiB",
                 f"{figures['ratio_to_raw']:.2f}x" if "ratio_to_raw" in figures else "",
                 f"{generation['median']:,.0f}" if generation else "",
                 f"{figures['generation_ratio_to_raw']:.2f}x"
@@ -67,21 +59,7 @@ def contender_table(contenders: dict[str, Any]) -> str:
                 else "",
             )
         )
-    return _format(rows)
-
-
-def _format(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows)
 
 
 def _reference_rates(size: dict[str, Any]) -> str:
@@ -115,7 +93,7 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
             f"{size['vs_tokenization']:.2f}x ({size['vs_backend_tokenization']:.2f}x)"
             if "vs_backend_tokenization" in size
             else "-",
-            f"{size['peak_rss_bytes'] / _MIB:,.0f} MiB",
+            f"{size['peak_rss_bytes'] / MIB:,.0f} MiB",
         )
         if shares:
             row += (
@@ -129,10 +107,10 @@ def _overhead_table(overhead: dict[str, Any]) -> str:
                 for k in ("validate_and_store", "size_context", "tokenize", "feed_write_commit")
             )
         )
-    return _format(rows)
+    return format_table(rows)
 
 
-def _ran_workload(result: dict[str, Any]) -> bool:
+def ran_workload(result: dict[str, Any]) -> bool:
     """Whether a part that runs the engine workload (--requests, --output-tokens) ran."""
     return bool(result["contenders"] or result.get("prefix") or result.get("overhead"))
 
@@ -153,7 +131,36 @@ def features_text(features: dict[str, Any]) -> str:
     workload = features["workload"]
     # In the part's order (bench.json keeps its keys sorted).
     jobs = {key: features["jobs"][key] for key in JOBS}
-    repeats = jobs["plain"]["repeats"]
+    plain_rows = features["plain_rows"]
+    return "\n".join(
+        [
+            f"request features: {workload['requests']:,} requests per job (prompts "
+            f"{workload['prompt_words'][0]}..{workload['prompt_words'][1]} words, max_tokens "
+            f"{features['max_tokens']}), the same prompts in every job, "
+            f"{jobs['plain']['repeats']} repeat(s), one engine built with --compact-json",
+            _engine_line(features["engine"]),
+            "",
+            _feature_jobs_table(jobs, features["raw"]),
+            "plain, logprobs and n=4 rows generate max_tokens (ignore_eos); JSON and choice "
+            "rows stop when their grammar ends, so compare them on req/s. valid: rows whose "
+            "text satisfies their constraint. mixed: even lines plain, odd lines "
+            "json/choice/logprobs in turn; control: the same prompts, its even lines as the "
+            "mixed job's, its odd lines plain but generating the tokens the mixed job's did "
+            "(ignore_eos): the same load without constraints or logprobs. raw: the same "
+            "requests as token ids with batchllm's sampling parameters in one LLM.generate "
+            "call, right after each job; vs raw: the median of those pairs' ratios",
+            "",
+            _mixed_table(features, jobs),
+            "plain rows: the mixed job's even lines, from the job's first request in the engine "
+            "to the last of them done; the same lines in the all-plain job: "
+            f"{plain_rows['plain']['output_tokens_per_s']['median']:,.0f} out tok/s (its "
+            "other lines all run to max_tokens, a heavier load); mixed vs control: the median "
+            "of the ratios of runs made back to back",
+        ]
+    )
+
+
+def _feature_jobs_table(jobs: dict[str, Any], raw: dict[str, Any]) -> str:
     rows: list[tuple[str, ...]] = [
         (
             "request features (batchllm jobs)",
@@ -176,11 +183,16 @@ def features_text(features: dict[str, Any]) -> str:
                 f"{figures['output_tokens_per_request']:,.1f}",
                 f"{figures['requests_ratio_to_plain']:.2f}x",
                 f"{figures['tokens_ratio_to_plain']:.2f}x",
-                f"{features['raw'][key]['tokens_ratio_to_raw_plain']:.2f}x",
+                f"{raw[key]['tokens_ratio_to_raw_plain']:.2f}x",
                 f"{figures['requests_ratio_to_raw']:.2f}x",
                 f"{figures['structured_valid'] / constrained:.1%}" if constrained else "",
             )
         )
+    return format_table(rows)
+
+
+def _mixed_table(features: dict[str, Any], jobs: dict[str, Any]) -> str:
+    """The mixed job against its control: the whole jobs, their plain rows, raw vLLM."""
     pair = features["mixed_vs_control"]
     plain_rows, raw = features["plain_rows"], features["raw"]
 
@@ -188,45 +200,21 @@ def features_text(features: dict[str, Any]) -> str:
         return [f"{sides[k]['output_tokens_per_s']['median']:,.0f}" for k in ("mixed", "control")]
 
     latency = [f"{plain_rows[k]['median_latency_seconds']:.2f}" for k in ("mixed", "control")]
-    mixed: list[tuple[str, ...]] = [
-        ("mixed job against its control", "mixed", "control", "mixed vs control"),
-        ("batchllm, whole job: out tok/s", *speeds(jobs), f"{pair['job']:.2f}x"),
-        (
-            "batchllm, its plain rows: out tok/s",
-            *speeds(plain_rows),
-            f"{pair['plain_rows']:.2f}x",
-        ),
-        (
-            "batchllm, its plain rows: median latency s",
-            *latency,
-            f"{pair['plain_rows_latency']:.2f}x",
-        ),
-        ("raw vLLM, one generate call: out tok/s", *speeds(raw), f"{pair['raw_vllm']:.2f}x"),
-    ]
-    return "\n".join(
+    return format_table(
         [
-            f"request features: {workload['requests']:,} requests per job (prompts "
-            f"{workload['prompt_words'][0]}..{workload['prompt_words'][1]} words, max_tokens "
-            f"{features['max_tokens']}), the same prompts in every job, {repeats} repeat(s), "
-            "one engine built with --compact-json",
-            _engine_line(features["engine"]),
-            "",
-            _format(rows),
-            "plain, logprobs and n=4 rows generate max_tokens (ignore_eos); JSON and choice "
-            "rows stop when their grammar ends, so compare them on req/s. valid: rows whose "
-            "text satisfies their constraint. mixed: even lines plain, odd lines "
-            "json/choice/logprobs in turn; control: the same prompts, its even lines as the "
-            "mixed job's, its odd lines plain but generating the tokens the mixed job's did "
-            "(ignore_eos): the same load without constraints or logprobs. raw: the same "
-            "requests as token ids with batchllm's sampling parameters in one LLM.generate "
-            "call, right after each job; vs raw: the median of those pairs' ratios",
-            "",
-            _format(mixed),
-            "plain rows: the mixed job's even lines, from the job's first request in the engine "
-            "to the last of them done; the same lines in the all-plain job: "
-            f"{plain_rows['plain']['output_tokens_per_s']['median']:,.0f} out tok/s (its "
-            "other lines all run to max_tokens, a heavier load); mixed vs control: the median "
-            "of the ratios of runs made back to back",
+            ("mixed job against its control", "mixed", "control", "mixed vs control"),
+            ("batchllm, whole job: out tok/s", *speeds(jobs), f"{pair['job']:.2f}x"),
+            (
+                "batchllm, its plain rows: out tok/s",
+                *speeds(plain_rows),
+                f"{pair['plain_rows']:.2f}x",
+            ),
+            (
+                "batchllm, its plain rows: median latency s",
+                *latency,
+                f"{pair['plain_rows_latency']:.2f}x",
+            ),
+            ("raw vLLM, one generate call: out tok/s", *speeds(raw), f"{pair['raw_vllm']:.2f}x"),
         ]
     )
 
@@ -244,9 +232,9 @@ def embed_text(embed: dict[str, Any]) -> str:
                 figures["label"],
                 f"{figures['requests_per_s']['median']:,.0f}",
                 f"{figures['input_tokens_per_s']['median']:,.0f}",
-                _spread(figures["requests_per_s"]),
+                spread(figures["requests_per_s"]),
                 f"{figures['wall_seconds']['median']:,.2f}",
-                f"{figures['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{figures['peak_rss_bytes'] / GIB:.2f} GiB",
                 f"{figures['ratio_to_raw']:.2f}x",
             )
         )
@@ -259,14 +247,14 @@ def embed_text(embed: dict[str, Any]) -> str:
             "(runner pooling, convert embed)",
             _engine_line(embed["engine"]),
             "",
-            _format(rows),
+            format_table(rows),
             "vs raw: rows/s over LLM.embed(texts)'s; the vectors agree with raw vLLM's "
             "(compared on the first texts)",
         ]
     )
 
 
-_SIDE_BY_SIDE = (
+SIDE_BY_SIDE = (
     ("vllm_run_batch", "vllm run-batch (own process, builds its engine)"),
     ("batchllm_run", "batchllm run (own process, builds its engine)"),
     ("warm_worker", "batchllm submit to the warm worker"),
@@ -324,7 +312,7 @@ def warm_text(warm: dict[str, Any]) -> str:
         f"{worker['load_average'][1]:.1f}",
         "",
         f"{len(warm['jobs'])} jobs of {warm['lines']} lines in a row (one shard each):",
-        _format(rows),
+        format_table(rows),
         "submit: the job is committed and its task goes to the broker; first row: its first "
         "request goes into the engine; completed: the job is finalized; from the database's "
         "timestamps. engine starts: the worker's batchllm_engine_starts_total during the job",
@@ -354,7 +342,7 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
             "wall vs warm",
         )
     ]
-    for key, label in _SIDE_BY_SIDE:
+    for key, label in SIDE_BY_SIDE:
         run = side.get(key)
         if run is None:
             continue
@@ -377,7 +365,7 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
         f"{side['max_tokens']} (ignore_eos), every engine max_model_len "
         f"{limits['max_model_len']}, {limits['dtype']}, {eager}, max_num_seqs "
         f"{limits['max_num_seqs']}, max_num_batched_tokens {limits['max_num_batched_tokens']}:",
-        _format(rows),
+        format_table(rows),
         "wall: process start to exit; for the warm worker, `batchllm submit`'s start to the "
         "job completed in the database (polled every 0.1 s). generating: first request to "
         "the end (run-batch: its log lines; batchllm: the job's timestamps)",
@@ -403,7 +391,7 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
     )
     loads = [
         f"{label.split(' (')[0]} {run['load_average'][0]:.1f} -> {run['load_average'][1]:.1f}"
-        for key, label in _SIDE_BY_SIDE
+        for key, label in SIDE_BY_SIDE
         if (run := side.get(key)) and "load_average" in run
     ]
     if loads:
@@ -417,35 +405,9 @@ def _side_by_side_text(side: dict[str, Any]) -> str:
 
 
 def summary_text(result: dict[str, Any]) -> str:
-    """The whole report: contender table, prefix grouping, overhead, and the targets."""
-    config = result["config"]
-    if _ran_workload(result):
-        parts = [
-            (
-                f"batchllm bench: {config['requests']:,} real questions answered greedily, each "
-                f"ending on its own or at {config['output_tokens'][1]} tokens (no ignore_eos), "
-                f"model {config['model']}"
-            )
-            if config.get("natural_outputs")
-            else (
-                f"batchllm bench: {config['requests']:,} requests, prompts "
-                f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
-                f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
-                f"({config.get('output_shape', 'uniform')}, ignore_eos), "
-                f"model {config['model']}"
-            )
-        ]
-    else:  # only the features, embed and warm parts, which describe their own work
-        parts = [f"batchllm bench: model {config['model']}"]
-    engine = result.get("engine")
-    if engine:
-        limits = engine["limits"]
-        parts.append(
-            f"vLLM {engine['version']} on {engine['hardware']}; every contender runs "
-            f"max_model_len {limits['max_model_len']}, max_num_seqs "
-            f"{limits['max_num_seqs']}, max_num_batched_tokens "
-            f"{limits['max_num_batched_tokens']}"
-        )
+    """The whole report: contender table, prefix grouping, overhead, each opt-in part's
+    section, and the targets."""
+    parts = _heading(result)
     if result["contenders"]:
         parts.append("")
         parts.append(contender_table(result["contenders"]))
@@ -456,61 +418,17 @@ def summary_text(result: dict[str, Any]) -> str:
         )
     for key, reason in result.get("skipped", {}).items():
         parts.append(f"skipped {key}: {reason}")
-    prefix = result.get("prefix")
-    if prefix:
-        workload = prefix["workload"]
+    if result.get("prefix"):
+        parts += ["", *_prefix_lines(result["prefix"])]
+    if result.get("overhead"):
         parts.append("")
-        parts.append(
-            f"prefix grouping: {workload['requests']:,} requests sharing "
-            f"{workload['system_prompts']} system prompts of {workload['system_words']} "
-            "words, in random order, "
-            + (
-                f"on an engine with a {prefix['kv_cache_mib']} MiB KV cache"
-                if prefix.get("kv_cache_mib")
-                else "on the shared engine"
-            )
-        )
-        for key in ("file_order", "grouped"):
-            figures = prefix[key]
-            parts.append(
-                f"  {figures['label']:<36} "
-                f"{figures['output_tokens_per_s']['median']:>8,.0f} out tok/s "
-                f"{_spread(figures['output_tokens_per_s'])}"
-            )
-        parts.append(f"  gain: {prefix['gain']:.2f}x")
-    overhead = result.get("overhead")
-    if overhead:
-        parts.append("")
-        parts.append(_overhead_table(overhead))
+        parts.append(_overhead_table(result["overhead"]))
         parts.append(
             "own: validation, input Parquet, feed bookkeeping, output Parquet, database "
             "checkpoints; all: also tokenization (vLLM tokenizes text prompts itself) "
             "and the context-sizing pass (skipped with --max-model-len)"
         )
-    if result.get("features"):
-        parts.append("")
-        parts.append(features_text(result["features"]))
-    if result.get("embed"):
-        parts.append("")
-        parts.append(embed_text(result["embed"]))
-    if result.get("warm"):
-        parts.append("")
-        parts.append(warm_text(result["warm"]))
-    if result.get("peers"):
-        from batchllm.bench.parts.peers_report import peers_text
-
-        parts.append("")
-        parts.append(peers_text(result["peers"]))
-    if result.get("prefix_cache"):
-        from batchllm.bench.parts.prefix_cache import prefix_cache_table
-
-        parts.append("")
-        parts.append(prefix_cache_table(result["prefix_cache"]))
-    if result.get("kept"):
-        from batchllm.bench.parts.kept import kept_table
-
-        parts.append("")
-        parts.append(kept_table(result["kept"]))
+    parts += _part_sections(result)
     if result.get("targets"):
         parts.append("")
         parts.append("targets:")
@@ -520,250 +438,78 @@ def summary_text(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def draw_chart(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        p
-        for p in ("contenders", "prefix", "overhead", "features", "embed", "warm")
-        if result.get(p)
-        and (p != "contenders" or result[p])
-        # A warm part without its side-by-side file (--warm-file-lines 0) has nothing to draw.
-        and (p != "warm" or "side_by_side" in result[p])
-    ]
-    if result.get("peers"):  # its two panels: the main table and the batch-size sweep
-        panels += ["peers", "sweep"]
-    if result.get("kept"):
-        panels.append("kept")
-    if result.get("prefix_cache"):
-        panels.append("prefix_cache")
-    widths = [
-        {"contenders": 3, "features": 2.2, "peers": 2.6, "sweep": 2}.get(p, 1.4) for p in panels
-    ]
-    fig, axes = plt.subplots(
-        1,
-        len(panels),
-        figsize=(4 + 3 * len(panels), 4.6),
-        gridspec_kw={"width_ratios": widths},
-        squeeze=False,
-    )
-    for ax, panel in zip(axes[0], panels):
-        {
-            "contenders": _throughput_panel,
-            "prefix": _prefix_panel,
-            "overhead": _overhead_panel,
-            "features": _features_panel,
-            "embed": _embed_panel,
-            "warm": _warm_panel,
-            "peers": _peers_panel,
-            "sweep": _sweep_panel,
-            "kept": _kept_panel,
-            "prefix_cache": _prefix_cache_panel,
-        }[panel](ax, result)
+def _heading(result: dict[str, Any]) -> list[str]:
+    """What the run generated, on which model, and the engine every contender ran."""
     config = result["config"]
-    engine = (
-        result.get("engine")
-        or (result.get("features") or {}).get("engine")
-        or (result.get("embed") or {}).get("engine")
-        or (result.get("warm") or {}).get("engine")
-        or (result.get("peers") or {}).get("engine")
-        or {}
-    )
-    machine = f"{engine.get('hardware', 'this machine')}, vLLM {engine.get('version', '')}"
-    fig.suptitle(
-        f"batchllm bench: {config['requests']:,} requests, outputs "
-        f"{config['output_tokens'][0]}-{config['output_tokens'][1]} tokens, {machine}"
-        if _ran_workload(result)
-        else f"batchllm bench: {machine}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _throughput_panel(ax, result: dict[str, Any]) -> None:
-    contenders = ordered(result["contenders"])
-    medians = [c["output_tokens_per_s"]["median"] for c in contenders]
-    highs = [c["output_tokens_per_s"]["max"] for c in contenders]
-    colors = ["tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders]
-    y = list(range(len(contenders)))
-    ax.barh(y, medians, color=colors)
-    ax.errorbar(
-        medians,
-        y,
-        xerr=_error_bars([c["output_tokens_per_s"] for c in contenders]),
-        fmt="none",
-        ecolor="black",
-        capsize=3,
-        linewidth=0.8,
-    )
-    generating = [c.get("generation_output_tokens_per_s", {}).get("median", 0) for c in contenders]
-    if any(generating):
-        ax.barh(
-            y,
-            generating,
-            color="none",
-            edgecolor="black",
-            hatch="//",
-            linewidth=0.6,
-            label="end to end: throughput once its own engine is up",
+    if not ran_workload(
+        result
+    ):  # only the features, embed and warm parts, which describe their own work
+        heading = [f"batchllm bench: model {config['model']}"]
+    elif config.get("natural_outputs"):
+        heading = [
+            f"batchllm bench: {config['requests']:,} real questions answered greedily, each "
+            f"ending on its own or at {config['output_tokens'][1]} tokens (no ignore_eos), "
+            f"model {config['model']}"
+        ]
+    else:
+        heading = [
+            f"batchllm bench: {config['requests']:,} requests, prompts "
+            f"{config['prompt_words'][0]}..{config['prompt_words'][1]} words, outputs "
+            f"{config['output_tokens'][0]}..{config['output_tokens'][1]} tokens "
+            f"({config.get('output_shape', 'uniform')}, ignore_eos), "
+            f"model {config['model']}"
+        ]
+    engine = result.get("engine")
+    if engine:
+        limits = engine["limits"]
+        heading.append(
+            f"vLLM {engine['version']} on {engine['hardware']}; every contender runs "
+            f"max_model_len {limits['max_model_len']}, max_num_seqs "
+            f"{limits['max_num_seqs']}, max_num_batched_tokens "
+            f"{limits['max_num_batched_tokens']}"
         )
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7)
-    for i, c in enumerate(contenders):
-        if "ratio_to_raw" in c:
-            reach = max(highs[i], generating[i])
-            ax.text(reach, i, f"  {c['ratio_to_raw']:.2f}x", va="center", fontsize=7)
-    ax.set_yticks(y, [c["label"] for c in contenders], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(right=max(max(highs), max(generating)) * 1.15)
-    ax.set_xlabel("output tokens/s (median, min-max of repeats)")
-    ax.set_title("throughput on one workload (ratio: output tokens/s vs raw vLLM)", fontsize=9)
+    return heading
 
 
-def _error_bars(figures: list[dict[str, float]]) -> list[list[float]]:
-    """Error bars from each figure's median down to its min and up to its max (the repeats')."""
-    return [[f["median"] - f["min"] for f in figures], [f["max"] - f["median"] for f in figures]]
+def _prefix_lines(prefix: dict[str, Any]) -> list[str]:
+    workload = prefix["workload"]
+    lines = [
+        f"prefix grouping: {workload['requests']:,} requests sharing "
+        f"{workload['system_prompts']} system prompts of {workload['system_words']} "
+        "words, in random order, "
+        + (
+            f"on an engine with a {prefix['kv_cache_mib']} MiB KV cache"
+            if prefix.get("kv_cache_mib")
+            else "on the shared engine"
+        )
+    ]
+    for key in ("file_order", "grouped"):
+        figures = prefix[key]
+        lines.append(
+            f"  {figures['label']:<36} "
+            f"{figures['output_tokens_per_s']['median']:>8,.0f} out tok/s "
+            f"{spread(figures['output_tokens_per_s'])}"
+        )
+    lines.append(f"  gain: {prefix['gain']:.2f}x")
+    return lines
 
 
-def _paired_bars(
-    draw: Callable[..., Any], green: tuple[str, list[float]], gray: tuple[str, list[float]]
-) -> None:
-    """Two bars side by side at each position 0, 1, ... (`draw` is ax.bar or ax.barh, whose
-    third argument is the bars' thickness either way): the green one, then the gray one."""
-    for shift, color, (label, values) in ((-0.2, "tab:green", green), (0.2, "tab:gray", gray)):
-        draw([i + shift for i in range(len(values))], values, 0.4, color=color, label=label)
+def _part_sections(result: dict[str, Any]) -> list[str]:
+    """The opt-in parts' sections, each after a blank line, for the parts that ran."""
+    from batchllm.bench.parts.kept import kept_table
+    from batchllm.bench.parts.peers_report import peers_text
+    from batchllm.bench.parts.prefix_cache import prefix_cache_table
 
-
-def _prefix_panel(ax, result: dict[str, Any]) -> None:
-    prefix = result["prefix"]
-    sides = [prefix["file_order"], prefix["grouped"]]
-    medians = [s["output_tokens_per_s"]["median"] for s in sides]
-    ax.bar(
-        ["file order", "grouped"],
-        medians,
-        color=["tab:gray", "tab:green"],
-        yerr=_error_bars([s["output_tokens_per_s"] for s in sides]),
-        capsize=3,
-    )
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"prefix grouping: {prefix['gain']:.2f}x", fontsize=9)
-
-
-def _overhead_panel(ax, result: dict[str, Any]) -> None:
-    sizes = result["overhead"]["sizes"]
-    x = range(len(sizes))
-    _paired_bars(
-        ax.bar,
-        ("own work", [s["own_rows_per_s"] for s in sizes]),
-        ("+ tokenizing, sizing", [s["rows_per_s"] for s in sizes]),
-    )
-    ax.set_xticks(list(x), [f"{s['lines']:,}" for s in sizes], fontsize=8)
-    ax.set_ylabel("rows/s without generation")
-    ax.set_xlabel("input lines")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7)
-    twin = ax.twinx()
-    twin.plot(list(x), [s["peak_rss_bytes"] / _MIB for s in sizes], "o-", color="tab:red")
-    twin.set_ylabel("peak RSS, MiB", color="tab:red")
-    twin.set_ylim(bottom=0)
-    ax.set_title("overhead and memory", fontsize=9)
-
-
-def _features_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.features import JOBS
-
-    jobs = [result["features"]["jobs"][key] for key in JOBS]
-    y = range(len(jobs))
-    _paired_bars(
-        ax.barh,
-        ("req/s", [j["requests_ratio_to_plain"] for j in jobs]),
-        ("output tok/s", [j["tokens_ratio_to_plain"] for j in jobs]),
-    )
-    ax.axvline(1.0, color="black", linewidth=0.6)
-    ax.set_yticks(list(y), [j["label"] for j in jobs], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("vs the plain job")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7)
-    ax.set_title(
-        f"request features; plain rows in a mixed job: "
-        f"{result['features']['mixed_vs_control']['plain_rows']:.2f}x",
-        fontsize=9,
-    )
-
-
-def _embed_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.embed import CONTENDERS
-
-    contenders = [result["embed"]["contenders"][key] for key in CONTENDERS]
-    medians = [c["requests_per_s"]["median"] for c in contenders]
-    ax.bar(
-        range(len(contenders)),
-        medians,
-        color=[
-            "tab:green" if c["label"].startswith("batchllm") else "tab:gray" for c in contenders
-        ],
-        yerr=_error_bars([c["requests_per_s"] for c in contenders]),
-        capsize=3,
-    )
-    ax.set_xticks(
-        list(range(len(contenders))),
-        [c["label"].replace(": ", ":\n") for c in contenders],
-        fontsize=6,
-    )
-    ax.set_ylabel("rows/s")
-    ax.set_title("embeddings", fontsize=9)
-
-
-def _warm_panel(ax, result: dict[str, Any]) -> None:
-    side = result["warm"]["side_by_side"]
-    shown = [(key, label) for key, label in _SIDE_BY_SIDE if key in side]
-    seconds = [side[key]["seconds"] for key, _ in shown]
-    colors = {"vllm_run_batch": "tab:gray", "batchllm_run": "tab:blue", "warm_worker": "tab:green"}
-    ax.bar(range(len(shown)), seconds, color=[colors[key] for key, _ in shown])
-    for i, value in enumerate(seconds):
-        ax.annotate(f"{value:.0f} s", (i, value), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(
-        list(range(len(shown))),
-        [label.replace(" (", "\n(").replace(" to ", "\nto ") for _, label in shown],
-        fontsize=6,
-    )
-    ax.set_ylabel("wall seconds, end to end")
-    ax.set_title(f"one file of {side['lines']:,} lines", fontsize=9)
-
-
-def _prefix_cache_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.prefix_cache import LABELS
-
-    rows = result["prefix_cache"]["rows"]
-    keys = list(rows)
-    ax.barh(range(len(keys)), [rows[k]["output_tokens_per_s"] for k in keys])
-    ax.set_yticks(
-        range(len(keys)),
-        [f"{LABELS[k]}\n(hits {rows[k]['hit_rate']:.0%})" for k in keys],
-        fontsize=6,
-    )
-    ax.invert_yaxis()
-    ax.set_xlabel("output tokens/s")
-    ax.set_title("shared documents, shuffled", fontsize=9)
-
-
-def _kept_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.kept import draw_kept
-
-    draw_kept(ax, result["kept"])
-
-
-def _peers_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.peers_report import draw_rows
-
-    draw_rows(ax, result["peers"])
-
-
-def _sweep_panel(ax, result: dict[str, Any]) -> None:
-    from batchllm.bench.parts.peers_report import draw_sweep
-
-    draw_sweep(ax, result["peers"])
+    sections: dict[str, Callable[[dict[str, Any]], str]] = {
+        "features": features_text,
+        "embed": embed_text,
+        "warm": warm_text,
+        "peers": peers_text,
+        "prefix_cache": prefix_cache_table,
+        "kept": kept_table,
+    }
+    lines = []
+    for key, section in sections.items():
+        if result.get(key):
+            lines += ["", section(result[key])]
+    return lines

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchllm.bench.report import _format
+from batchllm.bench.display import format_table, spread
 
 RAW = "vllm_generate"
 BATCHLLM = "batchllm_engine"
@@ -132,12 +132,11 @@ def bench_table(bench: dict[str, Any]) -> str:
     cells = [("contender", "output tok/s", "spread", "req/s", "vs raw vLLM")]
     for key, figures in rows:
         tok = figures["output_tokens_per_s"]
-        half = (tok["max"] - tok["min"]) / 2 / tok["median"]
         cells.append(
             (
                 _name(key),
                 f"{tok['median']:,.0f}",
-                f"±{half:.0%}" if figures["repeats"] > 1 else "1 run",
+                spread(tok) if figures["repeats"] > 1 else "1 run",
                 f"{figures['requests_per_s']['median']:,.1f}",
                 f"{tok['median'] / base:.2f}x",
             )
@@ -154,7 +153,7 @@ def bench_table(bench: dict[str, Any]) -> str:
         f"{'repeat' if repeats == 1 else 'repeats'}, max_model_len "
         f"{limits.get('max_model_len', '?')}, max_num_seqs {limits.get('max_num_seqs', '?')}"
     )
-    return head + "\n\n" + _format(cells)
+    return head + "\n\n" + format_table(cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from batchllm.demo.workload import sentence
 from batchllm.input.rows import InputRow
+from batchllm.settings import Settings
 
 TEMPERATURE = 1.0
 # How output lengths are drawn within the range. `uniform`: every length alike. `log-uniform`:
@@ -169,3 +170,13 @@ def write_openai_chat(path: Path, workload: Workload, variant: int, *, model: st
 
 def stored_rows(workload: Workload, variant: int) -> list[InputRow]:
     return [r.row(line) for line, r in enumerate(iter_requests(workload, variant), start=1)]
+
+
+def size_context(model: str, runs: list[tuple[Workload, int]], settings: Settings) -> int:
+    """One max_model_len for every contender: the longest request among the (workload, variant)
+    pairs that will run, sized the way batchllm sizes a job (under `settings`)."""
+    from batchllm.engine.sizing import size_max_model_len
+    from batchllm.input.schemas import SamplingDefaults
+
+    rows = (row for workload, variant in runs for row in stored_rows(workload, variant))
+    return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1), settings=settings)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from batchllm.bench.suite import DEFAULT_PARTS, PARTS, BenchConfig
+from batchllm.bench.config import DEFAULT_PARTS, PARTS, BenchConfig
 from batchllm.bench.workload import OUTPUT_SHAPES
 from batchllm.cli import cli
 
@@ -307,7 +307,7 @@ def bench(
     Set VLLM_CPU_KVCACHE_SPACE (GiB; default here 2) on CPU machines.
     """
     from batchllm.bench.report import summary_text
-    from batchllm.bench.suite import BenchConfig, run_bench, write_results
+    from batchllm.bench.suite import run_bench, write_results
 
     # vLLM's INFO lines would bury the progress lines; set VLLM_LOGGING_LEVEL to see them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -1,4 +1,4 @@
-"""A stop's drain (execution/stop_request.py says when one happens): the rows not yet
+"""A stop's drain (process/stopping.py says when one happens): the rows not yet
 generating go back at once, those generating may finish until a deadline or a second stop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar
 
 from batchllm.engine.protocol import Engine
 from batchllm.execution import metrics
-from batchllm.execution.stop_request import StopRequest
+from batchllm.process.stopping import StopRequest
 
 log = logging.getLogger(__name__)
 

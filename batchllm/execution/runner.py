@@ -25,12 +25,12 @@ from batchllm.execution.drain import Drain, start_drain
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.results import Sampling, record_finished, record_refused
 from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
-from batchllm.execution.stop_request import StopRequest
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
 from batchllm.output.parts import OutputBuffer, Part
 from batchllm.output.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal
+from batchllm.process.stopping import StopRequest
 from batchllm.settings import Settings
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -15,12 +13,13 @@ from batchllm.errors import BatchLLMError, EngineDied, InputError, JobInterrupte
 from batchllm.execution.engines import resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.sizing_pass import BackgroundSizer
-from batchllm.execution.stop_request import StopRequest
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput
+from batchllm.jobs.create import create_job
 from batchllm.kept_engine.client import KeptEngines, RemoteEngine, size_on
+from batchllm.process.stopping import StopRequest, stop_on_first_interrupt
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
@@ -118,7 +117,7 @@ def run_shards_here(
         if shard_ids is None:
             with session_scope(settings) as session:
                 shard_ids = [s.id for s in get_one(session, Job, job_id).shards]
-        with _stop_on_first_interrupt(interrupted):
+        with stop_on_first_interrupt(interrupted):
             _run_through_engine_deaths(
                 job_id,
                 spec,
@@ -231,7 +230,7 @@ def _create(
     """
 
     def create(on_shard: Callable[[ShardInput], None] | None = None) -> str:
-        created = service.create_job(
+        created = create_job(
             source,
             spec,
             shard_size=settings.shard_size,
@@ -316,26 +315,3 @@ def _create_and_size_on(
     with session_scope(settings) as session:
         service.set_max_model_len(session, job_id, sized)
     return job_id, None
-
-
-@contextlib.contextmanager
-def _stop_on_first_interrupt(interrupted: threading.Event):
-    """The first Ctrl-C (SIGINT) stops the run in order: in-flight requests are aborted,
-    finished rows committed, and the job ends `failed` ("interrupted") with them; it never
-    ends `completed`. A second Ctrl-C raises KeyboardInterrupt at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-
-    def first(_signum, _frame) -> None:
-        interrupted.set()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        log.warning(
-            "interrupted: committing finished rows and stopping (Ctrl-C again to quit at once)"
-        )
-
-    previous = signal.signal(signal.SIGINT, first)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

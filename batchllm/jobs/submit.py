@@ -15,9 +15,10 @@ from batchllm.execution.finalize import finalize_job
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
+from batchllm.jobs.create import create_job
 from batchllm.jobs.submit_tokens import submit_tokens
 from batchllm.settings import Settings
-from batchllm.store import dependencies, service, state_machine
+from batchllm.store import dependencies, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
@@ -67,7 +68,7 @@ def submit_job(
         send_shards(job_id, spec, shard_ids, settings=settings, app=app)
         sent.extend(shard_ids)
 
-    created = service.create_job(
+    created = create_job(
         source,
         spec,
         shard_size=shard_size or settings.shard_size,

@@ -1,5 +1,20 @@
-"""Commands that start child processes end them on SIGTERM, SIGINT and SIGHUP.
+"""Stopping, in one place: how a runner is asked to stop (StopRequest, its drain and a second
+signal that cuts it short, a worker's and `run`'s signals), and how commands that start child
+processes end them on SIGTERM, SIGINT and SIGHUP.
 
+A runner's stop: on the first request it feeds no more rows and claims no more shards. Rows in
+the engine that have not started generating go back at once; those generating may go on for
+up to `drain_seconds` (execution/drain.py): a spot instance's notice or a pod's grace period is
+long enough for many of them to finish and be committed. The drain ends when they have all
+finished, at its deadline, or at a second request. A worker's signals: Celery calls
+worker_shutting_down on every SIGTERM, so a second SIGTERM reaches the worker's handler as is;
+a first SIGINT makes Celery arm a cold shutdown for the next one, so the next SIGINT is taken
+here to cut the drain short, and the one after is Celery's own again. One stop can reach a
+process twice within moments (a terminal's Ctrl-C goes to the process group, systemd's SIGTERM
+to the cgroup, a supervisor forwards what it got): a signal within ECHO_SECONDS of the first is
+that same stop.
+
+Child processes:
 SIGTERM is what systemd, Docker and Kubernetes send, SIGHUP what a closed terminal or SSH
 session sends. Their default action ends the process at once, before any `finally:` runs, so a
 child it started (a worker, and that worker's vLLM engine) would run on under PID 1, taking
@@ -120,3 +135,81 @@ def stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="batchllm-stop-with-parent", daemon=True).start()
+
+
+# Fits Kubernetes' default 30 s terminationGracePeriodSeconds with the engine's own shutdown.
+DEFAULT_DRAIN_SECONDS = 20.0
+ECHO_SECONDS = 1.0
+
+
+class StopRequest:
+    """Set from signal handlers (Event.set only: nothing here blocks), read by the runner."""
+
+    def __init__(self, drain_seconds: float = 0.0, requested: threading.Event | None = None):
+        self.drain_seconds = drain_seconds
+        self.requested = requested if requested is not None else threading.Event()
+        self.cut_short = threading.Event()
+
+    def request(self) -> None:
+        """The first call asks for a stop (with its drain), any later one cuts the drain short."""
+        if self.requested.is_set():
+            self.cut_short.set()
+        else:
+            self.requested.set()
+
+
+class StopSignals:
+    """Turns the stop signals a worker process receives into its StopRequest's requests."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        self.stop = stop
+        self.first_at: float | None = None
+
+    def received(self) -> None:
+        """A SIGTERM or SIGINT arrived (called from the signal handler: sets events only)."""
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            self.stop.request()
+            self._take_the_next_sigint()
+        elif now - self.first_at < ECHO_SECONDS:
+            log.info(
+                "the same stop signal again (%.1f s later): not a second one", now - self.first_at
+            )
+        else:
+            self.stop.request()  # the runner logs the drain's end
+
+    def _take_the_next_sigint(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can be set from the main thread only
+        celery_handler = signal.getsignal(signal.SIGINT)
+
+        def next_sigint(signum, frame) -> None:
+            self.received()
+            if self.stop.cut_short.is_set():
+                signal.signal(signal.SIGINT, celery_handler)
+
+        signal.signal(signal.SIGINT, next_sigint)
+
+
+@contextmanager
+def stop_on_first_interrupt(interrupted: threading.Event) -> Iterator[None]:
+    """`batchllm run`'s Ctrl-C: the first one sets `interrupted` (the run stops in order:
+    in-flight requests are aborted, finished rows committed, the job ends `failed`
+    ("interrupted") with them, never `completed`); a second raises KeyboardInterrupt at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def first(_signum: int, _frame: FrameType | None) -> None:
+        interrupted.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        log.warning(
+            "interrupted: committing finished rows and stopping (Ctrl-C again to quit at once)"
+        )
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,31 +1,25 @@
-"""Jobs: creating one from an input file, finding, listing and cancelling jobs, and the few
-facts a run records on its job (first engine step, context length)."""
+"""Job rows: a new job's row, finding, listing and cancelling jobs, and the few facts a run
+records on its job (first engine step, context length). Creating a job from its input is
+jobs/create.py's."""
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from batchllm.errors import InputError, JobNotFound, JobStateError, StorageError
-from batchllm.input.adapters import store_adapters
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.errors import JobNotFound, JobStateError
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import ShardInput, StoredInput, store_input
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
-from batchllm.store.db import get_one, session_scope, settings_of
+from batchllm.store.db import settings_of
 from batchllm.store.models import Job, JobParent, JobStatus, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
-from batchllm.store.shard_recording import ShardPreparer, ShardRecorder
 from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
@@ -33,168 +27,6 @@ log = logging.getLogger(__name__)
 
 def new_job_id() -> str:
     return "job_" + uuid.uuid4().hex[:16]
-
-
-@dataclass
-class CreatedJob:
-    job: Job
-    stored: StoredInput
-    # What the job's caller must finish it in when its shards all ended during its validation
-    # (a fleet ran them meanwhile): FINALIZING, write its manifest (state_machine.end_validation).
-    ended: JobStatus | None = None
-
-
-ReleaseShards = Callable[[str, list[int]], None]
-
-
-def create_job(
-    source: str | Path | InputSource,
-    spec: JobSpec,
-    *,
-    shard_size: int,
-    strict: bool = False,
-    settings: Settings,
-    local_run: bool = False,
-    expires_at: datetime | None = None,
-    on_shard: Callable[[ShardInput], None] | None = None,
-    release: ReleaseShards | None = None,
-    notify: WebhookTarget | None = None,
-    hold: bool = False,
-    preparer: ShardPreparer | None = None,
-) -> CreatedJob:
-    """Validate and store the input, recording the job and its shards as `queued`.
-
-    `release(job_id, shard_ids)`: queue committed shards for the fleet. When the job's
-    max_model_len is given, or sized shard by shard by `preparer`, it is called while
-    validation goes on, with the shards stored so far (shard_recording.py), so a big file
-    starts working within seconds; otherwise, and under --strict, once the whole file is stored.
-
-    A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
-    so does a job storage that cannot be written (StorageError). `notify`: where the job's end
-    is announced (store/webhooks.py). `source`: the input as a front door resolved it
-    (input/files/source.py); a path is resolved here, once. `hold`: the job waits for the
-    jobs it runs after (spec.after): it ends `waiting`, none of its shards released
-    (store/dependencies.py releases them). `preparer`: work on each stored shard before it is
-    recorded and released (submit's token pass); the max_model_len it sized, if any, is the
-    job's.
-    """
-    if hold:
-        release = None
-    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
-    storage = Storage.of(settings)
-    job_id = new_job_id()
-    if spec.adapters:
-        # Workers load adapters from the job's storage, wherever the job was submitted.
-        spec = spec.model_copy(update={"adapters": store_adapters(storage, job_id, spec.adapters)})
-    with session_scope(settings) as session:
-        session.add(
-            _job_row(
-                job_id,
-                JobStatus.VALIDATING,
-                spec,
-                source.recorded,
-                storage,
-                settings,
-                notify,
-                max_model_len=spec.engine.max_model_len,
-                local_run=local_run,
-                expires_at=expires_at,
-            )
-        )
-    # Streaming needs the context length up front: without it the first worker sizes the job
-    # from all of its rows (execution/engines.py), which must all be there.
-    stream = release is not None and not strict and spec.engine.max_model_len is not None
-    recorder = ShardRecorder(settings, job_id, release, stream=stream)
-    # Or a context length sized as the shards come: submit's token pass (the preparer) measures
-    # each shard before it is recorded, and the job's max_model_len is raised to cover it before
-    # it is released (issue 37: an unsized job's workers waited for the whole pass before).
-    sizes_as_it_goes = release is not None and not strict and preparer is not None and not stream
-    covered: int | None = None  # the max_model_len recorded for the shards released so far
-
-    def stored_one(shard: ShardInput) -> None:
-        nonlocal covered
-        if preparer is None:
-            recorder.add(shard)
-        else:  # recorded (and released) once prepared; on this thread, which owns the session
-            preparer.stored(shard)
-            ready = preparer.ready()
-            if ready and sizes_as_it_goes:
-                sized = preparer.sized_so_far()
-                if sized is not None and sized != covered:
-                    with session_scope(settings) as session:
-                        record_sized_so_far(session, job_id, sized)
-                    covered = sized
-                # From the first shard the pass cannot size on, the rest wait for the end.
-                recorder.stream = sized is not None
-            for prepared in ready:
-                recorder.add(prepared)
-        if on_shard is not None:
-            on_shard(shard)
-
-    try:
-        # The output directory first: a worker may write the first shard's rows before the
-        # last one is stored.
-        storage.makedirs(storage.output_dir(job_id))
-        stored = store_input(
-            source,
-            storage,
-            job_id,
-            settings=settings,
-            shard_size=shard_size,
-            strict=strict,
-            adapters=frozenset(spec.adapters),
-            task=spec.engine.task,
-            table=spec.table,
-            on_shard=stored_one,
-        )
-    except (InputError, StorageError, OSError) as exc:
-        if preparer is not None:
-            preparer.close()
-        error = exc
-        if isinstance(exc, OSError):  # the output directory
-            error = StorageError(
-                f"job storage {storage.display(storage.root)}: cannot write: {exc}"
-            )
-        with session_scope(settings) as session:
-            state_machine.fail_job(session, job_id, str(error))
-        if error is exc:
-            raise
-        raise error from exc
-    except BaseException:
-        if preparer is not None:
-            preparer.close()
-        raise
-    sized = None
-    if preparer is not None:
-        sized = preparer.finish()
-        recorder.stream = False  # released after the commit that records the job's size
-        for prepared in preparer.ready():
-            recorder.add(prepared)
-    with session_scope(settings) as session:
-        if sized is not None:
-            record_sized_so_far(session, job_id, sized)
-        elif covered is not None:
-            # The pass stopped after shards ran on a size of part of the job: a worker sizes
-            # the whole job again, from all of its rows.
-            forget_max_model_len(session, job_id)
-        recorder.record_rest(session)
-        ended = state_machine.end_validation(
-            session,
-            job_id,
-            shards_total=len(stored.shards),
-            request_total=stored.total,
-            hold=hold,
-        )
-        job = get_one(session, Job, job_id)
-    recorder.release_rest()
-    log.info(
-        "job %s: %d requests (%d invalid) in %d shards",
-        job_id,
-        stored.total,
-        stored.invalid,
-        len(stored.shards),
-    )
-    return CreatedJob(job=job, stored=stored, ended=ended)
 
 
 def get_job(session: Session, job_ref: str) -> Job:
@@ -257,36 +89,7 @@ def forget_max_model_len(session: Session, job_id: str) -> None:
     session.execute(update(Job).where(Job.id == job_id).values(max_model_len=None))
 
 
-def record_refused_job(
-    source: str,
-    spec: JobSpec,
-    error: str,
-    *,
-    settings: Settings,
-    notify: WebhookTarget | None = None,
-) -> str:
-    """A job that fails before any row is stored (e.g. a Batch API file naming several
-    models): recorded `failed` with the reason, so it can be looked up like any other."""
-    storage = Storage.of(settings)
-    job_id = new_job_id()
-    with session_scope(settings) as session:
-        session.add(
-            _job_row(
-                job_id,
-                JobStatus.FAILED,
-                spec,
-                source,
-                storage,
-                settings,
-                notify,
-                error=error,
-                finished_at=utcnow(),
-            )
-        )
-    return job_id
-
-
-def _job_row(
+def job_row(
     job_id: str,
     status: JobStatus,
     spec: JobSpec,

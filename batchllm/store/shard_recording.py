@@ -15,7 +15,7 @@ sizes the job's context from all of its rows, execution/engines.py: sized from t
 far, it would be too short for a longer prompt further down the file), every shard is recorded
 at the end, in the transaction that ends the validation, and released after it. The exception:
 an unsized job whose submit tokenizes it (jobs/submit_tokens.py) streams too, each shard once the
-pass measured it and the job's max_model_len was raised to cover it (store/service.py); a worker
+pass measured it and the job's max_model_len was raised to cover it (jobs/create.py); a worker
 reads the size as it stands when it takes a shard, and it only ever grows.
 """
 
@@ -37,6 +37,9 @@ from batchllm.store.models import Job, Shard, ShardStatus
 log = logging.getLogger(__name__)
 
 RELEASE_EVERY_SECONDS = 0.5
+
+# The fleet's dispatch of a job's recorded shards: release(job_id, shard_ids).
+ReleaseShards = Callable[[str, list[int]], None]
 
 
 class ShardPreparer(Protocol):
@@ -62,7 +65,7 @@ class ShardRecorder:
         self,
         settings: Settings,
         job_id: str,
-        release: Callable[[str, list[int]], None] | None,
+        release: ReleaseShards | None,
         *,
         stream: bool,
     ) -> None:

@@ -13,9 +13,9 @@ from batchllm.execution.engines import resolve_max_model_len
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import shard_failed
-from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
+from batchllm.process.stopping import StopRequest
 from batchllm.settings import Settings
 from batchllm.store import leases
 from batchllm.store.db import session_scope

@@ -25,9 +25,9 @@ from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache, WorkerEngine
 from batchllm.execution.instant import InstantWorkerEngine
 from batchllm.execution.runner import Outcome
-from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import EngineOptions
 from batchllm.process import log_format
+from batchllm.process.stopping import DEFAULT_DRAIN_SECONDS, StopRequest, StopSignals
 from batchllm.settings import Settings, get_settings
 from batchllm.store.db import get_engine
 from batchllm.worker import registry
@@ -37,7 +37,6 @@ from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.idle import IdleWatch
 from batchllm.worker.reconciler import reconcile_forever
-from batchllm.worker.second_signal import DEFAULT_DRAIN_SECONDS, StopSignals
 from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,7 @@ _engines: EngineSource | None = None
 _served_models: list[str] = []  # announced to `batchllm serve` (GET /v1/models)
 _json_logs_wanted = False
 _idle: IdleWatch | None = None  # `worker --max-idle`
-# SIGTERM/SIGINT: drain, then hand back (execution/stop_request.py); start_engine sets the drain.
+# SIGTERM/SIGINT: drain, then hand back (process/stopping.py); start_engine sets the drain.
 _stop = StopRequest(DEFAULT_DRAIN_SECONDS)
 _stop_signals = StopSignals(_stop)
 _RETRY_BUSY_SECONDS = 30
@@ -151,7 +150,7 @@ def _on_shutdown(**_kwargs) -> None:
     """SIGTERM or SIGINT (Celery's warm shutdown): the running shard drains, checkpoints and
     hands the rest back. Celery sends this again on each SIGTERM: the second cuts the drain
     short. A second SIGINT would be Celery's cold shutdown instead; it cuts the drain short too
-    (worker/second_signal.py)."""
+    (process/stopping.py)."""
     _stop_signals.received()
 
 

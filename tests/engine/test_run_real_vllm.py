@@ -22,6 +22,7 @@ from sqlalchemy import func, select
 from batchllm.demo.workload import write_workload
 from batchllm.execution.engines import EngineCache
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
@@ -509,7 +510,7 @@ def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
         {"custom_id": "d", "prompt": "One two three", "max_tokens": 8},
     ]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    created = service.create_job(
+    created = create_job(
         source, make_spec(tiny_model), shard_size=3, settings=settings, local_run=True
     )
     job_id = created.job.id

@@ -869,7 +869,7 @@ class TestDrain:
         stopped_at = time.monotonic()
         victim.terminate()
         # A signal within a second of the first is taken for the same stop echoed (a terminal
-        # signals the whole group; worker/second_signal.py): the second comes after that.
+        # signals the whole group; process/stopping.py): the second comes after that.
         wait_for(
             lambda: (
                 "stop requested: draining" in victim.log() and time.monotonic() - stopped_at > 2

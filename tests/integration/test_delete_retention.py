@@ -18,6 +18,7 @@ from sqlalchemy import func, select, update
 from batchllm import Client
 from batchllm.api import batches
 from batchllm.errors import JobStateError
+from batchllm.jobs.create import create_job
 from batchllm.settings import Settings, get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope, upgrade
@@ -152,7 +153,7 @@ def test_delete_removes_the_jobs_rows_and_files_and_nothing_else(place, tmp_path
 
 
 def test_a_queued_job_is_refused_until_cancelled(place, tmp_path):
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "q.jsonl", 5), make_spec(), shard_size=100, settings=place.settings
     )
     job_id = created.job.id
@@ -171,7 +172,7 @@ def test_a_queued_job_is_refused_until_cancelled(place, tmp_path):
 def test_retention_deletes_only_the_ended_jobs_older_than_retain_days(place, tmp_path):
     old = run_job(place, tmp_path, 4, "old")
     recent = run_job(place, tmp_path, 4, "recent")
-    waiting = service.create_job(
+    waiting = create_job(
         write_items(tmp_path / "w.jsonl", 4), make_spec(), shard_size=100, settings=place.settings
     ).job.id
     long_ago = utcnow() - timedelta(days=3)

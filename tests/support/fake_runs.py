@@ -12,6 +12,7 @@ import pytest
 
 from batchllm.engine.testing import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import list_parts, read_output
 from batchllm.storage import Storage
@@ -64,7 +65,7 @@ def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Pa
 
 def create_items_job(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
     """A job of `rows` items (write_items) created and stored; its id and its shards' ids."""
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", rows),
         make_spec(),
         shard_size=shard_size,

@@ -14,6 +14,7 @@ from sqlalchemy import update
 
 from batchllm.engine.protocol import Finished
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.output.parts import part_name
@@ -150,7 +151,7 @@ def export_every_form(settings: Settings, tmp_path: Path) -> tuple[Job, Path]:
 def create(settings, tmp_path: Path, lines: list[dict], spec: JobSpec | None = None) -> str:
     source = tmp_path / "hand.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    created = service.create_job(source, spec or make_spec(), shard_size=10, settings=settings)
+    created = create_job(source, spec or make_spec(), shard_size=10, settings=settings)
     return created.job.id
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from batchllm.process.ports import HOST, free_port
 from tests.support.skips import require
 
-HOST = "127.0.0.1"
 ACCESS_KEY = "batchllm-test"
 SECRET_KEY = "batchllm-test-secret"
 REGION = "us-east-1"
@@ -70,12 +69,6 @@ class S3Server:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def _answers(endpoint: str) -> bool:
     try:
         with urllib.request.urlopen(endpoint + "/", timeout=2) as response:
@@ -93,7 +86,7 @@ def moto_server(log_dir: Path, timeout: float = 60) -> Iterator[S3Server]:
         import moto.server  # moto[server]: flask, werkzeug
     except ImportError as exc:
         require(False, f"moto[server] is not installed (the test extra): {exc}")
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://{HOST}:{port}"
     log_path = log_dir / f"moto-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "BATCHLLM_"))}

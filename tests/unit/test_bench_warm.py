@@ -12,22 +12,22 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from batchllm.bench.chart import draw_chart
+from batchllm.bench.config import DEFAULT_PARTS, PARTS, BenchConfig
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.parts.warm import (
     JOBS,
-    WorkerProcess,
-    _free_port,
     check_like_for_like,
     require_no_engine_start,
     side_by_side_file,
     speedups,
     summarize,
-    worker_command,
 )
+from batchllm.bench.parts.warm_worker import WorkerProcess, worker_command
 from batchllm.bench.processes import EngineLimits
-from batchllm.bench.report import draw_chart, summary_text
-from batchllm.bench.suite import DEFAULT_PARTS, PARTS, BenchConfig
+from batchllm.bench.report import summary_text
 from batchllm.cli import cli
+from batchllm.process.ports import free_port
 
 LIMITS = EngineLimits(
     max_model_len=512,
@@ -77,7 +77,7 @@ def test_the_worker_command_is_one_that_batchllm_worker_parses_with_its_engine_f
 def test_it_reads_the_engine_back_from_the_worker_metrics_modules_own_endpoint():
     from batchllm.execution import metrics
 
-    port = _free_port()
+    port = free_port()
     server = metrics.start_metrics_server(port, addr="127.0.0.1")
     try:
         model = "/unit-test/bench-warm"

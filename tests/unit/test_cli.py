@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.storage import Storage
@@ -75,7 +76,7 @@ def finished_job(settings, tmp_path) -> str:
         '{"prompt": ""}\n'
         '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n'
     )
-    job_id = service.create_job(
+    job_id = create_job(
         source,
         JobSpec(model="/models/fake", metadata={"team": "cli"}),
         shard_size=10,

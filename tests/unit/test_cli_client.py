@@ -8,6 +8,7 @@ import pytest
 
 from batchllm import Client
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import record_refused_job
 from batchllm.settings import get_settings
 from batchllm.store import service
 from tests.support.cli import invoke
@@ -105,7 +106,7 @@ def test_submit_says_how_many_lines_are_invalid(settings, tmp_path, monkeypatch,
 
 
 def test_wait_on_an_ended_job_prints_it_and_exits_by_its_state(settings, prompts):
-    failed = service.record_refused_job(
+    failed = record_refused_job(
         str(prompts), JobSpec(model="/models/fake"), "refused for the test", settings=settings
     )
 

@@ -15,6 +15,7 @@ import pytest
 from batchllm.cli.options import require_local_model
 from batchllm.errors import JobNotFound
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -197,7 +198,7 @@ def test_run_refuses_max_tokens_above_the_bound(settings, prompts, model_dir):
 
 @pytest.fixture
 def job_id(settings, prompts) -> str:
-    return service.create_job(prompts, JobSpec(model="m"), shard_size=10, settings=settings).job.id
+    return create_job(prompts, JobSpec(model="m"), shard_size=10, settings=settings).job.id
 
 
 @pytest.mark.parametrize("pattern", ["%{tail}", "job_%{tail}", "_{middle}", "job__{middle}"])

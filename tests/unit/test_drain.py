@@ -1,4 +1,4 @@
-"""A stop's drain (execution/stop_request.py, ShardRunner._begin_stop): after a stop request the
+"""A stop's drain (process/stopping.py, ShardRunner._begin_stop): after a stop request the
 runner feeds nothing more, aborts the rows not yet started (past the engine's first
 max_num_seqs: the fake engine, like vLLM, schedules first come, first served), lets the
 generating ones finish for up to `drain_seconds`, commits them, aborts the rest and hands the
@@ -12,7 +12,7 @@ import time
 from prometheus_client import REGISTRY
 
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.execution.stop_request import StopRequest
+from batchllm.process.stopping import StopRequest
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from tests.support.fake_runs import (
@@ -229,20 +229,20 @@ def test_a_shard_fed_whole_is_handed_back_not_completed_when_its_unstarted_rows_
 
 
 def test_a_signal_echoed_within_a_second_is_the_same_stop_a_later_one_cuts_short(monkeypatch):
-    from batchllm.worker import second_signal
+    from batchllm.process import stopping
 
     clock = [100.0]
-    monkeypatch.setattr(second_signal.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(stopping.time, "monotonic", lambda: clock[0])
     stop = StopRequest(drain_seconds=20.0)
-    signals = second_signal.StopSignals(stop)
+    signals = stopping.StopSignals(stop)
     # The first signal takes over SIGINT (for a second Ctrl-C): give pytest's handler back.
-    monkeypatch.setattr(second_signal.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(stopping.signal, "signal", lambda *args: None)
 
     signals.received()
     clock[0] += 0.3  # the terminal's Ctrl-C to the group, forwarded by a supervisor too
     signals.received()
     assert stop.requested.is_set() and not stop.cut_short.is_set()
 
-    clock[0] += second_signal.ECHO_SECONDS
+    clock[0] += stopping.ECHO_SECONDS
     signals.received()
     assert stop.cut_short.is_set()

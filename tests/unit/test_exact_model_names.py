@@ -8,6 +8,7 @@ import pytest
 from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.runner import Outcome
 from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -47,7 +48,7 @@ def test_a_worker_never_sizes_a_job_of_another_model(settings, tmp_path, monkeyp
         raise OSError("models_tiny is not a local folder and not a model on the hub")
 
     monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", resolve_max_model_len)
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", 3),
         JobSpec(model="models_tiny"),
         shard_size=10,

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
+from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
@@ -19,7 +20,7 @@ AGING = 600.0
 
 def _job(settings, tmp_path, name: str, shards: int, *, priority: str = "normal") -> list[int]:
     spec = make_spec().model_copy(update={"priority": priority})
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / f"{name}.jsonl", shards), spec, shard_size=1, settings=settings
     )
     with session_scope(settings) as session:

@@ -12,6 +12,7 @@ from sqlalchemy import update
 from batchllm.errors import ShardBusy, ShardLost
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.storage import Storage
@@ -24,7 +25,7 @@ from tests.support.output_rows import OutputRow, write_part
 def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(rows)))
-    created = service.create_job(source, JobSpec(model="m"), shard_size=rows, settings=settings)
+    created = create_job(source, JobSpec(model="m"), shard_size=rows, settings=settings)
     with session_scope(settings) as session:
         return created.job.id, session.get(Job, created.job.id).shards[0].id
 

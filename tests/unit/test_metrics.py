@@ -24,7 +24,8 @@ from batchllm.cli import cli
 from batchllm.execution import metrics
 from batchllm.execution.engines import EngineCache
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.execution.stop_request import StopRequest
+from batchllm.jobs.create import create_job
+from batchllm.process.stopping import StopRequest
 from batchllm.settings import get_settings
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
@@ -71,7 +72,7 @@ def since(before: dict[str, float], model: str = MODEL) -> dict[str, float]:
 
 
 def create(settings, tmp_path, rows: int, *, shard_size: int, extra=None) -> tuple[str, list[int]]:
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", rows, extra=extra),
         make_spec(),
         shard_size=shard_size,

@@ -12,6 +12,7 @@ from sqlalchemy import create_engine, inspect, select
 
 from batchllm.errors import JobNotFound, JobStateError
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import (
     MANIFEST_NAME,
@@ -254,9 +255,7 @@ def spec() -> JobSpec:
 
 
 def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
-    created = service.create_job(
-        make_input(tmp_path, 5, bad=1), spec(), shard_size=4, settings=settings
-    )
+    created = create_job(make_input(tmp_path, 5, bad=1), spec(), shard_size=4, settings=settings)
 
     with session_scope(settings) as session:
         job = session.get(Job, created.job.id)
@@ -272,7 +271,7 @@ def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
 
 
 def test_job_status_is_stored_by_value(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
+    created = create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
 
     with session_scope(settings) as session:
         raw = (
@@ -285,7 +284,7 @@ def test_job_status_is_stored_by_value(settings, tmp_path):
 
 
 def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 6), spec(), shard_size=3, settings=settings)
+    created = create_job(make_input(tmp_path, 6), spec(), shard_size=3, settings=settings)
     job_id = created.job.id
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -370,7 +369,7 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
 
 
 def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 2), spec(), shard_size=10, settings=settings)
+    created = create_job(make_input(tmp_path, 2), spec(), shard_size=10, settings=settings)
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
         leases.claim_shard(session, shard.id, "w1")
@@ -386,7 +385,7 @@ def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
 def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claimed(
     settings, tmp_path
 ):
-    created = service.create_job(make_input(tmp_path, 5), spec(), shard_size=2, settings=settings)
+    created = create_job(make_input(tmp_path, 5), spec(), shard_size=2, settings=settings)
 
     with session_scope(settings) as session:
         job = service.cancel_job(session, created.job.id)
@@ -403,7 +402,7 @@ def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claim
 def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_ends(
     settings, tmp_path
 ):
-    created = service.create_job(make_input(tmp_path, 4), spec(), shard_size=2, settings=settings)
+    created = create_job(make_input(tmp_path, 4), spec(), shard_size=2, settings=settings)
     with session_scope(settings) as session:
         first, second = session.get(Job, created.job.id).shards
         leases.claim_shard(session, first.id, "w1")
@@ -418,7 +417,7 @@ def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_end
 
 
 def test_get_job_finds_a_job_by_full_id_or_unique_prefix(settings, tmp_path):
-    created = service.create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
+    created = create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
     job_id = created.job.id
     bare = job_id.removeprefix("job_")
 
@@ -432,8 +431,8 @@ def test_get_job_finds_a_job_by_full_id_or_unique_prefix(settings, tmp_path):
 
 def test_get_job_refuses_an_ambiguous_prefix(settings, tmp_path):
     source = make_input(tmp_path, 1)
-    service.create_job(source, spec(), shard_size=4, settings=settings)
-    service.create_job(source, spec(), shard_size=4, settings=settings)
+    create_job(source, spec(), shard_size=4, settings=settings)
+    create_job(source, spec(), shard_size=4, settings=settings)
 
     with session_scope(settings) as session, pytest.raises(JobNotFound, match="ambiguous"):
         service.get_job(session, "job_")
@@ -441,8 +440,8 @@ def test_get_job_refuses_an_ambiguous_prefix(settings, tmp_path):
 
 def test_list_jobs_filters_by_status_newest_first(settings, tmp_path):
     source = make_input(tmp_path, 1)
-    older = service.create_job(source, spec(), shard_size=4, settings=settings).job.id
-    newer = service.create_job(source, spec(), shard_size=4, settings=settings).job.id
+    older = create_job(source, spec(), shard_size=4, settings=settings).job.id
+    newer = create_job(source, spec(), shard_size=4, settings=settings).job.id
     with session_scope(settings) as session:
         service.cancel_job(session, older)
 
@@ -456,7 +455,7 @@ def test_strict_refusal_leaves_a_failed_job_with_the_reason(settings, tmp_path):
     from batchllm.errors import InputError
 
     with pytest.raises(InputError):
-        service.create_job(
+        create_job(
             make_input(tmp_path, 2, bad=1), spec(), shard_size=4, strict=True, settings=settings
         )
 

@@ -14,6 +14,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import LineError, Request
 from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope
@@ -83,9 +84,7 @@ def test_the_columnar_reader_stores_poisoned_lines_as_invalid_rows_instead_of_ra
 
 def test_a_job_with_poisoned_lines_is_created_and_runs_the_others(small_commits, tmp_path):
     settings = small_commits
-    created = service.create_job(
-        poisoned_file(tmp_path), make_spec(), shard_size=12, settings=settings
-    )
+    created = create_job(poisoned_file(tmp_path), make_spec(), shard_size=12, settings=settings)
     with session_scope(settings) as session:
         job = session.get(Job, created.job.id)
         assert job.status is JobStatus.QUEUED  # never left validating
@@ -129,7 +128,7 @@ def test_a_row_the_engine_cannot_prepare_is_an_error_row_and_its_shard_completes
     settings = small_commits
     extra = [json.dumps({"custom_id": "bad", "prompt": "poison pill"})]
     path = write_items(tmp_path / "in.jsonl", 10, extra=extra)
-    created = service.create_job(path, make_spec(), shard_size=12, settings=settings)
+    created = create_job(path, make_spec(), shard_size=12, settings=settings)
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, created.job.id).shards]
     engine = FakeEngine()

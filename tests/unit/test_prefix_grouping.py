@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.storage import Storage
@@ -147,7 +148,7 @@ def test_resume_after_a_kill_mid_shard_with_grouping_runs_the_rest_grouped_exact
     settings = small_commits
     settings.shard_size = 100
     lines = document_lines(seed=11)
-    created = service.create_job(
+    created = create_job(
         write_lines(tmp_path / "in.jsonl", lines),
         make_spec(),
         shard_size=settings.shard_size,

@@ -13,6 +13,7 @@ from sqlalchemy import update
 
 from batchllm.errors import ShardBusy
 from batchllm.execution.runner import ShardRunner
+from batchllm.jobs.create import create_job
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.storage import Storage
 from batchllm.store import leases, recovery, service, state_machine
@@ -266,7 +267,7 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
 def test_the_shards_of_a_local_run_are_never_sent_to_the_fleet_and_a_killed_run_ends_failed(
     settings, broker, tmp_path
 ):
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", 8),
         make_spec(),
         shard_size=4,

@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from batchllm import Client
 from batchllm.cli import cli
 from batchllm.errors import BatchLLMError
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, part_name, write_table
 from batchllm.settings import get_settings
@@ -219,7 +220,7 @@ def _spec():
 def _running_job_with_one_part(settings, tmp_path, *, first: bool = True):
     """A created job on one shard marked running, with (if `first`) one committed part of
     the row `first`."""
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "one.jsonl", 3), _spec(), shard_size=100, settings=settings
     )
     job_id = created.job.id

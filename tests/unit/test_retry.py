@@ -11,6 +11,7 @@ from sqlalchemy import select
 from batchllm import Client
 from batchllm.engine.protocol import Finished
 from batchllm.errors import JobInterrupted, JobStateError
+from batchllm.jobs.create import create_job
 from batchllm.output import row_errors
 from batchllm.output.parts import list_parts, read_lines
 from batchllm.storage import Storage
@@ -180,7 +181,7 @@ def test_a_cancelled_job_is_retried_into_the_same_job_to_one_ok_row_per_line(
 def test_a_job_still_running_is_refused_with_a_clear_message(settings, tmp_path):
     path = tmp_path / "in.jsonl"
     write_requests(path, 2)
-    created = service.create_job(path, make_spec(), shard_size=10, settings=settings)
+    created = create_job(path, make_spec(), shard_size=10, settings=settings)
     with pytest.raises(JobStateError, match="is still queued: a job is retried once it ended"):
         Client(settings).retry(created.job.id, engines=FakeEngines(FakeEngine()))
 

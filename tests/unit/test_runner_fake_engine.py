@@ -16,11 +16,12 @@ from sqlalchemy import update
 from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.execution.stop_request import StopRequest
 from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
+from batchllm.process.stopping import StopRequest
 from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
@@ -235,9 +236,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     settings = small_commits
     settings.shard_size = 20
     source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
-    created = service.create_job(
-        source, make_spec(), shard_size=settings.shard_size, settings=settings
-    )
+    created = create_job(source, make_spec(), shard_size=settings.shard_size, settings=settings)
     job_id = created.job.id
     storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
@@ -295,7 +294,7 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 
 def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):
     settings = small_commits
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", 4), make_spec(), shard_size=10, settings=settings
     )
     with session_scope(settings) as session:
@@ -361,7 +360,7 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
     settings.shard_size = 40
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
-    created = service.create_job(source, make_spec(), shard_size=40, settings=settings)
+    created = create_job(source, make_spec(), shard_size=40, settings=settings)
     with session_scope(settings) as session:
         shard_id = session.get(Job, created.job.id).shards[0].id
         session.execute(update(Job).where(Job.id == created.job.id).values(max_model_len=64))

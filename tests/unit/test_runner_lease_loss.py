@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.storage import Storage
@@ -68,7 +69,7 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
 ):
     settings = small_commits
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", control_interval)
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", ROWS), make_spec(), shard_size=ROWS, settings=settings
     )
     job_id = created.job.id

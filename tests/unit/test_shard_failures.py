@@ -12,6 +12,7 @@ from sqlalchemy import update
 
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import retry_delay
+from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
@@ -136,7 +137,7 @@ def test_a_shard_that_ended_while_its_run_failed_is_not_counted_again(
 
 
 def _job(settings, tmp_path, name: str, shards: int) -> list[int]:
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / f"{name}.jsonl", shards),
         make_spec(),
         shard_size=1,

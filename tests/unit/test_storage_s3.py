@@ -22,6 +22,7 @@ from batchllm.input.files.lines import has_requests
 from batchllm.input.schemas import LineError
 from batchllm.input.shards import store_input
 from batchllm.input.validate import infer_task, read_requests
+from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME, read_output, remove_unrecorded_parts
@@ -443,7 +444,7 @@ def test_a_crash_between_upload_and_checkpoint_leaves_no_duplicate_rows_in_the_b
 ):
     settings = s3_settings
     source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
-    job_id = service.create_job(source, make_spec(), shard_size=20, settings=settings).job.id
+    job_id = create_job(source, make_spec(), shard_size=20, settings=settings).job.id
     out_dir = s3.output_dir(job_id)
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -480,7 +481,7 @@ def test_storage_that_cannot_be_written_fails_the_job_with_the_reason(
     source = write_items(tmp_path / "in.jsonl", 3)
 
     with pytest.raises(StorageError, match=r"job storage s3://no-such-bucket/jobs: cannot write"):
-        service.create_job(source, make_spec(), shard_size=10, settings=settings)
+        create_job(source, make_spec(), shard_size=10, settings=settings)
 
     with session_scope(settings) as session:
         (job,) = service.list_jobs(session)
@@ -493,7 +494,7 @@ def test_a_local_storage_path_that_cannot_be_made_fails_the_job_too(settings, tm
     settings.storage = str(tmp_path / "a-file" / "jobs")
 
     with pytest.raises(StorageError, match="cannot write"):
-        service.create_job(
+        create_job(
             write_items(tmp_path / "in.jsonl", 3), make_spec(), shard_size=10, settings=settings
         )
 
@@ -507,7 +508,8 @@ def test_chat_lines_take_images_from_the_storage_s_bucket(s3: Storage) -> None:
 
     from PIL import Image
 
-    from batchllm.input.validate import LineProblem, parse_line
+    from batchllm.input.parsing.line import parse_line
+    from batchllm.input.parsing.problems import LineProblem
 
     encoded = io.BytesIO()
     Image.new("RGB", (12, 9)).save(encoded, "PNG")

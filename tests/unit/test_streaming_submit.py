@@ -11,6 +11,7 @@ from batchllm.errors import InputError
 from batchllm.execution.runner import ShardRunner
 from batchllm.input.schemas import EngineOptions
 from batchllm.jobs import submit as dispatch
+from batchllm.jobs.create import create_job
 from batchllm.store import service, shard_recording, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
@@ -47,7 +48,7 @@ def every_shard_at_once(monkeypatch):
 
 def _create(settings, tmp_path, lines: int, releases: Releases, spec=None, **options):
     """A job of `lines` items in 10-line shards, its shards released to `releases`."""
-    return service.create_job(
+    return create_job(
         write_items(tmp_path / "in.jsonl", lines),
         spec or make_spec(),
         shard_size=10,
@@ -119,7 +120,7 @@ def test_a_strict_refusal_releases_nothing(settings, tmp_path, every_shard_at_on
     releases = Releases(settings)
     source = write_items(tmp_path / "in.jsonl", 30, extra=['{"custom_id": "bad"}'])
     with pytest.raises(InputError, match="--strict refuses the file"):
-        service.create_job(
+        create_job(
             source, make_spec(), shard_size=10, settings=settings, strict=True, release=releases
         )
     assert releases.calls == []
@@ -178,7 +179,7 @@ def test_a_job_whose_shards_all_ended_during_validation_is_finalized_by_the_subm
 
 
 def test_end_validation_moves_the_job_on_as_its_shards_say(settings, tmp_path):
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", 20), make_spec(), shard_size=10, settings=settings
     )
     job_id = created.job.id

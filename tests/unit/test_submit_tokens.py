@@ -18,6 +18,7 @@ from batchllm.execution.sizing_pass import size_shards
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.input.token_store import TokenFileWriter, token_path
 from batchllm.jobs import submit_tokens as submit_tokens_module
+from batchllm.jobs.create import CreatedJob, create_job
 from batchllm.jobs.submit_tokens import SubmitTokens, config_limit, submit_tokens
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
@@ -62,7 +63,7 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
     # `always`: `auto` would wait for AUTO_MIN_ROWS rows before starting (another test).
     preparer = submit_tokens(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
     assert preparer is not None
-    created = service.create_job(
+    created = create_job(
         source, spec, shard_size=50, settings=settings, release=release, preparer=preparer
     )
     shards = shards_of(settings, created.job.id)
@@ -91,7 +92,7 @@ def test_a_job_given_its_context_keeps_it_and_gets_the_ids(tiny_model, settings,
         sampling=SamplingDefaults(max_tokens=8),
     )
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
-    created = service.create_job(
+    created = create_job(
         source, spec, shard_size=25, settings=settings, release=lambda *a: None, preparer=preparer
     )
     assert created.job.max_model_len == 512
@@ -111,7 +112,7 @@ def test_a_pass_that_fails_loses_no_shard_and_leaves_the_sizing_to_the_workers(
     released: list[int] = []
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
     with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
-        created = service.create_job(
+        created = create_job(
             source,
             spec,
             shard_size=50,
@@ -157,8 +158,8 @@ def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_wo
     storage = Storage.of(settings)
     monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 100)
 
-    def submitted(name: str, lines: int) -> service.CreatedJob:
-        return service.create_job(
+    def submitted(name: str, lines: int) -> CreatedJob:
+        return create_job(
             write_chats(tmp_path / f"{name}.jsonl", lines),
             spec,
             shard_size=40,
@@ -190,7 +191,7 @@ def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_o
         engine=EngineOptions(max_model_len=512),
         sampling=SamplingDefaults(max_tokens=4),
     )
-    created = service.create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source, spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     (shard,) = shards_of(settings, created.job.id)
     # Ids with one token too many on every row, as another tokenizer's might be.
@@ -226,7 +227,7 @@ def test_stored_ids_equal_to_the_engines_are_used_as_they_are(
         engine=EngineOptions(max_model_len=512),
         sampling=SamplingDefaults(max_tokens=4),
     )
-    created = service.create_job(
+    created = create_job(
         source,
         spec,
         shard_size=100,
@@ -281,7 +282,7 @@ def stored_need(storage: Storage, shard: Shard, max_tokens: int) -> int:
 
 def submit_growing(
     spec: JobSpec, settings, tmp_path: Path
-) -> tuple[service.CreatedJob, list[tuple[int, JobStatus, int | None]]]:
+) -> tuple[CreatedJob, list[tuple[int, JobStatus, int | None]]]:
     """A 5-shard job of growing prompts through the paced pass; each released shard with the
     job's status and recorded max_model_len at its release."""
     seen: list[tuple[int, JobStatus, int | None]] = []
@@ -291,7 +292,7 @@ def submit_growing(
             job = session.get(Job, job_id)
             seen.extend((shard_id, job.status, job.max_model_len) for shard_id in shard_ids)
 
-    created = service.create_job(
+    created = create_job(
         write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20),
         spec,
         shard_size=20,
@@ -371,7 +372,7 @@ def test_auto_sizes_short_prompts_by_their_bytes_and_tokenizes_only_the_shards_o
             messages = [{"role": "user", "content": f"{i}: {words}"}]
             out.write(json.dumps({"custom_id": f"r{i}", "messages": messages}) + "\n")
     with caplog.at_level(logging.INFO, logger="batchllm.engine.sizing"):
-        created = service.create_job(
+        created = create_job(
             source,
             spec,
             shard_size=30,
@@ -396,7 +397,7 @@ def test_a_job_of_short_prompts_is_sized_from_bytes_at_or_above_its_exact_size(
     monkeypatch.setattr(submit_tokens_module, "AUTO_MIN_ROWS", 1)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
-    created = service.create_job(
+    created = create_job(
         source, spec, shard_size=50, settings=settings, preparer=submit_tokens(spec, settings)
     )
     storage = Storage.of(settings)

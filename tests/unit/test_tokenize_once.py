@@ -18,6 +18,7 @@ from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import token_path
+from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store import service
@@ -119,7 +120,7 @@ def test_the_sizing_pass_stores_the_ids_and_the_feed_reads_them_back(
             out.write(json.dumps({"messages": [{"role": "user", "content": words}]}) + "\n")
         out.write("not json\n")
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    created = service.create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source, spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     with session_scope(settings) as session:
         paths = [s.input_path for s in session.get(Job, created.job.id).shards]
@@ -149,7 +150,7 @@ def one_sized_shard(tiny_model, settings, tmp_path, prompts: list[str]) -> tuple
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    created = service.create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source, spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     resolve_max_model_len(created.job.id, settings=settings)
     with session_scope(settings) as session:

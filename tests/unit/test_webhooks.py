@@ -16,6 +16,7 @@ from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import BatchLLMError
 from batchllm.execution import webhooks
 from batchllm.execution.webhooks import deliver_due, verify
+from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine
 from batchllm.store import webhooks as store_webhooks
 from batchllm.store.db import session_scope
@@ -41,7 +42,7 @@ def receiver():
 
 
 def _ended_job(settings, tmp_path, url: str, end) -> str:
-    created = service.create_job(
+    created = create_job(
         write_items(tmp_path / "in.jsonl", 2),
         make_spec(),
         shard_size=10,

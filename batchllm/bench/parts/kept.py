@@ -22,6 +22,7 @@ from typing import Any
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.own_engine import Say
 from batchllm.bench.parts.llama_cpp import LlamaServer, find_llama_server
+from batchllm.bench.processes import scheduler_flags
 from batchllm.bench.workload import Workload, iter_requests, write_openai_chat
 
 LLAMA_1, LLAMA_N, COLD, WARM = "llama_cpp_1_slot", "llama_cpp_slots", "run_cold", "run_warm"
@@ -45,14 +46,7 @@ class KeptConfig:
     threads: int = os.cpu_count() or 1
 
     def engine_flags(self) -> list[str]:
-        eager = ["--enforce-eager"] if self.enforce_eager else []
-        return [
-            *eager,
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-        ]
+        return scheduler_flags(self.max_model_len, self.max_num_seqs, self.enforce_eager)
 
 
 def run_kept(config: KeptConfig) -> dict[str, Any]:

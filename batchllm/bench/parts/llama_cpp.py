@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import Any
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import Request
+from batchllm.process.ports import free_port
 from batchllm.process.stopping import stop_child
 
 INSTALL_HINT = (
@@ -135,7 +135,7 @@ class LlamaServer:
         log_path: Path,
     ) -> None:
         self.slots = slots
-        self.port = _free_port()
+        self.port = free_port()
         self.command = [
             str(binary),
             "--model",
@@ -242,12 +242,6 @@ class LlamaServer:
             first_seconds=min(a.seconds for a in answers),
             peak_rss=memory.peak,
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def convert_to_gguf(

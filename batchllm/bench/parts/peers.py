@@ -153,19 +153,7 @@ def _main_table(
     from batchllm.execution.engines import EngineCache
 
     say, workload = config.say, config.workload
-    rows = {
-        LLAMA_1: Contender(LLAMA_1, "llama.cpp server, 1 slot (Q4_1 GGUF)"),
-        LLAMA_N: Contender(
-            LLAMA_N, f"llama.cpp server, {config.slots} slots (Q4_1 GGUF), {config.slots} in flight"
-        ),
-        LLAMA_EQUAL: Contender(
-            LLAMA_EQUAL, f"llama.cpp server, {config.slots} slots, vLLM's weights (bf16 GGUF)"
-        ),
-        RAW: Contender(RAW, "raw vLLM: one generate call"),
-        ENGINE: Contender(ENGINE, "batchllm: job engine phase"),
-    }
-    if equal is None:
-        del rows[LLAMA_EQUAL]
+    rows = _main_rows(config, with_equal=equal is not None)
     texts: dict[str, dict[str, str]] = {}
     engines = EngineCache(config.settings)
     biggest = max(config.sweep)
@@ -187,19 +175,9 @@ def _main_table(
         engine = engines.get(spec, config.max_model_len)
         info = _engine_info(engine, time.perf_counter() - started)
         say("[peers] warming up every engine")
-        warm = Workload(
-            requests=_WARMUP_REQUESTS,
-            prompt_words=(8, 8),
-            output_tokens=workload.output_tokens,
-            seed=workload.seed + 99,
-            natural=True,
-        )
-        for server in servers.values():
-            server.run(list(iter_requests(warm, 0)))
+        _warm_up(config, servers, engines, spec)
         # vLLM's figures count this process and its engine's, not the idle servers'.
         others = tuple(pid for server in servers.values() if (pid := server.pid))
-        _generate(engine, Prompts(engine, warm, 0))
-        _job(engines, spec, config, warm, 0)
         for repeat in range(config.repeats):
             variant = repeat + 1  # every engine answers the same prompts in a repeat
             requests = list(iter_requests(workload, variant))
@@ -233,6 +211,42 @@ def _main_table(
         "sweep": sweep,
     }
     return rows, texts, extra
+
+
+def _main_rows(config: PeersConfig, *, with_equal: bool) -> dict[str, Contender]:
+    """The main table's contenders; the equal-weights row only with its GGUF."""
+    rows = {
+        LLAMA_1: Contender(LLAMA_1, "llama.cpp server, 1 slot (Q4_1 GGUF)"),
+        LLAMA_N: Contender(
+            LLAMA_N, f"llama.cpp server, {config.slots} slots (Q4_1 GGUF), {config.slots} in flight"
+        ),
+        LLAMA_EQUAL: Contender(
+            LLAMA_EQUAL, f"llama.cpp server, {config.slots} slots, vLLM's weights (bf16 GGUF)"
+        ),
+        RAW: Contender(RAW, "raw vLLM: one generate call"),
+        ENGINE: Contender(ENGINE, "batchllm: job engine phase"),
+    }
+    if not with_equal:
+        del rows[LLAMA_EQUAL]
+    return rows
+
+
+def _warm_up(config: PeersConfig, servers: dict[str, LlamaServer], engines, spec) -> None:
+    """A few short requests through every server, raw vLLM and a job, untimed."""
+    from batchllm.bench.contenders import Prompts
+
+    workload = config.workload
+    warm = Workload(
+        requests=_WARMUP_REQUESTS,
+        prompt_words=(8, 8),
+        output_tokens=workload.output_tokens,
+        seed=workload.seed + 99,
+        natural=True,
+    )
+    for server in servers.values():
+        server.run(list(iter_requests(warm, 0)))
+    _generate(engines.engine, Prompts(engines.engine, warm, 0))
+    _job(engines, spec, config, warm, 0)
 
 
 def _sweep(

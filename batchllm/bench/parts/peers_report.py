@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchllm.bench.display import GIB, format_table, median_bars, spread
 from batchllm.bench.parts.peers import ROWS
 
-_GIB = 2**30
 _ENGINE_COLORS = {
     "llama.cpp (Q4_1)": "tab:orange",
     "raw vLLM": "tab:gray",
@@ -20,8 +20,6 @@ def _seconds(value: float | None) -> str:
 
 
 def peers_text(peers: dict[str, Any]) -> str:
-    from batchllm.bench.report import _format, _spread
-
     rows = peers["rows"]
     table: list[tuple[str, ...]] = [
         (
@@ -44,15 +42,15 @@ def peers_text(peers: dict[str, Any]) -> str:
                 row["label"],
                 f"{row['requests_per_s']['median']:,.2f}",
                 f"{row['output_tokens_per_s']['median']:,.0f}",
-                _spread(row["output_tokens_per_s"]),
+                spread(row["output_tokens_per_s"]),
                 f"{row['wall_seconds']['median']:,.1f}",
                 _seconds(row.get("first_row_seconds")),
-                f"{row['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{row['peak_rss_bytes'] / GIB:.2f} GiB",
                 f"{row['output_tokens']:,}",
             )
         )
     lines = ["peers: the same questions, greedy, on llama.cpp's server, vLLM and batchllm", ""]
-    lines.append(_format(table))
+    lines.append(format_table(table))
     run = rows.get("batchllm_run", {})
     if "generation_output_tokens_per_s" in run:
         lines.append(
@@ -75,8 +73,6 @@ def peers_text(peers: dict[str, Any]) -> str:
 
 
 def _sweep_text(points: list[dict[str, Any]]) -> str:
-    from batchllm.bench.report import _format
-
     table: list[tuple[str, ...]] = [
         ("engine", "batch", "max_model_len", "requests", "out tok/s", "req/s", "peak RSS", "load")
     ]
@@ -90,7 +86,7 @@ def _sweep_text(points: list[dict[str, Any]]) -> str:
                 str(p["requests"]),
                 f"{p['output_tokens_per_s']:,.0f}",
                 f"{p['requests_per_s']:,.2f}",
-                f"{p['peak_rss_bytes'] / _GIB:.2f} GiB",
+                f"{p['peak_rss_bytes'] / GIB:.2f} GiB",
                 f"{p['load_average_1m']:.1f}",
             )
         )
@@ -98,17 +94,14 @@ def _sweep_text(points: list[dict[str, Any]]) -> str:
     return "\n".join(
         [
             "batch-size sweep (max_num_seqs; llama.cpp: slots), one run each:",
-            _format(table),
+            format_table(table),
             *(f"failed: {line}" for line in failed),
         ]
     )
 
 
 def draw_rows(ax, peers: dict[str, Any]) -> None:
-    from batchllm.bench.report import _error_bars
-
     rows = [peers["rows"][key] for key in ROWS if key in peers["rows"]]
-    medians = [r["output_tokens_per_s"]["median"] for r in rows]
     colors = [
         "tab:green"
         if r["label"].startswith("batchllm")
@@ -117,21 +110,13 @@ def draw_rows(ax, peers: dict[str, Any]) -> None:
         else "tab:gray"
         for r in rows
     ]
-    y = list(range(len(rows)))
-    ax.barh(y, medians, color=colors)
-    ax.errorbar(
-        medians,
-        y,
-        xerr=_error_bars([r["output_tokens_per_s"] for r in rows]),
-        fmt="none",
-        ecolor="black",
-        capsize=3,
-        linewidth=0.8,
-    )
+    medians = median_bars(ax, [r["output_tokens_per_s"] for r in rows], colors)
     for i, (value, row) in enumerate(zip(medians, rows)):
         reach = row["output_tokens_per_s"]["max"]
         ax.text(reach, i, f"  {value:,.0f}", va="center", fontsize=7)
-    ax.set_yticks(y, [r["label"].replace(" (", "\n(", 1) for r in rows], fontsize=7)
+    ax.set_yticks(
+        list(range(len(rows))), [r["label"].replace(" (", "\n(", 1) for r in rows], fontsize=7
+    )
     ax.invert_yaxis()
     ax.set_xlim(right=max(r["output_tokens_per_s"]["max"] for r in rows) * 1.2)
     ax.set_xlabel("output tokens/s (median, min-max of repeats)")

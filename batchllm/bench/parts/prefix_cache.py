@@ -21,6 +21,7 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.own_engine import Say
+from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
 
 RAW_OFF, RAW_ON, RAW_SORTED, JOB = "raw_cache_off", "raw_cache_on", "raw_sorted", "batchllm"
@@ -225,7 +226,7 @@ def _job_engine_phase(engines, spec, source: Path, settings: Settings) -> dict[s
     unsized = spec.model_copy(
         update={"engine": spec.engine.model_copy(update={"max_model_len": None})}
     )
-    created = service.create_job(
+    created = create_job(
         source, unsized, shard_size=settings.shard_size, settings=settings, local_run=True
     )
     job_id = created.job.id
