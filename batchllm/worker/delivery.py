@@ -1,5 +1,6 @@
-"""What a worker does with one delivered shard task (claim, run, hand back), free of Celery so
-it can be tested directly; worker/tasks.py is the Celery side."""
+"""What a worker does with one delivered shard task (claim, run, hand back) and when the task
+is sent again, free of Celery so it can be tested directly; worker/tasks.py is the Celery
+side."""
 
 from __future__ import annotations
 
@@ -21,10 +22,43 @@ from batchllm.store import leases
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard
 from batchllm.store.state_machine import fail_job
+from batchllm.worker.fair_share import backoff_left
 
 log = logging.getLogger(__name__)
 
 DATABASE_ERRORS = (OperationalError, InterfaceError)  # unreachable, restarted, failed over
+# A duplicate delivery while another worker holds the shard: look again later, so the shard
+# still has a task if that worker dies.
+RETRY_BUSY_SECONDS = 30
+# A job this worker's engine cannot run is offered to the fleet again this often.
+RETRY_WAITING_SECONDS = 15
+MAX_DATABASE_RETRY_SECONDS = 60
+
+
+def database_retry_seconds(retries: int) -> int:
+    """How long a delivery waits for the database before its task runs again (its n-th retry):
+    doubling from 5 s, at most MAX_DATABASE_RETRY_SECONDS."""
+    return int(min(5 * 2**retries, MAX_DATABASE_RETRY_SECONDS))
+
+
+def send_again_after(
+    outcome: Outcome, shard_id: int, *, delivered: int, settings: Settings
+) -> float | None:
+    """When a shard's task must be sent again after this delivery ended in `outcome`: seconds
+    from now (0: at once), or None (its run ended, or its task is still in the broker). The
+    re-send happens before this delivery is acknowledged, so the rest of a shard is never
+    lost. `delivered`: the shard the task named (fair share may have run another in its turn)."""
+    if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
+        return 0.0  # handed back: its rest runs on the next worker free
+    if outcome is Outcome.RETRYING and shard_id == delivered:
+        # Its run failed and was counted: it comes back after the shard's backoff. (A shard
+        # that took another's turn still has its own task in the broker.)
+        return backoff_left(shard_id, settings=settings)
+    if outcome is Outcome.WAITING:
+        return float(RETRY_WAITING_SECONDS)
+    if outcome is Outcome.BUSY:
+        return float(RETRY_BUSY_SECONDS)
+    return None
 
 
 def process_shard(

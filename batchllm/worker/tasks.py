@@ -32,7 +32,12 @@ from batchllm.settings import Settings, get_settings
 from batchllm.store.db import get_engine
 from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD
-from batchllm.worker.delivery import DATABASE_ERRORS, process_shard
+from batchllm.worker.delivery import (
+    DATABASE_ERRORS,
+    database_retry_seconds,
+    process_shard,
+    send_again_after,
+)
 from batchllm.worker.fair_share import backoff_left, take_turn
 from batchllm.worker.holding import holding
 from batchllm.worker.idle import IdleWatch
@@ -52,10 +57,6 @@ _idle: IdleWatch | None = None  # `worker --max-idle`
 # SIGTERM/SIGINT: drain, then hand back (process/stopping.py); start_engine sets the drain.
 _stop = StopRequest(DEFAULT_DRAIN_SECONDS)
 _stop_signals = StopSignals(_stop)
-_RETRY_BUSY_SECONDS = 30
-# A job this worker's engine cannot run is offered to the fleet again this often.
-_RETRY_WAITING_SECONDS = 15
-_MAX_RETRY_SECONDS = 60
 
 
 @after_setup_logger.connect
@@ -244,7 +245,7 @@ def run_shard(self, shard_id: int) -> str:
     except DATABASE_ERRORS as exc:
         # Acknowledging this delivery would lose the shard's task; send it again with backoff.
         # (If the broker is down too, the reconciler re-sends it once both are back.)
-        delay = min(5 * 2**self.request.retries, _MAX_RETRY_SECONDS)
+        delay = database_retry_seconds(self.request.retries)
         log.warning(
             "shard %s: database unreachable (%s); trying again in %d s",
             shard_id,
@@ -252,28 +253,11 @@ def run_shard(self, shard_id: int) -> str:
             delay,
         )
         raise self.retry(exc=exc, countdown=delay, queue=queue) from None
-    if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
-        # Re-queue before this delivery is acknowledged, so the rest of the shard is never lost.
-        send_shard_tasks(self.app, [shard_id], queue, settings=settings)
-        log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
-    elif outcome is Outcome.RETRYING and shard_id == delivered:
-        # Its run failed and was counted: the task comes back after the shard's backoff. (A
-        # shard that took another's turn still has its own task in the broker.)
+    countdown = send_again_after(outcome, shard_id, delivered=delivered, settings=settings)
+    if countdown is not None:
         send_shard_tasks(
-            self.app,
-            [shard_id],
-            queue,
-            settings=settings,
-            countdown=backoff_left(shard_id, settings=settings),
+            self.app, [shard_id], queue, settings=settings, countdown=countdown or None
         )
-    elif outcome is Outcome.WAITING:
-        send_shard_tasks(
-            self.app, [shard_id], queue, settings=settings, countdown=_RETRY_WAITING_SECONDS
-        )
-    elif outcome is Outcome.BUSY:
-        # A duplicate delivery while another worker holds the shard: look again later, so the
-        # shard still has a task if that worker dies.
-        send_shard_tasks(
-            self.app, [shard_id], queue, settings=settings, countdown=_RETRY_BUSY_SECONDS
-        )
+        if outcome in (Outcome.INTERRUPTED, Outcome.ENGINE_DIED):
+            log.warning("shard %s handed back to %s (%s)", shard_id, queue, outcome.value)
     return outcome.value

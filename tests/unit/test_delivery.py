@@ -17,7 +17,13 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
-from batchllm.worker.delivery import process_shard
+from batchllm.worker.delivery import (
+    RETRY_BUSY_SECONDS,
+    RETRY_WAITING_SECONDS,
+    database_retry_seconds,
+    process_shard,
+    send_again_after,
+)
 from tests.support.fake_runs import (
     FakeEngine,
     create_items_job,
@@ -223,3 +229,28 @@ def test_a_cancelled_job_keeps_only_its_committed_part_files(small_commits, tmp_
         assert storage.exists(orphan)  # until the end commits
 
     assert not storage.exists(orphan)
+
+
+def test_when_a_task_is_sent_again_follows_the_outcome_of_its_delivery(settings, tmp_path):
+    _, shard_ids = create_items_job(settings, tmp_path, 4, shard_size=2)
+    first, second = shard_ids
+    with session_scope(settings) as session:
+        session.execute(
+            update(Shard).where(Shard.id == first).values(retry_at=utcnow() + timedelta(seconds=40))
+        )
+
+    def again(outcome: Outcome, shard_id: int = first, delivered: int = first) -> float | None:
+        return send_again_after(outcome, shard_id, delivered=delivered, settings=settings)
+
+    # Handed back: at once; its rows must never wait on a task that is gone.
+    assert again(Outcome.INTERRUPTED) == 0.0 and again(Outcome.ENGINE_DIED) == 0.0
+    # A counted failure comes back after the shard's own backoff...
+    assert 35 < (again(Outcome.RETRYING) or 0) <= 40
+    # ...unless it ran in another shard's turn: its own task is still in the broker.
+    assert again(Outcome.RETRYING, shard_id=first, delivered=second) is None
+    assert again(Outcome.WAITING) == RETRY_WAITING_SECONDS
+    assert again(Outcome.BUSY) == RETRY_BUSY_SECONDS
+    for ended in (Outcome.COMPLETED, Outcome.FAILED, Outcome.CANCELLED, Outcome.SKIPPED):
+        assert again(ended) is None
+    assert again(Outcome.LOST) is None  # the worker that took it over has its task
+    assert [database_retry_seconds(n) for n in range(6)] == [5, 10, 20, 40, 60, 60]
