@@ -3,6 +3,8 @@ newcomer reads first cannot fall behind the code."""
 
 from __future__ import annotations
 
+import importlib
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,3 +28,36 @@ def test_every_module_is_named_in_the_architecture_doc():
     doc = (REPO / "docs" / "architecture.md").read_text()
     assert len(_modules()) > 100
     assert [name for name in _modules() if f"`{name}`" not in doc] == []
+
+
+def _named_in_concepts() -> list[str]:
+    """The `folder/module.name` and `module.Class.name` references of the doc's "Where a concept
+    lives" section, and the state machine's transitions it lists."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    section = doc.split("## Where a concept lives", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"`([a-z_/]+\.[A-Za-z_.]+)`", section)
+    names = [n for n in names if not n.endswith(".py")]
+    transitions = re.search(r"named transitions such as(.*?)\)", section, re.DOTALL)
+    assert transitions is not None
+    names += [f"store/state_machine.{t}" for t in re.findall(r"`(\w+)`", transitions.group(1))]
+    return names
+
+
+def _resolves(reference: str) -> bool:
+    module_path, _, attributes = reference.partition(".")
+    try:
+        target: object = importlib.import_module("batchllm." + module_path.replace("/", "."))
+    except ModuleNotFoundError:
+        return False
+    for attribute in attributes.split("."):
+        if not hasattr(target, attribute):
+            return False
+        target = getattr(target, attribute)
+    return True
+
+
+def test_every_function_and_transition_the_doc_names_exists():
+    named = _named_in_concepts()
+    assert len(named) > 15 and "store/state_machine.start_job" in named
+    assert [name for name in named if not _resolves(name)] == []
+    assert not _resolves("store/state_machine.queue_job")  # the check can fail
