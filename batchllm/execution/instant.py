@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
+from batchllm.engine.sizing import light_tokenizer
 from batchllm.engine.testing import InstantEngine
 from batchllm.errors import BatchLLMError, EngineMismatch
 from batchllm.execution import metrics
@@ -26,20 +26,6 @@ log = logging.getLogger(__name__)
 INSTANT_DTYPE = "instant"  # the profile's dtype: `status` and `doctor --fleet` show it
 # The context an instant worker serves when the operator gives none (no KV cache to fit).
 DEFAULT_MAX_MODEL_LEN = 4096
-
-
-def light_tokenizer(model: str) -> Any:
-    """The model's fast tokenizer without AutoTokenizer, whose import loads torch (measured:
-    a process of ~570 MB instead of ~80 MB). Models without a tokenizer.json get AutoTokenizer's."""
-    from transformers import PreTrainedTokenizerFast
-
-    try:
-        return PreTrainedTokenizerFast.from_pretrained(model)
-    except (OSError, ValueError, TypeError):
-        from batchllm.engine.sizing import load_tokenizer
-
-        log.info("%s: no fast tokenizer file; loading it with AutoTokenizer", model)
-        return load_tokenizer(model)
 
 
 class InstantWorkerEngine(ProfiledEngine):

@@ -10,7 +10,7 @@ pass, so no worker sizes it.
 
 Only where the submitting machine holds the model: a local directory with `tokenizer.json` and
 `config.json` (a hub name, or a path only the workers have, leaves tokenizing to the workers,
-as before). The tokenizer is loaded as the instant worker loads it, without torch
+as before). The tokenizer is loaded without torch (engine/sizing.light_tokenizer)
 (transformers' PreTrainedTokenizerFast: ~70 MB and a second, where AutoTokenizer's import of
 torch costs ~500 MB and several seconds). A model whose Auto tokenizer class differs from it
 could give other ids: each worker checks a shard's first stored ids against its own engine's
@@ -223,8 +223,7 @@ class SubmitTokens:
 
     def _get_sizer(self) -> ContextSizer:
         if self._sizer is None:
-            from batchllm.engine.sizing import ContextSizer
-            from batchllm.execution.instant import light_tokenizer
+            from batchllm.engine.sizing import ContextSizer, light_tokenizer
 
             self._sizer = ContextSizer(
                 self.spec.model,

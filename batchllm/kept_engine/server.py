@@ -31,8 +31,9 @@ def build(config: dict[str, Any], settings: Settings) -> Engine:
     options = EngineOptions.model_validate(config["options"])
     max_model_len = config["max_model_len"]
     if config["kind"] == "instant":
+        from batchllm.engine.sizing import light_tokenizer
         from batchllm.engine.testing import InstantEngine
-        from batchllm.execution.instant import DEFAULT_MAX_MODEL_LEN, light_tokenizer
+        from batchllm.execution.instant import DEFAULT_MAX_MODEL_LEN
 
         return InstantEngine(
             tokenizer=light_tokenizer(config["model"]),

@@ -388,7 +388,7 @@ def served(
 ) -> Iterator[tuple[EngineHost, registry.EngineRecord]]:
     """A kept instant engine's host serving in this process on a real socket in the home, with
     the state file a kept engine writes (its pid: this process's)."""
-    from batchllm.execution.instant import light_tokenizer
+    from batchllm.engine.sizing import light_tokenizer
 
     engines = KeptEngines(settings, keep_alive=300.0, kind="instant")
     spec = JobSpec(model=str(tiny_model))
