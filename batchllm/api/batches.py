@@ -15,14 +15,16 @@ from sqlalchemy.orm import Session
 
 from batchllm.api import files
 from batchllm.api.errors import ApiError
+from batchllm.input.endpoints import batch_task
 from batchllm.input.files.lines import iter_lines
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.schemas import JobSpec
 from batchllm.input.unicode_text import may_hold_surrogates, unencodable_field
+from batchllm.jobs.create import record_refused_job
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
 from batchllm.storage import Storage
-from batchllm.store import service, state_machine
+from batchllm.store import state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.locks import lock_name
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
@@ -30,23 +32,6 @@ from batchllm.store.states import JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.registry import served_models
 
-ENDPOINTS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/score",
-    "/v1/rerank",
-    "/v1/classify",
-)
-# The task of a batch's endpoint (any other: generate). Score and rerank batches embed (an
-# embedding model, input/scoring.py); a cross-encoder's asks for classify in its metadata.
-_TASKS = {
-    "/v1/embeddings": "embed",
-    "/v1/score": "embed",
-    "/v1/rerank": "embed",
-    "/v1/classify": "classify",
-}
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
 # only worth running soon; the tests expire batches in seconds), longer ones are not: a batch
 # holds its input and the fleet's attention for at most a day, as on OpenAI. ASCII digits only
@@ -178,9 +163,9 @@ def unserved_model(model: str, settings: Settings, *, require_live: bool) -> str
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str], settings: Settings) -> JobSpec:
-    task = _TASKS.get(endpoint, "generate")
-    if task == "embed" and endpoint != "/v1/embeddings" and metadata.get("task") == "classify":
-        task = "classify"  # score or rerank lines for a cross-encoder
+    # Score and rerank batches embed (an embedding model, input/scoring.py); a cross-encoder's
+    # asks for classify in its metadata.
+    task = batch_task(endpoint, metadata.get("task"))
     # OpenAI's batch has no priority field, nor output parsers: the metadata keys
     # `priority`, `reasoning_parser`, `tool_call_parser` (and `task`) set them.
     return build_job_spec(
@@ -276,7 +261,7 @@ def refuse_batch(
         f"{len(errors)} line(s) failed batch validation, e.g. line {errors[0]['line']}: "
         + (errors[0]["message"])
     )
-    job_id = service.record_refused_job(
+    job_id = record_refused_job(
         Storage.of(settings).display(file.path),
         spec_for(model, endpoint, metadata, settings),
         summary,

@@ -18,6 +18,7 @@ from batchllm.api.errors import ApiError, check_limit, not_found
 from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import batch_object, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
+from batchllm.input.endpoints import URLS
 from batchllm.input.schemas import PRIORITIES
 from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
 from batchllm.jobs.retry import retry_job
@@ -48,10 +49,10 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
         raise ApiError(
             400, f"{unencodable}: {UNENCODABLE}", param=unencodable, code="invalid_value"
         )
-    if body.endpoint not in batches.ENDPOINTS:
+    if body.endpoint not in URLS:
         raise ApiError(
             400,
-            f"endpoint {body.endpoint!r}: one of {', '.join(batches.ENDPOINTS)}",
+            f"endpoint {body.endpoint!r}: one of {', '.join(URLS)}",
             param="endpoint",
             code="invalid_value",
         )

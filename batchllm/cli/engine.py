@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from batchllm.cli import cli
 from batchllm.cli.options import worker_engine_from_flags, worker_engine_options
+
+if TYPE_CHECKING:
+    from batchllm.kept_engine.client import KeptEngines
 
 
 def keep_alive_option(help: str):
@@ -26,6 +30,22 @@ def keep_alive_option(help: str):
 
     return click.option(
         "--keep-alive", metavar="DURATION", default=None, callback=seconds, help=help
+    )
+
+
+def kept_engines(
+    keep_alive: float | None, engine_kind: str, instant_step_seconds: float
+) -> KeptEngines:
+    """The kept engines a command uses, as its flags ask, saying what they do on stderr."""
+    from batchllm.kept_engine.client import KeptEngines
+    from batchllm.settings import get_settings
+
+    return KeptEngines(
+        get_settings(),
+        keep_alive=keep_alive,
+        kind=engine_kind,
+        step_seconds=instant_step_seconds,
+        on_status=lambda text: click.echo(text, err=True),
     )
 
 
@@ -69,8 +89,6 @@ def start(
     generating at once. Without --max-model-len the engine takes the longest context its
     memory holds (a job that needs more gets an engine of its own)."""
     from batchllm.input.schemas import EngineOptions, JobSpec
-    from batchllm.kept_engine.client import KeptEngines
-    from batchllm.settings import get_settings
 
     options = worker_engine_from_flags(flags)
     source = click.get_current_context().get_parameter_source("gpu_memory_utilization")
@@ -82,13 +100,7 @@ def start(
         )
     if keep_alive == 0:
         raise click.BadParameter("0 keeps no engine: give a duration", param_hint="--keep-alive")
-    engines = KeptEngines(
-        get_settings(),
-        keep_alive=keep_alive,
-        kind=engine_kind,
-        step_seconds=instant_step_seconds,
-        on_status=lambda text: click.echo(text, err=True),
-    )
+    engines = kept_engines(keep_alive, engine_kind, instant_step_seconds)
     started = time.monotonic()
     remote = engines.get(JobSpec(model=model, engine=options), options.max_model_len or -1)
     click.echo(

@@ -28,6 +28,7 @@ from batchllm.cli.options import (
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     from batchllm.input.files.source import InputSource
+    from batchllm.input.schemas import EngineOptions
 
 
 @cli.command()
@@ -275,7 +276,8 @@ def worker(
 
     options = worker_engine_from_flags(engine_flags)
     stop_with_parent()
-    verbose = click.get_current_context().find_root().params.get("verbose") or 0
+    ctx = click.get_current_context()
+    verbose = ctx.find_root().params.get("verbose") or 0
     if concurrency == 1 and not verbose:
         # Before Celery and vLLM are imported, so their import-time warnings go to the file
         # too. With --concurrency N each worker process names its own file.
@@ -285,39 +287,67 @@ def worker(
     names = worker_queues(
         model, task=options.task, enable_lora=options.enable_lora, allow_rebuild=allow_rebuild
     ) + [q for q in (queues or "").split(",") if q]
+    _check_metrics_ports(metrics_port, concurrency)
+    instant = engine_kind == "instant"
+    if concurrency > 1:
+        if not instant:  # instant workers hold no GPU and no engine process
+            _check_concurrency(concurrency)
+        child_args = _forwarded(model, allow_rebuild, queues, loglevel, log_format, ctx)
+        child_args += _forwarded_run(instant, instant_step_seconds, max_idle, drain_seconds)
+        _supervise(concurrency, child_args, name, metrics_port, verbose)
+        return
+    if metrics_port is not None:
+        _serve_metrics(metrics_port)
+    _run_worker(
+        model,
+        options,
+        names,
+        name,
+        loglevel,
+        allow_rebuild=allow_rebuild,
+        instant=instant,
+        instant_step_seconds=instant_step_seconds,
+        json_logs=log_format == "json",
+        max_idle=max_idle,
+        drain_seconds=drain_seconds,
+    )
+
+
+def _check_metrics_ports(metrics_port: int | None, concurrency: int) -> None:
     if metrics_port is not None and metrics_port + concurrency - 1 > 65535:
         raise click.BadParameter(
             f"{metrics_port} + {concurrency - 1} is past 65535: each worker process serves its "
             "metrics on the next port",
             param_hint="'--metrics-port'",
         )
-    instant = engine_kind == "instant"
-    if concurrency > 1:
-        if not instant:  # instant workers hold no GPU and no engine process
-            from batchllm.engine.hardware import runs_on_cpu, visible_gpus
-            from batchllm.engine.preflight import check_worker_concurrency
 
-            on_cpu = runs_on_cpu()
-            gpus = [] if on_cpu else visible_gpus()
-            check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
-        child_args = _forwarded(
-            model, allow_rebuild, queues, loglevel, log_format, click.get_current_context()
-        )
-        if instant:
-            child_args += [
-                "--engine",
-                "instant",
-                "--instant-step-seconds",
-                str(instant_step_seconds),
-            ]
-        if max_idle is not None:
-            child_args += ["--max-idle", str(max_idle)]
-        # The supervisor passes each signal on: a second one cuts the children's drains short.
-        child_args += ["--drain-seconds", str(drain_seconds)]
-        _supervise(concurrency, child_args, name, metrics_port, verbose)
-        return
-    if metrics_port is not None:
-        _serve_metrics(metrics_port)
+
+def _check_concurrency(concurrency: int) -> None:
+    """Refuse more engine processes than this machine has GPUs (or CPU room) for."""
+    from batchllm.engine.hardware import runs_on_cpu, visible_gpus
+    from batchllm.engine.preflight import check_worker_concurrency
+
+    on_cpu = runs_on_cpu()
+    gpus = [] if on_cpu else visible_gpus()
+    check_worker_concurrency(concurrency, is_cpu=on_cpu, gpus=gpus)
+
+
+def _run_worker(
+    model: str,
+    options: EngineOptions,
+    names: list[str],
+    name: str | None,
+    loglevel: str,
+    *,
+    allow_rebuild: bool,
+    instant: bool,
+    instant_step_seconds: float,
+    json_logs: bool,
+    max_idle: float | None,
+    drain_seconds: float,
+) -> None:
+    """This process as one worker: build its engine, then take tasks from the queues `names`
+    with Celery's solo pool until it stops."""
     from batchllm.errors import BatchLLMError
     from batchllm.settings import get_settings
     from batchllm.worker.celery_app import create_app
@@ -342,7 +372,7 @@ def worker(
             allow_rebuild=allow_rebuild,
             instant=instant,
             instant_step_seconds=instant_step_seconds,
-            json_logs=log_format == "json",
+            json_logs=json_logs,
             max_idle=max_idle,
             drain_seconds=drain_seconds,
         )
@@ -380,6 +410,20 @@ def _forwarded(
     if queues:
         args += ["--queues", queues]
     return args + engine_flags_as_args(ctx)
+
+
+def _forwarded_run(
+    instant: bool, instant_step_seconds: float, max_idle: float | None, drain_seconds: float
+) -> list[str]:
+    """The arguments that say how each child of --concurrency N runs: its engine kind, idle
+    limit and drain."""
+    args = []
+    if instant:
+        args += ["--engine", "instant", "--instant-step-seconds", str(instant_step_seconds)]
+    if max_idle is not None:
+        args += ["--max-idle", str(max_idle)]
+    # The supervisor passes each signal on: a second one cuts the children's drains short.
+    return args + ["--drain-seconds", str(drain_seconds)]
 
 
 def _serve_metrics(port: int) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from batchllm.input.job_spec import build_job_spec
+from batchllm.input.job_spec import OptionOverLimit, build_job_spec
 from batchllm.input.schemas import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -414,52 +414,51 @@ def spec_from_flags(flags: dict, file: InputSource | None = None) -> JobSpec:
     for name, path in adapters.items():
         if not Path(path).expanduser().is_dir():
             raise click.BadParameter(f"{name}={path}: no such directory", param_hint="--lora")
-    n = flags.pop("n")
-    max_n = get_settings().max_n
-    if n > max_n:
-        raise click.BadParameter(f"{n} is over BATCHLLM_MAX_N ({max_n})", param_hint="--n")
     template_file = flags.pop("chat_template")
-    spec = build_job_spec(
-        flags.pop("model"),
-        settings=get_settings(),
-        requests=file,
-        lora=adapters,
-        chat_template=template_file.read_text() if template_file else None,
-        metadata=metadata,
-        prompt_column=flags.pop("prompt_column"),
-        messages_column=flags.pop("messages_column"),
-        prompt_template=flags.pop("prompt_template"),
-        id_column=flags.pop("id_column"),
-        system=flags.pop("system"),
-        priority=flags.pop("priority", "normal"),
-        reasoning_parser=flags.pop("reasoning_parser"),
-        tool_call_parser=flags.pop("tool_call_parser"),
-        parents=flags.pop("parents", None),
-        after=flags.pop("after", None),
-        task=flags.pop("task"),
-        max_tokens=flags.pop("max_tokens"),
-        temperature=flags.pop("temperature"),
-        top_p=flags.pop("top_p"),
-        ignore_eos=flags.pop("ignore_eos"),
-        n=n,
-        logprobs=flags.pop("logprobs"),
-        structured=_job_constraint(
-            flags.pop("json_schema"), flags.pop("choice"), flags.pop("regex")
-        ),
-        gpu_memory_utilization=flags.pop("gpu_memory_utilization"),
-        max_model_len=flags.pop("max_model_len"),
-        max_num_seqs=flags.pop("max_num_seqs"),
-        max_num_batched_tokens=flags.pop("max_num_batched_tokens"),
-        dtype=flags.pop("dtype"),
-        quantization=flags.pop("quantization"),
-        tensor_parallel_size=flags.pop("tensor_parallel_size"),
-        enable_prefix_caching=flags.pop("prefix_caching"),
-        enforce_eager=flags.pop("enforce_eager"),
-        compact_json=flags.pop("compact_json"),
-        kv_cache_memory_bytes=flags.pop("kv_cache_memory_bytes"),
-        max_lora_rank=flags.pop("max_lora_rank"),
-        group_prefixes=not flags.pop("no_group_prefixes"),
-    )
+    try:
+        spec = build_job_spec(
+            flags.pop("model"),
+            settings=get_settings(),
+            requests=file,
+            lora=adapters,
+            chat_template=template_file.read_text() if template_file else None,
+            metadata=metadata,
+            prompt_column=flags.pop("prompt_column"),
+            messages_column=flags.pop("messages_column"),
+            prompt_template=flags.pop("prompt_template"),
+            id_column=flags.pop("id_column"),
+            system=flags.pop("system"),
+            priority=flags.pop("priority", "normal"),
+            reasoning_parser=flags.pop("reasoning_parser"),
+            tool_call_parser=flags.pop("tool_call_parser"),
+            parents=flags.pop("parents", None),
+            after=flags.pop("after", None),
+            task=flags.pop("task"),
+            max_tokens=flags.pop("max_tokens"),
+            temperature=flags.pop("temperature"),
+            top_p=flags.pop("top_p"),
+            ignore_eos=flags.pop("ignore_eos"),
+            n=flags.pop("n"),
+            logprobs=flags.pop("logprobs"),
+            structured=_job_constraint(
+                flags.pop("json_schema"), flags.pop("choice"), flags.pop("regex")
+            ),
+            gpu_memory_utilization=flags.pop("gpu_memory_utilization"),
+            max_model_len=flags.pop("max_model_len"),
+            max_num_seqs=flags.pop("max_num_seqs"),
+            max_num_batched_tokens=flags.pop("max_num_batched_tokens"),
+            dtype=flags.pop("dtype"),
+            quantization=flags.pop("quantization"),
+            tensor_parallel_size=flags.pop("tensor_parallel_size"),
+            enable_prefix_caching=flags.pop("prefix_caching"),
+            enforce_eager=flags.pop("enforce_eager"),
+            compact_json=flags.pop("compact_json"),
+            kv_cache_memory_bytes=flags.pop("kv_cache_memory_bytes"),
+            max_lora_rank=flags.pop("max_lora_rank"),
+            group_prefixes=not flags.pop("no_group_prefixes"),
+        )
+    except OptionOverLimit as exc:
+        raise click.BadParameter(exc.reason, param_hint=f"--{exc.option}") from None
     if spec.engine.task in ("embed", "classify"):
         _refuse_generation_flags(spec.sampling, adapters, template_file, spec.engine.task)
     return spec

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.engine import keep_alive_option
+from batchllm.cli.engine import keep_alive_option, kept_engines
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
@@ -24,7 +24,10 @@ from batchllm.cli.options import (
 )
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
+    from batchllm.client import Job
     from batchllm.input.files.source import InputSource
+    from batchllm.input.schemas import JobSpec
+    from batchllm.kept_engine.client import KeptEngines
 
 
 @cli.command()
@@ -79,57 +82,32 @@ def run(
       batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
     with job_input(file, from_job, from_status, flags) as source:
-        _run(
-            source,
-            output,
-            strict,
-            dry_run,
-            notify,
-            keep_alive,
-            engine_kind,
-            instant_step_seconds,
-            flags,
-        )
-
-
-def _run(
-    file: InputSource,
-    output: Path | None,
-    strict: bool,
-    dry_run: bool,
-    notify: str | None,
-    keep_alive: float | None,
-    engine_kind: str,
-    instant_step_seconds: float,
-    flags: dict,
-) -> None:
-    from batchllm.cli.progress import Progress
-    from batchllm.cli.render import echo_estimate, echo_job, job_row
-    from batchllm.client import Client, Job
-
-    spec = spec_from_flags(flags, file)
-    if dry_run:
+        spec = spec_from_flags(flags, source)
         require_local_model(spec.model)
-        require_requests(file)
-        echo_estimate(Client().dry_run_spec(file, spec), spec.model)
-        return
-    require_local_model(spec.model)
-    if engine_kind != "instant":  # the instant engine holds no GPU: nothing to check
-        require_hardware_for(spec.engine)
-    from batchllm.kept_engine.client import KeptEngines
-    from batchllm.settings import get_settings
+        if dry_run:
+            from batchllm.cli.render import echo_estimate
+            from batchllm.client import Client
 
-    engines = KeptEngines(
-        get_settings(),
-        keep_alive=keep_alive,
-        kind=engine_kind,
-        step_seconds=instant_step_seconds,
-        on_status=lambda text: click.echo(text, err=True),
-    )
-    if output is not None:
-        _require_usable_output(output)
-    require_requests(file)
+            require_requests(source)
+            echo_estimate(Client().dry_run_spec(source, spec), spec.model)
+            return
+        if engine_kind != "instant":  # the instant engine holds no GPU: nothing to check
+            require_hardware_for(spec.engine)
+        engines = kept_engines(keep_alive, engine_kind, instant_step_seconds)
+        if output is not None:
+            _require_usable_output(output)
+        require_requests(source)
+        ended = _run_job(source, spec, strict, notify, engines)
+        _report(ended, output)
+
+
+def _run_job(
+    file: InputSource, spec: JobSpec, strict: bool, notify: str | None, engines: KeptEngines
+) -> Job:
+    """The job run to its end here, with a progress bar; the engines closed after it."""
     from batchllm.cli.console import quiet_unless_verbose
+    from batchllm.cli.progress import Progress
+    from batchllm.client import Client
 
     quiet_unless_verbose("run")
     progress: list[Progress] = []
@@ -153,6 +131,14 @@ def _run(
         engines.close()  # a kept engine stays loaded; one built in this process unloads
     if progress:
         progress[0].close()
+    return ended
+
+
+def _report(ended: Job, output: Path | None) -> None:
+    """Copy a completed job's output to --output, show the job, and exit 1 unless it
+    completed."""
+    from batchllm.cli.render import echo_job, job_row
+
     row = job_row(ended.id)
     if output is not None and ended.status == "completed":
         from batchllm.output.export import copy_output

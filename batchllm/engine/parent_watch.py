@@ -1,19 +1,13 @@
 """Makes every vLLM engine process batchllm starts die with its parent.
 
-vLLM starts an EngineCore process (and on some backends worker processes under it). When the
-batchllm process above them is killed with SIGKILL (an OOM kill, `kill -9`, a node agent),
-nothing tells them: they keep running under PID 1, holding gigabytes of memory here and the
-whole GPU on a GPU node, so the restarted worker cannot start its engine. vLLM loads "general
-plugins" in each of its processes; this is one (registered in pyproject.toml), active only in
-processes whose environment carries ENGINE_MARK (the owner's pid, which VllmEngine sets before it
-builds an engine), and never in the owner itself, where vLLM loads its plugins too.
-
-It also leaves SIGINT to the parent: a terminal's Ctrl-C reaches the whole process group, and an
-EngineCore that gets it aborts every request in flight, so the parent could not stop in order
-(commit what finished, hand back the rest). The parent shuts its engine down itself.
-
-PR_SET_PDEATHSIG is not used: it fires when the parent *thread* that started the process ends,
-which is not the parent process's death when the engine was built off the main thread.
+vLLM's EngineCore (and any workers under it) outlive a parent killed with SIGKILL (an OOM kill,
+`kill -9`): they run on under PID 1, holding the memory or GPU a restarted worker needs. This is
+a vLLM "general plugin" (registered in pyproject.toml), loaded in each vLLM process and active
+only where the environment carries ENGINE_MARK (the owner's pid, set by VllmEngine while it
+builds an engine), never in the owner itself. It also leaves SIGINT to the parent: an EngineCore
+that gets a terminal's Ctrl-C aborts every request in flight, so the parent shuts its engine
+down itself, in order. Not PR_SET_PDEATHSIG: it fires when the starting *thread* ends, and an
+engine may be built off the main thread.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ job's rows were sized and the model's weights loaded)."""
 
 from __future__ import annotations
 
-from batchllm.engine.hardware import Gpu
+from batchllm.engine.hardware import Gpu, visible_gpus
 from batchllm.errors import EngineSettingsError
 from batchllm.input.schemas import EngineOptions
 
@@ -75,3 +75,31 @@ def check_worker_concurrency(concurrency: int, *, is_cpu: bool, gpus: list[Gpu])
             f"--concurrency {concurrency}: one engine process per GPU, and this machine shows "
             f"{_gpu_word(len(gpus))} (CUDA_VISIBLE_DEVICES limits what it shows)"
         )
+
+
+def preflight(options: EngineOptions, *, is_cpu: bool, device: str) -> None:
+    """Refuse settings this machine cannot honour before vLLM starts (EngineSettingsError),
+    asking the installed vLLM which quantizations exist, run here, and need which GPUs."""
+    gpus = [] if is_cpu else visible_gpus()
+    check_engine_options(options, is_cpu=is_cpu, gpus=gpus)
+    if options.quantization is None:
+        return
+    from vllm.model_executor.layers import quantization
+    from vllm.platforms import current_platform
+
+    known = list(quantization.QUANTIZATION_METHODS)
+    min_capability = None
+    if options.quantization in known and not is_cpu:
+        try:
+            config = quantization.get_quantization_config(options.quantization)
+            min_capability = config.get_min_capability()
+        except (ValueError, NotImplementedError, ImportError):
+            min_capability = None  # vLLM checks it itself when it loads the model
+    check_quantization(
+        options.quantization,
+        known=known,
+        platform_supported=list(current_platform.supported_quantization),
+        device=device,
+        min_capability=min_capability,
+        gpus=gpus,
+    )

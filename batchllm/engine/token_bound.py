@@ -1,18 +1,13 @@
 """An upper bound on a text's tokens from its UTF-8 bytes, for byte-level BPE tokenizers.
 
-Why: sizing a job's context exactly means tokenizing every row before any row runs, and on a
-fleet that pass is one thread the workers wait on (issue 37: `submit`'s exact pass was the long
-pole of an unsized job, and more workers made it no faster). The engine needs a max_model_len
-that no request exceeds, not the smallest one: vLLM's KV cache is paged, so a longer context
-costs no memory until a request uses it. A bound known from the bytes sizes a job of short
-prompts in the validation's time, and the workers tokenize their own shards, in parallel.
-
-Why it holds: a byte-level BPE model (GPT-2's scheme: SmolLM2, Llama 3, Qwen, the demo model)
-starts from one symbol per byte of each pre-token and only merges symbols, so each token covers
-at least one byte of the text; an added token in the text is one token for its bytes; without a
-normalizer nothing rewrites the text before that. The post-processor's tokens (a BOS, with
-special tokens added) come on top. Any other tokenizer (WordPiece, Unigram, a normalizer that
-may expand a character) gets no bound here: its jobs are sized by tokenizing, as before.
+Why: an exact context size means tokenizing every row before any runs, one thread a fleet waits
+on. The engine needs a max_model_len no request exceeds, not the smallest (vLLM's KV cache is
+paged: a longer context costs nothing until used), so a bound from the bytes sizes a job of
+short prompts at validation's pace while the workers tokenize their own shards in parallel.
+Why it holds: byte-level BPE (GPT-2's scheme: SmolLM2, Llama 3, Qwen, the demo model) starts
+from one symbol per byte and only merges, so each token covers at least one byte; an added token
+is one token; without a normalizer nothing rewrites the text first. The post-processor's special
+tokens come on top. Other tokenizers (WordPiece, Unigram, an expanding normalizer) get no bound.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 from batchllm.engine.build_log import note_engine_build
 from batchllm.engine.cross_encoder import CrossEncoder
-from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label, visible_gpus
+from batchllm.engine.hardware import cpu_has_native_bf16, cpu_label
 from batchllm.engine.images import (
     ImageProcessor,
     ImagePrompt,
@@ -26,7 +26,7 @@ from batchllm.engine.images import (
 )
 from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownParser, output_spec
 from batchllm.engine.parent_watch import ENGINE_MARK
-from batchllm.engine.preflight import check_engine_options, check_quantization
+from batchllm.engine.preflight import preflight
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.versions import check_vllm_version
@@ -96,34 +96,6 @@ def resolve_dtype(requested: str, *, is_cpu: bool) -> str:
         "(pass --dtype to choose)"
     )
     return "float32"
-
-
-def preflight(options: EngineOptions, *, is_cpu: bool, device: str) -> None:
-    """Refuse settings this machine cannot honour before vLLM starts (EngineSettingsError),
-    asking the installed vLLM which quantizations exist, run here, and need which GPUs."""
-    gpus = [] if is_cpu else visible_gpus()
-    check_engine_options(options, is_cpu=is_cpu, gpus=gpus)
-    if options.quantization is None:
-        return
-    from vllm.model_executor.layers import quantization
-    from vllm.platforms import current_platform
-
-    known = list(quantization.QUANTIZATION_METHODS)
-    min_capability = None
-    if options.quantization in known and not is_cpu:
-        try:
-            config = quantization.get_quantization_config(options.quantization)
-            min_capability = config.get_min_capability()
-        except (ValueError, NotImplementedError, ImportError):
-            min_capability = None  # vLLM checks it itself when it loads the model
-    check_quantization(
-        options.quantization,
-        known=known,
-        platform_supported=list(current_platform.supported_quantization),
-        device=device,
-        min_capability=min_capability,
-        gpus=gpus,
-    )
 
 
 def sampling_values(merged: dict[str, Any]) -> dict[str, Any]:
@@ -202,13 +174,34 @@ class VllmEngine:
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.is_cpu = current_platform.is_cpu()
         self.version = vllm.__version__
+        self._check_platform(options, settings, current_platform)
+        kwargs = self._engine_kwargs(model, options, max_model_len, sleep_mode, current_platform)
+        self._build_llm(model, kwargs, explicit_kv_cache=options.kv_cache_memory_bytes is not None)
+        self._read_model_config(model, settings)
+        self._init_request_state()
+        self._start_death_watch()
+
+    def _check_platform(self, options: EngineOptions, settings: Settings, platform: Any) -> None:
+        """Warn about an untested vLLM (or refuse it), refuse settings this machine cannot
+        honour, and name the hardware."""
         warning = check_vllm_version(
             self.version, allow_unsupported=settings.allow_unsupported_vllm
         )
         if warning:
             log.warning("%s", warning)
-        preflight(options, is_cpu=self.is_cpu, device=current_platform.device_name)
-        self.hardware = cpu_label() if self.is_cpu else current_platform.get_device_name()
+        preflight(options, is_cpu=self.is_cpu, device=platform.device_name)
+        self.hardware = cpu_label() if self.is_cpu else platform.get_device_name()
+
+    def _engine_kwargs(
+        self,
+        model: str,
+        options: EngineOptions,
+        max_model_len: int | None,
+        sleep_mode: bool,
+        platform: Any,
+    ) -> dict[str, Any]:
+        """vllm.LLM's keyword arguments for the job's engine options (and what the engine
+        can do as a result: pool, serve adapters, sleep)."""
         kwargs: dict[str, Any] = {
             "model": model,
             "dtype": resolve_dtype(options.dtype, is_cpu=self.is_cpu),
@@ -240,7 +233,7 @@ class VllmEngine:
         # A kept engine sleeps when idle where vLLM can (CUDA, ROCm, XPU): level 1 moves the
         # weights to CPU memory and frees the GPU, and waking takes well under a second. On
         # the CPU backend there is nothing to free but by unloading.
-        self.can_sleep = sleep_mode and current_platform.is_sleep_mode_available()
+        self.can_sleep = sleep_mode and platform.is_sleep_mode_available()
         if self.can_sleep:
             kwargs["enable_sleep_mode"] = True
         for name in (
@@ -253,19 +246,27 @@ class VllmEngine:
             value = getattr(options, name)
             if value is not None:
                 kwargs[name] = value
+        return kwargs
+
+    def _build_llm(self, model: str, kwargs: dict[str, Any], *, explicit_kv_cache: bool) -> None:
+        """Start vLLM (EngineUnavailable when it cannot) and keep its LLMEngine."""
         log.info("building vLLM %s engine: %s", self.version, kwargs)
         # The engine's processes (all started before LLM() returns) die with this one; the mark
         # goes afterwards so that other programs this process starts do not carry it.
         os.environ[ENGINE_MARK] = str(os.getpid())
         try:
-            with _explicit_cpu_kv_cache(self.is_cpu and options.kv_cache_memory_bytes is not None):
-                self.llm = vllm.LLM(**kwargs)
+            with _explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache):
+                self.llm = self._vllm.LLM(**kwargs)
             note_engine_build(f"vllm {model}")
         except Exception as exc:
             raise EngineUnavailable(f"vLLM could not start for model {model!r}: {exc}") from exc
         finally:
             os.environ.pop(ENGINE_MARK, None)
         self.engine = self.llm.llm_engine
+
+    def _read_model_config(self, model: str, settings: Settings) -> None:
+        """What the built engine's model is: its tokenizer, images, contexts, dtype, batch
+        size, and a classifier's cross-encoder and class names."""
         self.tokenizer = self.llm.get_tokenizer()
         # A text model's rows with images become error rows (engine/images.py).
         self.images = (
@@ -288,6 +289,9 @@ class VllmEngine:
         # A classifier's class names (a config without them: the class index as text).
         labels = getattr(self.engine.model_config.hf_config, "id2label", None) or {}
         self._labels = {int(k): str(v) for k, v in labels.items()}
+
+    def _init_request_state(self) -> None:
+        """The per-request bookkeeping of the feed, empty."""
         self._warned_seed = False
         self._top_k: dict[str, int] = {}  # alternatives per token, of requests with logprobs
         self._lora_ids: dict[str, int] = {}  # stored adapter path -> vLLM's lora_int_id
@@ -297,7 +301,6 @@ class VllmEngine:
         self._parsers = OutputParsers(self.tokenizer)
         self._to_parse: dict[str, dict[str, Any]] = {}  # request id -> its output_spec
         self._closed = threading.Event()
-        self._start_death_watch()
 
     def _start_death_watch(self) -> None:
         """Turn the EngineCore's death into an error in `step`, not a hang.

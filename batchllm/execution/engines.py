@@ -17,7 +17,7 @@ from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service
-from batchllm.store.db import get_one, session_scope
+from batchllm.store.db import get_one, read_one, session_scope
 from batchllm.store.locks import lock_name
 from batchllm.store.models import Job
 
@@ -57,8 +57,7 @@ def resolve_max_model_len(job_id: str, *, settings: Settings) -> int:
 
 
 def _stored_max_model_len(job_id: str, settings: Settings) -> int | None:
-    with session_scope(settings) as session:
-        return get_one(session, Job, job_id).max_model_len
+    return read_one(settings, Job, job_id).max_model_len
 
 
 def with_min_lora_rank(spec: JobSpec, floor: int | None) -> JobSpec:

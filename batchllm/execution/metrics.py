@@ -1,18 +1,13 @@
 """Prometheus metrics of a worker process, served by `batchllm worker --metrics-port P`.
 
-Every metric lives in prometheus_client's default registry of the process that records it: one
-registry per worker process. `worker --concurrency N` runs N single-process workers, and child
-i serves its own registry on port P+i (Prometheus scrapes each as its own target), so no
-counter is shared between processes and no multiprocess mode is needed.
-
-Rows and tokens are counted when they are committed (written to a part file and checkpointed),
-not when the engine finishes them: a row the worker loses in a crash, or whose shard another
-worker took over, runs again elsewhere and is counted there, so the fleet's counters add up
-to the job's totals in the database. The engine-side gauges (requests in flight, output
-tokens/s) are updated once per engine step.
-
-The runner keeps one `ModelMetrics` per model: its labelled children are looked up once, so
-the hot path costs a few attribute lookups and increments per step and per commit.
+Every metric lives in the default registry of the process that records it: `worker
+--concurrency N` runs N single-process workers and child i serves its own on port P+i, so no
+counter is shared between processes and no multiprocess mode is needed. Rows and tokens are
+counted when committed (part file written and checkpointed), not when the engine finishes them:
+a row lost in a crash, or whose shard another worker took over, runs again elsewhere and is
+counted there, so the fleet's counters add up to the job's totals in the database. The
+engine-side gauges (requests in flight, output tokens/s) are updated once per engine step. The
+runner keeps one `ModelMetrics` per model, its labelled children looked up once (the hot path).
 """
 
 from __future__ import annotations

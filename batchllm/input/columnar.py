@@ -5,7 +5,7 @@ of batchllm's own work per row. But a file's lines differ mostly in their texts 
 prompt, message contents); their other fields (the form, the sampling settings, the roles, the
 model) take few distinct values. So a block of lines is parsed at once by pyarrow's JSON reader
 (C++, both cores), the lines are grouped by everything except their texts, and one line of each
-group goes through the line-by-line validation (validate.parse_line), whose verdict and
+group goes through the line-by-line validation (parsing/line.py), whose verdict and
 normalized settings then hold for the whole group; only the texts are checked per row, and those
 checks are vectorized. The rows stay in Arrow columns (the texts as parsed, the messages' JSON
 built column-wise, kinds and settings taken by group) all the way to the stored shard: no Python
@@ -99,7 +99,7 @@ _MESSAGES_NAMES = (("messages",), ("body", "messages"))
 
 
 # The characters Python's str.isspace() accepts (Unicode's White_Space plus the four ASCII
-# separators): a prompt made only of these is blank (validate.parse_line). Written out, since
+# separators): a prompt made only of these is blank (parsing/line.py). Written out, since
 # scanning every code point for them took 0.1-0.4 s of each `batchllm run`; a unit test keeps
 # the list equal to the scan.
 SPACES = (

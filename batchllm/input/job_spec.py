@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import InputError
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults, TableColumns
+from batchllm.input.schemas import (
+    GENERATE,
+    EngineOptions,
+    JobSpec,
+    SamplingDefaults,
+    TableColumns,
+)
 from batchllm.input.structured import constraint_of
 from batchllm.settings import Settings
 
@@ -17,6 +23,16 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
 
 SAMPLING_FIELDS = frozenset(SamplingDefaults.model_fields)
 ENGINE_FIELDS = frozenset(EngineOptions.model_fields)
+
+
+class OptionOverLimit(InputError):
+    """A job option over the deployment's limit. `option` names it, so that each front door
+    can name it its own way (the CLI by its flag); `reason` is the rest of the message."""
+
+    def __init__(self, option: str, reason: str) -> None:
+        super().__init__(f"{option}: {reason}")
+        self.option = option
+        self.reason = reason
 
 
 def build_job_spec(
@@ -43,7 +59,8 @@ def build_job_spec(
     **options: Any,
 ) -> JobSpec:
     """A JobSpec from job options by their field names (max_tokens, temperature, top_p, n,
-    logprobs, structured, task, max_model_len, dtype, ...); unknown names are refused.
+    logprobs, structured, task, max_model_len, dtype, ...); unknown names are refused, and
+    `n` over the settings' max_n (OptionOverLimit).
 
     A task given as None, or not at all, is read off `requests` (an embeddings file makes an
     embed job) or, with no requests to read, is `generate`.
@@ -62,6 +79,9 @@ def build_job_spec(
     constraint = constraint_of({"json": json_schema, "choice": choice, "regex": regex})
     if constraint is not None:
         sampling["structured"] = constraint
+    defaults = SamplingDefaults(**sampling)
+    if defaults.n > settings.max_n:  # before any line is read; a line's own n: validation's
+        raise OptionOverLimit("n", f"{defaults.n} is over BATCHLLM_MAX_N ({settings.max_n})")
     engine = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
     table = _table_columns(
         requests, prompt_column, messages_column, prompt_template, id_column, system
@@ -71,14 +91,14 @@ def build_job_spec(
         from batchllm.input.validate import infer_task
 
         lines = requests if table is None else None
-        engine["task"] = infer_task(lines, settings) if lines is not None else "generate"
+        engine["task"] = infer_task(lines, settings) if lines is not None else GENERATE
     if table is not None and requests is not None:
         from batchllm.input.files.table import table_schema
 
         table_schema(requests, table, engine["task"], settings=settings)
     return JobSpec(
         model=model,
-        sampling=SamplingDefaults(**sampling),
+        sampling=defaults,
         engine=EngineOptions(**engine),
         metadata=dict(metadata or {}),
         chat_template=chat_template,

@@ -33,6 +33,14 @@ TEMPLATE_OPTIONS = (
     "tools",
 )
 
+# An invalid row has no settings: its `sampling` text holds its refusal's OpenAI error code
+# instead ({"error_code": ...}, input/parsing/problems.py), which the export reads. Not a column
+# of its own: that would change the shard schema and the positional row every reader builds for
+# a value only the export reads, while every other reader skips an invalid row's settings (the
+# runner, the sizing pass and the feed run only valid rows, an older release included). A shard
+# stored before has none; the export then reads the code from the message's wording.
+_REFUSAL_CODE = "error_code"
+
 INPUT_SCHEMA = pa.schema(
     [
         pa.field("line", pa.int64(), nullable=False),
@@ -41,7 +49,7 @@ INPUT_SCHEMA = pa.schema(
         pa.field("kind", pa.string(), nullable=False),
         pa.field("prompt", pa.string()),
         pa.field("messages", pa.string()),  # JSON list of {role, content}
-        pa.field("sampling", pa.string()),  # JSON object of per-line overrides
+        pa.field("sampling", pa.string()),  # JSON object of per-line overrides (see above)
         pa.field("error", pa.string()),
         # JSON list of the texts of a list embedding input, or a score row's (input/scoring.py)
         pa.field("inputs", pa.string()),
@@ -80,7 +88,13 @@ class InputRow:
         """The row of one validated line (a request, or the error that refused it)."""
         if isinstance(item, LineError):
             reason = (f"field '{item.field}': " if item.field else "") + item.message
-            return cls(line=item.line, custom_id=item.custom_id, kind="invalid", error=reason)
+            return cls(
+                line=item.line,
+                custom_id=item.custom_id,
+                kind="invalid",
+                sampling=json.dumps({_REFUSAL_CODE: item.code}) if item.code else None,
+                error=reason,
+            )
         kind, prompt, messages, sampling, inputs = request_payload(item)
         return cls(
             line=item.line,
@@ -129,6 +143,13 @@ class InputRow:
 
 
 _EMPTY: MappingProxyType[str, Any] = MappingProxyType({})
+
+
+def refusal_code(sampling: str | None) -> str | None:
+    """The OpenAI error code an invalid row's stored `sampling` text holds, if any."""
+    code = json.loads(sampling).get(_REFUSAL_CODE) if sampling else None
+    return code if isinstance(code, str) else None
+
 
 # Each field's slot, set directly by stored_row.
 _new_row = object.__new__

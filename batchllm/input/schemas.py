@@ -3,10 +3,9 @@
 Three line forms are accepted (see docs/input.md):
   {"prompt": "..."}                         plain completion
   {"messages": [{"role": ..., "content": ...}]}  chat, the model's chat template is applied
-  {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
-   | "/v1/responses", "body": {...}}
+  {"custom_id", "method": "POST", "url", "body": {...}}  OpenAI's, for an endpoint of
+                                                 input/endpoints.py
 Sampling overrides sit at the top level of the first two forms and inside `body` for the third.
-A /v1/responses body becomes a chat request (input/responses.py).
 """
 
 from __future__ import annotations
@@ -168,6 +167,16 @@ class SamplingDefaults(BaseModel):
         }
 
 
+# What a job's engine does, one task per job: generate text, embed texts (vLLM's pooling runner),
+# or classify them (a sequence-classification model).
+Task = Literal["generate", "embed", "classify"]
+GENERATE: Task = "generate"
+EMBED: Task = "embed"
+CLASSIFY: Task = "classify"
+TASKS: tuple[Task, ...] = (GENERATE, EMBED, CLASSIFY)
+POOLING_TASKS = frozenset({EMBED, CLASSIFY})  # no text generated: generation flags do nothing
+
+
 class EngineOptions(BaseModel):
     """vLLM engine settings. `None` means: let batchllm or vLLM choose (see descriptions)."""
 
@@ -199,8 +208,8 @@ class EngineOptions(BaseModel):
         "tokens, and a weak model cannot spend max_tokens on whitespace. Uses vLLM's "
         "xgrammar backend for every constraint (no fallback to guidance).",
     )
-    task: Literal["generate", "embed", "classify"] = Field(
-        default="generate",
+    task: Task = Field(
+        default=GENERATE,
         description="generate: text completions; embed: vectors from vLLM's pooling runner "
         "(and /v1/score and /v1/rerank lines, scored as the cosine of their texts' vectors); "
         "classify: class probabilities from a sequence-classification model.",
@@ -355,8 +364,8 @@ class ChatMessage(BaseModel):
     def _known_parts(
         cls, value: str | list[dict[str, Any]] | None
     ) -> str | list[dict[str, Any]] | None:
-        # An image part's reference is checked (and its image opened) by validate.py, which
-        # names the part in its error.
+        # An image part's reference is checked (and its image opened) by parsing/messages.py,
+        # which names the part in its error.
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type")
@@ -522,21 +531,8 @@ class OpenAIClassifyBody(BaseModel):
     user: str | None = None
 
 
-class OpenAIBatchLine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    custom_id: NonEmptyStr
-    method: Literal["POST"]
-    url: Literal[
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/score",
-        "/v1/rerank",
-        "/v1/classify",
-    ]
-    body: dict[str, Any]
+# What a request asks of the engine, stored as its row's kind (input/rows.py).
+RequestKind = Literal["prompt", "chat", "embed", "score", "classify"]
 
 
 class Request(BaseModel):
@@ -544,7 +540,7 @@ class Request(BaseModel):
 
     line: int
     custom_id: str
-    kind: Literal["prompt", "chat", "embed", "score", "classify"]
+    kind: RequestKind
     prompt: str | None = None  # also the text of an embedding or classify line with one input
     # {role, content}: content a string, or for a message with images its parts, text
     # {type: text, text} and images {type: image_url, image_url: {url}} (references, not pixels)
@@ -563,6 +559,11 @@ class LineError(BaseModel):
     custom_id: str
     field: str | None
     message: str
+    code: str | None = Field(
+        default=None,
+        description="OpenAI's error code for the refusal (input/parsing/problems.py); None: "
+        "decided from the message when exported.",
+    )
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" + (f" field '{self.field}'" if self.field else "")

@@ -23,7 +23,7 @@ from batchllm.process.stopping import StopRequest, stop_on_first_interrupt
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
-from batchllm.store.db import get_one, session_scope
+from batchllm.store.db import get_one, read_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
 
@@ -155,8 +155,7 @@ def run_shards_here(
         if own_engines:
             engines.close()
         _announce_end(job_id, settings)
-    with session_scope(settings) as session:
-        return get_one(session, Job, job_id)
+    return read_one(settings, Job, job_id)
 
 
 def _run_through_engine_deaths(

@@ -1,21 +1,14 @@
 """A job's rows as the next job's input (`run|submit --from JOB`, `Client.run(JobRows(...))`).
 
-The parent's output rows of the statuses asked for (ok by default) are written, in the
-parent's line order, to a Parquet table the child reads as any table input: each row keeps
-the parent's `custom_id` (the child's id column), so a child row joins back to its parent row
-on it, and carries the parent's output columns (`text`, `finish_reason`, `structured_ok`,
-`reasoning`, `tool_calls`, `embedding`, `error`, `status`), its line as `parent_line`, and
-`prompt`: the text the parent was asked (a prompt line's prompt, a chat line's last user
-message, an embedding line's input). With no other say, the child's prompt is the parent's
-answer (`text`); `--prompt-template` builds it from any of these columns.
-
-The table is a temporary file, written one of the parent's input shards at a time (memory
-stays at a shard's worth on any job size): the child validates and stores its rows at
-creation (its own copy, as for any input), and records its parent (store/service.py,
-`job_parents`).
-
-Only a completed parent is read: a job still running has no final rows yet, and one that
-failed, was cancelled or expired is retried (`batchllm retry`) before its rows feed another.
+The parent's output rows of the statuses asked for (ok by default), in its line order, become a
+temporary Parquet table the child reads as any table input: `custom_id` (the child's id column,
+so a child row joins back on it), the parent's output columns (`text`, `finish_reason`,
+`structured_ok`, `reasoning`, `tool_calls`, `embedding`, `error`, `status`), `parent_line` and
+`prompt` (what the parent was asked: a prompt, a chat's last user message, an embedding input).
+The child's prompt is `text` unless `--prompt-template` builds it from these columns. Written one
+parent input shard at a time (memory stays at a shard's worth); the child stores its own copy
+and records its parent (store/service.py, `job_parents`). Only a completed parent is read: one
+that failed, was cancelled or expired is retried (`batchllm retry`) first.
 """
 
 from __future__ import annotations

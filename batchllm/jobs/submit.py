@@ -19,7 +19,7 @@ from batchllm.jobs.create import create_job
 from batchllm.jobs.submit_tokens import submit_tokens
 from batchllm.settings import Settings
 from batchllm.store import dependencies, state_machine
-from batchllm.store.db import get_one, session_scope
+from batchllm.store.db import read_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.celery_app import create_app, queue_for_job
@@ -97,16 +97,14 @@ def submit_job(
         )
     if on_stored is not None:
         on_stored(created.stored)
-    with session_scope(settings) as session:
-        return get_one(session, Job, job_id)
+    return read_one(settings, Job, job_id)
 
 
 def dispatch_shards(job_id: str, spec: JobSpec, shard_ids: list[int], *, settings: Settings) -> Job:
     """Send the tasks of these shards (a retry's) and return the job as it is then."""
     send_shards(job_id, spec, shard_ids, settings=settings)
     log.info("job %s: %d shard tasks on queue %s", job_id, len(shard_ids), queue_for_job(spec))
-    with session_scope(settings) as session:
-        return get_one(session, Job, job_id)
+    return read_one(settings, Job, job_id)
 
 
 def send_shards(

@@ -1,38 +1,14 @@
 """Token ids of a fleet job's prompts, computed by `submit` while it validates the file.
 
-Why: rendering chats and tokenizing were a third of a fleet worker's own cost per row (issue
-37's profile, docs/performance.md), and a job without `--max-model-len` had a worker tokenize
-every row once more to size the context before any row ran. The submit reads every row anyway:
-here a thread tokenizes each shard as validation stores it and writes its ids beside it
-(input/token_store.py, as `batchllm run`'s sizing pass does), and the workers' feed reads them
-instead of tokenizing. A job without `--max-model-len` gets its context sized from the same
-pass, so no worker sizes it.
-
-Only where the submitting machine holds the model: a local directory with `tokenizer.json` and
-`config.json` (a hub name, or a path only the workers have, leaves tokenizing to the workers,
-as before). The tokenizer is loaded without torch (engine/sizing.light_tokenizer)
-(transformers' PreTrainedTokenizerFast: ~70 MB and a second, where AutoTokenizer's import of
-torch costs ~500 MB and several seconds). A model whose Auto tokenizer class differs from it
-could give other ids: each worker checks a shard's first stored ids against its own engine's
-tokenizer and tokenizes the shard itself on a difference (execution/runner.py).
-
-A shard is released to the fleet only once its ids are stored (store/shard_recording.py), so
-no worker starts one before they exist. Tokenizing runs in Rust without the GIL, beside the
-validation (Python). Any error here leaves the job to the workers' tokenizing: it never fails
-a submit.
-
-When (`BATCHLLM_TOKENIZE_AT_SUBMIT`): by default (`auto`) for a job without `--max-model-len`
-of at least AUTO_MIN_ROWS lines, whose rows must all be read before any runs anyway: here the
-pass overlaps the validation, where a worker's pass came after it, and no worker is busy
-sizing. `auto` sizes a shard of short prompts from its bytes, not its ids (an upper bound on
-its tokens, engine/token_bound.py, up to BOUND_CEILING): an exact pass here was the one thread
-an unsized job's workers waited on, so more workers made such a job no faster (issue 37);
-measured by bytes, the submit sizes the job at about the validation's pace and each worker
-tokenizes its own shards, in parallel. A shard whose bound asks for more is tokenized here and
-its ids stored. For every job with `always`: every shard tokenized and its ids stored; it moves
-the tokenizing, it does not remove it (measured: one instant worker's CPU fell by half or more,
-the submit's grew several times; docs/performance.md). `never`: the workers tokenize, and the
-first to pick up an unsized job sizes it (execution/engines.py).
+A thread tokenizes each shard as validation stores it and writes its ids beside it
+(input/token_store.py); the workers' feed reads them instead of tokenizing, and an unsized job's
+context is sized here, not by a worker. Only for a model the submitting machine holds (a local
+directory with `tokenizer.json` and `config.json`), loaded without torch
+(engine/sizing.light_tokenizer); each worker checks a shard's first ids against its engine's
+tokenizer and tokenizes the shard itself on a difference (execution/runner.py). A shard is
+released only once its ids are stored (store/shard_recording.py); an error here never fails a
+submit, it leaves tokenizing to the workers. BATCHLLM_TOKENIZE_AT_SUBMIT: `auto` for unsized jobs
+of AUTO_MIN_ROWS lines or more (see BOUND_CEILING), `always` every job, `never` none.
 """
 
 from __future__ import annotations

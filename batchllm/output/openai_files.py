@@ -3,10 +3,10 @@
 One line per output row, in input line order: ok rows go to the output file, error rows to the
 error file, each as OpenAI writes them (`{"id": "batch_req_...", "custom_id", "response",
 "error"}`). The line's endpoint is not stored (an OpenAI line's url is dropped at validation),
-so it follows from the stored row kind: chat -> chat.completion, prompt -> text_completion,
-embed -> an embeddings list, score -> vLLM's ScoreResponse or RerankResponse (the row's stored
-shape says which), classify -> vLLM's ClassificationResponse. Plain `prompt`/`messages`/`input`
-lines export by their form the same way.
+so it follows from the stored row kind (input/endpoints.py): chat -> chat.completion, prompt ->
+text_completion, embed -> an embeddings list, score -> vLLM's ScoreResponse or RerankResponse
+(the row's stored shape says which), classify -> vLLM's ClassificationResponse. Plain
+`prompt`/`messages`/`input` lines export by their form the same way.
 
 Streaming, one shard at a time: a shard holds a contiguous block of input lines
 (shards._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
@@ -35,6 +35,15 @@ from typing import Any, TextIO
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
+from batchllm.input.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from batchllm.input.parsing.problems import (
+    DUPLICATE_CUSTOM_ID,
+    INVALID_JSON,
+    INVALID_VALUE,
+    MISSING_REQUIRED_PARAMETER,
+    UNKNOWN_PARAMETER,
+)
+from batchllm.input.rows import refusal_code
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
 from batchllm.output.pooling_bodies import classify_body, score_body
 from batchllm.output.responses_body import (
@@ -59,14 +68,14 @@ _FIELD_PREFIX = re.compile(r"field '(.+?)': ", re.DOTALL)  # InputRow.from_item'
 # gives -inf for tokens a constraint or top-k masked.
 _VERY_UNLIKELY = -9999.0
 
-# The input shard keeps only an invalid line's message, so its OpenAI `code` is read back from
-# the wording of batchllm's reader and pydantic (first match wins; else invalid_value).
-_INVALID_CODES = (
-    ("duplicate custom_id", "duplicate_custom_id"),
-    ("malformed JSON", "invalid_json"),
-    ("not valid UTF-8", "invalid_json"),
-    ("Field required", "missing_required_parameter"),
-    ("Extra inputs are not permitted", "unknown_parameter"),
+# An input shard stored before validation stored the codes keeps only an invalid line's
+# message: the code is read back from the wording of batchllm's reader and pydantic then.
+_INVALID_CODES_BY_WORDING = (
+    ("duplicate custom_id", DUPLICATE_CUSTOM_ID),
+    ("malformed JSON", INVALID_JSON),
+    ("not valid UTF-8", INVALID_JSON),
+    ("Field required", MISSING_REQUIRED_PARAMETER),
+    ("Extra inputs are not permitted", UNKNOWN_PARAMETER),
 )
 
 
@@ -227,6 +236,8 @@ def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str
                 current["settings"] = settings
             elif kind == "score":  # its body needs its shape and a rerank its documents
                 current["settings"], current["inputs"] = settings, inputs
+            elif kind == "invalid":  # the code validation stored with it (input/rows.py)
+                current["invalid_code"] = refusal_code(settings)
             yield kind, current
             current = next(rows, None)
         else:
@@ -314,9 +325,10 @@ class _LineMaker:
             )
         else:
             prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+            endpoint = CHAT_COMPLETIONS if kind == "chat" else COMPLETIONS
             body = {
                 "id": self._id(prefix, row["line"]),
-                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "object": endpoint.response_object,
                 "created": self.created,
                 "model": model,
                 "choices": _choices(row, chat=kind == "chat"),
@@ -340,7 +352,8 @@ class _LineMaker:
         message = row["error"] or "the request failed"
         if kind == "invalid":
             # Refused at validation: OpenAI answers such a request with HTTP 400.
-            return self._line(row, self._response(row, 400, _invalid_body(message)), None)
+            body = _invalid_body(message, row.get("invalid_code"))
+            return self._line(row, self._response(row, 400, body), None)
         # Accepted but failed when run: OpenAI's shape for a request that got no response.
         # The row's own code (schema version 3), or read from the wording of older rows.
         code = code_of(row.get("error_code"), message)
@@ -351,13 +364,18 @@ def _epoch(moment: datetime) -> int:
     return int(moment.timestamp())
 
 
-def _code(message: str, table: tuple[tuple[str, str], ...], default: str = "server_error") -> str:
-    return next((code for text, code in table if text in message), default)
+def _invalid_code(stored: str | None, message: str) -> str:
+    """An invalid line's code: the one validation stored, else read from its first problem's
+    wording (the param names the first problem too)."""
+    if stored:
+        return stored
+    first = message.split("; ")[0]
+    return next((code for text, code in _INVALID_CODES_BY_WORDING if text in first), INVALID_VALUE)
 
 
-def _invalid_body(stored: str) -> dict[str, Any]:
-    """OpenAI's error body from the stored reason `field 'x': message`. A field of the OpenAI
-    form is stored as `body.x`; OpenAI names the parameter inside the body: `x`."""
+def _invalid_body(stored: str, code: str | None) -> dict[str, Any]:
+    """OpenAI's error body from the stored reason `field 'x': message` and code. A field of the
+    OpenAI form is stored as `body.x`; OpenAI names the parameter inside the body: `x`."""
     match = _FIELD_PREFIX.match(stored)
     param = match[1].removeprefix("body.") if match else None
     message = stored[match.end() :] if match else stored
@@ -366,8 +384,7 @@ def _invalid_body(stored: str) -> dict[str, Any]:
             "message": message,
             "type": "invalid_request_error",
             "param": param,
-            # The first problem's wording decides, as the param names the first problem.
-            "code": _code(message.split("; ")[0], _INVALID_CODES, default="invalid_value"),
+            "code": _invalid_code(code, message),
         }
     }
 
@@ -465,7 +482,7 @@ def _embedding_body(row: dict[str, Any], model: str) -> dict[str, Any]:
     vectors = row["embeddings"] if row["embeddings"] is not None else [row["embedding"]]
     prompt = row["prompt_tokens"] or 0
     return {
-        "object": "list",
+        "object": EMBEDDINGS.response_object,
         "data": [
             {"object": "embedding", "index": i, "embedding": vector}
             for i, vector in enumerate(vectors)

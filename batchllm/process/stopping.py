@@ -2,26 +2,13 @@
 signal that cuts it short, a worker's and `run`'s signals), and how commands that start child
 processes end them on SIGTERM, SIGINT and SIGHUP.
 
-A runner's stop: on the first request it feeds no more rows and claims no more shards. Rows in
-the engine that have not started generating go back at once; those generating may go on for
-up to `drain_seconds` (execution/drain.py): a spot instance's notice or a pod's grace period is
-long enough for many of them to finish and be committed. The drain ends when they have all
-finished, at its deadline, or at a second request. A worker's signals: Celery calls
-worker_shutting_down on every SIGTERM, so a second SIGTERM reaches the worker's handler as is;
-a first SIGINT makes Celery arm a cold shutdown for the next one, so the next SIGINT is taken
-here to cut the drain short, and the one after is Celery's own again. One stop can reach a
-process twice within moments (a terminal's Ctrl-C goes to the process group, systemd's SIGTERM
-to the cgroup, a supervisor forwards what it got): a signal within ECHO_SECONDS of the first is
-that same stop.
-
-Child processes:
-SIGTERM is what systemd, Docker and Kubernetes send, SIGHUP what a closed terminal or SSH
-session sends. Their default action ends the process at once, before any `finally:` runs, so a
-child it started (a worker, and that worker's vLLM engine) would run on under PID 1, taking
-tasks and holding gigabytes. uvicorn handles SIGTERM itself but raises it again, with the
-handler it found, once it has shut down; so does this module, after the cleanup.
-
-SIGINT needs nothing here: Python already turns it into KeyboardInterrupt.
+A first stop feeds no more rows and claims no more shards; rows not yet generating go back at
+once, those generating may finish for up to `drain_seconds` (execution/drain.py: a spot notice
+or a pod's grace period lets many commit), and a second stop cuts the drain short. SIGTERM and
+SIGHUP (systemd, Docker, Kubernetes; a closed terminal) would end a command before any
+`finally:`, leaving its children (a worker and its vLLM engine) running under PID 1: the
+handlers here clean up, then raise the signal again with the handler found, as uvicorn does.
+SIGINT needs nothing: Python already turns it into KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -139,6 +126,9 @@ def stop_with_parent() -> None:
 
 # Fits Kubernetes' default 30 s terminationGracePeriodSeconds with the engine's own shutdown.
 DEFAULT_DRAIN_SECONDS = 20.0
+# One stop can reach a process twice within moments (a terminal's Ctrl-C goes to the process
+# group, systemd's SIGTERM to the cgroup, a supervisor forwards what it got): a signal this soon
+# after the first is that same stop, not a second one.
 ECHO_SECONDS = 1.0
 
 
@@ -180,6 +170,10 @@ class StopSignals:
             self.stop.request()  # the runner logs the drain's end
 
     def _take_the_next_sigint(self) -> None:
+        """Celery calls worker_shutting_down on every SIGTERM, so a second SIGTERM reaches the
+        worker's handler as is; but a first SIGINT makes Celery arm a cold shutdown for the
+        next one, so the next SIGINT is taken here to cut the drain short, and the one after
+        is Celery's own again."""
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can be set from the main thread only
         celery_handler = signal.getsignal(signal.SIGINT)

@@ -190,6 +190,12 @@ def get_one(session: Session, model: type[T], key: object) -> T:
     return row
 
 
+def read_one(settings: Settings, model: type[T], key: object) -> T:
+    """`get_one` in a session of its own: the row as it stands now, detached from it."""
+    with session_scope(settings) as session:
+        return get_one(session, model, key)
+
+
 def changed(session: Session, statement: Executable) -> int:
     """How many rows an UPDATE or DELETE changed (the conditional transitions' verdict)."""
     return cast("CursorResult[Any]", session.execute(statement)).rowcount

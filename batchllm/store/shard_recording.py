@@ -1,22 +1,14 @@
 """Recording a job's shards as validation stores them, and releasing them to the fleet before
 the whole file is validated.
 
-A 10M-line file takes ~70 s to validate and store on a 2-core machine; queueing its shards
-only afterwards left a fleet idle that long. With a `release` (the fleet's dispatch), the
-shards stored so far are committed `queued` and released while validation goes on, a batch
-every half second (the first at once): one commit and one broker round trip per shard would
-add a few ms to each of 10,000 shards. The job stays `validating` meanwhile, and
-state_machine.end_validation fixes its counts and moves it on at the end; until then no shard's
-end can finalize it (state_machine.after_last_shard), however many of its shards have ended.
-
-Without a release (`batchllm run`, which runs the shards itself), under --strict (nothing may
-run before the whole file passed) and for a job without a given max_model_len (the first worker
-sizes the job's context from all of its rows, execution/engines.py: sized from the shards stored so
-far, it would be too short for a longer prompt further down the file), every shard is recorded
-at the end, in the transaction that ends the validation, and released after it. The exception:
-an unsized job whose submit tokenizes it (jobs/submit_tokens.py) streams too, each shard once the
-pass measured it and the job's max_model_len was raised to cover it (jobs/create.py); a worker
-reads the size as it stands when it takes a shard, and it only ever grows.
+With a `release` (the fleet's dispatch), the shards stored so far are committed `queued` and
+released while validation goes on (a 10M-line file takes ~70 s here), a batch every half second
+(the first at once) rather than a commit and broker round trip per shard. The job stays
+`validating` until state_machine.end_validation fixes its counts; until then no shard's end can
+finalize it (state_machine.after_last_shard). Without a release (`batchllm run`), under
+--strict, and for an unsized job (sized from all its rows, execution/engines.py) every shard is
+recorded in the transaction that ends the validation; except an unsized job tokenized at submit
+(jobs/submit_tokens.py): a shard goes once the job's max_model_len, which only grows, covers it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Which queued shard a worker runs next: priorities and a fair share between tenants.
 
-A shard task is a turn on its queue, and the database decides whose shard gets the turn. When
-a worker takes a task whose shard is still queued, it runs instead the first queued shard of
-the same queue (model and engine kind) in this order:
-1. the job's effective priority: high, normal, low, each job rising one level for every
-   `priority_aging_seconds` it has waited since it was submitted (a low job is treated as high
-   after two periods, so low-priority work always progresses);
-2. its tenant's turn: the tenant (a `serve` API key; each CLI or Client job is a tenant of
-   its own) whose latest shard (of its unfinished jobs) started longest ago, or never, goes
-   first: tenants and jobs
-   take turns, so one tenant's 100 queued batches delay another's one by at most one shard;
-3. the job's own turn the same way among one tenant's jobs, then the older job, then the
-   lower shard index.
-A shard whose last run failed (execution/shard_failures.py) takes no turn until its backoff
-has passed, and its failure counts as its job's latest turn: a failing shard never goes
-ahead of others again and again.
-The task's own shard, when it lost its turn, is queued on the broker again, so every queued
-shard keeps a task (the reconciler's invariant) and the turn's winner's task, when it comes,
-finds its shard running or done and steps aside.
+A shard task is a turn on its queue (model and engine kind); the database decides whose shard
+gets it, the first queued one in this order: (1) the job's effective priority (high, normal,
+low, rising a level per `priority_aging_seconds` waited, so low work always progresses); (2) its
+tenant's turn: the tenant (a `serve` API key; each CLI or Client job its own) whose latest shard
+started longest ago, or never, goes first, so one tenant's 100 batches delay another's one by at
+most one shard; (3) the job's own turn among its tenant's jobs, then the older job, then the
+lower shard index. A shard in failure backoff (execution/shard_failures.py) takes no turn, and
+its failure counts as its job's latest turn. The task whose shard lost its turn is queued again
+(every queued shard keeps a task); the winner's task later finds its shard taken, steps aside.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """The reconciler: makes every non-final state move, whatever happened to broker or database.
 
-Every worker runs it in a thread (and `batchllm reconcile` runs it by hand). One pass:
-- a running shard whose worker stopped heartbeating (killed, node lost, engine hung) for a
-  lease goes back to `queued` and its task is sent again;
-- a queued shard whose task the broker no longer holds (Redis restarted without persistence,
-  a task acknowledged after a database error) gets its task sent again;
-- a cancelling job whose remaining shards have no live worker ends `cancelled`;
-- a job left `finalizing` (its last worker died while writing the manifest) is finalized;
-- an ended job's webhook event still owed (never sent, or failed and due again) is sent.
-- with BATCHLLM_RETAIN_DAYS set, ended jobs older than that are deleted (rows and files);
-- a waiting job (`submit --after`) whose parents all completed is released (its shards' tasks
-  sent); one with a parent that failed, was cancelled or expired fails, naming it.
-Each move is a conditional UPDATE, so reconcilers on many workers never do it twice; a task sent
-twice is harmless (the second delivery finds the shard running or done and steps aside).
+Every worker runs it in a thread (`batchllm reconcile` by hand). One pass re-queues running
+shards whose worker stopped heartbeating for a lease, re-sends tasks the broker lost (Redis
+restarted without persistence, a task acknowledged after a database error), ends cancelling jobs
+with no live worker, finalizes jobs left `finalizing`, sends owed webhook events, deletes ended
+jobs past BATCHLLM_RETAIN_DAYS, and releases waiting jobs (`submit --after`) whose parents all
+completed (or fails them, naming the parent that did not). Each move is a conditional UPDATE,
+so reconcilers on many workers never do it twice; a task sent twice is harmless (the second
+delivery finds the shard running or done and steps aside).
 """
 
 from __future__ import annotations

@@ -532,7 +532,7 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     assert file_rows(settings, owner) == 1 and len(files_on_disk(settings)) == 1
 
     from batchllm.api.batches import record_batch
-    from batchllm.store.service import create_job
+    from batchllm.jobs.create import create_job
     from tests.support.fake_runs import make_spec, write_items
 
     queued = create_job(

@@ -12,7 +12,8 @@ import pytest
 from batchllm.engine.outputs import output_spec
 from batchllm.engine.protocol import Finished
 from batchllm.execution.results import satisfied, with_call_ids
-from batchllm.input.validate import LineProblem, parse_line
+from batchllm.input.parsing.line import parse_line
+from batchllm.input.parsing.problems import LineProblem
 from batchllm.output.responses_body import chat_message, is_responses, response_body
 from batchllm.settings import get_settings
 

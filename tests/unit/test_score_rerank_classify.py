@@ -326,7 +326,8 @@ def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
     ],
 )
 def test_a_batch_api_batch_takes_its_task_from_its_endpoint(endpoint, metadata, task, settings):
-    from batchllm.api.batches import ENDPOINTS, spec_for
+    from batchllm.api.batches import spec_for
+    from batchllm.input.endpoints import URLS as ENDPOINTS
 
     assert endpoint in ENDPOINTS
     assert spec_for("/models/fake", endpoint, metadata, settings).engine.task == task

@@ -2,27 +2,14 @@
 a top-5 logprobs job and an n=4 job, one after another on one shared engine, and a mixed job
 whose plain rows are timed against a control.
 
-Every job goes through the real `run_job` (validation, the continuous feed, Parquet, database
-checkpoints), like the engine part's batchllm contender. Every job asks for the same max_tokens;
-plain, logprobs and n=4 rows run to it (`ignore_eos`), while JSON and choice rows stop when
-their grammar is done (by construction, a few tokens), so the jobs are compared on requests/s
-as well as output tokens/s. The engine is built with `compact_json` (the random-weight demo
-model otherwise fills max_tokens with whitespace inside the JSON) and without prefix caching:
-every job runs literally the same prompts, and none may find another's in the cache.
-
-"Constrained rows must not slow the unconstrained rows of the same job" is measured with two
-jobs that differ only in what the constraints and logprobs add: the mixed job interleaves plain
-rows (even lines) with JSON, choice and top-5 logprobs rows (odd lines); the control job runs
-the same prompts with the same plain even lines, and odd lines that are plain too but generate
-exactly the tokens their mixed counterpart generated (`ignore_eos`, max_tokens = that count).
-Both jobs then keep the engine equally busy step by step, so the plain rows' finish times
-differ only by the features' own cost (grammar bitmasks, logprobs, their bookkeeping). Compared
-with the all-plain job instead, the mixed job's early-stopping JSON and choice rows would lighten
-the engine and flatter the plain rows; compared with a job of the plain rows alone, the mixed
-job's extra rows would slow them for reasons that are not the features'. The same two loads
-also run through raw `LLM.generate` (token ids, the sampling parameters batchllm builds for
-those lines), which tells how much of any slowdown is vLLM's own: an engine step runs every
-row of the batch, so a step's grammar masks and logprobs are waited for by all of them.
+Every job goes through the real `run_job` and asks for the same max_tokens; plain, logprobs and
+n=4 rows run to it (`ignore_eos`), JSON and choice rows stop with their grammar, hence requests/s
+beside tokens/s. The engine has `compact_json` (random weights otherwise fill the JSON with
+whitespace) and no prefix caching (every job runs the same prompts). The mixed job interleaves
+plain rows with JSON, choice and logprobs rows; its control keeps the plain rows and makes the
+others plain with exactly their mixed counterparts' token counts, so both keep the engine equally
+busy and the plain rows' times differ only by the features' cost. Both also run through raw
+`LLM.generate`, which tells how much of a slowdown is vLLM's own.
 """
 
 from __future__ import annotations

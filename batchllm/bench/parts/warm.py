@@ -1,22 +1,14 @@
 """The warm part: what a job gains from a `batchllm worker` that owns a warm engine.
 
-A real worker process (Celery's solo pool) is started with explicit engine flags and builds its
-engine before it says ready; it serves a private Redis database and a private SQLite database.
-Its readiness time (process start -> Celery's `<name> ready.`) is the engine build, paid once.
-Then, on that one worker:
-
-1. five jobs of different prompt lengths and settings in a row (greedy and sampled, a `choice`
-   constraint, n=2, one naming its own max_model_len at or below the worker's). Per job, from
-   the database's timestamps: submit (the job committed, its task about to go to the broker)
-   to pickup (the worker claimed the shard), to first row (the first request went into the
-   engine) and to completed; its rows; and the engine starts it caused, from the worker's
-   Prometheus metrics. A job that starts an engine fails the part: the worker's engine is the
-   operator's, and no job rebuilds it;
-2. the same OpenAI chat file end to end three ways: `vllm run-batch` and `batchllm run`, each a
-   fresh process building its engine for the file, and `batchllm submit FILE` to the warm
-   worker, timed from the submit process's start until the database says completed (polled
-   every 0.1 s). Same model, greedy, a fixed max_tokens with ignore_eos (every contender
-   generates the same tokens), and the same engine flags for all three.
+A real worker process (Celery's solo pool, explicit engine flags, private Redis and SQLite
+databases) builds its engine once, before it says ready (its readiness time). On that worker:
+1. five jobs in a row (greedy and sampled, a `choice` constraint, n=2, one with its own
+   max_model_len at or below the worker's), each timed from the database (submit, pickup, first
+   row, completed), with its rows and the engine starts it caused (the worker's Prometheus
+   metrics): a job that starts an engine fails the part, as no job rebuilds the operator's;
+2. one OpenAI chat file end to end: `vllm run-batch` and `batchllm run` (each a fresh process
+   building its engine) against `batchllm submit` to the warm worker (until the database says
+   completed, polled every 0.1 s); the same model, engine flags and fixed ignore_eos output.
 """
 
 from __future__ import annotations

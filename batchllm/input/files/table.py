@@ -29,10 +29,12 @@ from batchllm.input.files.custom_ids import CustomIds
 from batchllm.input.files.jsonl_table import BATCH_LINES, ID_KEY, LineBatch, jsonl_batches
 from batchllm.input.files.source import InputSource
 from batchllm.input.images import ImageChecks, image_urls
+from batchllm.input.parsing.line import parse_line
+from batchllm.input.parsing.problems import LineProblem
 from batchllm.input.prompt_template import PromptTemplate
 from batchllm.input.rows import request_payload
-from batchllm.input.schemas import LineError, TableColumns
-from batchllm.input.validate import LineProblem, parse_line, stored_block
+from batchllm.input.schemas import EMBED, POOLING_TASKS, LineError, TableColumns
+from batchllm.input.validate import stored_block
 from batchllm.settings import Settings
 
 _BATCH_ROWS = 65_536  # rows per record batch: a few MB of text, whatever the file's length
@@ -66,10 +68,8 @@ def check_columns(
             raise InputError(
                 f"{name}: column {table.prompt_column!r} (the prompt column) holds {kind}, not text"
             )
-    if task in ("embed", "classify") and (
-        table.messages_column is not None or table.system is not None
-    ):
-        job = "an embedding job embeds" if task == "embed" else "a classification job classifies"
+    if task in POOLING_TASKS and (table.messages_column is not None or table.system is not None):
+        job = "an embedding job embeds" if task == EMBED else "a classification job classifies"
         raise InputError(
             f"{name}: {job} the prompt column's (or template's) texts; "
             "a messages column or a system message is for generation"
@@ -290,7 +290,8 @@ def _prompt_columns(
     for at in _positions(pc.fill_null(blank, False)):
         problems.setdefault(at, LineProblem(label, f"{unit} {numbers[at]}: {what} blank"))
     nothing = pa.nulls(rows, pa.string())
-    if task in ("embed", "classify"):  # a row's text, embedded or classified as it is
+    kind: str
+    if task in POOLING_TASKS:  # a row's text, embedded or classified as it is
         kind, prompt, messages = task, text, nothing
     elif table.system is None:
         kind, prompt, messages = "prompt", text, nothing
@@ -317,7 +318,7 @@ def _messages_columns(
     settings: Settings,
 ) -> dict[str, pa.Array]:
     """Each row's messages (a list of {role, content} structs, or their JSON text), validated
-    as a JSONL chat line's messages are (validate.parse_line), a row at a time."""
+    as a JSONL chat line's messages are (parsing/line.py), a row at a time."""
     column = str(table.messages_column)
     kinds: list[str | None] = []
     texts: list[str | None] = []
@@ -333,6 +334,7 @@ def _messages_columns(
                 problem.message
                 if problem.message.startswith("row ")
                 else f"row {number}: column {column!r}: {problem.message}",
+                problem.code,
             )
             kinds.append(None)
             texts.append(None)

@@ -1,0 +1,1 @@
+"""One decoded input line checked and turned into a Request, or the problem refusing it."""

@@ -1,0 +1,505 @@
+"""The chaos run (issue 52): K tenants' jobs and a poison tenant's through N instant-engine
+workers on a private Redis and PostgreSQL, a fault every F seconds, then Jepsen-style checks.
+
+The harness starts its own services (benchmarks/services.py: never the machine's), its workers
+(`batchllm worker --engine instant`, paced so that a run lasts minutes; execution/instant.py)
+and submits the jobs with the package's submit API (what `batchllm submit` calls). Once they
+are queued, it injects one fault every F seconds, drawn in a seeded random order from
+benchmarks/chaos_faults.py's kinds, until 90% of the lines are committed (--quiet-after), then
+lets the fleet drain until every job is final (Jepsen's heal-then-drain), while a sampler
+records the rows the fleet committed (twice a second) and each shard's progress; every job
+must be final within --final-within seconds of the last fault. Then it ends its workers and
+services, looks for any process of the run left behind, writes `run.json`, and the checker
+(benchmarks/chaos_check.py) reads every job's Parquet output and writes `report.json`, a
+one-screen summary and `rows.png`. The exit code says whether every check passed.
+
+    python -m benchmarks.chaos                      # the quick run: ~2-3 minutes here
+    python -m benchmarks.chaos --lines 1000000 --workers 4 --every 20   # the long one
+
+Not yet injected (issue 52): network delay or partition between workers and services, a full
+disk under the output, S3 errors mid-commit, an EngineCore kill (a vLLM worker's), clock steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import batchllm
+from benchmarks import chaos_check
+from benchmarks.chaos_faults import FAULT_KINDS, Injector, Schedule, Workers
+from benchmarks.chaos_workload import TenantJob, write_tenants
+from benchmarks.services import PostgresCluster, RedisServer
+
+Say = Callable[[str], None]
+_REPO = Path(batchllm.__file__).resolve().parents[1]
+MAX_MODEL_LEN = 512
+FINAL = ("completed", "failed", "cancelled", "expired")
+# What the harness owns in its --output directory (removed before a run; the model is kept).
+OWNED = ("inputs", "storage", "home", "logs", "redis", "run.json", "report.json", "rows.png")
+
+
+@dataclass
+class Config:
+    lines: int = 4000
+    workers: int = 2
+    every: float = 12.0
+    tenants: int = 3
+    seed: int = 1
+    output: Path = Path(".demo/chaos")  # .demo/ is git-ignored (the Makefile's DEMO)
+    faults: list[str] = field(default_factory=lambda: list(FAULT_KINDS))
+    poison_lines: int | None = None  # default: lines // 20, at least 22 (each bad kind twice)
+    shard_size: int = 100
+    step_seconds: float = 0.05  # the instant engine's pace: one token a request per step
+    max_tokens: tuple[int, int] = (16, 64)
+    lease_seconds: float = 10.0
+    reconcile_seconds: float = 3.0
+    outage_seconds: float = 5.0
+    stop_seconds: float | None = None  # default: a lease, two reconciles and 2 s
+    quiet_after: float = 0.9  # no fault once this share of the lines is committed
+    final_within: float = 120.0
+    timeout: float = 1200.0
+    model: str | None = None
+    command: str | None = None  # the command line, for the report
+
+    def resolved_poison_lines(self) -> int:
+        return self.poison_lines if self.poison_lines is not None else max(22, self.lines // 20)
+
+    def resolved_stop_seconds(self) -> float:
+        if self.stop_seconds is not None:
+            return self.stop_seconds
+        return self.lease_seconds + 2 * self.reconcile_seconds + 2
+
+    def worker_settings(self) -> dict[str, str]:
+        # Redis's own redelivery is an hour away: a recovery seen is batchllm's (leases, the
+        # reconciler), not the broker's.
+        return {
+            "BATCHLLM_LEASE_SECONDS": str(self.lease_seconds),
+            "BATCHLLM_RECONCILE_SECONDS": str(self.reconcile_seconds),
+            "BATCHLLM_COMMIT_ROWS": "50",
+            "BATCHLLM_COMMIT_SECONDS": "1",
+            "BATCHLLM_SHARD_RETRY_SECONDS": "1",
+            "BATCHLLM_VISIBILITY_TIMEOUT": "3600",
+        }
+
+
+def chaos_postgres() -> PostgresCluster:
+    """The run's cluster: commits need survive batchllm's processes, not the machine (the
+    outage is a clean stop), so nothing waits for the disk; a backend whose client was killed
+    notices within a second, and drops its locks, as on a real network."""
+    return PostgresCluster(
+        database="batchllm_chaos",
+        max_connections=200,
+        initdb_options=("--locale=C", "--no-sync"),
+        settings={
+            "fsync": "off",
+            "synchronous_commit": "off",
+            "full_page_writes": "off",
+            "client_connection_check_interval": "'1s'",
+        },
+    )
+
+
+class Sampler:
+    """Twice a second: the rows committed over the run's jobs (None while the database is
+    away), each shard's progress when it changes, and when each job was first seen final."""
+
+    def __init__(self, postgres: PostgresCluster, job_ids: list[str], t0: float) -> None:
+        self.postgres, self.job_ids, self.t0 = postgres, job_ids, t0
+        self.timeline: list[list[Any]] = []
+        self.shard_progress: dict[str, list[list[Any]]] = {}
+        self.final_at: dict[str, float] = {}
+        self.statuses: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._conn: Any = None
+
+    def all_final(self) -> bool:
+        return len(self.final_at) == len(self.job_ids)
+
+    def committed(self) -> int:
+        return next((c for _, c in reversed(self.timeline) if c is not None), 0)
+
+    def _poll(self) -> None:
+        if self._conn is None:
+            self._conn = self.postgres.connect()
+        jobs = self._conn.execute(
+            "SELECT id, status, request_completed + request_failed FROM jobs WHERE id = ANY(%s)",
+            (self.job_ids,),
+        ).fetchall()
+        shards = self._conn.execute(
+            "SELECT id, status, rows_ok + rows_failed FROM shards WHERE job_id = ANY(%s)",
+            (self.job_ids,),
+        ).fetchall()
+        now = round(time.monotonic() - self.t0, 2)
+        self.timeline.append([now, sum(done for _, _, done in jobs)])
+        for job_id, status, _ in jobs:
+            self.statuses[job_id] = status
+            if status in FINAL:
+                self.final_at.setdefault(job_id, now)
+        for shard_id, status, done in shards:
+            seen = self.shard_progress.setdefault(str(shard_id), [])
+            if not seen or seen[-1][1:] != [done, status]:
+                seen.append([now, done, status])
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self._poll()
+            except Exception:
+                self.timeline.append([round(time.monotonic() - self.t0, 2), None])
+                self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:
+                pass
+            self._conn = None
+
+    def held(self, worker: str) -> list[dict[str, Any]] | None:
+        """The shards `worker` runs now, from a connection of its own."""
+        try:
+            with self.postgres.connect() as conn:
+                rows = conn.execute(
+                    "SELECT id, rows_ok + rows_failed FROM shards WHERE status = 'running' "
+                    "AND worker = %s AND job_id = ANY(%s)",
+                    (worker, self.job_ids),
+                ).fetchall()
+        except Exception:
+            return None
+        return [{"id": shard_id, "done": done} for shard_id, done in rows]
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self._poll()  # the last word, if the database is there
+        except Exception:
+            pass
+        self._close()
+
+
+def _prepare(config: Config, say: Say) -> str:
+    config.output.mkdir(parents=True, exist_ok=True)
+    for name in OWNED:
+        path = config.output / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (config.output / "logs").mkdir()
+    if config.model:
+        return config.model
+    from batchllm.engine.models.demo_model import build_demo_model
+
+    model = config.output / "model"
+    if not (model / "config.json").exists():
+        say("chaos: building the tiny demo model (its tokenizer is what the workers use)")
+        build_demo_model(model)
+    return str(model)
+
+
+def _env(config: Config, redis: RedisServer, postgres: PostgresCluster) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env.update(config.worker_settings())
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join([str(_REPO), *filter(None, [os.getenv("PYTHONPATH")])]),
+            "BATCHLLM_HOME": str(config.output.resolve() / "home"),
+            "BATCHLLM_DATABASE_URL": postgres.url,
+            "BATCHLLM_BROKER_URL": redis.url,
+            "BATCHLLM_STORAGE": str(config.output.resolve() / "storage"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def _submit(jobs: list[TenantJob], model: str, config: Config, env: dict[str, str]) -> list[str]:
+    """Each tenant's job, the way `batchllm submit` sends it (jobs/submit.py)."""
+    from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+    from batchllm.jobs.submit import submit_job
+    from batchllm.settings import Settings
+    from batchllm.store.db import get_engine
+
+    settings = Settings(
+        home=Path(env["BATCHLLM_HOME"]),
+        database_url=env["BATCHLLM_DATABASE_URL"],
+        broker_url=env["BATCHLLM_BROKER_URL"],
+        storage=env["BATCHLLM_STORAGE"],
+    )
+    spec = JobSpec(
+        model=model,
+        engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
+        sampling=SamplingDefaults(max_tokens=config.max_tokens[1], ignore_eos=True),
+    )
+    try:
+        return [
+            submit_job(job.source, spec, shard_size=config.shard_size, settings=settings).id
+            for job in jobs
+        ]
+    finally:
+        get_engine(settings).dispose()  # the harness's connections are not the fleet's
+
+
+def _job_rows(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    with postgres.connect() as conn:
+        rows = conn.execute(
+            "SELECT id, status, request_total, request_completed, request_failed, error, "
+            "storage_root, output_dir FROM jobs WHERE id = ANY(%s)",
+            (job_ids,),
+        ).fetchall()
+    keys = ("status", "request_total", "request_completed", "request_failed", "error")
+    return {
+        r[0]: {**dict(zip(keys, r[1:6])), "storage_root": r[6], "output_dir": r[7]} for r in rows
+    }
+
+
+def _fault_loop(
+    config: Config,
+    sampler: Sampler,
+    injector: Injector,
+    workers: Workers,
+    *,
+    t0: float,
+    lines: int,
+    say: Say,
+) -> list[dict[str, Any]]:
+    """A fault every `config.every` seconds (after the previous one is over) until
+    `config.quiet_after` of the `lines` are committed; then the fleet drains in peace until
+    every job is final (or the run's timeout). Dead workers nobody killed are replaced as they
+    are seen, as a supervisor would."""
+    schedule = Schedule(config.faults, random.Random(config.seed))
+    faults: list[dict[str, Any]] = []
+    next_at = t0 + config.every
+    while not sampler.all_final():
+        now = time.monotonic()
+        if now - t0 > config.timeout:
+            say(f"chaos: jobs not final after {config.timeout:.0f} s: {sampler.statuses}")
+            break
+        for worker in workers.all:
+            worker.note_end()
+        gone = workers.replace_unplanned()
+        if gone:
+            say(f"chaos: UNPLANNED exit of {gone}: replaced")
+        quiet = sampler.committed() >= config.quiet_after * lines
+        if config.faults and now >= next_at and not quiet:
+            kind = schedule.next()
+            fault = injector.inject(kind)
+            fault["began"] = round(fault["began"] - t0, 2)
+            fault["restored"] = round(fault["restored"] - t0, 2)
+            faults.append(fault)
+            say(
+                f"chaos: t={fault['began']:.0f}s {kind} {fault.get('victim') or ''} "
+                f"({fault['restored'] - fault['began']:.1f} s) {fault.get('note', '')}".rstrip()
+            )
+            next_at = max(next_at + config.every, time.monotonic() + 1)
+        time.sleep(0.2)
+    return faults
+
+
+def run(config: Config, say: Say = print) -> dict[str, Any]:
+    """One chaos run into `config.output`; returns the checker's report."""
+    unknown = sorted(set(config.faults) - set(FAULT_KINDS))
+    if unknown:
+        raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
+    model = _prepare(config, say)
+    jobs = write_tenants(
+        config.output / "inputs",
+        tenants=config.tenants,
+        lines=config.lines,
+        poison_lines=config.resolved_poison_lines(),
+        seed=config.seed,
+        max_tokens=config.max_tokens,
+    )
+    redis = RedisServer(work_dir=config.output.resolve() / "redis")
+    postgres = chaos_postgres()
+    tag = f"chaos-{uuid.uuid4().hex[:6]}"
+    env = _env(config, redis, postgres)
+    engine_args = ["--engine", "instant", "--max-model-len", str(MAX_MODEL_LEN)]
+    engine_args += ["--instant-step-seconds", str(config.step_seconds)]
+    workers = Workers(
+        model=model, env=env, log_dir=config.output / "logs", engine_args=engine_args, tag=tag
+    )
+    started = time.monotonic()
+    t0 = started
+    record: dict[str, Any] = {"config": _config_json(config), "tag": tag, "faults": []}
+    service_pids: dict[int, str] = {}
+    try:
+        redis.start()
+        postgres.start_new()
+        from batchllm.store.db import upgrade
+
+        upgrade(postgres.url)
+        say(f"chaos: Redis :{redis.port}, PostgreSQL :{postgres.port}; {config.workers} workers")
+        workers.start(config.workers)
+        t0 = time.monotonic()
+        job_ids = _submit(jobs, model, config, env)
+        say(f"chaos: {len(job_ids)} jobs submitted in {time.monotonic() - t0:.1f} s: {job_ids}")
+        lines = sum(len(chaos_check.expected_lines(job.source)) for job in jobs)
+        with Sampler(postgres, job_ids, t0) as sampler:
+            injector = Injector(
+                workers=workers,
+                redis=redis,
+                postgres=postgres,
+                rng=random.Random(config.seed + 1),
+                held=sampler.held,
+                stop_seconds=config.resolved_stop_seconds(),
+                outage_seconds=config.outage_seconds,
+            )
+            record["faults"] = _fault_loop(
+                config, sampler, injector, workers, t0=t0, lines=lines, say=say
+            )
+        record["drained"] = round(time.monotonic() - t0, 2)
+        workers.stop_all()
+        ended = _job_rows(postgres, job_ids)
+        record["jobs"] = [
+            {
+                "id": job_id,
+                "tenant": job.tenant,
+                "input": str(job.source.resolve()),
+                "expect": job.expect,
+                "final_at": sampler.final_at.get(job_id),
+                **ended[job_id],
+            }
+            for job, job_id in zip(jobs, job_ids)
+        ]
+        record.update(timeline=sampler.timeline, shard_progress=sampler.shard_progress)
+    finally:
+        if redis.proc is not None:
+            service_pids[redis.proc.pid] = "redis-server"
+        if postgres.pid:
+            service_pids[postgres.pid] = "postgres"
+        workers.stop_all()
+        redis.stop()
+        postgres.destroy()
+    record["ended"] = round(time.monotonic() - started, 1)
+    record["workers"] = workers.records(t0)
+    record["unplanned_exits"] = workers.unplanned
+    left = workers.leftovers()
+    left.update({pid: name for pid, name in service_pids.items() if _alive(pid)})
+    record["orphans"] = [{"pid": pid, "cmdline": cmd} for pid, cmd in sorted(left.items())]
+    (config.output / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return chaos_check.write_report(config.output, record)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _config_json(config: Config) -> dict[str, Any]:
+    data = asdict(config)
+    data.update(
+        output=str(config.output),
+        poison_lines=config.resolved_poison_lines(),
+        stop_seconds=config.resolved_stop_seconds(),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        cpus=os.cpu_count(),
+    )
+    return data
+
+
+def _span(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = Config()
+    parser.add_argument("--lines", type=int, default=defaults.lines, help="ordinary lines in all")
+    parser.add_argument("--workers", type=int, default=defaults.workers)
+    parser.add_argument(
+        "--every", type=float, default=defaults.every, help="seconds between faults"
+    )
+    parser.add_argument("--tenants", type=int, default=defaults.tenants, help="ordinary tenants")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--output", type=Path, default=defaults.output)
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULT_KINDS),
+        help=f"comma-separated fault kinds ({', '.join(FAULT_KINDS)}); empty: none",
+    )
+    parser.add_argument("--poison-lines", type=int, default=None, help="0: no poison tenant")
+    parser.add_argument("--shard-size", type=int, default=defaults.shard_size)
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=defaults.step_seconds,
+        help="the instant engine's pace (seconds per token step)",
+    )
+    parser.add_argument("--max-tokens", default="16-64", help="max_tokens per line, MIN-MAX")
+    parser.add_argument("--lease-seconds", type=float, default=defaults.lease_seconds)
+    parser.add_argument("--reconcile-seconds", type=float, default=defaults.reconcile_seconds)
+    parser.add_argument("--outage-seconds", type=float, default=defaults.outage_seconds)
+    parser.add_argument("--stop-seconds", type=float, default=None, help="SIGSTOP's length")
+    parser.add_argument(
+        "--quiet-after",
+        type=float,
+        default=defaults.quiet_after,
+        help="no fault once this share of all lines is committed (the drain is fault-free)",
+    )
+    parser.add_argument(
+        "--final-within",
+        type=float,
+        default=defaults.final_within,
+        help="every job must be final this many seconds after the last fault",
+    )
+    parser.add_argument("--timeout", type=float, default=defaults.timeout)
+    parser.add_argument("--model", default=None, help="default: the tiny demo model, built")
+    args = parser.parse_args(argv)
+    config = Config(
+        lines=args.lines,
+        workers=args.workers,
+        every=args.every,
+        tenants=args.tenants,
+        seed=args.seed,
+        output=args.output,
+        faults=[k for k in args.faults.split(",") if k],
+        poison_lines=args.poison_lines,
+        shard_size=args.shard_size,
+        step_seconds=args.step_seconds,
+        max_tokens=_span(args.max_tokens),
+        lease_seconds=args.lease_seconds,
+        reconcile_seconds=args.reconcile_seconds,
+        outage_seconds=args.outage_seconds,
+        stop_seconds=args.stop_seconds,
+        quiet_after=args.quiet_after,
+        final_within=args.final_within,
+        timeout=args.timeout,
+        model=args.model,
+        command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
+    )
+    report = run(config, say=lambda text: print(text, file=sys.stderr, flush=True))
+    print(chaos_check.summary(report))
+    print(f"report: {config.output / 'report.json'}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""The chaos run's workers and faults: `batchllm worker --engine instant` processes the harness
+starts, replaces and ends by PID (never by name), and the fault kinds it injects into them and
+into its private Redis and PostgreSQL (benchmarks/services.py).
+
+Fault kinds (one at a time; each is over, its service back or its victim replaced, before the
+next begins):
+- kill9: SIGKILL of a worker's main process, as an OOM killer would; a replacement starts.
+- sigterm: a warm shutdown (the worker drains: generating rows may finish, the rest go back);
+  a replacement starts at once, as in a rolling restart.
+- sigstop: SIGSTOP for longer than a lease (its shard is taken over meanwhile), then SIGCONT:
+  the paused worker comes back to a shard that is no longer its own.
+- redis-restart: the broker restarted without persistence: every queued and unacknowledged
+  task is lost.
+- pg-outage: the database stopped (`pg_ctl stop -m fast`: every session ends) for a few
+  seconds, then started.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.services import PostgresCluster, RedisServer, ServiceFailed, tail
+
+FAULT_KINDS = ("kill9", "sigterm", "sigstop", "redis-restart", "pg-outage")
+WORKER_FAULTS = ("kill9", "sigterm", "sigstop")
+READY_TIMEOUT = 180
+
+
+class ChaosWorker:
+    """One `batchllm worker` in its own session, its output in a log file; the processes
+    under it are recorded (pid, start time) so none can outlive the run unseen."""
+
+    def __init__(
+        self, name: str, *, model: str, env: dict[str, str], log_path: Path, engine_args: list[str]
+    ) -> None:
+        self.name, self.log_path = name, log_path
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.how_ended = ""
+        self.paused = False
+        self.terminated = False  # SIGTERM sent once: a second one would cut its drain short
+        self.recorded: dict[int, float] = {}
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "batchllm", "worker", "--model", model, "--name", name]
+                + ["--loglevel", "INFO", *engine_args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._remember(self.proc.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _remember(self, pid: int) -> None:
+        try:
+            self.recorded[pid] = psutil.Process(pid).create_time()
+        except psutil.Error:
+            pass
+
+    def record_descendants(self) -> None:
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for child in children:
+            self._remember(child.pid)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> float:
+        """Until Celery says ready; returns the seconds since the start."""
+        deadline = time.monotonic() + timeout
+        while f"{self.name} ready." not in self.log_path.read_text(errors="replace"):
+            if not self.alive():
+                raise ServiceFailed(
+                    f"worker {self.name} exited with {self.proc.returncode}:\n"
+                    + tail(self.log_path, 30)
+                )
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"worker {self.name} not ready after {timeout:.0f} s")
+            time.sleep(0.2)
+        self.record_descendants()
+        return time.monotonic() - self.started
+
+    def send(self, sig: signal.Signals) -> None:
+        self.record_descendants()
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self) -> None:
+        """A warm shutdown, asked once; SIGCONT first, in case it is paused."""
+        if self.alive() and not self.terminated:
+            self.send(signal.SIGCONT)
+            self.send(signal.SIGTERM)
+            self.terminated = True
+
+    def stop(self, grace: float = 30) -> None:
+        """Warm shutdown, then SIGKILL of its process group if it does not go."""
+        if self.alive():
+            self.terminate()
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                self.proc.wait(timeout=30)
+                self.how_ended = self.how_ended or "killed at the end"
+        self.note_end()
+
+    def note_end(self) -> None:
+        if self.ended is None and not self.alive():
+            self.ended = time.monotonic()
+
+    def leftovers(self) -> dict[int, str]:
+        """The recorded processes (the worker and its children) still alive."""
+        alive = {}
+        for pid, created in self.recorded.items():
+            try:
+                proc = psutil.Process(pid)
+                if (
+                    abs(proc.create_time() - created) < 0.01
+                    and proc.status() != psutil.STATUS_ZOMBIE
+                ):
+                    alive[pid] = " ".join(proc.cmdline())[:100]
+            except psutil.Error:
+                continue
+        return alive
+
+    def last_complaint(self) -> str | None:
+        """The worker's last CRITICAL or ERROR log line."""
+        found = [
+            line
+            for line in self.log_path.read_text(errors="replace").splitlines()
+            if " CRITICAL " in line or " ERROR " in line
+        ]
+        return found[-1][:300] if found else None
+
+    def errors_logged(self) -> int:
+        text = self.log_path.read_text(errors="replace")
+        return text.count("Traceback") + text.count(" ERROR ")
+
+
+class Workers:
+    """The run's workers: started, replaced and ended here; named `wN@TAG`."""
+
+    def __init__(
+        self, *, model: str, env: dict[str, str], log_dir: Path, engine_args: list[str], tag: str
+    ) -> None:
+        self.model, self.env, self.log_dir = model, env, log_dir
+        self.engine_args, self.tag = engine_args, tag
+        self.all: list[ChaosWorker] = []
+        self.serial = 0
+        # Workers that exited without a fault or a stop: name, exit code, their last complaint.
+        self.unplanned: list[dict[str, Any]] = []
+
+    def start(self, count: int) -> list[ChaosWorker]:
+        started = []
+        for _ in range(count):
+            self.serial += 1
+            name = f"w{self.serial}@{self.tag}"
+            worker = ChaosWorker(
+                name,
+                model=self.model,
+                env=self.env,
+                log_path=self.log_dir / f"{name}.log",
+                engine_args=self.engine_args,
+            )
+            self.all.append(worker)
+            started.append(worker)
+        for worker in started:
+            worker.wait_ready()
+        return started
+
+    def active(self) -> list[ChaosWorker]:
+        """Workers alive, not paused, not draining: the ones taking work."""
+        return [w for w in self.all if w.alive() and not w.paused and not w.how_ended]
+
+    def replace_unplanned(self) -> list[str]:
+        """Workers that exited on their own since the last look: noted, and replaced (what a
+        supervisor does). Returns their names."""
+        gone = [w for w in self.all if not w.alive() and not w.how_ended]
+        for worker in gone:
+            worker.how_ended = f"exited on its own with {worker.proc.returncode}"
+            worker.note_end()
+            self.unplanned.append(
+                {
+                    "name": worker.name,
+                    "exit": worker.proc.returncode,
+                    "last_complaint": worker.last_complaint(),
+                    "log": str(worker.log_path),
+                }
+            )
+        if gone:
+            self.start(len(gone))
+        return [w.name for w in gone]
+
+    def stop_all(self) -> None:
+        for worker in self.all:
+            worker.terminate()
+        for worker in self.all:
+            worker.stop()
+
+    def leftovers(self) -> dict[int, str]:
+        """Processes of the run still alive: any recorded one, and any whose command line
+        carries the run's tag (a worker's name)."""
+        found: dict[int, str] = {}
+        for worker in self.all:
+            found.update(worker.leftovers())
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info.get("cmdline") or [])
+            if f"@{self.tag}" in cmdline and proc.pid != os.getpid():
+                found[proc.pid] = cmdline[:100]
+        return found
+
+    def records(self, t0: float) -> list[dict[str, Any]]:
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - t0, 2)
+
+        return [
+            {
+                "name": w.name,
+                "pid": w.pid,
+                "started": since(w.started),
+                "ended": since(w.ended),
+                "exit": w.proc.returncode,
+                "how_ended": w.how_ended,
+                "errors_logged": w.errors_logged(),
+                "log": str(w.log_path),
+            }
+            for w in self.all
+        ]
+
+
+class Schedule:
+    """The fault kinds in a seeded random order, each kind once per round (a shuffled bag): a
+    run of len(kinds) faults injects every kind."""
+
+    def __init__(self, kinds: list[str], rng: random.Random) -> None:
+        self.kinds, self.rng = list(kinds), rng
+        self.bag: list[str] = []
+
+    def next(self) -> str:
+        if not self.bag:
+            self.bag = self.rng.sample(self.kinds, len(self.kinds))
+        return self.bag.pop(0)
+
+
+class Injector:
+    """Injects one fault of a kind and returns its record (times are time.monotonic()).
+    `held(worker)`: the shards that worker runs now ([{id, done}]), None while the database
+    cannot say."""
+
+    def __init__(
+        self,
+        *,
+        workers: Workers,
+        redis: RedisServer,
+        postgres: PostgresCluster,
+        rng: random.Random,
+        held: Callable[[str], list[dict[str, Any]] | None],
+        stop_seconds: float,
+        outage_seconds: float,
+    ) -> None:
+        self.workers, self.redis, self.postgres = workers, redis, postgres
+        self.rng, self.held = rng, held
+        self.stop_seconds, self.outage_seconds = stop_seconds, outage_seconds
+
+    def _victim(self) -> tuple[ChaosWorker, list[dict[str, Any]]]:
+        """A worker that runs a shard now, if any does (so the fault bites), else any."""
+        active = self.workers.active()
+        if not active:
+            raise ServiceFailed("no active worker to inject a fault into")
+        holding = [(w, self.held(w.name) or []) for w in active]
+        busy = [(w, shards) for w, shards in holding if shards]
+        return self.rng.choice(busy or holding)
+
+    def inject(self, kind: str) -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": kind, "began": time.monotonic(), "victim": None}
+        if kind in WORKER_FAULTS:
+            victim, shards = self._victim()
+            record.update(victim=victim.name, held_shards=shards)
+            record["began"] = time.monotonic()
+            getattr(self, "_" + kind)(victim, record)
+        elif kind == "redis-restart":
+            self.redis.restart()
+        elif kind == "pg-outage":
+            self.postgres.stop()
+            time.sleep(self.outage_seconds)
+            self.postgres.start()
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
+        record["restored"] = time.monotonic()
+        return record
+
+    def _kill9(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
+        victim.how_ended = "kill -9"
+        victim.send(signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+        victim.note_end()
+        (new,) = self.workers.start(1)
+        record["note"] = f"replaced by {new.name}"
+
+    def _sigterm(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
+        victim.how_ended = "SIGTERM (drain)"
+        victim.terminate()
+        (new,) = self.workers.start(1)
+        record["note"] = f"draining; replaced by {new.name}"
+
+    def _sigstop(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
+        victim.paused = True
+        victim.send(signal.SIGSTOP)
+        time.sleep(self.stop_seconds)
+        victim.send(signal.SIGCONT)
+        victim.paused = False
+        record["note"] = f"paused {self.stop_seconds:.0f} s"

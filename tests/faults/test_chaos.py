@@ -1,0 +1,127 @@
+"""The quick chaos run (issue 52, benchmarks/chaos.py) end to end: two tenants' jobs and a
+poison tenant's through two instant-engine workers on a private Redis and PostgreSQL, while
+a worker is drained, one is killed -9 and PostgreSQL goes away (and more, as the jobs last);
+the checker (benchmarks/chaos_check.py) finds every line exactly once in its job's Parquet
+output and no process left. Then exactly-once is broken on purpose (a committed part file
+written twice) and the same checker says so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchllm.output.parts import list_parts, part_name, shard_of_part
+from batchllm.storage import Storage
+from benchmarks import chaos, chaos_check
+from benchmarks.chaos_faults import FAULT_KINDS
+from benchmarks.services import postgres_bin
+from tests.support.skips import require
+
+pytestmark = pytest.mark.faults
+
+LINES = 2000
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    require(
+        shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
+        "redis-server/redis-cli are not installed",
+    )
+    bin_dir = postgres_bin()
+    require(
+        bin_dir is not None and (bin_dir / "pg_ctl").exists(),
+        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+    )
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            require(False, "running as root, but there is no `postgres` user to run initdb as")
+    output = tmp_path_factory.mktemp("chaos")
+    # Seed 1 draws sigterm, kill9, pg-outage first (each kind once per round), one every 5 s.
+    # At 80 ms a token step, 2,000 lines of 16-64 tokens in shards of 100 take two workers at
+    # least ~34 s whatever the machine's speed (~40 rows/s at most here): long enough for
+    # those three before the last 10% drains without faults.
+    config = chaos.Config(
+        lines=LINES,
+        workers=2,
+        every=5,
+        step_seconds=0.08,
+        tenants=2,
+        seed=1,
+        output=output,
+        faults=list(FAULT_KINDS),
+        timeout=240,
+        model=str(tiny_model),
+    )
+    report = chaos.run(config, say=print)
+    print(chaos_check.summary(report))
+    return output, report
+
+
+@pytest.mark.timeout(420)
+def test_a_quick_chaos_run_keeps_every_line_exactly_once_under_three_kinds_of_fault(quick_run):
+    output, report = quick_run
+    assert report["passed"], "\n".join(report["problems"])
+    assert len(report["faults_by_kind"]) >= 3, report["faults_by_kind"]
+    totals = report["totals"]
+    poison_lines = chaos.Config(lines=LINES).resolved_poison_lines()
+    assert totals["expected"] == totals["rows"] == LINES + poison_lines
+    assert totals["lost_count"] == totals["duplicated_count"] == totals["unexpected_count"] == 0
+    jobs = {job["tenant"]: job for job in report["jobs"]}
+    assert set(jobs) == {"tenant-1", "tenant-2", "poison"}
+    assert {job["status"] for job in jobs.values()} == {"completed"}
+    for tenant in ("tenant-1", "tenant-2"):
+        assert jobs[tenant]["ok_rows"] == jobs[tenant]["expected"] == LINES // 2
+    # Every other poison line is bad: each comes out an error row (a line naming another
+    # model may run on the job's), beside the good ones, all `ok`.
+    recorded = json.loads((output / "run.json").read_text())
+    poison = next(j for j in recorded["jobs"] if j["tenant"] == "poison")
+    not_errors = poison["expect"]["lines"]
+    must_fail = poison_lines - len(not_errors)
+    assert must_fail >= poison_lines // 2 - poison_lines // 10
+    assert jobs["poison"]["wrong_status_count"] == 0
+    assert jobs["poison"]["error_rows"] >= must_fail
+    assert jobs["poison"]["ok_rows"] >= list(not_errors.values()).count("ok")
+    assert report["orphans"] == []
+    assert all(w["exit"] is not None for w in report["workers"])
+    for fault in report["faults"]:
+        assert fault["rows_again_s"] is not None, fault
+    assert len(recorded["faults"]) == len(report["faults"])
+    assert json.loads((output / "report.json").read_text())["passed"] is True
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (output / "rows.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_part_file_committed_twice_after_the_run_is_caught_as_duplicated_lines(quick_run):
+    output, _ = quick_run
+    run = json.loads((output / "run.json").read_text())
+    job = next(j for j in run["jobs"] if j["tenant"] == "tenant-1")
+    storage = Storage(job["storage_root"])
+    first = list_parts(storage, job["output_dir"])[0]
+    # The same rows again under a part name of the same shard that no commit ever wrote.
+    again = part_name(shard_of_part(first), 99_999, attempt=999)
+    src = Path(storage.root) / job["output_dir"] / first
+    shutil.copyfile(src, src.with_name(again))
+    copied = (
+        len(chaos_check.job_rows(job["storage_root"], job["output_dir"])) - job["request_total"]
+    )
+    assert copied > 0
+
+    report = chaos_check.write_report(output)
+
+    assert not report["passed"]
+    checked = next(j for j in report["jobs"] if j["id"] == job["id"])
+    assert (checked["duplicated_count"], checked["lost_count"]) == (copied, 0)
+    assert any("duplicated" in problem for problem in report["problems"])
+    assert all(j["duplicated_count"] == 0 for j in report["jobs"] if j["id"] != job["id"])
