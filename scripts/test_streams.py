@@ -57,6 +57,9 @@ MOVED_TO_UNIT = [
     "tests/faults/test_serve_signals.py",
     # Kept engines on the instant engine (~2 minutes, SQLite homes of their own, no services).
     "tests/integration/test_kept_engine.py",
+    # The chaos harness's quick run (~2 minutes): its own private Redis and PostgreSQL and
+    # instant workers, so it need not lengthen the fleet session, the long pole.
+    "tests/faults/test_chaos.py",
 ]
 STREAMS = {
     "fleet": [
