@@ -350,7 +350,7 @@ def _run_worker(
     with Celery's solo pool until it stops."""
     from batchllm.errors import BatchLLMError
     from batchllm.settings import get_settings
-    from batchllm.worker.celery_app import create_app
+    from batchllm.worker.celery_app import create_app, run_worker
     from batchllm.worker.tasks import start_engine
 
     settings = get_settings()
@@ -378,9 +378,9 @@ def _run_worker(
         )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
-    app.worker_main(
+    code = run_worker(
+        app,
         [
-            "worker",
             "--pool=solo",
             "--concurrency=1",
             "-Q",
@@ -390,8 +390,16 @@ def _run_worker(
             f"--loglevel={loglevel}",
             "--without-gossip",
             "--without-mingle",
-        ]
+        ],
     )
+    if code:
+        logging.getLogger(__name__).error(
+            "%s: the Celery worker stopped with exit code %d (see the error above); exiting "
+            "with it, so that a supervisor starts this worker again",
+            node,
+            code,
+        )
+        raise SystemExit(code)
 
 
 def _forwarded(

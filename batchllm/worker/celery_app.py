@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init
 
 from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings
@@ -85,3 +87,22 @@ def create_app(settings: Settings) -> Celery:
         task_default_queue="batchllm.default",
     )
     return app
+
+
+def run_worker(app: Celery, argv: list[str]) -> int:
+    """Run a Celery worker with `argv` in this process until it stops; its exit code.
+    `app.worker_main` drops it: after an "Unrecoverable error" (seen: kombu's Redis transport
+    failing to restore unacknowledged tasks as Redis restarts, right after a database outage)
+    Celery stops the worker with exit code 1, yet the process exited 0, which a supervisor
+    (`worker --concurrency N`, systemd, Kubernetes) takes for a clean stop and never restarts."""
+    controllers: list[Any] = []
+
+    def keep(sender: Any = None, **_kwargs: Any) -> None:
+        controllers.append(sender)
+
+    worker_init.connect(keep, weak=False)
+    try:
+        app.start(["worker", *argv])
+    finally:
+        worker_init.disconnect(keep)
+    return int(getattr(controllers[-1], "exitcode", 0) or 0) if controllers else 0
