@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import posixpath
+import re
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -97,6 +98,17 @@ def _s3_filesystem(netloc: str, query: str) -> pafs.FileSystem:
     return pafs.FileSystem.from_uri(uri)[0]
 
 
+_SHARD_PREFIX = "shard-"
+_SHARD_NAME = re.compile(r"shard-(\d+)\.parquet")
+
+
+def token_file_of(shard_path: str) -> str:
+    """The token ids file beside an input shard (`.../shard-00003.parquet` ->
+    `.../tokens-00003.parquet`)."""
+    folder, name = posixpath.split(shard_path)
+    return posixpath.join(folder, "tokens-" + name.removeprefix(_SHARD_PREFIX))
+
+
 class StoredJob(Protocol):
     """What `Storage.for_job` needs of a job (store/models.py's Job)."""
 
@@ -142,6 +154,21 @@ class Storage:
 
     def input_dir(self, job_id: str) -> str:
         return posixpath.join(self.job_dir(job_id), "input")
+
+    def input_shard(self, job_id: str, index: int) -> str:
+        """Where validation stores the job's input shard `index` (the one place that names
+        input shards and their token files: `input_shards`, `token_file_of`)."""
+        return posixpath.join(self.input_dir(job_id), f"{_SHARD_PREFIX}{index:05d}.parquet")
+
+    def input_shards(self, job_id: str) -> list[tuple[int, str]]:
+        """The job's stored input shards, (index, path) in index order."""
+        directory = self.input_dir(job_id)
+        found = []
+        for name in self.listdir(directory):
+            match = _SHARD_NAME.fullmatch(name)
+            if match:
+                found.append((int(match[1]), posixpath.join(directory, name)))
+        return sorted(found)
 
     def output_dir(self, job_id: str) -> str:
         return posixpath.join(self.job_dir(job_id), "output")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import logging
-import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -63,6 +62,7 @@ class _ShardWriter:
         on_shard: Callable[[ShardInput], None] | None = None,
     ) -> None:
         self.storage, self.shard_size, self.on_shard = storage, shard_size, on_shard
+        self.job_id = job_id
         self.dir = storage.input_dir(job_id)
         try:
             storage.makedirs(self.dir)
@@ -80,7 +80,7 @@ class _ShardWriter:
         while rows.num_rows:
             if self._current is None:
                 index = len(self.shards)
-                path = posixpath.join(self.dir, f"shard-{index:05d}.parquet")
+                path = self.storage.input_shard(self.job_id, index)
                 first = rows.column(0)[0].as_py()
                 self._current = ShardInput(index, path, 0, first, first)
                 self._sink = io.BytesIO()

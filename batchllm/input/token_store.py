@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import itertools
 import logging
-import posixpath
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchllm.storage import Storage
+from batchllm.storage import Storage, token_file_of
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +36,8 @@ TOKENS_SCHEMA = pa.schema(
 
 
 def token_path(input_path: str) -> str:
-    """The token file of an input shard (`.../shard-00003.parquet` -> `.../tokens-00003...`)."""
-    folder, name = posixpath.split(input_path)
-    return posixpath.join(folder, "tokens-" + name.removeprefix("shard-"))
+    """The token file of an input shard (its name: storage.token_file_of)."""
+    return token_file_of(input_path)
 
 
 class TokenFileWriter:

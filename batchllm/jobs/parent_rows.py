@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import posixpath
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,15 +88,11 @@ def write_parent_rows(storage: Storage, job_id: str, statuses: tuple[str, ...], 
 
 
 def _input_shards(storage: Storage, job_id: str) -> Iterator[pa.Table]:
-    """The job's stored input shards in order (shard-00000, ...), the columns a prompt is
+    """The job's stored input shards in order , the columns a prompt is
     read from."""
-    directory = storage.input_dir(job_id)
-    for name in storage.listdir(directory):  # sorted: shard-NNNNN in index order
-        if name.startswith("shard-") and name.endswith(".parquet"):
-            with storage.fs.open_input_file(posixpath.join(directory, name)) as handle:
-                yield pq.read_table(
-                    handle, columns=["line", "kind", "prompt", "messages", "inputs"]
-                )
+    for _, path in storage.input_shards(job_id):
+        with storage.fs.open_input_file(path) as handle:
+            yield pq.read_table(handle, columns=["line", "kind", "prompt", "messages", "inputs"])
 
 
 def _with_prompts(rows: pa.Table, asked: pa.Table) -> pa.Table:

@@ -62,7 +62,6 @@ ERRORS_NAME = "errors.jsonl"
 
 _BATCH_ROWS = 1024  # rows turned into Python objects at a time
 _WRITE_BUFFER = 1 << 20
-_SHARD_NAME = re.compile(r"shard-(\d+)\.parquet$")
 _FIELD_PREFIX = re.compile(r"field '(.+?)': ", re.DOTALL)  # InputRow.from_item's wording
 # OpenAI's stand-in for a log probability too small to report; JSON has no -Infinity, and vLLM
 # gives -inf for tokens a constraint or top-k masked.
@@ -200,17 +199,11 @@ class _Shard:
 
 def _shards(storage: Storage, job_id: str) -> list[_Shard]:
     """The job's input shards in order, each with its output part files."""
-    input_dir, out_dir = storage.input_dir(job_id), storage.output_dir(job_id)
+    out_dir = storage.output_dir(job_id)
     parts: dict[int, list[str]] = {}
     for name in list_parts(storage, out_dir):
         parts.setdefault(shard_of_part(name), []).append(posixpath.join(out_dir, name))
-    shards = []
-    for name in storage.listdir(input_dir):
-        match = _SHARD_NAME.fullmatch(name)
-        if match:
-            index = int(match[1])
-            shards.append((index, _Shard(posixpath.join(input_dir, name), parts.get(index, []))))
-    return [shard for _, shard in sorted(shards, key=lambda item: item[0])]
+    return [_Shard(path, parts.get(index, [])) for index, path in storage.input_shards(job_id)]
 
 
 def _job_rows(storage: Storage, shards: list[_Shard]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -53,3 +53,14 @@ def test_redis_is_reached_only_through_the_redis_broker_module():
         if "Redis.from_url" in text or 'startswith(("redis' in text or 'startswith("redis' in text
     ]
     assert clients == []
+
+
+def test_input_shard_and_token_file_names_are_made_and_read_only_in_storage():
+    # Validation, the feed's token ids, the export and a pipeline's parent rows all find a
+    # job's input shards through Storage.input_shard / input_shards / token_file_of.
+    namers = [
+        n
+        for n, text in sources(but=("storage.py",)).items()
+        if re.search(r"[\"'](?:shard|tokens)-", text)
+    ]
+    assert namers == []
