@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.options import worker_engine_from_flags, worker_engine_options
+from batchllm.cli.engine_flags import worker_engine_from_flags, worker_engine_options
 
 if TYPE_CHECKING:
     from batchllm.kept_engine.client import KeptEngines

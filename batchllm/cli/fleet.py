@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import (
+    engine_flags_as_args,
+    worker_engine_from_flags,
+    worker_engine_options,
+)
 from batchllm.cli.options import (
     echo_webhook_secret,
-    engine_flags_as_args,
     engine_kind_options,
     input_file,
     job_input,
@@ -22,8 +26,6 @@ from batchllm.cli.options import (
     notify_option,
     require_requests,
     spec_from_flags,
-    worker_engine_from_flags,
-    worker_engine_options,
 )
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports

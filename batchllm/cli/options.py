@@ -1,6 +1,7 @@
 """Flags shared by `run` and `submit`: the input file, job-level sampling defaults and engine
 settings, and the checks that refuse a hopeless job before any work; and the flags `worker`
-shares with them (engine settings, --engine) and with `serve` (--log-format)."""
+shares with them (--engine) and with `serve` (--log-format). The engine's own flags are
+cli/engine_flags.py's."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from batchllm.cli.engine_flags import ENGINE_SHAPE_FLAGS, engine_default
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
 from batchllm.input.schemas import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
-    EngineOptions,
     JobSpec,
     SamplingDefaults,
 )
@@ -119,57 +120,9 @@ def job_input(
         yield source
 
 
-_DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
-
-
 def _sampling(name: str):
     """A flag's default from the job schema, so the CLI and the Python API cannot drift."""
     return SamplingDefaults.model_fields[name].default
-
-
-def _engine(name: str):
-    return EngineOptions.model_fields[name].default
-
-
-# The engine flags `run`/`submit` and `worker` share, with the same defaults and help.
-_ENGINE_SHAPE_FLAGS = [
-    click.option(
-        "--kv-cache-memory-bytes",
-        type=click.IntRange(min=1),
-        default=None,
-        help="KV cache size in bytes [default: vLLM's, a share of GPU memory; on a CPU "
-        "VLLM_CPU_KVCACHE_SPACE]. It bounds how many requests run at once.",
-    ),
-    click.option(
-        "--max-num-seqs",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Sequences per engine step [default: vLLM's].",
-    ),
-    click.option(
-        "--max-num-batched-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Tokens per engine step [default: vLLM's].",
-    ),
-    click.option(
-        "--dtype", type=click.Choice(_DTYPES), default=_engine("dtype"), show_default=True
-    ),
-    click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
-    click.option(
-        "--tensor-parallel-size",
-        type=click.IntRange(min=1),
-        default=_engine("tensor_parallel_size"),
-        show_default=True,
-        help="GPUs per engine.",
-    ),
-    click.option(
-        "--prefix-caching/--no-prefix-caching",
-        default=None,
-        help="vLLM automatic prefix caching [default: vLLM's, on].",
-    ),
-    click.option("--enforce-eager", is_flag=True, help="Skip CUDA graph capture."),
-]
 
 
 def job_options(command):
@@ -310,7 +263,7 @@ def job_options(command):
         click.option(
             "--gpu-memory-utilization",
             type=click.FloatRange(0, 1, min_open=True),
-            default=_engine("gpu_memory_utilization"),
+            default=engine_default("gpu_memory_utilization"),
             show_default=True,
             help="Share of GPU memory for vLLM.",
         ),
@@ -320,7 +273,7 @@ def job_options(command):
             default=None,
             help="Context length [default: longest prompt + max_tokens, capped by the model].",
         ),
-        *_ENGINE_SHAPE_FLAGS,
+        *ENGINE_SHAPE_FLAGS,
         click.option(
             "--compact-json",
             is_flag=True,
@@ -554,126 +507,3 @@ def require_local_model(model: str) -> None:
         raise click.ClickException(
             f"--model {model}: no such directory, and not a Hugging Face repo id (org/name)"
         )
-
-
-def require_hardware_for(engine: EngineOptions) -> None:
-    """Refuse, before a job is created, engine settings this machine's GPUs cannot honour (the
-    engine checks again, with the quantizations of the installed vLLM, when it starts)."""
-    from batchllm.engine.hardware import runs_on_cpu, visible_gpus
-    from batchllm.engine.preflight import check_engine_options
-
-    on_cpu = runs_on_cpu()
-    check_engine_options(engine, is_cpu=on_cpu, gpus=[] if on_cpu else visible_gpus())
-
-
-# -- a fleet worker's engine ----------------------------------------------------------------
-
-# The GPU share a dedicated worker takes by default (vLLM's own default; 0.92 for a job of
-# `run`, which may share its machine with nothing else either but sized its engine itself).
-WORKER_GPU_MEMORY_UTILIZATION = 0.90
-
-_WORKER_ENGINE_FLAGS = [
-    click.option(
-        "--task",
-        type=click.Choice(["generate", "embed", "classify"]),
-        default="generate",
-        show_default=True,
-        help="generate text, embed or classify with vLLM's pooling runner (an embedding or "
-        "classification worker takes jobs of its task only).",
-    ),
-    click.option(
-        "--max-model-len",
-        type=click.IntRange(min=16),
-        default=None,
-        help="The engine's context length; longer rows of a job become error rows [default: "
-        "the model's context; vLLM refuses to start when the KV cache cannot hold one such "
-        "sequence, so lower it then].",
-    ),
-    click.option(
-        "--gpu-memory-utilization",
-        type=click.FloatRange(0, 1, min_open=True),
-        default=WORKER_GPU_MEMORY_UTILIZATION,
-        show_default=True,
-        help="Share of GPU memory for vLLM (on a CPU machine: of RAM, see VLLM_CPU_KVCACHE_SPACE).",
-    ),
-    *_ENGINE_SHAPE_FLAGS,
-    click.option(
-        "--compact-json",
-        is_flag=True,
-        help="JSON-constrained answers without whitespace between tokens (jobs asking for it "
-        "need such a worker).",
-    ),
-    click.option(
-        "--enable-lora",
-        is_flag=True,
-        help="Serve LoRA adapters: this worker takes LoRA jobs too (adapters come with each "
-        "job; no restart).",
-    ),
-    click.option(
-        "--max-lora-rank",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Largest adapter rank the engine serves (implies --enable-lora) [default: vLLM's, "
-        "16].",
-    ),
-    click.option(
-        "--max-loras",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Adapters one batch may mix (implies --enable-lora) [default: 1].",
-    ),
-]
-_WORKER_ENGINE_PARAMS = [
-    "task",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "kv_cache_memory_bytes",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "dtype",
-    "quantization",
-    "tensor_parallel_size",
-    "prefix_caching",
-    "enforce_eager",
-    "compact_json",
-    "enable_lora",
-    "max_lora_rank",
-    "max_loras",
-]
-
-
-def worker_engine_options(command):
-    for decorate in reversed(_WORKER_ENGINE_FLAGS):
-        command = decorate(command)
-    return command
-
-
-def worker_engine_from_flags(flags: dict) -> EngineOptions:
-    """The worker's engine settings from its flags (popped from `flags`)."""
-    values = {name: flags.pop(name) for name in _WORKER_ENGINE_PARAMS}
-    values["enable_prefix_caching"] = values.pop("prefix_caching")
-    values["enable_lora"] = bool(
-        values["enable_lora"] or values["max_lora_rank"] or values["max_loras"]
-    )
-    options = EngineOptions(**values)
-    require_hardware_for(options)
-    return options
-
-
-def engine_flags_as_args(ctx: click.Context) -> list[str]:
-    """The engine flags given on the command line, as arguments again (for child workers)."""
-    args: list[str] = []
-    for param in ctx.command.params:
-        if param.name not in _WORKER_ENGINE_PARAMS or not isinstance(param, click.Option):
-            continue
-        if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.COMMANDLINE:
-            continue
-        value = ctx.params[param.name]
-        if param.is_flag:
-            if value:
-                args.append(param.opts[0])
-            elif param.secondary_opts:
-                args.append(param.secondary_opts[0])
-        else:
-            args += [param.opts[0], str(value)]
-    return args

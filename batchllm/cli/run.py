@@ -10,6 +10,7 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.engine import keep_alive_option, kept_engines
+from batchllm.cli.engine_flags import require_hardware_for
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
@@ -17,7 +18,6 @@ from batchllm.cli.options import (
     job_input,
     job_options,
     notify_option,
-    require_hardware_for,
     require_local_model,
     require_requests,
     spec_from_flags,
