@@ -184,20 +184,11 @@ def _file_version(source: str | None) -> list[int] | None:
 
 def latest_job(client: Client, pipeline: str, stage: str) -> tuple[Job, str | None] | None:
     """The newest job carrying this pipeline's and stage's labels, and its stage key."""
-    from sqlalchemy import select
-
+    from batchllm.store import service
     from batchllm.store.db import session_scope
-    from batchllm.store.models import Job as JobRow
 
     with session_scope(client.settings) as session:
-        query = (
-            select(JobRow)
-            .where(JobRow.job_metadata["pipeline"].as_string() == pipeline)
-            .where(JobRow.job_metadata["stage"].as_string() == stage)
-            .order_by(JobRow.created_at.desc())
-            .limit(1)
-        )
-        row = session.scalars(query).first()
+        row = service.newest_job_labelled(session, pipeline=pipeline, stage=stage)
         if row is None:
             return None
         return Job.of(row), (row.job_metadata or {}).get("stage_key")

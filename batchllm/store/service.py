@@ -46,6 +46,14 @@ def get_job(session: Session, job_ref: str) -> Job:
     raise JobNotFound(f"no job {job_ref!r}" if not matches else f"job id {job_ref!r} is ambiguous")
 
 
+def newest_job_labelled(session: Session, **labels: str) -> Job | None:
+    """The newest job whose metadata has each of these labels (a pipeline's stage jobs)."""
+    query = select(Job)
+    for key, value in labels.items():
+        query = query.where(Job.job_metadata[key].as_string() == value)
+    return session.scalars(query.order_by(Job.created_at.desc()).limit(1)).first()
+
+
 def list_jobs(session: Session, *, status: JobStatus | None = None, limit: int = 20) -> list[Job]:
     query = select(Job).order_by(Job.created_at.desc()).limit(limit)
     if status is not None:
