@@ -154,14 +154,19 @@ def _write_files(
         names = [posixpath.join(directory, f".{posixpath.basename(p)}.{token}.tmp") for p in final]
     target.makedirs(directory)
     lines = _LineMaker(job)
-    expired = job.status is JobStatus.EXPIRED
+    # Every input line is in one of the two files once the job has ended: the lines a cancelled
+    # or expired batch never ran are error lines, with OpenAI's codes for each.
+    not_run_line = {
+        JobStatus.EXPIRED: lines.expired,
+        JobStatus.CANCELLED: lines.cancelled,
+    }.get(job.status)
     try:
         with _text_output(target, names[0]) as output, _text_output(target, names[1]) as errors:
             for kind, row in _job_rows(storage, shards):
                 if row["status"] == _NOT_RUN:
                     counts.not_run += 1
-                    if expired:  # OpenAI lists them in the error file as batch_expired
-                        _write(errors, lines.expired(row))
+                    if not_run_line is not None:
+                        _write(errors, not_run_line(row))
                         counts.errors += 1
                 elif row["status"] == "ok":
                     _write(output, lines.ok(kind, row))
@@ -338,6 +343,17 @@ class _LineMaker:
                 "code": "batch_expired",
                 "message": "This request could not be executed before the completion window "
                 "expired.",
+            },
+        )
+
+    def cancelled(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A line a cancelled batch never ran."""
+        return self._line(
+            row,
+            None,
+            {
+                "code": "cancelled",
+                "message": "This request was not executed: the batch was cancelled first.",
             },
         )
 

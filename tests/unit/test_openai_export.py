@@ -151,7 +151,9 @@ def test_an_embedding_job_exports_openai_embedding_lists(settings, tmp_path):
     ]
 
 
-def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(settings, tmp_path):
+def test_a_cancelled_job_exports_its_rows_and_the_lines_never_run_as_cancelled_errors(
+    settings, tmp_path
+):
     job_id = create(settings, tmp_path, [{"prompt": f"p{i}"} for i in range(5)])
     answer = OutputRow("line-2", 2, "ok", "two", "stop", 2, 1, adapter="my-lora")
     job = end(
@@ -164,9 +166,13 @@ def test_a_cancelled_job_exports_the_rows_it_has_and_counts_the_lines_never_run(
 
     counts = export_openai(job, tmp_path / "out", settings=settings)
 
-    assert (counts.output, counts.errors, counts.not_run) == (2, 0, 3)
+    assert (counts.output, counts.errors, counts.not_run) == (2, 3, 3)
     lines = read_jsonl(counts.output_path)
     assert [x["custom_id"] for x in lines] == ["line-2", "line-4"]
+    errors = read_jsonl(counts.errors_path)
+    assert [x["custom_id"] for x in errors] == ["line-1", "line-3", "line-5"]
+    assert {x["error"]["code"] for x in errors} == {"cancelled"}
+    assert all(x["response"] is None for x in errors)
     assert lines[0]["response"]["body"]["model"] == "my-lora"  # the adapter, as vLLM answers
     assert lines[1]["response"]["body"]["created"] == int(job.finished_at.timestamp())
 
