@@ -245,6 +245,13 @@ def test_a_chat_batch_completes(api: Api) -> None:
     ]
     broken_id = f"line-{len(lines)}"  # a line that does not parse gets its number as custom_id
     file = upload(client, jsonl(lines))
+    # What a client that polls files.retrieve after an upload waits for (OpenAI's `processed`).
+    retrieved = client.files.retrieve(file.id)
+    assert (retrieved.status, retrieved.purpose, retrieved.bytes) == (
+        "processed",
+        "batch",
+        len(jsonl(lines)),
+    )
     created = client.batches.create(
         input_file_id=file.id,
         endpoint=CHAT,
