@@ -78,3 +78,88 @@ def test_the_walk_sees_every_layer_and_catches_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from batchllm.execution import runner\nimport batchllm.cli.run\n")
     assert imported_layers(module) == {"execution", "cli"}
+
+
+# -- sizes and cycles: what a newcomer can hold in their head -----------------------------------
+
+MAX_MODULES_PER_FOLDER = 15
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+# Click option lists: one decorator per flag, read as a table rather than as logic.
+OPTION_LISTS = {"cli/options.py:job_options"}
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_folder_module_and_function_stays_small():
+    folders = {
+        str(d.relative_to(PACKAGE)): n
+        for d in {m.parent for m in _modules()}
+        if (n := len([m for m in d.glob("*.py") if m.name != "__init__.py"]))
+        > MAX_MODULES_PER_FOLDER
+    }
+    long_modules = {
+        str(m.relative_to(PACKAGE)): n
+        for m in _modules()
+        if (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    long_functions = {}
+    for m in _modules():
+        for node in ast.walk(ast.parse(m.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{m.relative_to(PACKAGE)}:{node.name}"
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES and name not in OPTION_LISTS:
+                    long_functions[name] = length
+    assert (folders, long_modules, long_functions) == ({}, {}, {})
+
+
+def _module_name(path: Path) -> str:
+    parts = ["batchllm", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which package modules each module imports (at any depth, function-level too; an import
+    of a package's own __init__ by its modules is left out: re-exports, not a dependency)."""
+    names = {_module_name(p): p for p in _modules()}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                while target and target not in names:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or around a loop."""
+    reach = {m: set() for m in graph}
+    for start in graph:
+        todo = list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in reach[start]:
+                reach[start].add(m)
+                todo.extend(graph.get(m, ()))
+    groups = {frozenset({m} | {o for o in reach[m] if m in reach[o]}) for m in graph}
+    return sorted(sorted(g) for g in groups if len(g) > 1)
+
+
+def test_no_module_imports_itself_around_a_loop():
+    assert cycles(import_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
