@@ -247,6 +247,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Most batches one API key may have unfinished at once (429 above it).",
     )
+    api_max_enqueued_rows: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Most request lines one API key may have enqueued (not yet finished) across "
+        "its unfinished batches; a batch that would go over it is refused at create (429, with "
+        "the numbers). GET /v1/batches shows the key's count in its x-batchllm-enqueued-rows "
+        "headers.",
+    )
     api_max_stored_bytes: int = Field(
         default=10 * 1024**3,
         ge=1,

@@ -10,7 +10,7 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from batchllm.api import files
@@ -189,14 +189,17 @@ def record_batch(
     input_file_id: str,
     errors: list[dict[str, Any]] | None = None,
     max_active: int | None = None,
+    lines: int = 0,
 ) -> None:
-    """Record the job's batch. With `max_active`, the owner's unfinished batches are counted
-    and the batch inserted under one lock (QuotaExceeded when it has that many already):
-    counted apart, 30 concurrent creates with a quota of 3 had 15-27 accepted."""
+    """Record the job's batch. With `max_active`, the owner's unfinished batches and enqueued
+    lines (the settings' quota; `lines`: this batch's) are counted and the batch inserted under
+    one lock (QuotaExceeded when over either): counted apart, 30 concurrent creates with a
+    quota of 3 had 15-27 accepted."""
     with session_scope(settings) as session:
         if max_active is not None:
             lock_name(session, f"batch-quota:{owner}")
             check_active_batches(session, owner, max_active)
+            check_enqueued_rows(session, owner, lines, settings.api_max_enqueued_rows)
         session.add(
             Batch(
                 job_id=job_id,
@@ -227,6 +230,38 @@ def check_active_batches(session: Session, owner: str, limit: int) -> None:
             f"this API key has {active:,} unfinished batches, the most it may have "
             "(BATCHLLM_API_MAX_ACTIVE_BATCHES): wait for one to end, or cancel one",
             code="batch_quota_exceeded",
+        )
+
+
+def enqueued_rows(session: Session, owner: str) -> int:
+    """The request lines `owner`'s unfinished batches have not finished: each batch's input
+    lines (its file's count; the job's own once validated, should the file be deleted) less the
+    rows its job has done."""
+    waiting = (
+        func.coalesce(StoredFile.lines, Job.request_total)
+        - Job.request_completed
+        - Job.request_failed
+    )
+    total = session.scalar(
+        select(func.coalesce(func.sum(case((waiting > 0, waiting), else_=0)), 0))
+        .select_from(Batch)
+        .join(Job)
+        .outerjoin(StoredFile, StoredFile.id == Batch.input_file_id)
+        .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
+    )
+    return int(total or 0)
+
+
+def check_enqueued_rows(session: Session, owner: str, adding: int, limit: int) -> None:
+    """QuotaExceeded when `adding` more lines would take `owner` over its enqueued quota."""
+    enqueued = enqueued_rows(session, owner)
+    if enqueued + adding > limit:
+        raise QuotaExceeded(
+            429,
+            f"this batch's {adding:,} request lines and the {enqueued:,} this API key has "
+            f"enqueued in unfinished batches exceed its quota of {limit:,} lines "
+            "(BATCHLLM_API_MAX_ENQUEUED_ROWS): wait for batches to finish, or cancel one",
+            code="enqueued_rows_quota_exceeded",
         )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import selectinload
@@ -84,6 +84,9 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
     return metadata
 
 
+ENQUEUED_HEADER = "x-batchllm-enqueued-rows"
+
+
 @router.post("/v1/batches")
 def create_batch(
     request: Request, body: CreateBatch, owner: str = Depends(current_owner)
@@ -95,6 +98,7 @@ def create_batch(
         session.expunge(stored)
         # Refused here before any work; the count that holds is taken with the insert.
         batches.check_active_batches(session, owner, settings.api_max_active_batches)
+        batches.check_enqueued_rows(session, owner, stored.lines, settings.api_max_enqueued_rows)
         notify = keys.webhook_of(session, owner)
     storage = Storage.of(settings)
     try:
@@ -145,6 +149,7 @@ def create_batch(
             window=body.completion_window,
             input_file_id=stored.id,
             max_active=settings.api_max_active_batches,
+            lines=stored.lines,
         )
 
     try:
@@ -207,6 +212,7 @@ def retrieve_batch(
 @router.get("/v1/batches")
 def list_batches(
     request: Request,
+    response: Response,
     limit: int = 20,
     after: str | None = None,
     owner: str = Depends(current_owner),
@@ -230,6 +236,9 @@ def list_batches(
                 | ((Batch.created_at == cursor.created_at) & (Batch.job_id < cursor.job_id))
             )
         rows = list(session.scalars(query.limit(limit + 1)))
+        # The key's enqueued work against its quota, for a client pacing its creates.
+        response.headers[ENQUEUED_HEADER] = str(batches.enqueued_rows(session, owner))
+        response.headers[f"{ENQUEUED_HEADER}-limit"] = str(settings.api_max_enqueued_rows)
         return page(rows, limit, lambda b: batch_object(b, b.job))
 
 

@@ -561,3 +561,43 @@ def test_an_unexpected_failure_is_an_openai_error(settings: Settings) -> None:
             "code": "server_error",
         }
     }
+
+
+def test_a_key_over_its_enqueued_lines_quota_is_refused_with_the_numbers(
+    settings: Settings,
+) -> None:
+    client = client_for(settings, api_max_enqueued_rows=10)
+    owner, headers = new_key(settings, "busy")
+    _, other = new_key(settings, "other")
+
+    def create(headers: dict[str, str], lines: int) -> Any:
+        file = uploaded(client, headers, jsonl([chat_line(f"q{i}") for i in range(lines)]))
+        body = {"input_file_id": file.id, "endpoint": CHAT, "completion_window": "24h"}
+        return client.post("/v1/batches", headers=headers, json=body)
+
+    assert create(headers, 6).status_code == 200  # no worker: its 6 lines stay enqueued
+    refused = create(headers, 5)
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    # OpenAI's type for a quota (the SDK raises RateLimitError on the 429).
+    assert (error["type"], error["code"]) == ("insufficient_quota", "enqueued_rows_quota_exceeded")
+    assert "5 request lines" in error["message"] and "the 6 this API key" in error["message"]
+    assert "quota of 10 lines" in error["message"]
+    assert create(headers, 4).status_code == 200  # 6 + 4: at the quota, not over it
+    listed = client.get("/v1/batches", headers=headers)
+    assert listed.headers["x-batchllm-enqueued-rows"] == "10"
+    assert listed.headers["x-batchllm-enqueued-rows-limit"] == "10"
+    with session_scope(settings) as session:  # the refused create left no batch behind
+        assert (
+            session.scalar(
+                select(func.count()).select_from(BatchRow).where(BatchRow.owner == owner)
+            )
+            == 2
+        )
+    # Another key is not held back by this one's lines.
+    assert create(other, 10).status_code == 200
+    # Cancelling one frees its lines.
+    first = listed.json()["data"][-1]["id"]
+    assert client.post(f"/v1/batches/{first}/cancel", headers=headers).status_code == 200
+    assert create(headers, 5).status_code == 200
+    assert client.get("/v1/batches", headers=headers).headers["x-batchllm-enqueued-rows"] == "9"
