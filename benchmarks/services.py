@@ -179,6 +179,25 @@ class PostgresCluster:
             shutil.chown(self.root, "postgres", "postgres")
         self.url = f"postgresql+psycopg://postgres@{HOST}:{self.port}/{database}"
 
+    @classmethod
+    def disposable(cls, *, database: str, bin_dir: Path | None = None) -> PostgresCluster:
+        """A cluster for faults: commits need survive batchllm's processes, not the machine
+        (an outage is a clean stop), so nothing waits for the disk; a backend whose client was
+        killed -9 notices within a second even while it waits, and drops its locks, as it
+        would on a real network."""
+        return cls(
+            database=database,
+            bin_dir=bin_dir,
+            max_connections=200,
+            initdb_options=("--locale=C", "--no-sync"),
+            settings={
+                "fsync": "off",
+                "synchronous_commit": "off",
+                "full_page_writes": "off",
+                "client_connection_check_interval": "'1s'",
+            },
+        )
+
     def _run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
         command = [str(self.bin_dir / argv[0]), *argv[1:]]
         if self.as_root:

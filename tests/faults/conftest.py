@@ -21,9 +21,10 @@ from tests.support.faults import (
     WORKER_SETTINGS,
     FaultEnv,
     Pool,
-    PostgresCluster,
     RedisServer,
+    fault_postgres,
     postgres_bin,
+    require_private_services,
     stop_all_workers,
 )
 from tests.support.fleet import INSTANT_ARGS, fleet_env_vars, settings_of, tail
@@ -34,26 +35,11 @@ from tests.support.skips import require
 def fault_env(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultEnv]:
     require(importlib.util.find_spec("vllm") is not None, "vllm is not installed")
     require(importlib.util.find_spec("psycopg") is not None, "psycopg is not installed")
-    require(
-        shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
-        "redis-server/redis-cli are not installed",
-    )
-    bin_dir = postgres_bin()
-    require(
-        bin_dir is not None and (bin_dir / "pg_ctl").exists(),
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    if os.geteuid() == 0:
-        try:
-            import pwd
-
-            pwd.getpwnam("postgres")
-        except KeyError:
-            require(False, "running as root, but there is no `postgres` user to run initdb as")
+    bin_dir = require_private_services()
 
     work_dir = tmp_path_factory.mktemp("faults")
     redis_server = RedisServer(work_dir=work_dir)
-    postgres = PostgresCluster(bin_dir=bin_dir)
+    postgres = fault_postgres(bin_dir)
     atexit.register(harness.last_resort_cleanup, redis_server, postgres)
     try:
         redis_server.start()

@@ -20,8 +20,7 @@ from batchllm.output.parts import list_parts, part_name, shard_of_part
 from batchllm.storage import Storage
 from benchmarks import chaos, chaos_check
 from benchmarks.chaos_faults import FAULT_KINDS
-from benchmarks.services import postgres_bin
-from tests.support.skips import require
+from tests.support.faults import require_private_services
 
 pytestmark = pytest.mark.faults
 
@@ -30,22 +29,7 @@ LINES = 2000
 
 @pytest.fixture(scope="module")
 def quick_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    require(
-        shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
-        "redis-server/redis-cli are not installed",
-    )
-    bin_dir = postgres_bin()
-    require(
-        bin_dir is not None and (bin_dir / "pg_ctl").exists(),
-        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
-    )
-    if os.geteuid() == 0:
-        import pwd
-
-        try:
-            pwd.getpwnam("postgres")
-        except KeyError:
-            require(False, "running as root, but there is no `postgres` user to run initdb as")
+    require_private_services()
     output = tmp_path_factory.mktemp("chaos")
     # Seed 1 draws sigterm, kill9, pg-outage first (each kind once per round), one every 5 s.
     # At 80 ms a token step, 2,000 lines of 16-64 tokens in shards of 100 take two workers at

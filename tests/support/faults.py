@@ -11,6 +11,7 @@ recorded under a worker) is ended by PID, never by name.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -21,10 +22,11 @@ import psutil
 
 from batchllm.settings import Settings
 from benchmarks import services
-from benchmarks.services import RedisServer
+from benchmarks.services import PostgresCluster, RedisServer
 from benchmarks.services import postgres_bin as postgres_bin  # the fault suite's fixtures' too
 from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit
 from tests.support.job_checks import wait_for
+from tests.support.skips import require
 
 DATABASE = "batchllm_faults"
 
@@ -124,24 +126,33 @@ def descendants(root_pid: int) -> dict[int, float]:
 # -- the private Redis and PostgreSQL (benchmarks/services.py) ----------------------------
 
 
-class PostgresCluster(services.PostgresCluster):
-    """The fault suite's cluster: commits need not survive the machine, only batchllm's
-    processes, so nothing waits for the disk; a backend whose client was killed -9 notices
-    within a second even while it waits, and drops its locks, as it would on a real network."""
+def fault_postgres(bin_dir: Path) -> PostgresCluster:
+    """The fault suite's cluster (PostgresCluster.disposable: fast, quick to see a dead client)."""
+    return PostgresCluster.disposable(database=DATABASE, bin_dir=bin_dir)
 
-    def __init__(self, *, bin_dir: Path) -> None:
-        super().__init__(
-            database=DATABASE,
-            bin_dir=bin_dir,
-            max_connections=200,
-            initdb_options=("--locale=C", "--no-sync"),
-            settings={
-                "fsync": "off",
-                "synchronous_commit": "off",
-                "full_page_writes": "off",
-                "client_connection_check_interval": "'1s'",
-            },
-        )
+
+def require_private_services() -> Path:
+    """Skip unless this machine can start a private Redis and PostgreSQL cluster (as the
+    `postgres` user when we are root, which PostgreSQL refuses to run as); PostgreSQL's
+    binaries."""
+    require(
+        shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None,
+        "redis-server/redis-cli are not installed",
+    )
+    bin_dir = postgres_bin()
+    require(
+        bin_dir is not None and (bin_dir / "pg_ctl").exists(),
+        "PostgreSQL server binaries (initdb, pg_ctl) are not installed",
+    )
+    assert bin_dir is not None
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            require(False, "running as root, but there is no `postgres` user to run initdb as")
+    return bin_dir
 
 
 # -- the environment the fleet shares ------------------------------------------------------
