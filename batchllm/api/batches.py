@@ -216,15 +216,21 @@ class QuotaExceeded(ApiError):
     """A 429 for a key at its unfinished-batch quota."""
 
 
-def check_active_batches(session: Session, owner: str, limit: int) -> None:
-    """QuotaExceeded when `owner` has `limit` unfinished batches."""
+def active_batches(session: Session, owner: str) -> int:
+    """How many batches `owner` has unfinished (the BATCHLLM_API_MAX_ACTIVE_BATCHES count)."""
     active = session.scalar(
         select(func.count())
         .select_from(Batch)
         .join(Job)
         .where(Batch.owner == owner, Job.status.in_(_UNFINISHED))
     )
-    if active is not None and active >= limit:
+    return int(active or 0)
+
+
+def check_active_batches(session: Session, owner: str, limit: int) -> None:
+    """QuotaExceeded when `owner` has `limit` unfinished batches."""
+    active = active_batches(session, owner)
+    if active >= limit:
         raise QuotaExceeded(
             429,
             f"this API key has {active:,} unfinished batches, the most it may have "

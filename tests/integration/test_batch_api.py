@@ -7,7 +7,9 @@ answers of a real model are tests/integration/test_real_model_api.py's subject, 
 parsing tests/engine/test_reasoning_tools_responses.py's.
 
 One worker serves every batch of the module. Its reconciler runs every 2 s, so completion
-windows of seconds expire within a test.
+windows of seconds expire within a test. Every object the SDK returns is validated with its own
+pydantic models (`_strict_response_validation`), every output and error line checked for the
+shape OpenAI writes (read_jsonl below).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from tests.support.serve import (
     completion_line,
     create_key,
     jsonl,
-    read_jsonl,
     upload,
     wait_for,
     wait_status,
 )
+from tests.support.serve import read_jsonl as read_file_lines
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402
@@ -64,6 +66,13 @@ BATCH_SECONDS = 300
 
 
 # -- the server and its worker ---------------------------------------------------------------
+
+
+class StrictApi(Api):
+    """Clients that validate every response with the SDK's own models."""
+
+    def client(self, key: str | None = None, **options: Any) -> OpenAI:
+        return super().client(key, _strict_response_validation=True, **options)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +98,7 @@ def api(
     try:
         server.wait_healthy()
         worker.wait_ready()
-        yield Api(fleet_env, server, worker, str(tiny_model), keys)
+        yield StrictApi(fleet_env, server, worker, str(tiny_model), keys)
     finally:
         server.stop()
         stop_workers([worker])
@@ -122,6 +131,22 @@ def big_batch(api: Api) -> bytes:
 
 def big_tokens(i: int) -> int:
     return 16 + i % 33
+
+
+def read_jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    """A result file's lines, each as OpenAI writes it: an answer (status code, request id,
+    body) or an error (code, message)."""
+    lines = read_file_lines(client, file_id)
+    for line in lines:
+        assert set(line) == {"id", "custom_id", "response", "error"}, line
+        response, error = line["response"], line["error"]
+        assert (response is None) != (error is None), line
+        if response is not None:
+            assert isinstance(response["status_code"], int) and response["request_id"], line
+            assert isinstance(response["body"], dict), line
+        else:
+            assert set(error) == {"code", "message"} and error["code"] and error["message"], line
+    return lines
 
 
 def refused_batch(client: OpenAI) -> Batch:

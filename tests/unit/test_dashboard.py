@@ -136,11 +136,27 @@ def test_a_key_sees_its_own_batches_and_an_admin_every_job(app, settings):
     assert "job_alice" in listed and "job_bob" not in listed and "job_submitted" not in listed
     assert client.get("/ui/jobs/job_bob").status_code == 404
     assert client.get("/ui/jobs/job_alice").status_code == 200
+    # The key's quotas as POST /v1/batches counts them: job_alice's 100 lines less its 42
+    # done are enqueued, and it is the key's one unfinished batch (the defaults' limits).
+    assert quota_of(listed) == ("58", "1,000,000", "1", "100")
+    assert quota_of(client.get("/ui?fragment=1").text) == ("58", "1,000,000", "1", "100")
     admin = TestClient(app)
     log_in(admin, ops)
     listed = admin.get("/ui").text
     assert all(job in listed for job in ("job_alice", "job_bob", "job_submitted"))
     assert "42/100" in listed.replace("<b>", "").replace("</b>", "")
+    assert quota_of(listed) == ("0", "1,000,000", "0", "100")  # its own key's: no batches
+
+
+def quota_of(html: str) -> tuple[str, ...]:
+    """(enqueued rows, their limit, unfinished batches, their limit) on the jobs page."""
+    found = re.search(
+        r'<b data-quota="enqueued-rows">([\d,]+)</b> of ([\d,]+) request lines enqueued'
+        r' · <b data-quota="active-batches">([\d,]+)</b> of ([\d,]+) batches unfinished',
+        html,
+    )
+    assert found, html
+    return found.groups()
 
 
 def test_no_auth_shows_every_job_only_to_a_local_dashboard(settings, monkeypatch):

@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from batchllm.api import batches
 from batchllm.api.dashboard.session import Viewer
 from batchllm.execution.profile import EngineProfile
 from batchllm.output import stream
@@ -64,6 +65,18 @@ def job_page(
         "pages": pages,
         "total": total,
         "running": any(not j["final"] for j in jobs),
+    }
+
+
+def key_quota(session: Session, viewer: Viewer, settings: Settings) -> dict[str, int]:
+    """The viewer's key against its per-key quotas, counted as POST /v1/batches counts them:
+    its request lines enqueued (BATCHLLM_API_MAX_ENQUEUED_ROWS) and its unfinished batches
+    (BATCHLLM_API_MAX_ACTIVE_BATCHES). An admin's are its own key's, whatever it is shown."""
+    return {
+        "enqueued_rows": batches.enqueued_rows(session, viewer.owner),
+        "enqueued_rows_limit": settings.api_max_enqueued_rows,
+        "active_batches": batches.active_batches(session, viewer.owner),
+        "active_batches_limit": settings.api_max_active_batches,
     }
 
 

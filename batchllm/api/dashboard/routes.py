@@ -137,8 +137,10 @@ def _page_number(page: str) -> int:
 def jobs_page(request: Request, status: str = "", model: str = "", page: str = "1") -> Response:
     viewer = _viewer(request)
     status = status if status in STATUSES else ""
-    with session_scope(request.app.state.settings) as db:
+    settings = request.app.state.settings
+    with session_scope(settings) as db:
         data = queries.job_page(db, viewer, status=status, model=model, page=_page_number(page))
+        quota = queries.key_quota(db, viewer, settings)
     query = {k: v for k, v in (("status", status), ("model", model)) if v}
     context = {
         **data,
@@ -147,6 +149,7 @@ def jobs_page(request: Request, status: str = "", model: str = "", page: str = "
         "status": status,
         "model": model,
         "query": query,
+        "quota": quota,
         "live_url": "/ui?" + urlencode({**query, "page": data["page"], "fragment": 1}),
     }
     return _page_or_fragment(request, "jobs.html", "jobs_live.html", context)
