@@ -67,7 +67,7 @@ class Settings(BaseSettings):
         "the validation), short prompts sized from their bytes and left to the workers to "
         "tokenize, long ones tokenized; `always` tokenizes every job's prompts and stores their "
         "ids (the workers' CPU per row falls by half or more, the submit takes several times as "
-        "long); `never`. Only where the model is a local directory (jobs/submit_tokens.py).",
+        "long); `never`. Only where the model is a local directory (execution/context/submit_pass.py).",
     )
     max_line_bytes: int = Field(
         default=8 * 1024 * 1024,

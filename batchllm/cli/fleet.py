@@ -12,14 +12,16 @@ import click
 
 from batchllm.cli import cli
 from batchllm.cli.engine_flags import (
+    choice_option,
+    count_option,
     engine_flags_as_args,
+    float_option,
     worker_engine_from_flags,
     worker_engine_options,
 )
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
-    input_file,
     job_input,
     job_options,
     log_format_option,
@@ -34,14 +36,8 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
 
 
 @cli.command()
-@input_file
 @job_options
-@click.option(
-    "--shard-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].",
-)
+@count_option("--shard-size", help="Rows per shard [default: BATCHLLM_SHARD_SIZE, 10000].")
 @click.option("--wait", "wait_", is_flag=True, help="Follow the job with a progress bar.")
 @click.option(
     "--after",
@@ -51,11 +47,10 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     help="Start the job only when JOB completed (repeatable): it is validated and stored now "
     "and waits; if JOB fails, is cancelled or expires, this job fails naming it.",
 )
-@click.option(
+@choice_option(
     "--priority",
-    type=click.Choice(["high", "normal", "low"]),
+    choices=["high", "normal", "low"],
     default="normal",
-    show_default=True,
     help="Workers take higher-priority shards first; a waiting job rises a level every "
     "BATCHLLM_PRIORITY_AGING_SECONDS.",
 )
@@ -192,21 +187,18 @@ def cancel(job_id: str) -> None:
     "simulated job a duration set by the clock, e.g. to cancel it or kill its worker part-way.",
 )
 @click.option("--queues", "-Q", default=None, help="Extra comma-separated queue names.")
-@click.option(
+@float_option(
     "--max-idle",
-    type=click.FloatRange(min=1),
-    default=None,
+    least=1,
     metavar="SECONDS",
     help="Stop (warm, exit 0) after this long without a task, counted from when the engine "
     "is ready: a worker Deployment scaled to zero, a Kubernetes Job or a spot instance can "
     "then end. With --concurrency N each process stops on its own, and the command exits "
     "when all have.",
 )
-@click.option(
+@float_option(
     "--drain-seconds",
-    type=click.FloatRange(min=0),
     default=20,
-    show_default=True,
     envvar="BATCHLLM_DRAIN_SECONDS",
     show_envvar=True,
     metavar="SECONDS",
@@ -215,12 +207,10 @@ def cancel(job_id: str) -> None:
     "second signal cuts the drain short; 0 stops at once. The default fits Kubernetes' 30 s "
     "grace period with the engine's own shutdown.",
 )
-@click.option(
+@count_option(
     "--concurrency",
     "-c",
-    type=click.IntRange(min=1),
     default=1,
-    show_default=True,
     help="Worker processes, one engine each (one per GPU: process i sees GPU i).",
 )
 @click.option(

@@ -9,6 +9,7 @@ import sys
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import choice_option, count_option
 from batchllm.store.states import JobStatus
 
 _STATUSES = [status.value for status in JobStatus]
@@ -105,14 +106,8 @@ def _waiting_for_a_worker(job) -> str | None:
 
 
 @cli.command()
-@click.option(
-    "--status",
-    "status_filter",
-    type=click.Choice(_STATUSES),
-    default=None,
-    help="Only jobs in this state.",
-)
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@choice_option("--status", "status_filter", choices=_STATUSES, help="Only jobs in this state.")
+@count_option("--limit", default=20)
 def jobs(status_filter: str | None, limit: int) -> None:
     """List recent jobs with their throughput."""
     from batchllm.cli.render import fmt, table
@@ -147,12 +142,7 @@ def jobs(status_filter: str | None, limit: int) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option(
-    "--head",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Print the first N rows (in line order) instead of the location.",
-)
+@count_option("--head", help="Print the first N rows (in line order) instead of the location.")
 @click.option(
     "--partial",
     is_flag=True,

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from batchllm.cli.engine_flags import ENGINE_SHAPE_FLAGS, engine_default
+from batchllm.cli.engine_flags import (
+    ENGINE_SHAPE_FLAGS,
+    choice_option,
+    count_option,
+    engine_default,
+    float_option,
+    share_option,
+)
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
 from batchllm.input.schemas import (
     MAX_TOKENS_LIMIT,
@@ -126,12 +133,12 @@ def _sampling(name: str):
 
 
 def job_options(command):
+    """A job's input (`input_file`) and every flag of its spec: what `run` and `submit` share."""
     decorators = [
         click.option("--model", "-m", required=True, help="Model path or name as vLLM loads it."),
-        click.option(
+        choice_option(
             "--task",
-            type=click.Choice(["generate", "embed", "classify"]),
-            default=None,
+            choices=["generate", "embed", "classify"],
             help="generate text, embed the lines' inputs (and score /v1/score and /v1/rerank "
             "lines) with vLLM's pooling runner, or classify them with a sequence-"
             'classification model [default: from the file\'s first line: {"input": ...}, '
@@ -188,20 +195,12 @@ def job_options(command):
             show_default=True,
             help="Default most tokens to generate per request (lines may override).",
         ),
-        click.option(
+        float_option(
             "--temperature",
-            type=click.FloatRange(min=0),
             default=_sampling("temperature"),
-            show_default=True,
             help="Default sampling temperature; 0 is greedy.",
         ),
-        click.option(
-            "--top-p",
-            type=click.FloatRange(0, 1, min_open=True),
-            default=_sampling("top_p"),
-            show_default=True,
-            help="Default nucleus sampling mass.",
-        ),
+        share_option("--top-p", default=_sampling("top_p"), help="Default nucleus sampling mass."),
         click.option("--ignore-eos", is_flag=True, help="Always generate max_tokens tokens."),
         click.option(
             "--n",
@@ -260,17 +259,14 @@ def job_options(command):
             help="Refuse the whole file if any line is invalid (default: invalid lines "
             "become error rows and the rest runs).",
         ),
-        click.option(
+        share_option(
             "--gpu-memory-utilization",
-            type=click.FloatRange(0, 1, min_open=True),
             default=engine_default("gpu_memory_utilization"),
-            show_default=True,
             help="Share of GPU memory for vLLM.",
         ),
-        click.option(
+        count_option(
             "--max-model-len",
-            type=click.IntRange(min=16),
-            default=None,
+            least=16,
             help="Context length [default: longest prompt + max_tokens, capped by the model].",
         ),
         *ENGINE_SHAPE_FLAGS,
@@ -292,19 +288,14 @@ def job_options(command):
             help='A LoRA adapter directory lines may pick with "adapter": NAME (or, in the '
             "OpenAI form, body.model NAME); copied into the job's storage (repeatable).",
         ),
-        click.option(
-            "--max-lora-rank",
-            type=click.IntRange(min=1),
-            default=None,
-            help="Largest adapter rank [default: vLLM's, 16].",
-        ),
+        count_option("--max-lora-rank", help="Largest adapter rank [default: vLLM's, 16]."),
         click.option(
             "--metadata", multiple=True, metavar="KEY=VALUE", help="Label the job (repeatable)."
         ),
     ]
     for decorate in reversed(decorators):
         command = decorate(command)
-    return command
+    return input_file(command)
 
 
 notify_option = click.option(

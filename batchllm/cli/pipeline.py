@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from batchllm.cli import cli
+from batchllm.cli.engine_flags import float_option
 from batchllm.cli.options import engine_kind_options
 
 if TYPE_CHECKING:
@@ -59,12 +60,8 @@ def run_command(file: Path, engine_kind: str, instant_step_seconds: float) -> No
 
 @pipeline.command("submit")
 @click.argument("file", type=_PIPELINE_FILE)
-@click.option(
-    "--poll",
-    type=click.FloatRange(min=0.1),
-    default=2.0,
-    show_default=True,
-    help="Seconds between looks at a running stage's job.",
+@float_option(
+    "--poll", least=0.1, default=2.0, help="Seconds between looks at a running stage's job."
 )
 def submit_command(file: Path, poll: float) -> None:
     """Submit FILE's stages to the worker fleet: a stage reading a file goes out at once, one

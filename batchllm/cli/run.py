@@ -14,7 +14,6 @@ from batchllm.cli.engine_flags import require_hardware_for
 from batchllm.cli.options import (
     echo_webhook_secret,
     engine_kind_options,
-    input_file,
     job_input,
     job_options,
     notify_option,
@@ -31,7 +30,6 @@ if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
 
 
 @cli.command()
-@input_file
 @job_options
 @click.option(
     "--output",

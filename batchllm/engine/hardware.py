@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from batchllm.engine.parent_watch import ENGINE_MARK
+from batchllm.process.parent_watch import ENGINE_MARK
 
 _SMI_TIMEOUT = 10.0
 _PROC = Path("/proc")

@@ -25,7 +25,6 @@ from batchllm.engine.images import (
     load_image_processor,
 )
 from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownParser, output_spec
-from batchllm.engine.parent_watch import ENGINE_MARK
 from batchllm.engine.preflight import preflight
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
@@ -34,6 +33,7 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
+from batchllm.process.parent_watch import ENGINE_MARK
 from batchllm.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ simulating a fleet without GPUs or vLLM (`python -m benchmarks.fleet`).
 Everything but generation is the real thing: the Celery worker, fair share, holds, leases and
 heartbeats, the runner's continuous feed with the model's real tokenizer and chat template,
 Parquet parts, checkpoints, finalization and the reconciler. The InstantEngine
-(engine/testing.py) finishes every request at its max_tokens with filler text, so such a
+(execution/stand_in_engines.py) finishes every request at its max_tokens with filler text, so such a
 worker's rows are not model output: its jobs record the hardware "none (instant engine)" and
 its profile the dtype "instant", and it logs a warning saying so at start-up.
 """
@@ -15,10 +15,10 @@ import logging
 import time
 
 from batchllm.engine.sizing import light_tokenizer
-from batchllm.engine.testing import InstantEngine
 from batchllm.errors import BatchLLMError, EngineMismatch
 from batchllm.execution import metrics
 from batchllm.execution.profile import EngineProfile, ProfiledEngine
+from batchllm.execution.stand_in_engines import InstantEngine
 from batchllm.input.schemas import EngineOptions, JobSpec
 
 log = logging.getLogger(__name__)

@@ -46,6 +46,11 @@ Int = Annotated[int, BeforeValidator(_not_a_boolean)]
 Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 
+def unset(description: str) -> Any:
+    """A field that is None unless given: what None means is in its description."""
+    return Field(default=None, description=description)
+
+
 class SamplingOverrides(BaseModel):
     """Per-line sampling settings; any field left out takes the job's default."""
 
@@ -151,10 +156,9 @@ class SamplingDefaults(BaseModel):
         le=MAX_TOP_LOGPROBS,
         description="Log probabilities of each generated token with this many alternatives.",
     )
-    structured: dict[str, Any] | None = Field(
-        default=None,
-        description="The job's structured output constraint (input/structured.py), which a "
-        "line's own constraint replaces.",
+    structured: dict[str, Any] | None = unset(
+        "The job's structured output constraint (input/structured.py), which a "
+        "line's own constraint replaces."
     )
 
     def merged(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -242,22 +246,19 @@ class TableColumns(BaseModel):
     prompt_column: NonEmptyStr | None = Field(
         default=None, description="The column holding each row's prompt text."
     )
-    messages_column: NonEmptyStr | None = Field(
-        default=None,
-        description="The column holding each row's chat messages: a list of {role, content} "
-        "structs, or their JSON text.",
+    messages_column: NonEmptyStr | None = unset(
+        "The column holding each row's chat messages: a list of {role, content} "
+        "structs, or their JSON text."
     )
-    prompt_template: NonEmptyStr | None = Field(
-        default=None,
-        description="Each row's prompt built from its fields: `str.format` named fields, "
+    prompt_template: NonEmptyStr | None = unset(
+        "Each row's prompt built from its fields: `str.format` named fields, "
         "e.g. 'Question: {question}' (input/prompt_template.py). Fields are the table's "
-        "columns, or a JSONL line's own keys.",
+        "columns, or a JSONL line's own keys."
     )
-    id_column: NonEmptyStr | None = Field(
-        default=None,
-        description="The column whose value becomes the row's custom_id (default: the row "
+    id_column: NonEmptyStr | None = unset(
+        "The column whose value becomes the row's custom_id (default: the row "
         "number, from 1; for a JSONL file with a template, the line's custom_id, else its "
-        "line number).",
+        "line number)."
     )
     system: str | None = Field(
         default=None, description="A system message put before every row's prompt or messages."
@@ -294,22 +295,19 @@ class JobSpec(BaseModel):
         description="LoRA adapters lines may pick by name: name -> path (once the job is "
         "created, the copy in the job's storage).",
     )
-    table: TableColumns | None = Field(
-        default=None,
-        description="For a Parquet or CSV input: the columns its rows are read from.",
+    table: TableColumns | None = unset(
+        "For a Parquet or CSV input: the columns its rows are read from."
     )
     priority: Priority = Field(
         default="normal",
         description="Which queued shards a worker takes first (worker/fair_share.py).",
     )
-    reasoning_parser: NonEmptyStr | None = Field(
-        default=None,
-        description="vLLM's reasoning parser (e.g. deepseek_r1, qwen3): the thinking goes to "
-        "the `reasoning` column, the answer to `text`.",
+    reasoning_parser: NonEmptyStr | None = unset(
+        "vLLM's reasoning parser (e.g. deepseek_r1, qwen3): the thinking goes to "
+        "the `reasoning` column, the answer to `text`."
     )
-    tool_call_parser: NonEmptyStr | None = Field(
-        default=None,
-        description="vLLM's tool call parser (e.g. hermes, llama3_json) for tool_choice auto.",
+    tool_call_parser: NonEmptyStr | None = unset(
+        "vLLM's tool call parser (e.g. hermes, llama3_json) for tool_choice auto."
     )
     parents: list[NonEmptyStr] = Field(
         default_factory=list,
@@ -559,10 +557,9 @@ class LineError(BaseModel):
     custom_id: str
     field: str | None
     message: str
-    code: str | None = Field(
-        default=None,
-        description="OpenAI's error code for the refusal (input/parsing/problems.py); None: "
-        "decided from the message when exported.",
+    code: str | None = unset(
+        "OpenAI's error code for the refusal (input/parsing/problems.py); None: "
+        "decided from the message when exported."
     )
 
     def __str__(self) -> str:

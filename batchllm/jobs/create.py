@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from batchllm.errors import InputError, StorageError
+from batchllm.execution.context.plan import ContextPlan, plain_plan
 from batchllm.input.adapters import store_adapters
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
@@ -21,7 +22,7 @@ from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Job, JobStatus, utcnow
-from batchllm.store.shard_recording import ReleaseShards, ShardPreparer, ShardRecorder
+from batchllm.store.shard_recording import ReleaseShards, ShardRecorder
 from batchllm.store.webhooks import WebhookTarget
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,12 @@ def create_job(
     release: ReleaseShards | None = None,
     notify: WebhookTarget | None = None,
     hold: bool = False,
-    preparer: ShardPreparer | None = None,
+    context: ContextPlan | None = None,
 ) -> CreatedJob:
     """Validate and store the input, recording the job and its shards as `queued`.
 
     `release(job_id, shard_ids)`: queue committed shards for the fleet. When the job's
-    max_model_len is given, or sized shard by shard by `preparer`, it is called while
+    max_model_len is given, or sized shard by shard by its `context` plan, it is called while
     validation goes on, with the shards stored so far (store/shard_recording.py), so a big
     file starts working within seconds; otherwise, and under --strict, once the whole file is
     stored.
@@ -64,9 +65,10 @@ def create_job(
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
     (input/files/source.py); a path is resolved here, once. `hold`: the job waits for the
     jobs it runs after (spec.after): it ends `waiting`, none of its shards released
-    (store/dependencies.py releases them). `preparer`: work on each stored shard before it is
-    recorded and released (submit's token pass); the max_model_len it sized, if any, is the
-    job's.
+    (store/dependencies.py releases them). `context`: how the job's max_model_len is settled
+    (execution/context/plan.py); its pass sees each stored shard before it is recorded and
+    released, and the max_model_len it sized, if any, is the job's. Without one: as given, or
+    by the job's first worker.
     """
     if hold:
         release = None
@@ -91,7 +93,9 @@ def create_job(
                 expires_at=expires_at,
             )
         )
-    intake = _ShardIntake(job_id, spec, settings, release, strict, preparer, on_shard)
+    context = context or plain_plan(spec)
+    log.debug("job %s: context length %s", job_id, context.policy.value)
+    intake = _ShardIntake(job_id, settings, release, strict, context, on_shard)
     stored = _store(source, spec, storage, job_id, settings, shard_size, strict, intake)
     job, ended = intake.finish(stored, hold)
     log.info(
@@ -111,29 +115,24 @@ class _ShardIntake:
     def __init__(
         self,
         job_id: str,
-        spec: JobSpec,
         settings: Settings,
         release: ReleaseShards | None,
         strict: bool,
-        preparer: ShardPreparer | None,
+        context: ContextPlan,
         on_shard: Callable[[ShardInput], None] | None,
     ) -> None:
-        self.job_id, self.settings, self.preparer, self.on_shard = (
-            job_id,
-            settings,
-            preparer,
-            on_shard,
-        )
+        self.job_id, self.settings, self.on_shard = job_id, settings, on_shard
+        self.preparer = context.preparer
+        streams = release is not None and not strict
         # Streaming needs the context length up front: without it the first worker sizes the
-        # job from all of its rows (execution/engines.py), which must all be there.
-        stream = release is not None and not strict and spec.engine.max_model_len is not None
-        self.recorder = ShardRecorder(settings, job_id, release, stream=stream)
-        # Or a context length sized as the shards come: submit's token pass (the preparer)
-        # measures each shard before it is recorded, and the job's max_model_len is raised to
-        # cover it before it is released.
-        self.sizes_as_it_goes = (
-            release is not None and not strict and preparer is not None and not stream
+        # job from all of its rows (execution/context/resolve.py), which must all be there.
+        self.recorder = ShardRecorder(
+            settings, job_id, release, stream=streams and context.known_up_front
         )
+        # Or a context length sized as the shards come: submit's token pass measures each
+        # shard before it is recorded, and the job's max_model_len is raised to cover it
+        # before it is released.
+        self.sizes_as_it_goes = streams and context.sized_as_stored and self.preparer is not None
         self.covered: int | None = None  # the max_model_len recorded for the shards released
 
     def stored(self, shard: ShardInput) -> None:

@@ -10,18 +10,16 @@ from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, InputError, JobInterrupted
-from batchllm.execution.engines import resolve_max_model_len
+from batchllm.execution.context.plan import ContextPlan, ContextPolicy, plan_for_run
+from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
-from batchllm.execution.sizing_pass import BackgroundSizer
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
-from batchllm.input.shards import ShardInput
 from batchllm.jobs.create import create_job
-from batchllm.kept_engine.client import KeptEngines, RemoteEngine, size_on
+from batchllm.kept_engine.client import KeptEngines, size_on
 from batchllm.process.stopping import StopRequest, stop_on_first_interrupt
 from batchllm.settings import Settings
-from batchllm.storage import Storage
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, read_one, session_scope
 from batchllm.store.models import Job, JobStatus
@@ -225,10 +223,11 @@ def _create(
     storing the file need nothing from each other once max_model_len is known, so they overlap:
     the engine is built on this (main) thread, where vLLM may install signal handlers, while
     a helper thread creates the job. Not under --strict: a refused file should be reported at
-    once, not after an engine start it did not need.
+    once, not after an engine start it did not need. An unsized job is sized as its plan says
+    (execution/context/plan.py): beside the validation, or on a kept engine up for its model.
     """
 
-    def create(on_shard: Callable[[ShardInput], None] | None = None) -> str:
+    def create(context: ContextPlan) -> str:
         created = create_job(
             source,
             spec,
@@ -236,26 +235,24 @@ def _create(
             strict=strict,
             settings=settings,
             local_run=True,
-            on_shard=on_shard,
             notify=notify,
+            context=context,
         )
         if on_created:
             on_created(created.job)
         return created.job.id
 
+    plan = plan_for_run(spec, settings, size_on_kept=_kept_sizer(spec, settings, engines))
+    if plan.policy is not ContextPolicy.GIVEN or strict:
+        job_id = create(plan)
+        return job_id, plan.failure()
     early = spec.engine.max_model_len
-    warm = engines.warm(spec) if not early and isinstance(engines, KeptEngines) else None
-    if warm is not None:
-        return _create_and_size_on(warm, create, spec, settings)
-    if not early:
-        return _create_and_size(create, spec, settings)
-    if strict:
-        return create(), None
+    assert early is not None  # the `given` policy
     outcome: dict[str, object] = {}
 
     def create_in_thread() -> None:
         try:
-            outcome["job_id"] = create()
+            outcome["job_id"] = create(plan)
         except BaseException as exc:  # re-raised on the main thread
             outcome["error"] = exc
 
@@ -278,39 +275,13 @@ def _create(
     return str(outcome["job_id"]), engine_error
 
 
-def _create_and_size(
-    create: Callable[[Callable[[ShardInput], None]], str], spec: JobSpec, settings: Settings
-) -> tuple[str, BaseException | None]:
-    """Create the job while sizing its context on another thread, shard by shard as they are
-    stored (execution/sizing_pass.py): the two overlap instead of running one after the other.
-    Returns the job id and the sizing pass's error (the job exists then: the caller fails it)."""
-    sizer = BackgroundSizer(spec, Storage.of(settings), settings)
-    try:
-        job_id = create(lambda shard: sizer.shard_stored(shard.path))
-    except BaseException:
-        sizer.abandon()
-        raise
-    try:
-        sized = sizer.finish()
-    except BaseException as exc:
-        return job_id, exc
-    with session_scope(settings) as session:
-        service.set_max_model_len(session, job_id, sized)
-    return job_id, None
-
-
-def _create_and_size_on(
-    warm: RemoteEngine, create: Callable[[], str], spec: JobSpec, settings: Settings
-) -> tuple[str, BaseException | None]:
-    """Create the job, then size it on a kept engine that is up for its model: its tokenizer is
-    loaded, where this process would take seconds to load one (most of a small job's time)."""
-    job_id = create()
-    try:
-        with session_scope(settings) as session:
-            paths = [s.input_path for s in get_one(session, Job, job_id).shards]
-        sized = size_on(warm, spec, settings, paths)
-    except BaseException as exc:
-        return job_id, exc
-    with session_scope(settings) as session:
-        service.set_max_model_len(session, job_id, sized)
-    return job_id, None
+def _kept_sizer(
+    spec: JobSpec, settings: Settings, engines: EngineSource
+) -> Callable[[list[str]], int] | None:
+    """Sizing on a kept engine that is up for the job's model, for an unsized job."""
+    if spec.engine.max_model_len is not None or not isinstance(engines, KeptEngines):
+        return None
+    warm = engines.warm(spec)
+    if warm is None:
+        return None
+    return lambda paths: size_on(warm, spec, settings, paths)

@@ -11,12 +11,12 @@ from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchllm.errors import BatchLLMError
+from batchllm.execution.context.plan import plan_for_submit
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.jobs.create import create_job
-from batchllm.jobs.submit_tokens import submit_tokens
 from batchllm.settings import Settings
 from batchllm.store import dependencies, state_machine
 from batchllm.store.db import read_one, session_scope
@@ -80,7 +80,7 @@ def submit_job(
         hold=hold,
         # The prompts' token ids, stored beside the shards (and the context sized) here, so
         # the workers do not tokenize: when this machine holds the model.
-        preparer=submit_tokens(spec, settings),
+        context=plan_for_submit(spec, settings),
     )
     job_id = created.job.id
     if hold:

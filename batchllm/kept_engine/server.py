@@ -32,8 +32,8 @@ def build(config: dict[str, Any], settings: Settings) -> Engine:
     max_model_len = config["max_model_len"]
     if config["kind"] == "instant":
         from batchllm.engine.sizing import light_tokenizer
-        from batchllm.engine.testing import InstantEngine
         from batchllm.execution.instant import DEFAULT_MAX_MODEL_LEN
+        from batchllm.execution.stand_in_engines import InstantEngine
 
         return InstantEngine(
             tokenizer=light_tokenizer(config["model"]),
@@ -53,7 +53,7 @@ def size_job(job: dict[str, Any], settings: Settings) -> int:
     """A job's max_model_len, sized here with this process's warm tokenizer (loading one
     takes the run seconds); the prompts' ids are stored beside the shards, as a run's own
     pass stores them."""
-    from batchllm.execution.sizing_pass import size_shards
+    from batchllm.execution.context.passes import size_shards
 
     storage = Storage(job["storage_root"], s3_endpoint=job["s3_endpoint"])
     spec = JobSpec.model_validate_json(job["spec"])

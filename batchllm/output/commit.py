@@ -116,11 +116,7 @@ def record_checkpoint(
             "shard_id": shard_id,
             "seq": seq,
             "path": path,
-            "rows": rows_ok + rows_failed,
-            "rows_ok": rows_ok,
-            "rows_failed": rows_failed,
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
+            **_checkpoint_counts(rows_ok, rows_failed, prompt_tokens, completion_tokens),
             "engine_seconds": engine_seconds,
             "job_attempt": job_attempt,
         },
@@ -162,6 +158,19 @@ def take_off(session: Session, *, shard_id: int, job_id: str, part: Part, next_s
     )
 
 
+def _checkpoint_counts(
+    rows_ok: int, rows_failed: int, prompt_tokens: int, completion_tokens: int
+) -> dict[str, int]:
+    """The counts a checkpoint row holds of its part: its rows (ok and failed) and tokens."""
+    return {
+        "rows": rows_ok + rows_failed,
+        "rows_ok": rows_ok,
+        "rows_failed": rows_failed,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
 def _rowcount(result: Any) -> int:
     return cast("CursorResult[Any]", result).rowcount
 
@@ -181,13 +190,11 @@ def replace_checkpoint(
             shard_id=old.shard_id,
             seq=seq,
             path=path,
-            rows=kept.rows_ok + kept.rows_failed,
-            rows_ok=kept.rows_ok,
-            rows_failed=kept.rows_failed,
-            prompt_tokens=kept.prompt_tokens,
-            completion_tokens=kept.completion_tokens,
             engine_seconds=old.engine_seconds,
             job_attempt=old.job_attempt,
+            **_checkpoint_counts(
+                kept.rows_ok, kept.rows_failed, kept.prompt_tokens, kept.completion_tokens
+            ),
         )
     )
 
@@ -228,16 +235,10 @@ def record_part(
         job_id=place.job_id,
         seq=place.seq,
         path=path,
-        rows_ok=part.rows_ok,
-        rows_failed=part.rows_failed,
-        prompt_tokens=part.prompt_tokens,
-        completion_tokens=part.completion_tokens,
-        structured_rows=part.structured_rows,
-        structured_valid=part.structured_valid,
         engine_seconds=engine_seconds,
         attempt=place.attempt,
         job_attempt=place.job_attempt,
-        cached_tokens=part.cached_tokens,
+        **part.counts(),
     )
 
 

@@ -230,6 +230,17 @@ class OutputBuffer:
         return rows
 
 
+PART_COUNTS = (
+    "rows_ok",
+    "rows_failed",
+    "prompt_tokens",
+    "completion_tokens",
+    "structured_rows",
+    "structured_valid",
+    "cached_tokens",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """One part file's rows as a table, and the counts its checkpoint adds."""
@@ -244,6 +255,10 @@ class Part:
     # Prompt tokens of these rows served from the engine's prefix cache. Not an output column
     # (the schema stays as it is), so only the part knows it, from the runner.
     cached_tokens: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """Its counts by name, as its checkpoint records them (output/commit.py)."""
+        return {name: getattr(self, name) for name in PART_COUNTS}
 
 
 def part_of(rows: list[Values], cached_tokens: int = 0) -> Part:

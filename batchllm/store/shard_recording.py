@@ -6,9 +6,10 @@ released while validation goes on (a 10M-line file takes ~70 s here), a batch ev
 (the first at once) rather than a commit and broker round trip per shard. The job stays
 `validating` until state_machine.end_validation fixes its counts; until then no shard's end can
 finalize it (state_machine.after_last_shard). Without a release (`batchllm run`), under
---strict, and for an unsized job (sized from all its rows, execution/engines.py) every shard is
+--strict, and for an unsized job (sized from all its rows, execution/context/resolve.py) every shard is
 recorded in the transaction that ends the validation; except an unsized job tokenized at submit
-(jobs/submit_tokens.py): a shard goes once the job's max_model_len, which only grows, covers it.
+(execution/context/submit_pass.py): a shard goes once the job's max_model_len, which only grows,
+covers it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -32,24 +32,6 @@ RELEASE_EVERY_SECONDS = 0.5
 
 # The fleet's dispatch of a job's recorded shards: release(job_id, shard_ids).
 ReleaseShards = Callable[[str, list[int]], None]
-
-
-class ShardPreparer(Protocol):
-    """Work on each stored shard before it is recorded and released (`submit`'s token pass,
-    jobs/submit_tokens.py): `stored` hands a shard over, `ready` returns the ones done since
-    the last call (in order, without waiting), `finish` waits for the rest and gives the job's
-    sized max_model_len or None, `sized_so_far` the max_model_len of the shards `ready` gave
-    so far (None when it cannot size the job), `close` gives up (the job was not created)."""
-
-    def stored(self, shard: ShardInput) -> None: ...
-
-    def ready(self) -> list[ShardInput]: ...
-
-    def finish(self) -> int | None: ...
-
-    def sized_so_far(self) -> int | None: ...
-
-    def close(self) -> None: ...
 
 
 class ShardRecorder:

@@ -10,7 +10,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import EngineDied, EngineMismatch, EngineSettingsError
-from batchllm.execution.engines import resolve_max_model_len
+from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import shard_failed

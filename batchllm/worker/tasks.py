@@ -80,7 +80,7 @@ def start_engine(
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine under `settings`; the worker says ready (and takes
     tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
-    never vLLM, paced by `instant_step_seconds` (engine/testing.py's InstantEngine).
+    never vLLM, paced by `instant_step_seconds` (execution/stand_in_engines.py's InstantEngine).
     `json_logs`: Celery's log handlers write JSON (`--log-format json`). `max_idle`: stop
     (warm, exit 0) after that many seconds without a task (worker/idle.py). `drain_seconds`: on
     SIGTERM, how long the rows in flight may go on finishing (0: stop at once)."""

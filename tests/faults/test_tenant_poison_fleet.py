@@ -60,7 +60,7 @@ class Fleet:
     ) -> str:
         """A job of these lines with no max_model_len, so the worker sizes it (tokenizing
         every prompt, where the probe's poison line raised): the submit is told not to size
-        it itself (BATCHLLM_TOKENIZE_AT_SUBMIT=never; jobs/submit_tokens.py)."""
+        it itself (BATCHLLM_TOKENIZE_AT_SUBMIT=never; execution/context/submit_pass.py)."""
         from batchllm.jobs.submit import submit_job
 
         path = self.settings.home / f"{name}.jsonl"

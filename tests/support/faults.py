@@ -20,10 +20,11 @@ from pathlib import Path
 
 import psutil
 
+from batchllm.process.services import PostgresCluster, RedisServer
+from batchllm.process.services import (
+    postgres_bin as postgres_bin,  # the fault suite's fixtures' too
+)
 from batchllm.settings import Settings
-from benchmarks import services
-from benchmarks.services import PostgresCluster, RedisServer
-from benchmarks.services import postgres_bin as postgres_bin  # the fault suite's fixtures' too
 from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit
 from tests.support.job_checks import wait_for
 from tests.support.skips import require
@@ -123,7 +124,7 @@ def descendants(root_pid: int) -> dict[int, float]:
     return recorded
 
 
-# -- the private Redis and PostgreSQL (benchmarks/services.py) ----------------------------
+# -- the private Redis and PostgreSQL (batchllm/process/services.py) ----------------------
 
 
 def fault_postgres(bin_dir: Path) -> PostgresCluster:

@@ -23,8 +23,9 @@ from pathlib import Path
 import redis
 
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
+from batchllm.process.ports import HOST
+from batchllm.process.services import tail
 from batchllm.settings import Settings
-from benchmarks.services import HOST, tail
 from tests.support.cli import REPO, run_cli
 from tests.support.worker_logs import named_log_tail
 
@@ -35,7 +36,7 @@ __all__ = ["HOST", "REPO", "run_cli", "tail"]
 # (an explicit max_model_len up to its own) run on it as it is.
 ENGINE = EngineOptions(enforce_eager=True, max_model_len=512)
 WORKER_ENGINE_ARGS = ("--enforce-eager", "--max-model-len", "512")
-# The instant engine (batchllm/engine/testing.py): the model's real tokenizer and chat
+# The instant engine (batchllm/execution/stand_in_engines.py): the model's real tokenizer and chat
 # template, every request answered at its max_tokens with filler text; ready in ~1-2 s.
 INSTANT_ARGS = ("--engine", "instant", "--max-model-len", "512")
 # Paced: one token per request every 20 ms, so a 64-token row takes ~1.3 s whatever the

@@ -20,8 +20,8 @@ import pydantic
 import pytest
 
 from batchllm.engine.protocol import REJECTED, Finished
-from batchllm.engine.testing import FakeEngine, InstantEngine
 from batchllm.errors import BatchLLMError, EngineDied
+from batchllm.execution.stand_in_engines import FakeEngine, InstantEngine
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec
 from batchllm.kept_engine import control, registry, wire

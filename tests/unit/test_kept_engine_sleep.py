@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from batchllm.engine.testing import FakeEngine
+from batchllm.execution.stand_in_engines import FakeEngine
 from batchllm.kept_engine import wire
 from batchllm.kept_engine.host import EngineHost
 

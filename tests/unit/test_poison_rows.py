@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from batchllm.engine.prompts import prepare_prompts
-from batchllm.engine.testing import WordTokenizer
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.stand_in_engines import WordTokenizer
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import LineError, Request
 from batchllm.input.validate import read_requests, read_row_chunks

@@ -3,7 +3,7 @@ runner writes that code and never reads the message's wording (output/row_errors
 
 from __future__ import annotations
 
-from batchllm.engine.testing import FakeEngine
+from batchllm.execution.stand_in_engines import FakeEngine
 from batchllm.jobs.local import run_job
 from batchllm.output.row_errors import (
     CONTEXT_LENGTH_EXCEEDED,

@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import update
 
-from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.execution.runner import Outcome, ShardRunner
+from batchllm.execution.stand_in_engines import FakeEngine, FakeEngines
 from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from batchllm.engine.testing import FAKE_LABELS, FakeEngine
+from batchllm.execution.stand_in_engines import FAKE_LABELS, FakeEngine
 from batchllm.input.schemas import EngineOptions, JobSpec, LineError, Request, SamplingDefaults
 from batchllm.input.scoring import ScoreShape, pair_scores, ranked
 from batchllm.input.validate import infer_task, read_requests

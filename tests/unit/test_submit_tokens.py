@@ -1,4 +1,4 @@
-"""`submit`'s token pass (jobs/submit_tokens.py): the prompts' ids stored beside each shard before
+"""`submit`'s token pass (execution/context/submit_pass.py): the prompts' ids stored beside each shard before
 the shard is released, an unsized job's context sized there, nothing lost when the pass fails;
 and the feed's check of stored ids against its own engine's tokenizer (execution/runner.py)."""
 
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchllm.engine.testing import InstantEngine
+from batchllm.execution.context import submit_pass as submit_tokens_module
+from batchllm.execution.context.passes import size_shards
+from batchllm.execution.context.plan import ContextPlan, ContextPolicy, plan_for_submit
+from batchllm.execution.context.submit_pass import SubmitTokens, config_limit
 from batchllm.execution.runner import Outcome, ShardRunner
-from batchllm.execution.sizing_pass import size_shards
+from batchllm.execution.stand_in_engines import InstantEngine
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.input.token_store import TokenFileWriter, token_path
-from batchllm.jobs import submit_tokens as submit_tokens_module
 from batchllm.jobs.create import CreatedJob, create_job
-from batchllm.jobs.submit_tokens import SubmitTokens, config_limit, submit_tokens
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
 from batchllm.store import service, shard_recording
@@ -36,6 +37,12 @@ def write_chats(path: Path, count: int, bad: int = 0) -> Path:
         for _ in range(bad):
             out.write('{"prompt": 5}\n')
     return path
+
+
+def exact(spec: JobSpec, preparer: SubmitTokens) -> ContextPlan:
+    """`always`'s plan around a given pass (submit's own plan, plan_for_submit, builds one)."""
+    given = spec.engine.max_model_len is not None
+    return ContextPlan(ContextPolicy.GIVEN if given else ContextPolicy.SUBMIT_EXACT, preparer)
 
 
 def shards_of(settings, job_id: str) -> list[Shard]:
@@ -61,10 +68,10 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
         released.extend(shard_ids)
 
     # `always`: `auto` would wait for AUTO_MIN_ROWS rows before starting (another test).
-    preparer = submit_tokens(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
-    assert preparer is not None
+    plan = plan_for_submit(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
+    assert plan.preparer is not None
     created = create_job(
-        source, spec, shard_size=50, settings=settings, release=release, preparer=preparer
+        source, spec, shard_size=50, settings=settings, release=release, context=plan
     )
     shards = shards_of(settings, created.job.id)
     assert len(shards) == 5 and sorted(released) == sorted(s.id for s in shards)
@@ -93,7 +100,12 @@ def test_a_job_given_its_context_keeps_it_and_gets_the_ids(tiny_model, settings,
     )
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
     created = create_job(
-        source, spec, shard_size=25, settings=settings, release=lambda *a: None, preparer=preparer
+        source,
+        spec,
+        shard_size=25,
+        settings=settings,
+        release=lambda *a: None,
+        context=exact(spec, preparer),
     )
     assert created.job.max_model_len == 512
     storage = Storage.of(settings)
@@ -111,14 +123,14 @@ def test_a_pass_that_fails_loses_no_shard_and_leaves_the_sizing_to_the_workers(
     spec = JobSpec(model=str(broken), sampling=SamplingDefaults(max_tokens=8))
     released: list[int] = []
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
-    with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
+    with caplog.at_level(logging.WARNING, logger="batchllm.execution.context.submit_pass"):
         created = create_job(
             source,
             spec,
             shard_size=50,
             settings=settings,
             release=lambda _job, ids: released.extend(ids),
-            preparer=preparer,
+            context=exact(spec, preparer),
         )
     shards = shards_of(settings, created.job.id)
     assert len(shards) == 3 and sorted(released) == sorted(s.id for s in shards)
@@ -137,12 +149,15 @@ def test_the_pass_runs_when_its_mode_says_and_the_model_is_a_local_directory(
     never = settings.model_copy(update={"tokenize_at_submit": "never"})
     # `auto` (the default): only a job without a context length, which must be sized.
     assert settings.tokenize_at_submit == "auto"
-    assert submit_tokens(sized, settings) is None
-    assert submit_tokens(unsized, never) is None and submit_tokens(sized, never) is None
-    assert submit_tokens(JobSpec(model="org/some-model"), always) is None
-    assert submit_tokens(JobSpec(model=str(tmp_path / "missing")), always) is None
+    assert plan_for_submit(sized, settings).preparer is None
+    assert (
+        plan_for_submit(unsized, never).preparer is None
+        and plan_for_submit(sized, never).preparer is None
+    )
+    assert plan_for_submit(JobSpec(model="org/some-model"), always).preparer is None
+    assert plan_for_submit(JobSpec(model=str(tmp_path / "missing")), always).preparer is None
     for spec, mode in ((unsized, settings), (sized, always)):
-        preparer = submit_tokens(spec, mode)
+        preparer = plan_for_submit(spec, mode).preparer
         assert preparer is not None
         preparer.close()
     config = json.loads((tiny_model / "config.json").read_text())
@@ -164,7 +179,7 @@ def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_wo
             spec,
             shard_size=40,
             settings=settings,
-            preparer=submit_tokens(spec, settings),
+            context=plan_for_submit(spec, settings),
         )
 
     small = submitted("small", 99)
@@ -232,7 +247,7 @@ def test_stored_ids_equal_to_the_engines_are_used_as_they_are(
         spec,
         shard_size=100,
         settings=settings,
-        preparer=SubmitTokens(spec, Storage.of(settings), settings),
+        context=exact(spec, SubmitTokens(spec, Storage.of(settings), settings)),
     )
     (shard,) = shards_of(settings, created.job.id)
     engine = InstantEngine(tokenizer=tokenizer, max_model_len=512, max_num_seqs=16)
@@ -298,7 +313,7 @@ def submit_growing(
         shard_size=20,
         settings=settings,
         release=release,
-        preparer=PacedTokens(spec, Storage.of(settings), settings),
+        context=exact(spec, PacedTokens(spec, Storage.of(settings), settings)),
     )
     return created, seen
 
@@ -342,7 +357,7 @@ def test_a_pass_that_stops_after_shards_streamed_leaves_the_whole_job_to_a_worke
 
     monkeypatch.setattr(submit_tokens_module, "size_shard", failing_third)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    with caplog.at_level(logging.WARNING, logger="batchllm.jobs.submit_tokens"):
+    with caplog.at_level(logging.WARNING, logger="batchllm.execution.context.submit_pass"):
         created, seen = submit_growing(spec, settings, tmp_path)
     shards = shards_of(settings, created.job.id)
     assert sorted(shard_id for shard_id, _, _ in seen) == sorted(s.id for s in shards)
@@ -378,7 +393,7 @@ def test_auto_sizes_short_prompts_by_their_bytes_and_tokenizes_only_the_shards_o
             shard_size=30,
             settings=settings,
             release=lambda *a: None,
-            preparer=submit_tokens(spec, settings),
+            context=plan_for_submit(spec, settings),
         )
     shards = shards_of(settings, created.job.id)
     with_ids = [s.index for s in shards if storage.exists(token_path(s.input_path))]
@@ -398,7 +413,7 @@ def test_a_job_of_short_prompts_is_sized_from_bytes_at_or_above_its_exact_size(
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
     created = create_job(
-        source, spec, shard_size=50, settings=settings, preparer=submit_tokens(spec, settings)
+        source, spec, shard_size=50, settings=settings, context=plan_for_submit(spec, settings)
     )
     storage = Storage.of(settings)
     shards = shards_of(settings, created.job.id)

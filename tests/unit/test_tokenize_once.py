@@ -13,7 +13,7 @@ import pytest
 from batchllm.engine import chat_batch
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
-from batchllm.execution.engines import resolve_max_model_len
+from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.input.shards import iter_shard_rows
@@ -187,8 +187,8 @@ def write_chat_lines(path: Path, count: int, bad: int = 0) -> Path:
 def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     tiny_model, settings, tmp_path
 ):
-    from batchllm.engine.testing import InstantEngines
-    from batchllm.execution.sizing_pass import size_shards
+    from batchllm.execution.context.passes import size_shards
+    from batchllm.execution.stand_in_engines import InstantEngines
     from batchllm.jobs.local import run_job
     from batchllm.output.parts import read_output
     from batchllm.store.models import JobStatus

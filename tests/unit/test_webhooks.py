@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from batchllm.cli import cli
 from batchllm.client import Client
-from batchllm.engine.testing import FakeEngine, FakeEngines
 from batchllm.errors import BatchLLMError
 from batchllm.execution import webhooks
+from batchllm.execution.stand_in_engines import FakeEngine, FakeEngines
 from batchllm.execution.webhooks import deliver_due, verify
 from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine

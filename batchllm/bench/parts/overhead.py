@@ -20,7 +20,7 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.demo.workload import sentence
-from batchllm.engine.testing import InstantEngines
+from batchllm.execution.stand_in_engines import InstantEngines
 from batchllm.input.schemas import JobSpec
 
 _SENTENCES = 4096

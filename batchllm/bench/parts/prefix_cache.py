@@ -216,7 +216,7 @@ def _job_engine_phase(engines, spec, source: Path, settings: Settings) -> dict[s
     --max-model-len): validation stores the lines and the sizing pass stores their prompts'
     token ids; then, timed, the engine phase, which feeds the stored ids in prefix order. The
     raw contenders are handed token ids too, so neither side's time holds tokenization."""
-    from batchllm.execution.sizing_pass import size_shards
+    from batchllm.execution.context.passes import size_shards
     from batchllm.jobs.local import run_shards_here
     from batchllm.storage import Storage
     from batchllm.store import service

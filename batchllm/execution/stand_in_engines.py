@@ -1,4 +1,11 @@
-"""Engines that need no vLLM, shipped in the package so the tests and the bench share them.
+"""Engines that stand in for vLLM: the instant worker, the bench and the tests run jobs on them.
+
+They live here, not in engine/, because engine/ is the vLLM adapter and nothing else; they sit
+in execution/ (the first layer above engine/, whose Engine Protocol, prompt preparation and
+sampling settings they reuse) beside instant.py, the instant worker built on InstantEngine.
+They ship in the package, not in tests/support/, because `worker --engine instant`, the kept
+engine and `batchllm bench` run InstantEngine, and FakeEngine beside it is checked against the
+same Protocol by mypy.
 
 - `FakeEngine`: deterministic and scriptable, for tests of the runner: a word tokenizer, a
   fixed number of steps per request, an echo of the prompt, a hook between steps, and a

@@ -1,4 +1,4 @@
-"""Token ids of a fleet job's prompts, computed by `submit` while it validates the file.
+"""`submit`'s token pass: the ids of a fleet job's prompts, computed while it validates the file.
 
 A thread tokenizes each shard as validation stores it and writes its ids beside it
 (input/token_store.py); the workers' feed reads them instead of tokenizing, and an unsized job's
@@ -6,7 +6,7 @@ context is sized here, not by a worker. Only for a model the submitting machine 
 directory with `tokenizer.json` and `config.json`), loaded without torch
 (engine/sizing.light_tokenizer); each worker checks a shard's first ids against its engine's
 tokenizer and tokenizes the shard itself on a difference (execution/runner.py). A shard is
-released only once its ids are stored (store/shard_recording.py); an error here never fails a
+released only once its ids are stored (jobs/create.py); an error here never fails a
 submit, it leaves tokenizing to the workers. BATCHLLM_TOKENIZE_AT_SUBMIT: `auto` for unsized jobs
 of AUTO_MIN_ROWS lines or more (see BOUND_CEILING), `always` every job, `never` none.
 """
@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchllm.execution.sizing_pass import size_shard
+from batchllm.execution.context.passes import size_shard
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
@@ -43,19 +43,6 @@ AUTO_MIN_ROWS = 10_000
 # bound (English runs ~4 bytes a token) and tokenizing is a small share of a row's engine time,
 # so such a shard is tokenized and its ids stored as `always` does.
 BOUND_CEILING = 1024
-
-
-def submit_tokens(spec: JobSpec, settings: Settings) -> SubmitTokens | None:
-    """The job's token pass at submit, or None when this machine cannot (or may not) run it."""
-    mode = settings.tokenize_at_submit
-    if mode == "never" or (mode == "auto" and spec.engine.max_model_len is not None):
-        return None
-    model = Path(spec.model)
-    if not ((model / "tokenizer.json").is_file() and (model / "config.json").is_file()):
-        return None
-    if mode == "always":
-        return SubmitTokens(spec, Storage.of(settings), settings)
-    return SubmitTokens(spec, Storage.of(settings), settings, min_rows=AUTO_MIN_ROWS, bound=True)
 
 
 def config_limit(model: Path) -> int | None:
