@@ -57,26 +57,25 @@ def size_shards(spec: JobSpec, storage: Storage, paths: list[str], settings: Set
 _DONE = object()
 
 
-class BesideValidation:
-    """Sizes shards on a thread as they are stored; `finish` gives the job's max_model_len, or
-    None with the pass's error in `error` (the job is created all the same, and failed by its
-    caller with that reason)."""
+class ThreadedPass:
+    """A pass over a job's shards on a thread of its own, as validation stores them: `stored`
+    hands a shard over, the subclass's `_measure` runs on the thread until it raises once
+    (`_stopped` then gets the error) or the pass is stopped, after which shards pass through
+    untouched; `ready` hands them back in order, whether or not they were measured."""
 
-    def __init__(self, spec: JobSpec, storage: Storage, settings: Settings) -> None:
-        self.spec, self.storage, self.settings = spec, storage, settings
-        self.error: BaseException | None = None
+    thread_name = "batchllm-sizing"
+
+    def __init__(self) -> None:
         self._todo: queue.Queue[object] = queue.Queue()
         self._done: queue.Queue[ShardInput] = queue.Queue()
-        self._sized: list[str] = []
-        self._result: int | None = None
-        self._abandoned = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="batchllm-sizing", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self.stopped = False  # an error, or the job was not created
 
     def stored(self, shard: ShardInput) -> None:
         self._todo.put(shard)
 
     def ready(self) -> list[ShardInput]:
+        """The shards measured (or passed through) since the last call; never waits."""
         done = []
         while True:
             try:
@@ -84,50 +83,83 @@ class BesideValidation:
             except queue.Empty:
                 return done
 
+    def _start(self, waiting: list[ShardInput] | None = None) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+        for shard in waiting or []:
+            self._todo.put(shard)
+
+    def _wait(self) -> None:
+        """Wait for the shards handed over so far."""
+        if self._thread is not None:
+            self._todo.put(_DONE)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            shard = self._todo.get()
+            if shard is _DONE:
+                return
+            assert isinstance(shard, ShardInput)
+            if not self.stopped:
+                try:
+                    self._measure(shard)
+                except Exception as exc:
+                    self.stopped = True  # before the shard is handed back
+                    self._stopped(exc)
+            self._done.put(shard)
+
+    def _measure(self, shard: ShardInput) -> None:
+        raise NotImplementedError
+
+    def _stopped(self, error: Exception) -> None:
+        raise NotImplementedError
+
+
+class BesideValidation(ThreadedPass):
+    """Sizes shards on a thread as they are stored; `finish` gives the job's max_model_len, or
+    None with the pass's error in `error` (the job is created all the same, and failed by its
+    caller with that reason)."""
+
+    def __init__(self, spec: JobSpec, storage: Storage, settings: Settings) -> None:
+        super().__init__()
+        self.spec, self.storage, self.settings = spec, storage, settings
+        self.error: BaseException | None = None
+        self._sizer: ContextSizer | None = None
+        self._sized: list[str] = []
+        self._start()
+
     def sized_so_far(self) -> int | None:
         return None  # a local run releases nothing before its validation ends
 
     def finish(self) -> int | None:
         """Wait for the shards stored so far; the sized max_model_len, or None and `error`."""
-        self._todo.put(_DONE)
         try:
-            self._thread.join()
-        except BaseException as exc:  # a Ctrl-C while waiting: the job is failed with it
-            self._abandoned.set()
+            self._wait()
+            if self.error is None:
+                return (self._sizer or new_sizer(self.spec, self.settings)).result()
+        except BaseException as exc:  # a Ctrl-C while waiting, too: the job is failed with it
+            self.stopped = True
             self.error = exc
-        return None if self.error is not None else self._result
+        return None
 
     def close(self) -> None:
         """The job was not created (refused file, storage error): stop, remove what was written."""
-        self._abandoned.set()
-        self._todo.put(_DONE)
-        self._thread.join()
+        self.stopped = True
+        self._wait()
         for path in self._sized:
             try:
                 self.storage.delete(token_path(path))
             except OSError as exc:
                 log.debug("could not delete the token ids of %s: %s", path, exc)
 
-    def _run(self) -> None:
-        sizer = None
-        while True:
-            shard = self._todo.get()
-            if shard is _DONE:
-                break
-            assert isinstance(shard, ShardInput)
-            if self.error is None and not self._abandoned.is_set():
-                try:
-                    sizer = sizer or new_sizer(self.spec, self.settings)
-                    size_shard(sizer, self.storage, shard.path)
-                    self._sized.append(shard.path)
-                except BaseException as exc:  # read by the caller once the job exists
-                    self.error = exc
-            self._done.put(shard)  # recorded whether or not it was sized
-        if self.error is None and not self._abandoned.is_set():
-            try:
-                self._result = (sizer or new_sizer(self.spec, self.settings)).result()
-            except BaseException as exc:
-                self.error = exc
+    def _measure(self, shard: ShardInput) -> None:
+        self._sizer = self._sizer or new_sizer(self.spec, self.settings)
+        size_shard(self._sizer, self.storage, shard.path)
+        self._sized.append(shard.path)
+
+    def _stopped(self, error: Exception) -> None:
+        self.error = error  # read by the caller once the job exists
 
 
 class AfterValidation:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from batchllm.execution.context.passes import size_shard
+from batchllm.execution.context.passes import ThreadedPass, size_shard
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
@@ -31,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DONE = object()
 # A model with no max_position_embeddings in its config.json: its ids are still stored, but
 # its context is left for a worker to size (AutoConfig, which knows each model's default).
 _NO_LIMIT = 2**31
@@ -57,8 +54,10 @@ def config_limit(model: Path) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-class SubmitTokens:
+class SubmitTokens(ThreadedPass):
     """Tokenizes shards on a thread as validation stores them (a ShardPreparer)."""
+
+    thread_name = "batchllm-submit-tokens"
 
     def __init__(
         self,
@@ -73,116 +72,79 @@ class SubmitTokens:
         never gets there passes through untouched, its sizing left to a worker. `bound`: a
         shard of short prompts is sized by its bytes and left to the workers to tokenize
         (BOUND_CEILING); without it, every shard is tokenized and its ids stored."""
+        super().__init__()
         self.spec, self.storage, self.settings = spec, storage, settings
         self.min_rows = min_rows
         self.bound = bound
-        self._todo: queue.Queue[Any] = queue.Queue()
-        self._done: queue.Queue[ShardInput] = queue.Queue()
-        self._failed = False  # an error stopped the pass: later shards pass through untouched
         self._sizer: ContextSizer | None = None
         self._limit = config_limit(Path(spec.model))
         self._before: list[ShardInput] = []  # stored while the job is under min_rows
         self._rows = 0
-        self._thread: threading.Thread | None = None
         if min_rows <= 0:
             self._start()
 
     def stored(self, shard: ShardInput) -> None:
         if self._thread is not None:
-            self._todo.put(shard)
+            super().stored(shard)
             return
         self._before.append(shard)
         self._rows += shard.rows
         if self._rows >= self.min_rows:
-            self._start()
-
-    def ready(self) -> list[ShardInput]:
-        """The shards whose ids are stored (or that passed through), in order, since the last
-        call; never waits."""
-        done = []
-        while True:
-            try:
-                done.append(self._done.get_nowait())
-            except queue.Empty:
-                return done
+            self._start(self._before)
+            self._before = []
 
     def finish(self) -> int | None:
         """Wait for the shards stored so far; the job's sized max_model_len when this pass
         sized it (every row measured, the model's context known), else None."""
         if self._thread is None:  # too small to start: every shard passes through
-            self._failed = True
+            self.stopped = True
             for shard in self._before:
                 self._done.put(shard)
             return None
-        self._todo.put(_DONE)
-        self._thread.join()
-        sizer = self._sizer
-        if (
-            self.spec.engine.max_model_len is not None
-            or self._failed
-            or sizer is None
-            or not sizer.complete
-            or self._limit is None
-        ):
-            return None
-        return sizer.result()
+        self._wait()
+        sizer = self._sizing()
+        return None if sizer is None else sizer.result()
 
     def sized_so_far(self) -> int | None:
         """The job's max_model_len over every shard `ready` has returned, while this pass sizes
         the job (no --max-model-len, every row measured so far, the model's context known);
         None otherwise, and for good from the first shard the pass could not tokenize."""
+        sizer = self._sizing()
+        return None if sizer is None else sizer.sized()
+
+    def close(self) -> None:
+        """The job was not created: stop (the job's storage goes with it)."""
+        self.stopped = True
+        self._wait()
+
+    def _sizing(self) -> ContextSizer | None:
+        """The sizer, while its size is the job's (see sized_so_far)."""
         sizer = self._sizer
         if (
             self.spec.engine.max_model_len is not None
-            or self._failed  # set before that shard is handed back
+            or self.stopped  # set before the shard it failed on is handed back
             or sizer is None
             or not sizer.complete
             or self._limit is None
         ):
             return None
-        return sizer.sized()
+        return sizer
 
-    def close(self) -> None:
-        """The job was not created: stop (the job's storage goes with it)."""
-        self._failed = True
-        if self._thread is not None:
-            self._todo.put(_DONE)
-            self._thread.join()
+    def _stopped(self, error: Exception) -> None:  # the workers tokenize what this could not
+        log.warning(
+            "tokenizing at submit stopped (%s: %s); the workers tokenize the job's rows",
+            type(error).__name__,
+            error,
+        )
 
-    def _start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="batchllm-submit-tokens")
-        self._thread.daemon = True
-        self._thread.start()
-        for shard in self._before:
-            self._todo.put(shard)
-        self._before = []
-
-    def _run(self) -> None:
-        while True:
-            shard = self._todo.get()
-            if shard is _DONE:
-                return
-            if not self._failed:
-                try:
-                    self._measure(shard.path)
-                except Exception as exc:  # the workers tokenize what this pass could not
-                    self._failed = True
-                    log.warning(
-                        "tokenizing at submit stopped (%s: %s); the workers tokenize the job's "
-                        "rows",
-                        type(exc).__name__,
-                        exc,
-                    )
-            self._done.put(shard)
-
-    def _measure(self, path: str) -> None:
+    def _measure(self, shard: ShardInput) -> None:
         sizer = self._get_sizer()
         if not self.bound:
-            size_shard(sizer, self.storage, path)
+            size_shard(sizer, self.storage, shard.path)
             return
-        rows = list(iter_shard_rows(self.storage, path))
+        rows = list(iter_shard_rows(self.storage, shard.path))
         if not sizer.add_bound(rows, BOUND_CEILING):
-            size_shard(sizer, self.storage, path, rows)
+            size_shard(sizer, self.storage, shard.path, rows)
 
     def _get_sizer(self) -> ContextSizer:
         if self._sizer is None:
