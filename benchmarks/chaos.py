@@ -1,9 +1,9 @@
 """The chaos run (issue 52): K tenants' jobs and a poison tenant's through N instant-engine
 workers on a private Redis and PostgreSQL, a fault every F seconds, then Jepsen-style checks.
 
-The harness starts its own services (benchmarks/services.py: never the machine's), its workers
-(`batchllm worker --engine instant`, paced so that a run lasts minutes; execution/instant.py)
-and submits the jobs with the package's submit API (what `batchllm submit` calls). Once they
+The harness starts its own services (batchllm/process/services.py: never the machine's), its
+workers (`batchllm worker --engine instant`, paced so that a run lasts minutes;
+execution/instant.py) and submits the jobs with the package's submit API (what `batchllm submit` calls). Once they
 are queued, it injects one fault every F seconds, drawn in a seeded random order from
 benchmarks/chaos_faults.py's kinds, until 90% of the lines are committed (--quiet-after), then
 lets the fleet drain until every job is final (Jepsen's heal-then-drain), while a sampler
@@ -16,13 +16,21 @@ one-screen summary and `rows.png`. The exit code says whether every check passed
     python -m benchmarks.chaos                      # the quick run: ~2-3 minutes here
     python -m benchmarks.chaos --lines 1000000 --workers 4 --every 20   # the long one
 
-Not yet injected (issue 52): network delay or partition between workers and services, a full
-disk under the output, S3 errors mid-commit, an EngineCore kill (a vLLM worker's), clock steps.
+The workers reach Redis, PostgreSQL and the S3 server through TCP proxies the harness owns
+(benchmarks/chaos_proxy.py), so that it can delay or cut their connections (net-delay,
+net-partition, s3-errors); the harness itself (the submit, the sampler, the checker) talks to
+the services directly. With `--storage s3` (the default) the job storage is a bucket on a
+moto S3 server of the run, copied to `storage/` before the server ends; `--storage dir` keeps
+it in a local directory (no s3-errors then).
+
+Not yet injected (issue 52): a full disk under the output, an EngineCore kill (a vLLM
+worker's), clock steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -31,16 +39,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import batchllm
+from batchllm.process.services import PostgresCluster, RedisServer
 from benchmarks import chaos_check
-from benchmarks.chaos_faults import FAULT_KINDS, Injector, Schedule, Workers
+from benchmarks.chaos_faults import FAULT_KINDS, S3_ONLY, Injector, Schedule, Workers
+from benchmarks.chaos_proxy import TcpProxy
+from benchmarks.chaos_s3 import MotoServer
 from benchmarks.chaos_workload import TenantJob, write_tenants
-from benchmarks.services import PostgresCluster, RedisServer
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]
@@ -58,7 +68,8 @@ class Config:
     tenants: int = 3
     seed: int = 1
     output: Path = Path(".demo/chaos")  # .demo/ is git-ignored (the Makefile's DEMO)
-    faults: list[str] = field(default_factory=lambda: list(FAULT_KINDS))
+    faults: list[str] | None = None  # default: every kind the storage allows
+    storage: str = "s3"  # s3: a bucket on a moto server of the run; dir: a local directory
     poison_lines: int | None = None  # default: lines // 20, at least 22 (each bad kind twice)
     shard_size: int = 100
     step_seconds: float = 0.05  # the instant engine's pace: one token a request per step
@@ -66,6 +77,9 @@ class Config:
     lease_seconds: float = 10.0
     reconcile_seconds: float = 3.0
     outage_seconds: float = 5.0
+    net_seconds: float = 6.0  # how long a net-delay or net-partition lasts
+    net_delay: tuple[float, float] = (0.2, 0.5)  # a chunk's delay under net-delay, seconds
+    s3_seconds: float = 6.0  # how long s3-errors lasts
     stop_seconds: float | None = None  # default: a lease, two reconciles and 2 s
     quiet_after: float = 0.9  # no fault once this share of the lines is committed
     final_within: float = 120.0
@@ -75,6 +89,18 @@ class Config:
 
     def resolved_poison_lines(self) -> int:
         return self.poison_lines if self.poison_lines is not None else max(22, self.lines // 20)
+
+    def resolved_faults(self) -> list[str]:
+        if self.storage not in ("s3", "dir"):
+            raise ValueError(f"storage {self.storage!r}: expected s3 or dir")
+        if self.faults is None:
+            return [k for k in FAULT_KINDS if self.storage == "s3" or k not in S3_ONLY]
+        unknown = sorted(set(self.faults) - set(FAULT_KINDS))
+        if unknown:
+            raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
+        if self.storage != "s3" and set(self.faults) & set(S3_ONLY):
+            raise ValueError(f"{', '.join(S3_ONLY)} need the S3 output (--storage s3)")
+        return list(self.faults)
 
     def resolved_stop_seconds(self) -> float:
         if self.stop_seconds is not None:
@@ -204,37 +230,133 @@ def _prepare(config: Config, say: Say) -> str:
     return str(model)
 
 
-def _env(config: Config, redis: RedisServer, postgres: PostgresCluster) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+class Services:
+    """The run's private Redis, PostgreSQL and (S3 output) moto server, and a proxy in front
+    of each that the workers connect through. `direct` settings are the harness's own."""
+
+    def __init__(self, config: Config) -> None:
+        self.redis = RedisServer(work_dir=config.output.resolve() / "redis")
+        self.postgres = chaos_postgres()
+        self.s3 = (
+            MotoServer(log_path=config.output / "logs" / "moto.log")
+            if config.storage == "s3"
+            else None
+        )
+        self.proxies = {
+            "redis": TcpProxy(name="redis", target_port=self.redis.port),
+            "postgres": TcpProxy(name="postgres", target_port=self.postgres.port),
+        }
+        if self.s3 is not None:
+            self.proxies["s3"] = TcpProxy(name="s3", target_port=self.s3.port)
+        self.local_storage = str(config.output.resolve() / "storage")
+
+    def start(self) -> None:
+        self.redis.start()
+        self.postgres.start_new()
+        if self.s3 is not None:
+            self.s3.start()
+        for proxy in self.proxies.values():
+            proxy.start()
+
+    def stop(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.stop()
+        self.redis.stop()
+        self.postgres.destroy()
+        if self.s3 is not None:
+            self.s3.stop()
+
+    def pids(self) -> dict[int, str]:
+        found = {}
+        if self.redis.proc is not None:
+            found[self.redis.proc.pid] = "redis-server"
+        if self.postgres.pid:
+            found[self.postgres.pid] = "postgres"
+        if self.s3 is not None and self.s3.proc is not None:
+            found[self.s3.proc.pid] = "moto.server"
+        return found
+
+    def proxied(self, service: str, url: str, port: int) -> str:
+        """`url` with the service's port swapped for its proxy's."""
+        return url.replace(f":{port}/", f":{self.proxies[service].port}/", 1)
+
+    @property
+    def storage(self) -> str:
+        return self.s3.storage if self.s3 is not None else self.local_storage
+
+    @contextlib.contextmanager
+    def credentials(self) -> Iterator[None]:
+        """The S3 server's keys in this process's environment (where the AWS SDK reads them)
+        for the harness's own S3 calls (the submit), as they were afterwards."""
+        if self.s3 is None:
+            yield
+            return
+        keys = {k: v for k, v in self.s3.env("").items() if k.startswith("AWS_")}
+        saved = {k: os.environ.get(k) for k in keys}
+        os.environ.update(keys)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def direct(self, home: Path) -> dict[str, Any]:
+        """Settings for the harness: every service directly, not through the proxies."""
+        return {
+            "home": home,
+            "database_url": self.postgres.url,
+            "broker_url": self.redis.url,
+            "storage": self.storage,
+            "s3_endpoint": self.s3.endpoint if self.s3 is not None else None,
+        }
+
+    def mirror(self, jobs: list[dict[str, Any]]) -> None:
+        """S3 output: copy the bucket to the local storage directory before the server ends,
+        and point each job's `checked_root` and `checked_output_dir` at the copy."""
+        if self.s3 is None:
+            return
+        self.s3.mirror(Path(self.local_storage))
+        for job in jobs:
+            job["checked_root"] = self.local_storage
+            job["checked_output_dir"] = str(
+                Path(self.local_storage, job["output_dir"].removeprefix(self.s3.storage).strip("/"))
+            )
+
+
+def _env(config: Config, services: Services) -> dict[str, str]:
+    """The workers' environment: every service through its proxy."""
+    redis, postgres = services.redis, services.postgres
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BATCHLLM_", "AWS_"))}
     env.update(config.worker_settings())
     env.update(
         {
             "PYTHONPATH": os.pathsep.join([str(_REPO), *filter(None, [os.getenv("PYTHONPATH")])]),
             "BATCHLLM_HOME": str(config.output.resolve() / "home"),
-            "BATCHLLM_DATABASE_URL": postgres.url,
-            "BATCHLLM_BROKER_URL": redis.url,
-            "BATCHLLM_STORAGE": str(config.output.resolve() / "storage"),
+            "BATCHLLM_DATABASE_URL": services.proxied("postgres", postgres.url, postgres.port),
+            "BATCHLLM_BROKER_URL": services.proxied("redis", redis.url, redis.port),
+            "BATCHLLM_STORAGE": services.storage,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if services.s3 is not None:
+        env.update(services.s3.env(f"http://127.0.0.1:{services.proxies['s3'].port}"))
     return env
 
 
-def _submit(jobs: list[TenantJob], model: str, config: Config, env: dict[str, str]) -> list[str]:
-    """Each tenant's job, the way `batchllm submit` sends it (jobs/submit.py)."""
+def _submit(jobs: list[TenantJob], model: str, config: Config, direct: dict[str, Any]) -> list[str]:
+    """Each tenant's job, the way `batchllm submit` sends it (jobs/submit.py), on the
+    services directly (`direct`: Services.direct's settings)."""
     from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
     from batchllm.settings import Settings
     from batchllm.store.db import get_engine
 
-    settings = Settings(
-        home=Path(env["BATCHLLM_HOME"]),
-        database_url=env["BATCHLLM_DATABASE_URL"],
-        broker_url=env["BATCHLLM_BROKER_URL"],
-        storage=env["BATCHLLM_STORAGE"],
-    )
+    settings = Settings(**direct)
     spec = JobSpec(
         model=model,
         engine=EngineOptions(max_model_len=MAX_MODEL_LEN),
@@ -276,7 +398,8 @@ def _fault_loop(
     `config.quiet_after` of the `lines` are committed; then the fleet drains in peace until
     every job is final (or the run's timeout). Dead workers nobody killed are replaced as they
     are seen, as a supervisor would."""
-    schedule = Schedule(config.faults, random.Random(config.seed))
+    kinds = config.resolved_faults()
+    schedule = Schedule(kinds, random.Random(config.seed))
     faults: list[dict[str, Any]] = []
     next_at = t0 + config.every
     while not sampler.all_final():
@@ -290,7 +413,7 @@ def _fault_loop(
         if gone:
             say(f"chaos: UNPLANNED exit of {gone}: replaced")
         quiet = sampler.committed() >= config.quiet_after * lines
-        if config.faults and now >= next_at and not quiet:
+        if kinds and now >= next_at and not quiet:
             kind = schedule.next()
             fault = injector.inject(kind)
             fault["began"] = round(fault["began"] - t0, 2)
@@ -307,9 +430,7 @@ def _fault_loop(
 
 def run(config: Config, say: Say = print) -> dict[str, Any]:
     """One chaos run into `config.output`; returns the checker's report."""
-    unknown = sorted(set(config.faults) - set(FAULT_KINDS))
-    if unknown:
-        raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
+    config.resolved_faults()  # refuses unknown kinds before anything starts
     model = _prepare(config, say)
     jobs = write_tenants(
         config.output / "inputs",
@@ -319,10 +440,10 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
         seed=config.seed,
         max_tokens=config.max_tokens,
     )
-    redis = RedisServer(work_dir=config.output.resolve() / "redis")
-    postgres = chaos_postgres()
+    services = Services(config)
+    redis, postgres = services.redis, services.postgres
     tag = f"chaos-{uuid.uuid4().hex[:6]}"
-    env = _env(config, redis, postgres)
+    env = _env(config, services)
     engine_args = ["--engine", "instant", "--max-model-len", str(MAX_MODEL_LEN)]
     engine_args += ["--instant-step-seconds", str(config.step_seconds)]
     workers = Workers(
@@ -333,15 +454,20 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
     record: dict[str, Any] = {"config": _config_json(config), "tag": tag, "faults": []}
     service_pids: dict[int, str] = {}
     try:
-        redis.start()
-        postgres.start_new()
+        services.start()
         from batchllm.store.db import upgrade
 
         upgrade(postgres.url)
-        say(f"chaos: Redis :{redis.port}, PostgreSQL :{postgres.port}; {config.workers} workers")
+        say(
+            f"chaos: Redis :{redis.port}, PostgreSQL :{postgres.port}, storage "
+            f"{services.storage}; workers through proxies "
+            + ", ".join(f"{name} :{p.port}" for name, p in services.proxies.items())
+            + f"; {config.workers} workers"
+        )
         workers.start(config.workers)
         t0 = time.monotonic()
-        job_ids = _submit(jobs, model, config, env)
+        with services.credentials():
+            job_ids = _submit(jobs, model, config, services.direct(Path(env["BATCHLLM_HOME"])))
         say(f"chaos: {len(job_ids)} jobs submitted in {time.monotonic() - t0:.1f} s: {job_ids}")
         lines = sum(len(chaos_check.expected_lines(job.source)) for job in jobs)
         with Sampler(postgres, job_ids, t0) as sampler:
@@ -353,6 +479,10 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
                 held=sampler.held,
                 stop_seconds=config.resolved_stop_seconds(),
                 outage_seconds=config.outage_seconds,
+                proxies=services.proxies,
+                net_seconds=config.net_seconds,
+                net_delay=config.net_delay,
+                s3_seconds=config.s3_seconds,
             )
             record["faults"] = _fault_loop(
                 config, sampler, injector, workers, t0=t0, lines=lines, say=say
@@ -371,15 +501,13 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
             }
             for job, job_id in zip(jobs, job_ids)
         ]
+        services.mirror(record["jobs"])
         record.update(timeline=sampler.timeline, shard_progress=sampler.shard_progress)
     finally:
-        if redis.proc is not None:
-            service_pids[redis.proc.pid] = "redis-server"
-        if postgres.pid:
-            service_pids[postgres.pid] = "postgres"
+        service_pids.update(services.pids())
         workers.stop_all()
-        redis.stop()
-        postgres.destroy()
+        services.stop()
+        record["proxies"] = {name: asdict(p.stats) for name, p in services.proxies.items()}
     record["ended"] = round(time.monotonic() - started, 1)
     record["workers"] = workers.records(t0)
     record["unplanned_exits"] = workers.unplanned
@@ -404,6 +532,7 @@ def _config_json(config: Config) -> dict[str, Any]:
     data = asdict(config)
     data.update(
         output=str(config.output),
+        faults=config.resolved_faults(),
         poison_lines=config.resolved_poison_lines(),
         stop_seconds=config.resolved_stop_seconds(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -430,8 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=defaults.output)
     parser.add_argument(
         "--faults",
-        default=",".join(FAULT_KINDS),
-        help=f"comma-separated fault kinds ({', '.join(FAULT_KINDS)}); empty: none",
+        default=None,
+        help=f"comma-separated fault kinds ({', '.join(FAULT_KINDS)}); empty: none; "
+        "default: every kind the storage allows",
+    )
+    parser.add_argument(
+        "--storage",
+        choices=("s3", "dir"),
+        default=defaults.storage,
+        help="the job storage: a bucket on a moto S3 server of the run (needs moto[server]), "
+        "or a local directory (no s3-errors)",
     )
     parser.add_argument("--poison-lines", type=int, default=None, help="0: no poison tenant")
     parser.add_argument("--shard-size", type=int, default=defaults.shard_size)
@@ -446,6 +583,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reconcile-seconds", type=float, default=defaults.reconcile_seconds)
     parser.add_argument("--outage-seconds", type=float, default=defaults.outage_seconds)
     parser.add_argument("--stop-seconds", type=float, default=None, help="SIGSTOP's length")
+    parser.add_argument(
+        "--net-seconds",
+        type=float,
+        default=defaults.net_seconds,
+        help="how long a net-delay or net-partition lasts",
+    )
+    parser.add_argument(
+        "--net-delay", default="200-500", help="a chunk's delay under net-delay, ms MIN-MAX"
+    )
+    parser.add_argument(
+        "--s3-seconds", type=float, default=defaults.s3_seconds, help="how long s3-errors lasts"
+    )
     parser.add_argument(
         "--quiet-after",
         type=float,
@@ -468,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         tenants=args.tenants,
         seed=args.seed,
         output=args.output,
-        faults=[k for k in args.faults.split(",") if k],
+        faults=None if args.faults is None else [k for k in args.faults.split(",") if k],
+        storage=args.storage,
         poison_lines=args.poison_lines,
         shard_size=args.shard_size,
         step_seconds=args.step_seconds,
@@ -477,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         reconcile_seconds=args.reconcile_seconds,
         outage_seconds=args.outage_seconds,
         stop_seconds=args.stop_seconds,
+        net_seconds=args.net_seconds,
+        net_delay=tuple(ms / 1000 for ms in _span(args.net_delay)),  # type: ignore[arg-type]
+        s3_seconds=args.s3_seconds,
         quiet_after=args.quiet_after,
         final_within=args.final_within,
         timeout=args.timeout,

@@ -157,6 +157,15 @@ def check_rows(
     return check
 
 
+def checked_output(job: dict[str, Any]) -> tuple[str, str]:
+    """Where a recorded job's output is read (storage root, output directory): its storage,
+    or the run's local copy of it (`checked_root`, `checked_output_dir`) when the storage was
+    a bucket of the run's own S3 server, which ended with the run."""
+    if job.get("checked_root"):
+        return str(job["checked_root"]), str(job["checked_output_dir"])
+    return str(job["storage_root"]), str(job["output_dir"])
+
+
 def job_rows(storage_root: str, output_dir: str) -> pa.Table:
     """A job's committed rows as batchllm's own readers see them (its part files)."""
     return read_output(Storage(storage_root), output_dir)
@@ -208,7 +217,9 @@ def _shard_moved(progress: dict[str, list[list[Any]]], held: list[dict[str, Any]
 def fault_recoveries(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Each fault with its recovery times: `rows_again_s`, from the fault's start until the
     fleet committed rows again; for a worker's fault `shard_moved_s`, until the shard the
-    victim held moved on (taken over, drained, or resumed)."""
+    victim held moved on (taken over, drained, or resumed); for a fault that lasts a while (a
+    service down, slow or cut off, a worker paused) `after_heal_s`, from its end (`restored`)
+    until the fleet committed rows again."""
     timeline = run.get("timeline", [])
     progress = run.get("shard_progress", {})
     out = []
@@ -216,11 +227,16 @@ def fault_recoveries(run: dict[str, Any]) -> list[dict[str, Any]]:
         began = fault["began"]
         again = _first_sample_after(timeline, began, _committed_at(timeline, began))
         moved = _shard_moved(progress, fault.get("held_shards") or [], began)
+        restored = fault.get("restored") or began
+        healed = None
+        if restored - began >= 1:
+            healed = _first_sample_after(timeline, restored, _committed_at(timeline, restored))
         out.append(
             {
                 **fault,
                 "rows_again_s": None if again is None else round(again - began, 2),
                 "shard_moved_s": None if moved is None else round(moved - began, 2),
+                "after_heal_s": None if healed is None else round(healed - restored, 2),
             }
         )
     return out
@@ -253,7 +269,7 @@ def check_run(run: dict[str, Any]) -> dict[str, Any]:
     for job in run["jobs"]:
         expected = expected_lines(Path(job["input"]))
         rows = check_rows(
-            job_rows(job["storage_root"], job["output_dir"]),
+            job_rows(*checked_output(job)),
             expected,
             Expectation.from_json(job.get("expect")),
         )
@@ -336,15 +352,18 @@ def summary(report: dict[str, Any]) -> str:
             f"{_seconds(job['final_after_last_fault_s']):>8}"
         )
     lines.append(
-        f"{'fault':<14} {'count':>5} {'rows again s (median/max)':>27} {'shard moved s (max)':>20}"
+        f"{'fault':<14} {'count':>5} {'rows again s (median/max)':>26} "
+        f"{'after heal s (max)':>19} {'shard moved s (max)':>20}"
     )
     for kind, count in report["faults_by_kind"].items():
         of_kind = [f for f in report["faults"] if f["kind"] == kind]
         again = sorted(f["rows_again_s"] for f in of_kind if f["rows_again_s"] is not None)
+        healed = [f["after_heal_s"] for f in of_kind if f.get("after_heal_s") is not None]
         moved = [f["shard_moved_s"] for f in of_kind if f["shard_moved_s"] is not None]
         shown = f"{again[len(again) // 2]:.1f}/{again[-1]:.1f}" if again else "-"
         lines.append(
-            f"{kind:<14} {count:>5} {shown:>27} {_seconds(max(moved) if moved else None):>20}"
+            f"{kind:<14} {count:>5} {shown:>26} {_seconds(max(healed) if healed else None):>19} "
+            f"{_seconds(max(moved) if moved else None):>20}"
         )
     peak = max((r for _, r in report["rows_per_s"]), default=0.0)
     lines.append(f"rows/s: peak {peak:,.0f} over {RATE_BUCKET_S:.0f} s buckets")

@@ -1,6 +1,6 @@
 """The chaos run's workers and faults: `batchllm worker --engine instant` processes the harness
 starts, replaces and ends by PID (never by name), and the fault kinds it injects into them and
-into its private Redis and PostgreSQL (benchmarks/services.py).
+into its private Redis and PostgreSQL (batchllm/process/services.py).
 
 Fault kinds (one at a time; each is over, its service back or its victim replaced, before the
 next begins):
@@ -13,6 +13,12 @@ next begins):
   task is lost.
 - pg-outage: the database stopped (`pg_ctl stop -m fast`: every session ends) for a few
   seconds, then started.
+- net-delay: every chunk between the workers and a service (Redis, PostgreSQL, or all of them,
+  the S3 server too; drawn) waits 200-500 ms each way, for a while (benchmarks/chaos_proxy.py).
+- net-partition: the workers cut off from a service (drawn as for net-delay) for a while: new
+  connections are reset, open ones stall; then it heals and the stalled bytes flow on.
+- s3-errors: the S3 endpoint fails for a while (S3 output only): open connections are reset,
+  new requests reset or answered `503 Slow Down`, commits included.
 """
 
 from __future__ import annotations
@@ -29,10 +35,22 @@ from typing import Any
 
 import psutil
 
-from benchmarks.services import PostgresCluster, RedisServer, ServiceFailed, tail
+from batchllm.process.services import PostgresCluster, RedisServer, ServiceFailed, tail
+from benchmarks.chaos_proxy import TcpProxy
 
-FAULT_KINDS = ("kill9", "sigterm", "sigstop", "redis-restart", "pg-outage")
+FAULT_KINDS = (
+    "kill9",
+    "sigterm",
+    "sigstop",
+    "redis-restart",
+    "pg-outage",
+    "net-delay",
+    "net-partition",
+    "s3-errors",
+)
 WORKER_FAULTS = ("kill9", "sigterm", "sigstop")
+NET_FAULTS = ("net-delay", "net-partition")
+S3_ONLY = ("s3-errors",)  # kinds that need the S3 output (--storage s3)
 READY_TIMEOUT = 180
 
 
@@ -279,10 +297,18 @@ class Injector:
         held: Callable[[str], list[dict[str, Any]] | None],
         stop_seconds: float,
         outage_seconds: float,
+        proxies: dict[str, TcpProxy] | None = None,
+        net_seconds: float = 6.0,
+        net_delay: tuple[float, float] = (0.2, 0.5),
+        s3_seconds: float = 6.0,
     ) -> None:
         self.workers, self.redis, self.postgres = workers, redis, postgres
         self.rng, self.held = rng, held
         self.stop_seconds, self.outage_seconds = stop_seconds, outage_seconds
+        # The proxies between the workers and each service, by service ("redis", "postgres",
+        # "s3"): the network faults act on them.
+        self.proxies = proxies or {}
+        self.net_seconds, self.net_delay, self.s3_seconds = net_seconds, net_delay, s3_seconds
 
     def _victim(self) -> tuple[ChaosWorker, list[dict[str, Any]]]:
         """A worker that runs a shard now, if any does (so the fault bites), else any."""
@@ -306,6 +332,10 @@ class Injector:
             self.postgres.stop()
             time.sleep(self.outage_seconds)
             self.postgres.start()
+        elif kind in NET_FAULTS:
+            self._net(kind, record)
+        elif kind == "s3-errors":
+            self._s3_errors(record)
         else:
             raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
         record["restored"] = time.monotonic()
@@ -332,3 +362,48 @@ class Injector:
         victim.send(signal.SIGCONT)
         victim.paused = False
         record["note"] = f"paused {self.stop_seconds:.0f} s"
+
+    def _targets(self) -> tuple[str, list[TcpProxy]]:
+        """One service's proxy, or all of them, drawn."""
+        if not self.proxies:
+            raise ValueError("network faults need the workers behind the harness's proxies")
+        target = self.rng.choice([*sorted(self.proxies), "all"])
+        chosen = list(self.proxies.values()) if target == "all" else [self.proxies[target]]
+        return target, chosen
+
+    def _net(self, kind: str, record: dict[str, Any]) -> None:
+        target, proxies = self._targets()
+        record["target"] = target
+        record["began"] = time.monotonic()
+        try:
+            for proxy in proxies:
+                if kind == "net-delay":
+                    low, high = self.net_delay
+                    proxy.delay(low, high, seed=self.rng.randrange(1 << 30))
+                else:
+                    proxy.partition()
+            time.sleep(self.net_seconds)
+        finally:
+            for proxy in proxies:
+                proxy.heal()
+        if kind == "net-delay":
+            low, high = self.net_delay
+            what = f"{low * 1000:.0f}-{high * 1000:.0f} ms a chunk"
+        else:
+            what = "cut off"
+        record["note"] = f"{target}: {what} for {self.net_seconds:.0f} s"
+
+    def _s3_errors(self, record: dict[str, Any]) -> None:
+        proxy = self.proxies.get("s3")
+        if proxy is None:
+            raise ValueError("s3-errors needs the S3 output (--storage s3)")
+        before = (proxy.stats.reset, proxy.stats.answered_503)
+        record["began"] = time.monotonic()
+        try:
+            proxy.fail_http(seed=self.rng.randrange(1 << 30))
+            time.sleep(self.s3_seconds)
+        finally:
+            proxy.heal()
+        resets, answered = (proxy.stats.reset - before[0], proxy.stats.answered_503 - before[1])
+        record.update(target="s3", resets=resets, answered_503=answered)
+        record["note"] = f"{self.s3_seconds:.0f} s: {resets} resets, {answered} answered 503"

@@ -1,6 +1,8 @@
 """The quick chaos run (issue 52, benchmarks/chaos.py) end to end: two tenants' jobs and a
-poison tenant's through two instant-engine workers on a private Redis and PostgreSQL, while
-a worker is drained, one is killed -9 and PostgreSQL goes away (and more, as the jobs last);
+poison tenant's through two instant-engine workers on a private Redis, PostgreSQL and S3
+server (moto), reached through the harness's proxies, while a worker is killed -9, the S3
+endpoint fails (resets and 503s) and the network to a service is cut (and more, as the jobs
+last);
 the checker (benchmarks/chaos_check.py) finds every line exactly once in its job's Parquet
 output and no process left. Then exactly-once is broken on purpose (a committed part file
 written twice) and the same checker says so.
@@ -21,6 +23,7 @@ from batchllm.storage import Storage
 from benchmarks import chaos, chaos_check
 from benchmarks.chaos_faults import FAULT_KINDS
 from tests.support.faults import require_private_services
+from tests.support.skips import require
 
 pytestmark = pytest.mark.faults
 
@@ -30,20 +33,25 @@ LINES = 2000
 @pytest.fixture(scope="module")
 def quick_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     require_private_services()
+    require(importlib.util.find_spec("moto") is not None, "moto[server] (the test extra)")
     output = tmp_path_factory.mktemp("chaos")
-    # Seed 1 draws sigterm, kill9, pg-outage first (each kind once per round), one every 5 s.
-    # At 80 ms a token step, 2,000 lines of 16-64 tokens in shards of 100 take two workers at
-    # least ~34 s whatever the machine's speed (~40 rows/s at most here): long enough for
-    # those three before the last 10% drains without faults.
+    # Seed 2 draws kill9, s3-errors, net-partition first (each kind once per round), one
+    # every 5 s, the S3 and network faults 3 s each. At 80 ms a token step, 2,000 lines of
+    # 16-64 tokens in shards of 100 take two workers at least ~34 s whatever the machine's
+    # speed (~40 rows/s at most here): long enough for those three before the last 10%
+    # drains without faults.
     config = chaos.Config(
         lines=LINES,
         workers=2,
         every=5,
         step_seconds=0.08,
         tenants=2,
-        seed=1,
+        seed=2,
         output=output,
         faults=list(FAULT_KINDS),
+        storage="s3",
+        net_seconds=3,
+        s3_seconds=3,
         timeout=240,
         model=str(tiny_model),
     )
@@ -56,7 +64,9 @@ def quick_run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 def test_a_quick_chaos_run_keeps_every_line_exactly_once_under_three_kinds_of_fault(quick_run):
     output, report = quick_run
     assert report["passed"], "\n".join(report["problems"])
-    assert len(report["faults_by_kind"]) >= 3, report["faults_by_kind"]
+    assert {"kill9", "s3-errors", "net-partition"} <= set(report["faults_by_kind"]), report[
+        "faults_by_kind"
+    ]
     totals = report["totals"]
     poison_lines = chaos.Config(lines=LINES).resolved_poison_lines()
     assert totals["expected"] == totals["rows"] == LINES + poison_lines
@@ -80,6 +90,11 @@ def test_a_quick_chaos_run_keeps_every_line_exactly_once_under_three_kinds_of_fa
     assert all(w["exit"] is not None for w in report["workers"])
     for fault in report["faults"]:
         assert fault["rows_again_s"] is not None, fault
+    s3_faults = [f for f in report["faults"] if f["kind"] == "s3-errors"]
+    assert all(f["resets"] + f["answered_503"] > 0 for f in s3_faults), s3_faults
+    for fault in report["faults"]:
+        if fault["kind"] in ("s3-errors", "net-partition", "net-delay"):
+            assert fault["after_heal_s"] is not None, fault
     assert len(recorded["faults"]) == len(report["faults"])
     assert json.loads((output / "report.json").read_text())["passed"] is True
     if importlib.util.find_spec("matplotlib") is not None:
@@ -91,15 +106,15 @@ def test_a_part_file_committed_twice_after_the_run_is_caught_as_duplicated_lines
     output, _ = quick_run
     run = json.loads((output / "run.json").read_text())
     job = next(j for j in run["jobs"] if j["tenant"] == "tenant-1")
-    storage = Storage(job["storage_root"])
-    first = list_parts(storage, job["output_dir"])[0]
+    # The bucket's files as the run copied them before its S3 server ended.
+    root, output_dir = chaos_check.checked_output(job)
+    storage = Storage(root)
+    first = list_parts(storage, output_dir)[0]
     # The same rows again under a part name of the same shard that no commit ever wrote.
     again = part_name(shard_of_part(first), 99_999, attempt=999)
-    src = Path(storage.root) / job["output_dir"] / first
+    src = Path(storage.root) / output_dir / first
     shutil.copyfile(src, src.with_name(again))
-    copied = (
-        len(chaos_check.job_rows(job["storage_root"], job["output_dir"])) - job["request_total"]
-    )
+    copied = len(chaos_check.job_rows(root, output_dir)) - job["request_total"]
     assert copied > 0
 
     report = chaos_check.write_report(output)
