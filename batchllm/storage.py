@@ -16,6 +16,7 @@ the standard AWS variables, or given as pyarrow's URI options (`?region=...`).
 
 from __future__ import annotations
 
+import errno
 import functools
 import posixpath
 import re
@@ -100,6 +101,43 @@ def _s3_filesystem(netloc: str, query: str) -> pafs.FileSystem:
 
 _SHARD_PREFIX = "shard-"
 _SHARD_NAME = re.compile(r"shard-(\d+)\.parquet")
+
+
+# Errors that say the storage is away for now (a network fault, an overloaded or failing S3
+# endpoint, a full disk), not that a shard's data or a request is wrong. pyarrow raises a plain
+# OSError for S3 and names the cause in its message (AWS's error code, or the HTTP status).
+_OUTAGE_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ETIMEDOUT,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
+)
+_OUTAGE_MARKERS = re.compile(
+    r"NETWORK_CONNECTION|SLOW_DOWN|SERVICE_UNAVAILABLE|INTERNAL_FAILURE|REQUEST_TIMEOUT|"
+    r"THROTTLING|HTTP status 5\d\d|curlCode|Could not connect|Connection reset"
+)
+
+
+def storage_unavailable(exc: BaseException) -> bool:
+    """True when `exc` (or an error it was raised from) says the storage is unavailable for a
+    while, which waiting cures; False for an error that would recur."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ConnectionError | TimeoutError):
+            return True
+        if isinstance(error, OSError) and (
+            error.errno in _OUTAGE_ERRNOS or _OUTAGE_MARKERS.search(str(error))
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def token_file_of(shard_path: str) -> str:

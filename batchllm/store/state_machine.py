@@ -203,11 +203,18 @@ def requeue_shard(
 
 
 def count_shard_failure(
-    session: Session, shard_id: int, error: str, *, worker: str, delay: Callable[[int], float]
+    session: Session,
+    shard_id: int,
+    error: str,
+    *,
+    worker: str,
+    delay: Callable[[int], float],
+    count: bool = True,
 ) -> int | None:
     """A run of a shard failed with an error no row explains: count it, keep its message,
     and put the shard back (queued, not run before `delay(failures)` seconds from now). A shard
-    running under another worker is not touched. Returns the failures so far, None when the
+    running under another worker is not touched. `count=False`: not the shard's fault (its
+    storage was away), put back without counting. Returns the failures so far, None when the
     shard had ended or is not this worker's."""
     counted = update_shard(
         session,
@@ -217,7 +224,7 @@ def count_shard_failure(
             and_(Shard.status == ShardStatus.RUNNING, Shard.worker == worker),
         ),
         status=ShardStatus.QUEUED,
-        failures=Shard.failures + 1,
+        failures=Shard.failures + (1 if count else 0),
         error=error,
     )
     if not counted:
