@@ -3,8 +3,9 @@ workers on a private Redis and PostgreSQL, a fault every F seconds, then Jepsen-
 
 The harness starts its own services (batchllm/process/services.py: never the machine's), its
 workers (`batchllm worker --engine instant`, paced so that a run lasts minutes;
-execution/instant.py) and submits the jobs with the package's submit API (what `batchllm submit` calls). Once they
-are queued, it injects one fault every F seconds, drawn in a seeded random order from
+execution/instant.py) and submits the jobs with the package's submit API (what `batchllm
+submit` calls). Once they are queued, it injects one fault every F seconds, drawn in a seeded
+random order from
 benchmarks/chaos_faults.py's kinds, until 90% of the lines are committed (--quiet-after), then
 lets the fleet drain until every job is final (Jepsen's heal-then-drain), while a sampler
 records the rows the fleet committed (twice a second) and each shard's progress; every job
