@@ -5,10 +5,12 @@ spec they run under, and what they read back."""
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from sqlalchemy import update
 
 from batchllm.execution.stand_in_engines import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
@@ -18,7 +20,7 @@ from batchllm.output.parts import list_parts, read_output
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, ShardStatus
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 __all__ = ["FakeEngine", "FakeEngines"]
 
@@ -122,3 +124,21 @@ def crash_on_checkpoint(monkeypatch, crash_at: int) -> None:
         real(session, **kwargs)
 
     monkeypatch.setattr(commit, "record_checkpoint", record)
+
+
+def shard_row(settings, shard_id: int) -> Shard:
+    """The shard's row as stored now, detached from its session."""
+    with session_scope(settings) as session:
+        shard = session.get(Shard, shard_id)
+        session.expunge(shard)
+        return shard
+
+
+def past_backoff(settings, shard_id: int) -> None:
+    """Move the shard's retry_at into the past, as if its backoff had run out."""
+    with session_scope(settings) as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(retry_at=utcnow() - timedelta(seconds=1))
+        )

@@ -25,6 +25,8 @@ from tests.support.fake_runs import (
     create_items_job,
     make_spec,
     output_rows,
+    past_backoff,
+    shard_row,
     small_commits,
     write_items,
 )
@@ -42,22 +44,6 @@ def _failing_sizing(monkeypatch, calls: list[str]) -> None:
         raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
 
     monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", resolve_max_model_len)
-
-
-def _shard(settings, shard_id: int) -> Shard:
-    with session_scope(settings) as session:
-        shard = session.get(Shard, shard_id)
-        session.expunge(shard)
-        return shard
-
-
-def _past_backoff(settings, shard_id: int) -> None:
-    with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(retry_at=utcnow() - timedelta(seconds=1))
-        )
 
 
 def test_the_backoff_doubles_from_the_setting_up_to_ten_minutes(settings):
@@ -82,19 +68,19 @@ def test_a_failing_shard_is_counted_backed_off_and_ends_as_error_rows_after_the_
     for failures in (1, 2):
         outcome = process_shard(first, worker="w1", engines=engines, settings=settings)
         assert outcome is Outcome.RETRYING
-        shard = _shard(settings, first)
+        shard = shard_row(settings, first)
         assert (shard.status, shard.failures) == (ShardStatus.QUEUED, failures)
         assert shard.error == "TypeError: TextEncodeInput must be Union[TextInputSequence, ...]"
         # Not run again before its backoff, which doubles.
         expected = 30.0 * 2 ** (failures - 1)
         assert expected - 5 < backoff_left(first, settings=settings) <= expected
-        _past_backoff(settings, first)
+        past_backoff(settings, first)
         assert backoff_left(first, settings=settings) == 0.0
 
     outcome = process_shard(first, worker="w1", engines=engines, settings=settings)
     assert outcome is Outcome.FAILED  # its last allowed run: no task is sent again
     assert len(calls) == 3
-    shard = _shard(settings, first)
+    shard = shard_row(settings, first)
     assert shard.status is ShardStatus.COMPLETED
     assert shard.failures == 3
     assert "failed 3 times (BATCHLLM_MAX_SHARD_FAILURES)" in shard.error
@@ -132,7 +118,7 @@ def test_a_shard_that_ended_while_its_run_failed_is_not_counted_again(
         process_shard(shard_id, worker="w1", engines=FakeEngines(FakeEngine()), settings=settings)
         is Outcome.FAILED
     )
-    shard = _shard(settings, shard_id)
+    shard = shard_row(settings, shard_id)
     assert (shard.failures, shard.error) == (0, "ended elsewhere")
 
 
@@ -245,7 +231,7 @@ def test_the_task_of_a_failed_shard_comes_back_after_its_backoff_not_at_once(
     assert _deliver(shard_id) == "waiting"
     assert len(calls) == 1
     assert 35 < sent.calls[-1]["countdown"] <= 40
-    assert _shard(settings, shard_id).failures == 1
+    assert shard_row(settings, shard_id).failures == 1
 
 
 def test_an_error_mid_shard_keeps_its_committed_rows_and_counts_one_failure(
@@ -264,7 +250,7 @@ def test_an_error_mid_shard_keeps_its_committed_rows_and_counts_one_failure(
 
     assert outcome is Outcome.RETRYING  # not failed at once: retried after its backoff
     assert "could not record its end" not in caplog.text  # the runner handed it back itself
-    shard = _shard(settings, shard_id)
+    shard = shard_row(settings, shard_id)
     assert (shard.status, shard.failures) == (ShardStatus.QUEUED, 1)
     assert shard.error == "RuntimeError: a bug in the feed"
     kept = len(output_rows(settings, job_id))
@@ -272,7 +258,7 @@ def test_an_error_mid_shard_keeps_its_committed_rows_and_counts_one_failure(
     assert 25 < backoff_left(shard_id, settings=settings) <= 30
 
     # Its next run resumes after the committed rows and completes the shard.
-    _past_backoff(settings, shard_id)
+    past_backoff(settings, shard_id)
     assert (
         process_shard(shard_id, worker="w1", engines=FakeEngines(FakeEngine()), settings=settings)
         is Outcome.COMPLETED

@@ -22,6 +22,8 @@ from tests.support.fake_runs import (
     FakeEngines,
     create_items_job,
     output_rows,
+    past_backoff,
+    shard_row,
     small_commits,
 )
 
@@ -31,22 +33,6 @@ S3_503 = OSError(
     "When initiating multiple part upload for key 'jobs/j/output/part-s00000-a001-00000.parquet'"
     " in bucket 'b': AWS Error UNKNOWN (HTTP status 503) during CreateMultipartUpload operation"
 )
-
-
-def _shard(settings, shard_id: int) -> Shard:
-    with session_scope(settings) as session:
-        shard = session.get(Shard, shard_id)
-        session.expunge(shard)
-        return shard
-
-
-def _past_backoff(settings, shard_id: int) -> None:
-    with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(retry_at=utcnow() - timedelta(seconds=1))
-        )
 
 
 class _Outage:
@@ -98,11 +84,11 @@ def test_a_storage_outage_puts_the_shard_back_without_counting_it_and_loses_no_l
     for _ in range(5):
         outcome = process_shard(first, worker="w1", engines=engines, settings=settings)
         assert outcome is Outcome.RETRYING
-        shard = _shard(settings, first)
+        shard = shard_row(settings, first)
         assert (shard.status, shard.failures) == (ShardStatus.QUEUED, 0)
         assert "HTTP status 503" in (shard.error or "")
         assert shard.retry_at is not None and shard.retry_at > utcnow()
-        _past_backoff(settings, first)
+        past_backoff(settings, first)
     assert outage.refused >= 5  # each run's commit, and its last try as the run fails
     outage.away = False  # the storage is back
     for shard_id in (first, second):
@@ -137,17 +123,17 @@ def test_a_shard_giving_up_while_its_storage_is_away_waits_and_then_writes_a_row
     # Its one allowed failure is used up: it gives up, but its error rows cannot be written.
     outcome = process_shard(first, worker="w1", engines=engines, settings=settings)
     assert outcome is Outcome.RETRYING  # not ended: a task comes back after the backoff
-    shard = _shard(settings, first)
+    shard = shard_row(settings, first)
     assert (shard.status, shard.failures) == (ShardStatus.QUEUED, 1)
     assert "No space left on device" in (shard.error or "")
     assert outage.refused >= 1
     with session_scope(settings) as session:
         assert session.get(Job, job_id).status is not JobStatus.FAILED
     outage.away = False
-    _past_backoff(settings, first)
+    past_backoff(settings, first)
     outcome = process_shard(first, worker="w1", engines=engines, settings=settings)
     assert outcome is Outcome.FAILED  # gave up for good: its rows are error rows now
-    assert _shard(settings, first).status is ShardStatus.COMPLETED
+    assert shard_row(settings, first).status is ShardStatus.COMPLETED
     monkeypatch.undo()
     outcome = process_shard(second, worker="w1", engines=engines, settings=settings)
     assert outcome is Outcome.COMPLETED
