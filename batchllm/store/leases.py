@@ -12,7 +12,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from batchllm.errors import ShardBusy
-from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from batchllm.store.clock import lease_clock
+from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from batchllm.store.state_machine import (
     TAKING_WORK,
     end_shard,
@@ -39,7 +40,7 @@ def claim_shard(
     if shard is None or shard.status not in (ShardStatus.QUEUED, ShardStatus.RUNNING):
         return None
     job_status = session.scalar(select(Job.status).where(Job.id == shard.job_id))
-    now = utcnow()
+    now = lease_clock(session)
     stale = now - timedelta(seconds=lease_seconds)
     if job_status in (JobStatus.CANCELLING, JobStatus.CANCELLED):
         heartbeat_at = shard.heartbeat_at
@@ -67,7 +68,7 @@ def heartbeat(session: Session, owned: dict[int, int]) -> set[int]:
     """Refresh the heartbeat of the shards this worker runs ({shard id: attempt}); returns the
     ids it no longer owns (taken over after its lease ran out), which it must stop running."""
     lost = set()
-    now = utcnow()
+    now = lease_clock(session)
     for shard_id, attempt in owned.items():
         if not update_shard(
             session,
@@ -93,7 +94,7 @@ def requeue_stale_shards(
     Returns (shard id, job spec) for each shard put back, for the caller to enqueue. Each shard is
     moved by one conditional UPDATE, so of several sweeping workers only one re-enqueues it.
     """
-    stale = utcnow() - timedelta(seconds=lease_seconds)
+    stale = lease_clock(session) - timedelta(seconds=lease_seconds)
     found = session.execute(
         select(Shard.id, Job.spec)
         .join(Job)

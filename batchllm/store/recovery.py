@@ -14,6 +14,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from batchllm.store import state_machine
+from batchllm.store.clock import lease_clock
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def end_stale_shards_of_cancelled_jobs(
     """End as cancelled the running shards of cancelling jobs whose worker stopped
     heartbeating (no live worker will see the cancel), and any queued shard of such a job.
     Returns the ids of the jobs this ended (now `cancelled`)."""
-    stale = utcnow() - timedelta(seconds=lease_seconds)
+    stale = lease_clock(session) - timedelta(seconds=lease_seconds)
     query = (
         select(Shard)
         .join(Job)
@@ -124,7 +125,7 @@ def queued_shards_to_check(
 ) -> list[tuple[int, dict[str, Any]]]:
     """(shard id, job spec) of queued shards of runnable jobs whose task was sent long enough
     ago to be in the broker (or to have been picked up)."""
-    sent_before = utcnow() - timedelta(seconds=grace_seconds)
+    sent_before = lease_clock(session) - timedelta(seconds=grace_seconds)
     return list(
         session.execute(
             select(Shard.id, Job.spec)
@@ -141,26 +142,28 @@ def queued_shards_to_check(
 
 def mark_dispatched(session: Session, shard_ids: list[int]) -> None:
     if shard_ids:
-        session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(dispatched_at=utcnow()))
+        session.execute(
+            update(Shard).where(Shard.id.in_(shard_ids)).values(dispatched_at=lease_clock(session))
+        )
 
 
 def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> bool:
     """Take the right to re-send this queued shard's task; False if another reconciler took
     it (or a worker claimed the shard) since it was read."""
-    sent_before = utcnow() - timedelta(seconds=grace_seconds)
+    sent_before = lease_clock(session) - timedelta(seconds=grace_seconds)
     return state_machine.update_shard(
         session,
         shard_id,
         Shard.status == ShardStatus.QUEUED,
         Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
-        dispatched_at=utcnow(),
+        dispatched_at=lease_clock(session),
     )
 
 
 def fail_abandoned_local_runs(session: Session, lease_seconds: float) -> list[str]:
     """Jobs of a `batchllm run` that was killed (no heartbeat for a lease) end `failed`: no
     fleet will ever pick their shards up, and `in_progress` forever would be a lie."""
-    stale = utcnow() - timedelta(seconds=lease_seconds)
+    stale = lease_clock(session) - timedelta(seconds=lease_seconds)
     job_ids = session.scalars(
         select(Job.id)
         .join(Shard)
