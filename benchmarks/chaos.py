@@ -24,8 +24,9 @@ the services directly. With `--storage s3` (the default) the job storage is a bu
 moto S3 server of the run, copied to `storage/` before the server ends; `--storage dir` keeps
 it in a local directory (no s3-errors then).
 
-Not yet injected (issue 52): a full disk under the output, an EngineCore kill (a vLLM
-worker's), clock steps.
+With `--vllm-workers 1` a real vLLM worker (the tiny model, its own engine) takes shards beside
+the instant ones, and engine-kill kills its EngineCore. Not injected (issue 52): a full disk
+under a local output directory (the run's default output is S3, whose outage s3-errors is).
 """
 
 from __future__ import annotations
@@ -48,7 +49,17 @@ from typing import Any
 import batchllm
 from batchllm.process.services import PostgresCluster, RedisServer
 from benchmarks import chaos_check
-from benchmarks.chaos_faults import FAULT_KINDS, S3_ONLY, Injector, Schedule, Workers
+from benchmarks.chaos_disk import SmallDisk, can_mount
+from benchmarks.chaos_faults import (
+    DIR_ONLY,
+    FAULT_KINDS,
+    S3_ONLY,
+    Injector,
+    Schedule,
+    Workers,
+    available_kinds,
+)
+from benchmarks.chaos_metrics import Scraper
 from benchmarks.chaos_proxy import TcpProxy
 from benchmarks.chaos_s3 import MotoServer
 from benchmarks.chaos_workload import TenantJob, write_tenants
@@ -58,13 +69,24 @@ _REPO = Path(batchllm.__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
 FINAL = ("completed", "failed", "cancelled", "expired")
 # What the harness owns in its --output directory (removed before a run; the model is kept).
-OWNED = ("inputs", "storage", "home", "logs", "redis", "run.json", "report.json", "rows.png")
+OWNED = (
+    "inputs",
+    "storage",
+    "disk",
+    "home",
+    "logs",
+    "redis",
+    "run.json",
+    "report.json",
+    "rows.png",
+)
 
 
 @dataclass
 class Config:
     lines: int = 4000
     workers: int = 2
+    vllm_workers: int = 0  # real vLLM workers beside (engine-kill's victims); tiny model
     every: float = 12.0
     tenants: int = 3
     seed: int = 1
@@ -81,6 +103,8 @@ class Config:
     net_seconds: float = 6.0  # how long a net-delay or net-partition lasts
     net_delay: tuple[float, float] = (0.2, 0.5)  # a chunk's delay under net-delay, seconds
     s3_seconds: float = 6.0  # how long s3-errors lasts
+    disk_seconds: float = 6.0  # how long disk-full lasts
+    disk_mb: int = 2048  # the small disk's size (--storage dir with disk-full): holds the output
     stop_seconds: float | None = None  # default: a lease, two reconciles and 2 s
     quiet_after: float = 0.9  # no fault once this share of the lines is committed
     final_within: float = 120.0
@@ -95,12 +119,19 @@ class Config:
         if self.storage not in ("s3", "dir"):
             raise ValueError(f"storage {self.storage!r}: expected s3 or dir")
         if self.faults is None:
-            return [k for k in FAULT_KINDS if self.storage == "s3" or k not in S3_ONLY]
+            return available_kinds(self.storage, self.vllm_workers)
         unknown = sorted(set(self.faults) - set(FAULT_KINDS))
         if unknown:
             raise ValueError(f"unknown fault kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
         if self.storage != "s3" and set(self.faults) & set(S3_ONLY):
             raise ValueError(f"{', '.join(S3_ONLY)} need the S3 output (--storage s3)")
+        if set(self.faults) & set(DIR_ONLY) and not (self.storage == "dir" and can_mount()):
+            raise ValueError(
+                f"{', '.join(DIR_ONLY)} needs --storage dir and root (to mount the run's small "
+                "disk, a tmpfs)"
+            )
+        if "engine-kill" in self.faults and not self.vllm_workers:
+            raise ValueError("engine-kill needs a vLLM worker (--vllm-workers 1)")
         return list(self.faults)
 
     def resolved_stop_seconds(self) -> float:
@@ -250,12 +281,20 @@ class Services:
         if self.s3 is not None:
             self.proxies["s3"] = TcpProxy(name="s3", target_port=self.s3.port)
         self.local_storage = str(config.output.resolve() / "storage")
+        # disk-full's victim: the job storage on a tmpfs of the run's (copied out at the end).
+        self.disk = (
+            SmallDisk(config.output.resolve() / "disk", config.disk_mb)
+            if "disk-full" in config.resolved_faults()
+            else None
+        )
 
     def start(self) -> None:
         self.redis.start()
         self.postgres.start_new()
         if self.s3 is not None:
             self.s3.start()
+        if self.disk is not None:
+            self.disk.mount()
         for proxy in self.proxies.values():
             proxy.start()
 
@@ -266,6 +305,8 @@ class Services:
         self.postgres.destroy()
         if self.s3 is not None:
             self.s3.stop()
+        if self.disk is not None:
+            self.disk.unmount()
 
     def pids(self) -> dict[int, str]:
         found = {}
@@ -283,7 +324,9 @@ class Services:
 
     @property
     def storage(self) -> str:
-        return self.s3.storage if self.s3 is not None else self.local_storage
+        if self.s3 is not None:
+            return self.s3.storage
+        return str(self.disk.path / "jobs") if self.disk is not None else self.local_storage
 
     @contextlib.contextmanager
     def credentials(self) -> Iterator[None]:
@@ -315,15 +358,19 @@ class Services:
         }
 
     def mirror(self, jobs: list[dict[str, Any]]) -> None:
-        """S3 output: copy the bucket to the local storage directory before the server ends,
-        and point each job's `checked_root` and `checked_output_dir` at the copy."""
-        if self.s3 is None:
+        """S3 output (or the small disk's): copy it to the local storage directory before the
+        server ends (the disk is unmounted), and point each job's `checked_root` and
+        `checked_output_dir` at the copy."""
+        if self.s3 is not None:
+            self.s3.mirror(Path(self.local_storage))
+        elif self.disk is not None:
+            shutil.copytree(self.storage, self.local_storage, dirs_exist_ok=True)
+        else:
             return
-        self.s3.mirror(Path(self.local_storage))
         for job in jobs:
             job["checked_root"] = self.local_storage
             job["checked_output_dir"] = str(
-                Path(self.local_storage, job["output_dir"].removeprefix(self.s3.storage).strip("/"))
+                Path(self.local_storage, job["output_dir"].removeprefix(self.storage).strip("/"))
             )
 
 
@@ -375,13 +422,14 @@ def _submit(jobs: list[TenantJob], model: str, config: Config, direct: dict[str,
 def _job_rows(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, dict[str, Any]]:
     with postgres.connect() as conn:
         rows = conn.execute(
-            "SELECT id, status, request_total, request_completed, request_failed, error, "
-            "storage_root, output_dir FROM jobs WHERE id = ANY(%s)",
+            "SELECT id, storage_root, output_dir, status, request_total, request_completed, "
+            "request_failed, error, prompt_tokens, completion_tokens FROM jobs WHERE id = ANY(%s)",
             (job_ids,),
         ).fetchall()
-    keys = ("status", "request_total", "request_completed", "request_failed", "error")
+    keys: tuple[str, ...] = ("status", "request_total", "request_completed", "request_failed")
+    keys += ("error", "prompt_tokens", "completion_tokens")
     return {
-        r[0]: {**dict(zip(keys, r[1:6])), "storage_root": r[6], "output_dir": r[7]} for r in rows
+        r[0]: {"storage_root": r[1], "output_dir": r[2], **dict(zip(keys, r[3:]))} for r in rows
     }
 
 
@@ -463,15 +511,19 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
             f"chaos: Redis :{redis.port}, PostgreSQL :{postgres.port}, storage "
             f"{services.storage}; workers through proxies "
             + ", ".join(f"{name} :{p.port}" for name, p in services.proxies.items())
-            + f"; {config.workers} workers"
+            + f"; {config.workers} workers, {config.vllm_workers} of vLLM"
         )
         workers.start(config.workers)
+        if config.vllm_workers:
+            vllm_args = ["--engine", "vllm", "--max-model-len", str(MAX_MODEL_LEN)]
+            workers.start(config.vllm_workers, vllm_args)
         t0 = time.monotonic()
         with services.credentials():
             job_ids = _submit(jobs, model, config, services.direct(Path(env["BATCHLLM_HOME"])))
         say(f"chaos: {len(job_ids)} jobs submitted in {time.monotonic() - t0:.1f} s: {job_ids}")
         lines = sum(len(chaos_check.expected_lines(job.source)) for job in jobs)
-        with Sampler(postgres, job_ids, t0) as sampler:
+        scraper = Scraper(lambda: _scraped(workers), t0)
+        with Sampler(postgres, job_ids, t0) as sampler, scraper:
             injector = Injector(
                 workers=workers,
                 redis=redis,
@@ -484,10 +536,16 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
                 net_seconds=config.net_seconds,
                 net_delay=config.net_delay,
                 s3_seconds=config.s3_seconds,
+                lease_seconds=config.lease_seconds,
+                disk=services.disk,
+                disk_seconds=config.disk_seconds,
             )
             record["faults"] = _fault_loop(
                 config, sampler, injector, workers, t0=t0, lines=lines, say=say
             )
+            # Every job is final: no more commits, so the living workers' counters are exact.
+            scraper.scrape_all()
+        record["metrics"] = {**scraper.run_entry(), "all_final": sampler.all_final()}
         record["drained"] = round(time.monotonic() - t0, 2)
         workers.stop_all()
         ended = _job_rows(postgres, job_ids)
@@ -517,6 +575,12 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
     record["orphans"] = [{"pid": pid, "cmdline": cmd} for pid, cmd in sorted(left.items())]
     (config.output / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     return chaos_check.write_report(config.output, record)
+
+
+def _scraped(workers: Workers) -> list[tuple[str, int]]:
+    """The workers whose metrics to read: every one alive and not paused, the draining ones too
+    (they still commit rows)."""
+    return [(w.name, w.metrics_port) for w in workers.all if w.alive() and not w.paused]
 
 
 def _alive(pid: int) -> bool:
@@ -555,6 +619,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--every", type=float, default=defaults.every, help="seconds between faults"
     )
+    parser.add_argument(
+        "--vllm-workers",
+        type=int,
+        default=defaults.vllm_workers,
+        help="real vLLM workers beside the instant ones (the tiny model; engine-kill's victims)",
+    )
     parser.add_argument("--tenants", type=int, default=defaults.tenants, help="ordinary tenants")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--output", type=Path, default=defaults.output)
@@ -569,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("s3", "dir"),
         default=defaults.storage,
         help="the job storage: a bucket on a moto S3 server of the run (needs moto[server]), "
-        "or a local directory (no s3-errors)",
+        "or a local directory (no s3-errors; as root on a tmpfs of the run's, for disk-full)",
     )
     parser.add_argument("--poison-lines", type=int, default=None, help="0: no poison tenant")
     parser.add_argument("--shard-size", type=int, default=defaults.shard_size)
@@ -597,6 +667,15 @@ def main(argv: list[str] | None = None) -> int:
         "--s3-seconds", type=float, default=defaults.s3_seconds, help="how long s3-errors lasts"
     )
     parser.add_argument(
+        "--disk-seconds", type=float, default=defaults.disk_seconds, help="how long disk-full lasts"
+    )
+    parser.add_argument(
+        "--disk-mb",
+        type=int,
+        default=defaults.disk_mb,
+        help="the small disk's size (--storage dir with disk-full); it must hold the output",
+    )
+    parser.add_argument(
         "--quiet-after",
         type=float,
         default=defaults.quiet_after,
@@ -614,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(
         lines=args.lines,
         workers=args.workers,
+        vllm_workers=args.vllm_workers,
         every=args.every,
         tenants=args.tenants,
         seed=args.seed,
@@ -631,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         net_seconds=args.net_seconds,
         net_delay=tuple(ms / 1000 for ms in _span(args.net_delay)),  # type: ignore[arg-type]
         s3_seconds=args.s3_seconds,
+        disk_seconds=args.disk_seconds,
+        disk_mb=args.disk_mb,
         quiet_after=args.quiet_after,
         final_within=args.final_within,
         timeout=args.timeout,

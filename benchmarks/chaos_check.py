@@ -1,7 +1,9 @@
 """The chaos run's checker, in the spirit of Jepsen's total-queue checker: after the run
 drained, every input line of every job is in the job's Parquet output exactly once (an `ok` row
 or an honest error row), no row the input never asked for, every job completed within a bound
-of the last fault, the database's counts agree with the rows, and no process of the run is left.
+of the last fault, the database's counts (rows and tokens) agree with the rows, the workers'
+Prometheus counters agree with the database (benchmarks/chaos_metrics.py), and no process of
+the run is left.
 
 It reads what the harness (benchmarks/chaos.py) recorded in `run.json` (the jobs, their inputs
 and final states, the faults, the committed-rows timeline, the workers, any process left) and
@@ -23,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from batchllm.output.parts import read_output
+from batchllm.output.parts import generated_tokens, read_output
 from batchllm.storage import Storage
+from benchmarks.chaos_metrics import check_metrics, not_checked
 
 SHOWN = 10  # line numbers listed per finding; the counts are whole
 RESULT_REASONS = ("stop", "length")  # an `ok` row with another finish reason is no result
@@ -171,6 +175,19 @@ def job_rows(storage_root: str, output_dir: str) -> pa.Table:
     return read_output(Storage(storage_root), output_dir)
 
 
+def output_tokens(table: pa.Table) -> tuple[int, int]:
+    """The prompt and completion tokens of a job's rows, counted as a commit counts them
+    (output/parts.py part_of): a null (an error row's) as 0, every sample of a row with n > 1."""
+    prompt = pc.sum(table["prompt_tokens"]).as_py() or 0
+    choices = table["choices"] if "choices" in table.schema.names else None
+    if choices is None or choices.null_count == len(choices):  # no row has several samples
+        return prompt, pc.sum(table["completion_tokens"]).as_py() or 0
+    completion = sum(
+        map(generated_tokens, choices.to_pylist(), table["completion_tokens"].to_pylist())
+    )
+    return prompt, completion
+
+
 # -- the run --------------------------------------------------------------------------------
 
 
@@ -182,6 +199,22 @@ def _db_disagrees(job: dict[str, Any], rows: RowsCheck) -> str | None:
     return (
         f"database total/completed/failed {counts[0]}/{counts[1]}/{counts[2]}, output "
         f"{rows.expected} lines, {rows.ok_rows} ok and {rows.error_rows} error rows"
+    )
+
+
+def _has_token_counts(job: dict[str, Any]) -> bool:
+    """Whether run.json recorded the job's token counts (an older harness did not)."""
+    return "prompt_tokens" in job and "completion_tokens" in job
+
+
+def _tokens_disagree(job: dict[str, Any], tokens: tuple[int, int]) -> str | None:
+    """The database's token counts against the sums over the rows the output holds."""
+    recorded = (job["prompt_tokens"], job["completion_tokens"])
+    if recorded == tokens:
+        return None
+    return (
+        f"database prompt/completion tokens {recorded[0]}/{recorded[1]}, output rows "
+        f"{tokens[0]}/{tokens[1]}"
     )
 
 
@@ -258,43 +291,82 @@ def rates(timeline: list[list[Any]], bucket: float = RATE_BUCKET_S) -> list[list
     return out
 
 
+def _job_entry(job: dict[str, Any], last_fault: float) -> dict[str, Any]:
+    """One job's part of the report: its rows' check, when it ended, and how the database's
+    counts compare with its rows."""
+    table = job_rows(*checked_output(job))
+    rows = check_rows(
+        table, expected_lines(Path(job["input"])), Expectation.from_json(job.get("expect"))
+    )
+    final_at = job.get("final_at")
+    late = None if final_at is None else round(max(0.0, final_at - last_fault), 1)
+    tokens = output_tokens(table)
+    tokens_checked = _has_token_counts(job)
+    return {
+        "id": job["id"],
+        "tenant": job["tenant"],
+        "status": job.get("status"),
+        "final_after_last_fault_s": late,
+        "db_disagrees": _db_disagrees(job, rows),
+        "tokens_checked": tokens_checked,
+        "output_prompt_tokens": tokens[0],
+        "output_completion_tokens": tokens[1],
+        "tokens_disagree": _tokens_disagree(job, tokens) if tokens_checked else None,
+        **asdict(rows),
+    }
+
+
+def _job_problems(entry: dict[str, Any], job: dict[str, Any], bound: float) -> list[str]:
+    name = f"{job['tenant']} ({job['id']})"
+    problems = []
+    late = entry["final_after_last_fault_s"]
+    if job.get("status") != "completed":
+        problems.append(f"{name} ended {job.get('status')}: {job.get('error')}")
+    elif late is None or late > bound:
+        problems.append(f"{name} final {late} s after the last fault (bound {bound:.0f} s)")
+    for finding in ("lost", "duplicated", "unexpected", "wrong_status", "not_results"):
+        count = entry[f"{finding}_count"]
+        if count:
+            problems.append(f"{name}: {count} {finding} (lines {entry[finding]})")
+    for disagreement in ("db_disagrees", "tokens_disagree"):
+        if entry[disagreement]:
+            problems.append(f"{name}: {entry[disagreement]}")
+    return problems
+
+
+def _metrics_check(run: dict[str, Any]) -> dict[str, Any]:
+    """The workers' scraped counters against the database's rows over every job; a run.json
+    without scrapes (workers run without --metrics-port, an older harness) is not checked."""
+    if not run.get("metrics"):
+        return not_checked("run.json has no metrics")
+    if run["metrics"].get("all_final") is False:
+        # The last scrape was not the last word: the workers committed on while they stopped.
+        return not_checked("not every job was final at the last scrape")
+    jobs = run["jobs"]
+    db_rows = sum((j.get("request_completed") or 0) + (j.get("request_failed") or 0) for j in jobs)
+    with_tokens = all("completion_tokens" in j for j in jobs)
+    db_tokens = sum(j["completion_tokens"] or 0 for j in jobs) if with_tokens else None
+    return check_metrics(
+        run["metrics"], run.get("workers", []), run.get("timeline", []), db_rows, db_tokens
+    )
+
+
 def check_run(run: dict[str, Any]) -> dict[str, Any]:
     """The report of a recorded run: per job its rows' check and its end, the faults with
-    their recovery times, rows/s over time, the processes left, and the verdict."""
+    their recovery times, rows/s over time, the workers' metrics against the database, the
+    processes left, and the verdict."""
     config = run.get("config", {})
     bound = float(config.get("final_within", 120))
     faults = fault_recoveries(run)
     last_fault = max((f.get("restored") or f["began"] for f in faults), default=0.0)
     jobs, problems = [], []
     for job in run["jobs"]:
-        expected = expected_lines(Path(job["input"]))
-        rows = check_rows(
-            job_rows(*checked_output(job)),
-            expected,
-            Expectation.from_json(job.get("expect")),
-        )
-        final_at = job.get("final_at")
-        late = None if final_at is None else round(max(0.0, final_at - last_fault), 1)
-        entry = {
-            "id": job["id"],
-            "tenant": job["tenant"],
-            "status": job.get("status"),
-            "final_after_last_fault_s": late,
-            "db_disagrees": _db_disagrees(job, rows),
-            **asdict(rows),
-        }
+        entry = _job_entry(job, last_fault)
         jobs.append(entry)
-        name = f"{job['tenant']} ({job['id']})"
-        if job.get("status") != "completed":
-            problems.append(f"{name} ended {job.get('status')}: {job.get('error')}")
-        elif late is None or late > bound:
-            problems.append(f"{name} final {late} s after the last fault (bound {bound:.0f} s)")
-        for finding in ("lost", "duplicated", "unexpected", "wrong_status", "not_results"):
-            count = entry[f"{finding}_count"]
-            if count:
-                problems.append(f"{name}: {count} {finding} (lines {entry[finding]})")
-        if entry["db_disagrees"]:
-            problems.append(f"{name}: {entry['db_disagrees']}")
+        problems += _job_problems(entry, job, bound)
+    metrics = _metrics_check(run)
+    if not metrics["passed"]:
+        problems.append(metrics["problem"])
     orphans = run.get("orphans", [])
     if orphans:
         problems.append(f"{len(orphans)} process(es) of the run left: {orphans}")
@@ -318,6 +390,7 @@ def check_run(run: dict[str, Any]) -> dict[str, Any]:
             for key in ("expected", "rows", "lost_count", "duplicated_count", "unexpected_count")
         },
         "jobs": jobs,
+        "metrics": metrics,
         "faults": faults,
         "faults_by_kind": dict(sorted(by_kind.items())),
         "rows_per_s": rates(run.get("timeline", [])),
@@ -367,9 +440,36 @@ def summary(report: dict[str, Any]) -> str:
         )
     peak = max((r for _, r in report["rows_per_s"]), default=0.0)
     lines.append(f"rows/s: peak {peak:,.0f} over {RATE_BUCKET_S:.0f} s buckets")
+    lines.append(_tokens_line(report["jobs"]))
+    lines.append(_metrics_line(report.get("metrics") or not_checked("no metrics in the report")))
     lines += [f"PROBLEM: {p}" for p in report["problems"][:10]]
     lines += [f"WARNING: {w[:200]}" for w in report.get("warnings", [])[:5]]
     return "\n".join(lines)
+
+
+def _tokens_line(jobs: list[dict[str, Any]]) -> str:
+    unchecked = sum(not j.get("tokens_checked") for j in jobs)
+    disagree = sum(bool(j.get("tokens_disagree")) for j in jobs)
+    if unchecked == len(jobs):
+        return "tokens vs rows: not checked (run.json has no token counts)"
+    line = f"tokens vs rows: {len(jobs) - unchecked - disagree} of {len(jobs)} jobs agree"
+    if disagree:
+        line += f", {disagree} DISAGREE"
+    if unchecked:
+        line += f", {unchecked} not checked"
+    return line
+
+
+def _metrics_line(metrics: dict[str, Any]) -> str:
+    if not metrics["checked"]:
+        return f"metrics vs database: {metrics['note']}"
+    tokens = metrics["db_completion_tokens"]
+    return (
+        f"metrics vs database: {'ok' if metrics['passed'] else 'FAILED'}; rows "
+        f"{metrics['metrics_rows']:,} of {metrics['db_rows']:,} ({metrics['unscraped_rows']:,} "
+        f"unscraped, slack {metrics['allowed_slack']:,}); completion tokens "
+        f"{metrics['metrics_completion_tokens']:,} of {'-' if tokens is None else f'{tokens:,}'}"
+    )
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:

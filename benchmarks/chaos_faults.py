@@ -19,6 +19,14 @@ next begins):
   connections are reset, open ones stall; then it heals and the stalled bytes flow on.
 - s3-errors: the S3 endpoint fails for a while (S3 output only): open connections are reset,
   new requests reset or answered `503 Slow Down`, commits included.
+- disk-full: the run's output disk (`--storage dir`: a tmpfs of its own, benchmarks/chaos_disk.py)
+  filled to the last byte for a while, then freed: every part file write fails with ENOSPC.
+- clock-step: a busy instant worker's wall clock jumps 3 leases ahead or behind (drawn) and
+  stays there (a clock set wrong, an NTP step): every instant worker runs with
+  benchmarks/chaos_clock/sitecustomize.py, which steps Python's time.time and batchllm's
+  utcnow by the offset in the worker's clock file. Leases read the database's clock
+  (batchllm/store/clock.py), so the stepped worker must neither take over live shards nor
+  lose its own.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ from typing import Any
 
 import psutil
 
+from batchllm.process.ports import free_port
 from batchllm.process.services import PostgresCluster, RedisServer, ServiceFailed, tail
+from benchmarks.chaos_disk import SmallDisk, can_mount
 from benchmarks.chaos_proxy import TcpProxy
 
 FAULT_KINDS = (
@@ -47,10 +57,29 @@ FAULT_KINDS = (
     "net-delay",
     "net-partition",
     "s3-errors",
+    "clock-step",
+    "engine-kill",
+    "disk-full",
 )
-WORKER_FAULTS = ("kill9", "sigterm", "sigstop")
+WORKER_FAULTS = ("kill9", "sigterm", "sigstop", "clock-step", "engine-kill")
 NET_FAULTS = ("net-delay", "net-partition")
 S3_ONLY = ("s3-errors",)  # kinds that need the S3 output (--storage s3)
+DIR_ONLY = ("disk-full",)  # kinds that need the output on the run's small disk (--storage dir)
+CLOCK_SITE = Path(__file__).resolve().parent / "chaos_clock"  # its sitecustomize steps clocks
+
+
+def available_kinds(storage: str, vllm_workers: int = 0) -> list[str]:
+    """The fault kinds a run with this storage (and this many vLLM workers) can inject on this
+    machine."""
+    return [
+        kind
+        for kind in FAULT_KINDS
+        if (storage == "s3" or kind not in S3_ONLY)
+        and (kind not in DIR_ONLY or (storage == "dir" and can_mount()))
+        and (kind != "engine-kill" or vllm_workers > 0)
+    ]
+
+
 READY_TIMEOUT = 180
 
 
@@ -61,17 +90,27 @@ class ChaosWorker:
     def __init__(
         self, name: str, *, model: str, env: dict[str, str], log_path: Path, engine_args: list[str]
     ) -> None:
-        self.name, self.log_path = name, log_path
+        self.name, self.log_path, self.engine_args = name, log_path, engine_args
+        self.real_engine = "instant" not in engine_args  # a vLLM worker (engine-kill's victim)
         self.started = time.monotonic()
         self.ended: float | None = None
         self.how_ended = ""
         self.paused = False
         self.terminated = False  # SIGTERM sent once: a second one would cut its drain short
         self.recorded: dict[int, float] = {}
+        self.metrics_port = free_port()
+        # Its wall clock's offset in seconds (clock-step), read by benchmarks/chaos_clock's
+        # sitecustomize at most once a second. Not under a vLLM worker (its engine's processes).
+        self.clock_file = log_path.with_suffix(".clock")
+        self.clock_ahead = 0.0
+        self.clock_file.write_text("0\n")
+        if not self.real_engine:
+            path = os.pathsep.join(filter(None, [str(CLOCK_SITE), env.get("PYTHONPATH")]))
+            env = {**env, "PYTHONPATH": path, "BATCHLLM_CHAOS_CLOCK_FILE": str(self.clock_file)}
         with log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "batchllm", "worker", "--model", model, "--name", name]
-                + ["--loglevel", "INFO", *engine_args],
+                + ["--loglevel", "INFO", "--metrics-port", str(self.metrics_port), *engine_args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -114,6 +153,25 @@ class ChaosWorker:
             time.sleep(0.2)
         self.record_descendants()
         return time.monotonic() - self.started
+
+    def engine_core(self) -> psutil.Process | None:
+        """Its vLLM EngineCore process (titled `VLLM::EngineCore`), once its engine is up."""
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return None
+        for child in children:
+            try:
+                if "EngineCore" in " ".join(child.cmdline()) or "EngineCor" in child.name():
+                    return child
+            except psutil.Error:
+                continue
+        return None
+
+    def step_clock(self, seconds: float) -> None:
+        """Its wall clock jumps by `seconds` (back when negative), seen within a second."""
+        self.clock_ahead += seconds
+        self.clock_file.write_text(f"{self.clock_ahead:.0f}\n")
 
     def send(self, sig: signal.Signals) -> None:
         self.record_descendants()
@@ -190,7 +248,7 @@ class Workers:
         # Workers that exited without a fault or a stop: name, exit code, their last complaint.
         self.unplanned: list[dict[str, Any]] = []
 
-    def start(self, count: int) -> list[ChaosWorker]:
+    def start(self, count: int, engine_args: list[str] | None = None) -> list[ChaosWorker]:
         started = []
         for _ in range(count):
             self.serial += 1
@@ -200,7 +258,7 @@ class Workers:
                 model=self.model,
                 env=self.env,
                 log_path=self.log_dir / f"{name}.log",
-                engine_args=self.engine_args,
+                engine_args=engine_args or self.engine_args,
             )
             self.all.append(worker)
             started.append(worker)
@@ -227,8 +285,8 @@ class Workers:
                     "log": str(worker.log_path),
                 }
             )
-        if gone:
-            self.start(len(gone))
+        for worker in gone:
+            self.start(1, worker.engine_args)
         return [w.name for w in gone]
 
     def stop_all(self) -> None:
@@ -301,6 +359,9 @@ class Injector:
         net_seconds: float = 6.0,
         net_delay: tuple[float, float] = (0.2, 0.5),
         s3_seconds: float = 6.0,
+        lease_seconds: float = 10.0,
+        disk: SmallDisk | None = None,
+        disk_seconds: float = 6.0,
     ) -> None:
         self.workers, self.redis, self.postgres = workers, redis, postgres
         self.rng, self.held = rng, held
@@ -309,12 +370,19 @@ class Injector:
         # "s3"): the network faults act on them.
         self.proxies = proxies or {}
         self.net_seconds, self.net_delay, self.s3_seconds = net_seconds, net_delay, s3_seconds
+        self.lease_seconds = lease_seconds
+        self.disk, self.disk_seconds = disk, disk_seconds
 
-    def _victim(self) -> tuple[ChaosWorker, list[dict[str, Any]]]:
-        """A worker that runs a shard now, if any does (so the fault bites), else any."""
+    def _victim(self, kind: str) -> tuple[ChaosWorker, list[dict[str, Any]]]:
+        """A worker that runs a shard now, if any does (so the fault bites), else any; for
+        engine-kill a vLLM worker whose engine is up, for clock-step an instant one."""
         active = self.workers.active()
+        if kind == "engine-kill":
+            active = [w for w in active if w.real_engine and w.engine_core() is not None]
+        elif kind == "clock-step":
+            active = [w for w in active if not w.real_engine]
         if not active:
-            raise ServiceFailed("no active worker to inject a fault into")
+            raise ServiceFailed(f"no active worker to inject {kind} into")
         holding = [(w, self.held(w.name) or []) for w in active]
         busy = [(w, shards) for w, shards in holding if shards]
         return self.rng.choice(busy or holding)
@@ -322,10 +390,10 @@ class Injector:
     def inject(self, kind: str) -> dict[str, Any]:
         record: dict[str, Any] = {"kind": kind, "began": time.monotonic(), "victim": None}
         if kind in WORKER_FAULTS:
-            victim, shards = self._victim()
+            victim, shards = self._victim(kind)
             record.update(victim=victim.name, held_shards=shards)
             record["began"] = time.monotonic()
-            getattr(self, "_" + kind)(victim, record)
+            getattr(self, "_" + kind.replace("-", "_"))(victim, record)
         elif kind == "redis-restart":
             self.redis.restart()
         elif kind == "pg-outage":
@@ -336,6 +404,8 @@ class Injector:
             self._net(kind, record)
         elif kind == "s3-errors":
             self._s3_errors(record)
+        elif kind == "disk-full":
+            self._disk_full(record)
         else:
             raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
         record["restored"] = time.monotonic()
@@ -346,13 +416,13 @@ class Injector:
         victim.send(signal.SIGKILL)
         victim.proc.wait(timeout=30)
         victim.note_end()
-        (new,) = self.workers.start(1)
+        (new,) = self.workers.start(1, victim.engine_args)
         record["note"] = f"replaced by {new.name}"
 
     def _sigterm(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
         victim.how_ended = "SIGTERM (drain)"
         victim.terminate()
-        (new,) = self.workers.start(1)
+        (new,) = self.workers.start(1, victim.engine_args)
         record["note"] = f"draining; replaced by {new.name}"
 
     def _sigstop(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
@@ -362,6 +432,32 @@ class Injector:
         victim.send(signal.SIGCONT)
         victim.paused = False
         record["note"] = f"paused {self.stop_seconds:.0f} s"
+
+    def _engine_kill(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
+        """kill -9 of the vLLM worker's EngineCore; the worker rebuilds its engine or exits
+        with an error (then it is replaced, as its supervisor would). An exit within 20 s is
+        this fault's; a later one is the harness's unplanned-exit watch's."""
+        core = victim.engine_core()
+        if core is None:
+            raise ServiceFailed(f"{victim.name}'s EngineCore is gone before the kill")
+        victim.record_descendants()
+        core.kill()
+        deadline = time.monotonic() + 20
+        while victim.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if victim.alive():
+            record["note"] = f"EngineCore {core.pid} killed; the worker lives on"
+            return
+        victim.how_ended = f"exited with {victim.proc.returncode} after its engine was killed"
+        victim.note_end()
+        (new,) = self.workers.start(1, victim.engine_args)
+        record["note"] = f"EngineCore {core.pid} killed; the worker exited; replaced by {new.name}"
+
+    def _clock_step(self, victim: ChaosWorker, record: dict[str, Any]) -> None:
+        step = self.rng.choice([1, -1]) * 3 * self.lease_seconds
+        victim.step_clock(step)
+        time.sleep(2)  # the worker reads its clock file at most once a second
+        record["note"] = f"wall clock {step:+.0f} s (now {victim.clock_ahead:+.0f} s off)"
 
     def _targets(self) -> tuple[str, list[TcpProxy]]:
         """One service's proxy, or all of them, drawn."""
@@ -392,6 +488,19 @@ class Injector:
         else:
             what = "cut off"
         record["note"] = f"{target}: {what} for {self.net_seconds:.0f} s"
+
+    def _disk_full(self, record: dict[str, Any]) -> None:
+        if self.disk is None:
+            raise ValueError("disk-full needs the output on the run's small disk (--storage dir)")
+        record["began"] = time.monotonic()
+        try:
+            taken = self.disk.fill()
+            record["free_bytes"] = self.disk.free_bytes()
+            time.sleep(self.disk_seconds)
+        finally:
+            self.disk.free()
+        record.update(target="disk", ballast_bytes=taken)
+        record["note"] = f"{taken / 1e6:.0f} MB of ballast: full for {self.disk_seconds:.0f} s"
 
     def _s3_errors(self, record: dict[str, Any]) -> None:
         proxy = self.proxies.get("s3")

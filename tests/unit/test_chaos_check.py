@@ -1,7 +1,8 @@
 """The chaos run's checker (benchmarks/chaos_check.py) on hand-made output: it passes a job
 whose every input line came out exactly once, and catches a lost, a duplicated and an
 unexpected row, a row of the wrong status, and an `ok` row that is no result; a recorded run
-read back from Parquet part files on disk is judged the same way."""
+read back from Parquet part files on disk is judged the same way, its database token counts
+against the rows' tokens and its workers' scraped counters against the database."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from benchmarks.chaos_check import (
     custom_id_of,
     expected_lines,
     fault_recoveries,
+    output_tokens,
     summary,
 )
 
@@ -39,6 +41,9 @@ def _row(line: int, custom_id: str | None = None, status: str = "ok", reason: st
         "text": "x" if status == "ok" else None,
         "finish_reason": reason if status == "ok" else None,
         "error": None if status == "ok" else "bad line",
+        # An ok row of line N used N + 10 prompt and N completion tokens; an error row none.
+        "prompt_tokens": line + 10 if status == "ok" else None,
+        "completion_tokens": line if status == "ok" else None,
     }
 
 
@@ -218,3 +223,93 @@ def _run_faults_only() -> dict:
         "timeline": [[9.5, 2], [10.5, 2], [11.0, 3], [30.5, 3], [35.5, None], [38.0, 5]],
         "shard_progress": {"1": [[5.0, 2, "running"], [24.0, 3, "running"]]},
     }
+
+
+# -- tokens: the database's counts against the rows' ------------------------------------------
+
+
+def test_tokens_count_every_sample_and_error_rows_as_none():
+    rows = [_row(1), _row(2, status="error"), _row(3)]
+    rows[2]["choices"] = [
+        {"index": 0, "text": "a", "finish_reason": "length", "completion_tokens": 3},
+        {"index": 1, "text": "b", "finish_reason": "stop", "completion_tokens": 5},
+    ]
+    # Prompt 11 + 13; completion 1 for line 1, both samples (3 + 5) for line 3.
+    assert output_tokens(_table(rows)) == (24, 9)
+    assert output_tokens(_table([_row(1), _row(2, status="error")])) == (11, 1)
+
+
+def _with_tokens(run: dict, prompt: int, completion: int) -> dict:
+    run["jobs"][0].update(prompt_tokens=prompt, completion_tokens=completion)
+    return run
+
+
+def test_token_counts_equal_to_the_rows_pass(tmp_path):
+    # Lines 1-5: prompt 11 + ... + 15 = 65, completion 1 + ... + 5 = 15.
+    run = _with_tokens(_run(tmp_path, [[_row(n) for n in range(1, 6)]]), 65, 15)
+    report = check_run(run)
+    assert report["passed"], report["problems"]
+    job = report["jobs"][0]
+    assert job["tokens_checked"] and job["tokens_disagree"] is None
+    assert (job["output_prompt_tokens"], job["output_completion_tokens"]) == (65, 15)
+    assert "tokens vs rows: 1 of 1 jobs agree" in summary(report)
+
+
+def test_a_token_count_the_rows_do_not_add_up_to_fails_the_run(tmp_path):
+    run = _with_tokens(_run(tmp_path, [[_row(n) for n in range(1, 6)]]), 65, 17)
+    report = check_run(run)
+    assert not report["passed"]
+    message = "database prompt/completion tokens 65/17, output rows 65/15"
+    assert report["jobs"][0]["tokens_disagree"] == message
+    assert report["problems"] == [f"tenant-1 (job_1): {message}"]
+    text = summary(report)
+    assert "FAILED" in text and message in text and "1 DISAGREE" in text
+
+
+def test_a_run_json_without_token_counts_passes_with_tokens_not_checked(tmp_path):
+    run = _run(tmp_path, [[_row(n) for n in range(1, 6)]])
+    assert "prompt_tokens" not in run["jobs"][0]
+    report = check_run(run)
+    assert report["passed"], report["problems"]
+    assert report["jobs"][0]["tokens_checked"] is False
+    assert report["jobs"][0]["tokens_disagree"] is None
+    assert "tokens vs rows: not checked" in summary(report)
+
+
+# -- metrics: the workers' scraped counters against the database ------------------------------
+
+
+def _metrics(rows: int, at: float = 40.0) -> dict:
+    return {
+        "workers": {"w1@x": {"rows": rows, "prompt_tokens": 0, "completion_tokens": 15, "at": at}},
+        "final_scrape_at": at,
+    }
+
+
+def test_a_run_json_without_metrics_passes_with_metrics_not_checked(tmp_path):
+    report = check_run(_run(tmp_path, [[_row(n) for n in range(1, 6)]]))
+    assert report["passed"], report["problems"]
+    assert report["metrics"]["checked"] is False
+    assert "metrics vs database: not checked" in summary(report)
+
+
+def test_metrics_agreeing_with_the_database_pass(tmp_path):
+    run = _with_tokens(_run(tmp_path, [[_row(n) for n in range(1, 6)]]), 65, 15)
+    run["workers"] = [{"name": "w1@x", "started": -1.0, "ended": 55.0, "exit": 0}]
+    run["metrics"] = _metrics(rows=5)
+    report = check_run(run)
+    assert report["passed"], report["problems"]
+    assert report["metrics"]["checked"] and report["metrics"]["passed"]
+    assert (report["metrics"]["metrics_rows"], report["metrics"]["db_rows"]) == (5, 5)
+    assert report["metrics"]["db_completion_tokens"] == 15
+    assert "metrics vs database: ok; rows 5 of 5" in summary(report)
+
+
+def test_metrics_counting_more_rows_than_the_database_fail_the_run(tmp_path):
+    run = _run(tmp_path, [[_row(n) for n in range(1, 6)]])
+    run["workers"] = [{"name": "w1@x", "started": -1.0, "ended": 55.0, "exit": 0}]
+    run["metrics"] = _metrics(rows=7)
+    report = check_run(run)
+    assert not report["passed"]
+    assert report["problems"] == ["metrics count 7 rows, the database 5: 2 counted twice"]
+    assert "metrics vs database: FAILED" in summary(report)

@@ -5,7 +5,12 @@ checker reports how soon rows came again after a fault healed."""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +18,8 @@ import pytest
 
 from benchmarks.chaos import Config
 from benchmarks.chaos_check import fault_recoveries
-from benchmarks.chaos_faults import FAULT_KINDS, Injector, Schedule
+from benchmarks.chaos_disk import SmallDisk, can_mount
+from benchmarks.chaos_faults import CLOCK_SITE, FAULT_KINDS, Injector, Schedule
 from benchmarks.chaos_proxy import ProxyStats
 
 
@@ -71,7 +77,7 @@ def test_s3_errors_are_drawn_only_with_the_s3_output_and_refused_without_it():
     with pytest.raises(ValueError, match="S3 output"):
         Config(storage="dir", faults=["s3-errors"]).resolved_faults()
     with pytest.raises(ValueError, match="unknown fault kinds"):
-        Config(faults=["disk-full"]).resolved_faults()
+        Config(faults=["disk-flood"]).resolved_faults()
 
 
 @pytest.mark.parametrize(
@@ -120,3 +126,78 @@ def test_the_run_writes_nothing_when_its_fault_kinds_are_wrong(tmp_path: Path):
     with pytest.raises(ValueError):
         run(Config(storage="dir", faults=["s3-errors"], output=tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_engine_kill_is_drawn_only_with_a_vllm_worker_and_refused_without_one():
+    assert "engine-kill" not in Config().resolved_faults()
+    assert "engine-kill" in Config(vllm_workers=1).resolved_faults()
+    assert "clock-step" in Config().resolved_faults()
+    with pytest.raises(ValueError, match="vLLM worker"):
+        Config(faults=["engine-kill"]).resolved_faults()
+
+
+def test_a_stepped_worker_clock_moves_python_time_and_batchllms_utcnow_only(tmp_path: Path):
+    """What the clock-step fault changes in a worker (benchmarks/chaos_clock/sitecustomize.py):
+    time.time and batchllm's utcnow by the file's offset, read again once it changes; the
+    monotonic clock and the threads' timed waits as they were."""
+    clock_file = tmp_path / "w.clock"
+    clock_file.write_text("-30\n")
+    probe = """
+import json, sys, threading, time
+from datetime import datetime, timezone
+from batchllm.store import models
+def offsets():
+    return [round(time.time() - datetime.now(timezone.utc).timestamp()),
+            round((models.utcnow() - datetime.now(timezone.utc)).total_seconds())]
+first = offsets()
+open(sys.argv[1], "w").write("45\\n")
+t0 = time.monotonic()
+threading.Event().wait(1.2)  # past the once-a-second read
+time.sleep(0.1)
+waited = time.monotonic() - t0
+print(json.dumps({"first": first, "then": offsets(), "waited": waited}))
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(CLOCK_SITE), str(Path.cwd())]),
+        "BATCHLLM_CHAOS_CLOCK_FILE": str(clock_file),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(clock_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["first"] == [-30, -30]
+    assert seen["then"] == [45, 45]
+    assert 1.2 <= seen["waited"] < 10
+
+
+@pytest.mark.skipif(not can_mount(), reason="mounting the small disk (a tmpfs) needs root")
+def test_the_small_disk_fills_to_enospc_and_takes_writes_again_once_freed(tmp_path: Path):
+    disk = SmallDisk(tmp_path / "disk", size_mb=4)
+    disk.mount()
+    try:
+        (disk.path / "before.txt").write_bytes(b"x" * 1000)
+        taken = disk.fill()
+        assert 3_000_000 < taken <= 4 * (1 << 20)
+        with pytest.raises(OSError) as full:
+            (disk.path / "part.parquet").write_bytes(b"y" * 8192)
+        assert full.value.errno == errno.ENOSPC
+        disk.free()
+        (disk.path / "after.txt").write_bytes(b"z" * 8192)
+        assert (disk.path / "before.txt").read_bytes() == b"x" * 1000
+        assert disk.free_bytes() > 3_000_000
+    finally:
+        disk.unmount()
+    assert not (tmp_path / "disk" / "before.txt").exists()  # unmounted: the tmpfs is gone
+
+
+def test_disk_full_is_drawn_only_on_the_small_disk():
+    assert "disk-full" not in Config(storage="s3").resolved_faults()
+    assert ("disk-full" in Config(storage="dir").resolved_faults()) == can_mount()
+    with pytest.raises(ValueError, match="--storage dir"):
+        Config(storage="s3", faults=["disk-full"]).resolved_faults()
