@@ -140,10 +140,12 @@ bench-prefix-cache: install
 	cp $(DEMO)/bench-prefix-cache/bench.png docs/img/bench-prefix-cache.png
 
 # The chaos run (benchmarks/chaos.py, docs/operations.md "Chaos runs"): tenants' jobs and a poison
-# tenant's through instant-engine workers on a private Redis and PostgreSQL, a fault every
-# few seconds (kill -9, SIGTERM, SIGSTOP past the lease, Redis restart, PostgreSQL outage),
-# then every line checked exactly once; ~2 minutes. SOAK_ARGS pass through, e.g.
-# `make soak SOAK_ARGS="--lines 1000000 --workers 4 --every 20"` for the long run.
+# tenant's through instant-engine workers on a private Redis, PostgreSQL and S3 server, a fault
+# every few seconds (kill -9, SIGTERM, SIGSTOP past the lease, Redis restart, PostgreSQL outage,
+# network delay and partition, S3 errors, a clock step), then every line checked exactly once;
+# ~2 minutes. SOAK_ARGS pass through; the long run of docs/operations.md:
+# `make soak SOAK_ARGS="--lines 1000000 --workers 4 --every 20 --vllm-workers 1 --shard-size 1000
+#  --step-seconds 0.02 --quiet-after 0.97 --final-within 300 --timeout 5400"`.
 SOAK_ARGS ?=
 soak: install
 	$(BIN)/python -m benchmarks.chaos --output $(DEMO)/chaos $(SOAK_ARGS)

@@ -36,7 +36,9 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -55,6 +57,7 @@ from benchmarks.chaos_faults import (
     FAULT_KINDS,
     S3_ONLY,
     Injector,
+    NoVictim,
     Schedule,
     Workers,
     available_kinds,
@@ -433,6 +436,29 @@ def _job_rows(postgres: PostgresCluster, job_ids: list[str]) -> dict[str, dict[s
     }
 
 
+def _keep_database(postgres: PostgresCluster, job_ids: list[str], into: Path, say: Say) -> None:
+    """The run's shards and checkpoints as CSV files in `into`, before the cluster is destroyed:
+    what a failed check is traced back with (which attempt recorded which part file, when)."""
+    if not all(re.fullmatch(r"job_[0-9a-f]+", job_id) for job_id in job_ids):
+        raise ValueError(f"unexpected job ids {job_ids}")  # they are inlined in COPY below
+    ids = ", ".join(f"'{job_id}'" for job_id in job_ids)
+    queries = {
+        "shards": f"SELECT * FROM shards WHERE job_id IN ({ids}) ORDER BY id",
+        "checkpoints": "SELECT c.* FROM checkpoints c JOIN shards s ON s.id = c.shard_id "
+        f"WHERE s.job_id IN ({ids}) ORDER BY c.id",
+    }
+    into.mkdir(exist_ok=True)
+    try:
+        with postgres.connect() as conn, conn.cursor() as cursor:
+            for name, query in queries.items():
+                copy_out = cursor.copy(f"COPY ({query}) TO STDOUT WITH CSV HEADER")
+                with (into / f"{name}.csv").open("wb") as out, copy_out as copy:
+                    for chunk in copy:
+                        out.write(chunk)
+    except Exception as exc:  # the run's verdict must not depend on this copy
+        say(f"chaos: could not keep the database's shards and checkpoints: {exc}")
+
+
 def _fault_loop(
     config: Config,
     sampler: Sampler,
@@ -464,7 +490,13 @@ def _fault_loop(
         quiet = sampler.committed() >= config.quiet_after * lines
         if kinds and now >= next_at and not quiet:
             kind = schedule.next()
-            fault = injector.inject(kind)
+            try:
+                fault = injector.inject(kind)
+            except NoVictim as exc:
+                say(f"chaos: t={now - t0:.0f}s {kind} postponed: {exc}")
+                schedule.bag.append(kind)
+                next_at = time.monotonic() + 5
+                continue
             fault["began"] = round(fault["began"] - t0, 2)
             fault["restored"] = round(fault["restored"] - t0, 2)
             faults.append(fault)
@@ -549,6 +581,7 @@ def run(config: Config, say: Say = print) -> dict[str, Any]:
         record["drained"] = round(time.monotonic() - t0, 2)
         workers.stop_all()
         ended = _job_rows(postgres, job_ids)
+        _keep_database(postgres, job_ids, config.output / "db", say)
         record["jobs"] = [
             {
                 "id": job_id,
@@ -719,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
     )
+    # A SIGTERM (`timeout`, a CI stop) ends the run through its `finally`: workers and services
+    # stopped by PID, none left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run(config, say=lambda text: print(text, file=sys.stderr, flush=True))
     print(chaos_check.summary(report))
     print(f"report: {config.output / 'report.json'}")

@@ -81,6 +81,12 @@ def available_kinds(storage: str, vllm_workers: int = 0) -> list[str]:
 
 
 READY_TIMEOUT = 180
+VLLM_READY_TIMEOUT = 900
+
+
+class NoVictim(ServiceFailed):
+    """No worker can take this fault now (engine-kill while the vLLM worker rebuilds its
+    engine): the fault loop tries the kind again later."""
 
 
 class ChaosWorker:
@@ -263,7 +269,9 @@ class Workers:
             self.all.append(worker)
             started.append(worker)
         for worker in started:
-            worker.wait_ready()
+            # A vLLM worker builds its engine before it is ready: 20-90 s here, longer on a
+            # machine the other workers keep busy.
+            worker.wait_ready(VLLM_READY_TIMEOUT if worker.real_engine else READY_TIMEOUT)
         return started
 
     def active(self) -> list[ChaosWorker]:
@@ -382,7 +390,7 @@ class Injector:
         elif kind == "clock-step":
             active = [w for w in active if not w.real_engine]
         if not active:
-            raise ServiceFailed(f"no active worker to inject {kind} into")
+            raise NoVictim(f"no active worker to inject {kind} into")
         holding = [(w, self.held(w.name) or []) for w in active]
         busy = [(w, shards) for w, shards in holding if shards]
         return self.rng.choice(busy or holding)

@@ -25,5 +25,5 @@ def lease_clock(session: Session) -> datetime:
     """Now, as an aware UTC datetime, by the clock every worker of this database shares."""
     if session.get_bind().dialect.name != "postgresql":
         return utcnow()
-    now = session.execute(select(func.statement_timestamp())).scalar_one()
+    now: datetime = session.execute(select(func.statement_timestamp())).scalar_one()
     return now.astimezone(timezone.utc)
