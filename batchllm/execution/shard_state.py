@@ -120,7 +120,7 @@ def load_shard_state(settings: Settings, shard_id: int) -> ShardState:
         all_errors = bool(job.attempts and job.attempts[-1].get("all_errors"))
         storage = Storage.for_job(job, settings)
     out_dir = storage.output_dir(job_id)
-    done = commit.resume_shard(storage, out_dir, index, committed)
+    done = commit.resume_shard(storage, out_dir, index, committed, attempt)
     replacing: dict[int, str] = {}
     if job_attempt > 1:
         replacing = replace.rows_to_replace(

@@ -259,13 +259,19 @@ def commit_part(
 
 
 def resume_shard(
-    storage: Storage, out_dir: str, shard: int, committed: Iterable[Checkpoint]
+    storage: Storage, out_dir: str, shard: int, committed: Iterable[Checkpoint], attempt: int
 ) -> set[int]:
     """The input lines a claimed shard's checkpoints already hold. Its part files no checkpoint
-    records were written by a worker that died between the file and the database commit: they
-    are deleted, and their rows run again."""
+    records, of this attempt (`attempt`: the claim's) or an earlier one, were written by a
+    worker that died between the file and the database commit: they are deleted, and their
+    rows run again. A later attempt's files are not this run's to judge: this run may have
+    been paused since its claim while another worker took the shard over, wrote and recorded
+    them (the chaos run's long run lost a shard's 1,000 committed rows that way)."""
     committed = list(committed)
-    for name in remove_unrecorded_parts(storage, out_dir, (c.path for c in committed), shard=shard):
+    recorded = (c.path for c in committed)
+    for name in remove_unrecorded_parts(
+        storage, out_dir, recorded, shard=shard, up_to_attempt=attempt
+    ):
         log.warning("shard %d: removed uncommitted part file %s", shard, name)
     done: set[int] = set()
     for checkpoint in committed:

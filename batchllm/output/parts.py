@@ -323,6 +323,12 @@ def shard_of_part(name: str) -> int:
     return int(match[1])
 
 
+def attempt_of_part(name: str) -> int:
+    """The shard attempt a part file name carries (0 for a name from before attempts)."""
+    match = _PART_ATTEMPT.fullmatch(name)
+    return int(match[1]) if match else 0
+
+
 def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> list[str]:
     """The names of the part files in a job's output directory (of one shard, if given), in
     name order: every reader of parts lists them here, so the naming lives in this module."""
@@ -335,6 +341,7 @@ def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> l
 
 
 _PART_NAME = re.compile(r"part-s(\d+)-.*\.parquet")
+_PART_ATTEMPT = re.compile(r"part-s\d+-a(\d+)-\d+\.parquet")
 
 
 def write_table(storage: Storage, out_dir: str, name: str, table: pa.Table) -> str:
@@ -356,13 +363,26 @@ def write_table(storage: Storage, out_dir: str, name: str, table: pa.Table) -> s
 
 
 def remove_unrecorded_parts(
-    storage: Storage, out_dir: str, recorded: Iterable[str], *, shard: int | None = None
+    storage: Storage,
+    out_dir: str,
+    recorded: Iterable[str],
+    *,
+    shard: int | None = None,
+    up_to_attempt: int | None = None,
 ) -> list[str]:
     """Delete the part files (of one shard, if given) that no checkpoint records (`recorded`:
     their paths or names): written by a worker that died between the file and its commit, or
-    that lost its shard; their rows run again (or ran) elsewhere. Returns the names deleted."""
+    that lost its shard; their rows run again (or ran) elsewhere. With `up_to_attempt` (a
+    shard run's resume), files of later attempts are kept: `recorded` was read when this run
+    claimed the shard, and a run that lost the shard since (paused past its lease) must not
+    delete what the run that took it over wrote and recorded after that read. Returns the names
+    deleted."""
     keep = {posixpath.basename(path) for path in recorded}
-    removed = [name for name in list_parts(storage, out_dir, shard=shard) if name not in keep]
+    removed = [
+        name
+        for name in list_parts(storage, out_dir, shard=shard)
+        if name not in keep and (up_to_attempt is None or attempt_of_part(name) <= up_to_attempt)
+    ]
     for name in removed:
         storage.delete(posixpath.join(out_dir, name))
     return removed

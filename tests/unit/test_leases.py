@@ -152,3 +152,63 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
     with session_scope(settings) as session:
         assert session.get(Job, job_id).status is JobStatus.COMPLETED
         assert session.query(Checkpoint).count() == 1
+
+
+def _rows(lines: range) -> list[OutputRow]:
+    return [
+        OutputRow(custom_id=f"line-{n}", line=n, status="ok", text="x", prompt_tokens=2)
+        for n in lines
+    ]
+
+
+def test_a_run_paused_since_its_claim_keeps_what_the_run_that_took_over_recorded(
+    settings, tmp_path
+):
+    """The chaos long run's lost shard: a worker claims a shard and reads its checkpoints (none),
+    is paused past its lease before it lists the shard's files; another worker takes the shard
+    over, writes and records every part. The paused one, back, must not delete those files as
+    unrecorded: its list of checkpoints is older than they are."""
+    job_id, shard_id = make_job(settings, tmp_path, rows=4)
+    storage = Storage.of(settings)
+    out_dir = storage.output_dir(job_id)
+    with session_scope(settings) as session:
+        first = leases.claim_shard(session, shard_id, "w1", lease_seconds=10).attempts
+        read_at_claim = commit.checkpoints_of(session, shard_id)
+    assert read_at_claim == []
+    # w1 pauses; its shard goes back and w2 runs it to the end.
+    age_heartbeat(settings, shard_id, 60)
+    with session_scope(settings) as session:
+        assert [moved for moved, _ in leases.requeue_stale_shards(session, 10)] == [shard_id]
+    with session_scope(settings) as session:
+        second = leases.claim_shard(session, shard_id, "w2", lease_seconds=10).attempts
+    assert second == first + 1
+    taken_over = write_part(storage, out_dir, part_name(0, 0, second), _rows(range(1, 5)))
+    with session_scope(settings) as session:
+        checkpoint(session, job_id, shard_id, 0, second)
+    # An older attempt's file no checkpoint records (a worker that died before its commit).
+    orphan = part_name(0, 0, first - 1 if first > 1 else 0)
+
+    write_part(storage, out_dir, orphan, _rows(range(1, 3)))
+    done = commit.resume_shard(storage, out_dir, 0, read_at_claim, first)
+
+    names = [n for n in storage.listdir(out_dir) if n.startswith("part-")]
+    assert names == [part_name(0, 0, second)], names
+    assert Path(taken_over).exists()
+    assert done == set()  # w1 resumes nothing: its next commit is fenced (ShardLost)
+
+
+def test_a_resume_deletes_an_earlier_attempts_unrecorded_file(settings, tmp_path):
+    job_id, shard_id = make_job(settings, tmp_path, rows=4)
+    storage = Storage.of(settings)
+    out_dir = storage.output_dir(job_id)
+    with session_scope(settings) as session:
+        attempt = leases.claim_shard(session, shard_id, "w1", lease_seconds=10).attempts
+    left = part_name(0, 0, attempt)  # written, then its worker died before the commit
+    write_part(storage, out_dir, left, _rows(range(1, 5)))
+    age_heartbeat(settings, shard_id, 60)
+    with session_scope(settings) as session:
+        again = leases.claim_shard(session, shard_id, "w2", lease_seconds=10).attempts
+        committed = commit.checkpoints_of(session, shard_id)
+
+    assert commit.resume_shard(storage, out_dir, 0, committed, again) == set()
+    assert [n for n in storage.listdir(out_dir) if n.startswith("part-")] == []
