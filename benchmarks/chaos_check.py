@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from batchllm.output.parts import generated_tokens, read_output
 from batchllm.storage import Storage
-from benchmarks.chaos_metrics import check_metrics, not_checked
+from benchmarks.chaos_metrics import check_metrics, committed_by, not_checked
 
 SHOWN = 10  # line numbers listed per finding; the counts are whole
 RESULT_REASONS = ("stop", "length")  # an `ok` row with another finish reason is no result
@@ -225,16 +225,6 @@ def _first_sample_after(timeline: list[list[Any]], since: float, above: int) -> 
     return None
 
 
-def _committed_at(timeline: list[list[Any]], t: float) -> int:
-    seen = 0
-    for at, committed in timeline:
-        if at > t:
-            break
-        if committed is not None:
-            seen = committed
-    return seen
-
-
 def _shard_moved(progress: dict[str, list[list[Any]]], held: list[dict[str, Any]], since: float):
     """When the first shard the victim held moved on after `since`: more rows committed, or
     ended."""
@@ -258,12 +248,12 @@ def fault_recoveries(run: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for fault in run.get("faults", []):
         began = fault["began"]
-        again = _first_sample_after(timeline, began, _committed_at(timeline, began))
+        again = _first_sample_after(timeline, began, committed_by(timeline, began))
         moved = _shard_moved(progress, fault.get("held_shards") or [], began)
         restored = fault.get("restored") or began
         healed = None
         if restored - began >= 1:
-            healed = _first_sample_after(timeline, restored, _committed_at(timeline, restored))
+            healed = _first_sample_after(timeline, restored, committed_by(timeline, restored))
         out.append(
             {
                 **fault,
@@ -285,7 +275,7 @@ def rates(timeline: list[list[Any]], bucket: float = RATE_BUCKET_S) -> list[list
     t = start
     while t < end:
         out.append(
-            [round(t, 1), (_committed_at(known, t + bucket) - _committed_at(known, t)) / bucket]
+            [round(t, 1), (committed_by(known, t + bucket) - committed_by(known, t)) / bucket]
         )
         t += bucket
     return out

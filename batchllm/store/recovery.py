@@ -150,13 +150,14 @@ def mark_dispatched(session: Session, shard_ids: list[int]) -> None:
 def claim_redispatch(session: Session, shard_id: int, grace_seconds: float) -> bool:
     """Take the right to re-send this queued shard's task; False if another reconciler took
     it (or a worker claimed the shard) since it was read."""
-    sent_before = lease_clock(session) - timedelta(seconds=grace_seconds)
+    now = lease_clock(session)  # one read of the database's clock, not two
+    sent_before = now - timedelta(seconds=grace_seconds)
     return state_machine.update_shard(
         session,
         shard_id,
         Shard.status == ShardStatus.QUEUED,
         Shard.dispatched_at.is_(None) | (Shard.dispatched_at < sent_before),
-        dispatched_at=lease_clock(session),
+        dispatched_at=now,
     )
 
 
