@@ -445,6 +445,12 @@ class ShardRunner:
         state.fed_all = True
 
     def _control(self) -> None:
+        # The heartbeats come from this loop, not from a thread of their own: a lease then
+        # says that the run makes progress. A hung engine step or commit stops them, and the
+        # shard goes to another worker once the lease (120 s by default) runs out; a thread
+        # would hold the shard for as long as the process lives. The cost is on a machine
+        # where one step or commit can take longer than the lease (the chaos harness runs
+        # 10 s leases on two busy cores): the shard runs again elsewhere, nothing is lost.
         if self.stop.requested.is_set() and not self._stopping:
             self._begin_stop()
             if self._drain is None:

@@ -331,7 +331,9 @@ def attempt_of_part(name: str) -> int:
 
 def list_parts(storage: Storage, out_dir: str, *, shard: int | None = None) -> list[str]:
     """The names of the part files in a job's output directory (of one shard, if given), in
-    name order: every reader of parts lists them here, so the naming lives in this module."""
+    name order: every reader of parts lists them here, so the naming lives in this module.
+    One shard's files are found by listing the whole directory: pyarrow's filesystems list
+    directories, not key prefixes (on S3 a resume of a large job reads thousands of names)."""
     prefix = "part-" if shard is None else part_prefix(shard)
     return sorted(
         name
