@@ -341,6 +341,7 @@ def _run_worker(
     """This process as one worker: build its engine, then take tasks from the queues `names`
     with Celery's solo pool until it stops."""
     from batchllm.errors import BatchLLMError
+    from batchllm.process.stopping import cleanups_run_on_signals
     from batchllm.settings import get_settings
     from batchllm.worker.celery_app import create_app, run_worker
     from batchllm.worker.tasks import start_engine
@@ -356,18 +357,23 @@ def _run_worker(
         model,
     )
     try:
-        # logs "engine ready in"
-        start_engine(
-            model,
-            options,
-            settings=settings,
-            allow_rebuild=allow_rebuild,
-            instant=instant,
-            instant_step_seconds=instant_step_seconds,
-            json_logs=json_logs,
-            max_idle=max_idle,
-            drain_seconds=drain_seconds,
-        )
+        # Celery's signal handlers exist only once it runs. Before, SIGTERM's default action
+        # ended this process mid-build with no cleanup, and an EngineCore that had not finished
+        # its handshake with it (so not yet watching it: process/parent_watch.py) waited for
+        # vLLM's 5-minute handshake timeout under PID 1. Here SIGTERM and SIGHUP unwind the
+        # build instead: vLLM's client shuts its engine processes down on the way out.
+        with cleanups_run_on_signals():
+            start_engine(  # logs "engine ready in"
+                model,
+                options,
+                settings=settings,
+                allow_rebuild=allow_rebuild,
+                instant=instant,
+                instant_step_seconds=instant_step_seconds,
+                json_logs=json_logs,
+                max_idle=max_idle,
+                drain_seconds=drain_seconds,
+            )
     except BatchLLMError as exc:
         raise click.ClickException(f"the worker's engine could not start: {exc}") from None
     code = run_worker(

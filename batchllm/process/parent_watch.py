@@ -8,6 +8,11 @@ builds an engine), never in the owner itself. It also leaves SIGINT to the paren
 that gets a terminal's Ctrl-C aborts every request in flight, so the parent shuts its engine
 down itself, in order. Not PR_SET_PDEATHSIG: it fires when the starting *thread* ends, and an
 engine may be built off the main thread.
+
+vLLM loads the plugin only once EngineCore has done its handshake with its parent: a parent
+that dies before leaves it waiting for vLLM's 5-minute handshake timeout. So a parent must not
+die uncleanly while it builds an engine: `batchllm worker` unwinds its build on SIGTERM
+(cli/fleet.py), and vLLM's client then shuts the engine processes down.
 """
 
 from __future__ import annotations
