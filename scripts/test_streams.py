@@ -37,6 +37,7 @@ BUILDS_LINE = "engine builds: "
 MOVED_TO_LOCAL = [
     "tests/faults/test_run_interrupt.py",
     "tests/faults/test_run_killed.py",
+    "tests/faults/test_run_sigterm.py",  # ~15 s: SIGTERM to `run` (SQLite, no service)
     "tests/integration/test_real_model_api.py",
     "tests/integration/test_warm_start.py",
 ]

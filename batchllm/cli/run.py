@@ -79,6 +79,8 @@ def run(
       batchllm run prompts.jsonl --model ./tiny-model --dry-run
       batchllm run prompts.jsonl --model ./tiny-model --engine instant
     """
+    from batchllm.process.stopping import cleanups_run_on_signals
+
     with job_input(file, from_job, from_status, flags) as source:
         spec = spec_from_flags(flags, source)
         require_local_model(spec.model)
@@ -95,7 +97,12 @@ def run(
         if output is not None:
             _require_usable_output(output)
         require_requests(source)
-        ended = _run_job(source, spec, strict, notify, engines)
+        # SIGTERM or SIGHUP while the engine is built (or the job created) unwinds, so vLLM
+        # shuts its engine processes down: its default action would leave an EngineCore that
+        # had not finished its handshake waiting 5 minutes under PID 1
+        # (process/parent_watch.py). While the shards run, SIGTERM stops the run as Ctrl-C does.
+        with cleanups_run_on_signals():
+            ended = _run_job(source, spec, strict, notify, engines)
         _report(ended, output)
 
 

@@ -18,7 +18,7 @@ from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.kept_engine.client import KeptEngines, size_on
-from batchllm.process.stopping import StopRequest, stop_on_first_interrupt
+from batchllm.process.stopping import Signalled, StopRequest, stop_on_first_interrupt
 from batchllm.settings import Settings
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, read_one, session_scope
@@ -133,7 +133,13 @@ def run_shards_here(
                 raise KeyboardInterrupt
     except BaseException as exc:
         was_interrupted = interrupted.is_set() or isinstance(exc, KeyboardInterrupt)
-        reason = "interrupted" if was_interrupted else f"{type(exc).__name__}: {exc}"
+        reason = (
+            "interrupted"
+            if was_interrupted
+            else str(exc)
+            if isinstance(exc, Signalled)
+            else f"{type(exc).__name__}: {exc}"
+        )
         with session_scope(settings) as session:
             state_machine.fail_job(session, job_id, reason)
         if was_interrupted:

@@ -33,6 +33,9 @@ class Signalled(SystemExit):
         super().__init__(128 + signum)
         self.signum = signum
 
+    def __str__(self) -> str:  # a failed job's reason
+        return f"stopped by {signal.Signals(self.signum).name}"
+
 
 def _raise(signum: int, _frame: FrameType | None) -> None:
     raise Signalled(signum)
@@ -188,22 +191,27 @@ class StopSignals:
 
 @contextmanager
 def stop_on_first_interrupt(interrupted: threading.Event) -> Iterator[None]:
-    """`batchllm run`'s Ctrl-C: the first one sets `interrupted` (the run stops in order:
-    in-flight requests are aborted, finished rows committed, the job ends `failed`
-    ("interrupted") with them, never `completed`); a second raises KeyboardInterrupt at once."""
+    """`batchllm run`'s Ctrl-C or SIGTERM: the first one sets `interrupted` (the run stops in
+    order: in-flight requests are aborted, finished rows committed, the job ends `failed`
+    ("interrupted") with them, never `completed`); a second Ctrl-C raises KeyboardInterrupt at
+    once, a second SIGTERM does what it did before (under cleanups_run_on_signals: unwinds)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
 
-    def first(_signum: int, _frame: FrameType | None) -> None:
+    def first(signum: int, _frame: FrameType | None) -> None:
         interrupted.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, previous_term)
         log.warning(
-            "interrupted: committing finished rows and stopping (Ctrl-C again to quit at once)"
+            "%s: committing finished rows and stopping (again to quit at once)",
+            "interrupted" if signum == signal.SIGINT else f"signal {signum}",
         )
 
     previous = signal.signal(signal.SIGINT, first)
+    previous_term = signal.signal(signal.SIGTERM, first)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
