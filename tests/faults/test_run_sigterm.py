@@ -22,7 +22,7 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
-from tests.support.faults import alive_of, descendants, kill_recorded
+from tests.support.faults import alive_of, descendants, kill_recorded, spawned_engine
 from tests.support.fleet import REPO, tail
 from tests.support.job_checks import assert_each_line_at_most_once, expected_rows, wait_for
 
@@ -74,19 +74,6 @@ def _job(home: Path) -> dict | None:
         return None
 
 
-def _engine_child(pid: int) -> psutil.Process | None:
-    """The engine process `run` spawned (multiprocessing's spawn_main, before vLLM renames it
-    `VLLM::EngineCore`), not multiprocessing's resource tracker."""
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            cmdline = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "spawn_main" in cmdline or "EngineCore" in cmdline:
-            return child
-    return None
-
-
 def _wait_all_gone(proc: subprocess.Popen, recorded: dict[int, float], log_path: Path) -> None:
     def all_gone() -> bool:
         proc.poll()
@@ -117,7 +104,7 @@ def test_a_sigterm_while_run_builds_its_engine_leaves_none_of_its_processes(
         def engine_spawned() -> psutil.Process | None:
             assert run.poll() is None, "the run exited early:\n" + tail(log_path)
             recorded.update(descendants(run.pid))
-            return _engine_child(run.pid)
+            return spawned_engine(run.pid)
 
         engine = wait_for(
             engine_spawned, timeout=ENGINE_STARTS_WITHIN, interval=0.05, what="run's engine"

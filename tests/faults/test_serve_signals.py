@@ -31,6 +31,7 @@ from tests.support.faults import (
     descendants,
     engine_processes,
     kill_recorded,
+    spawned_engine,
 )
 from tests.support.fleet import REPO, tail
 from tests.support.job_checks import wait_for
@@ -199,19 +200,6 @@ def test_a_worker_started_by_serve_stops_when_serve_is_killed(
 WORKER_STOPS_WITHIN = 90  # vLLM's own shutdown of a starting engine: SIGTERM, 5 s, SIGKILL
 
 
-def _engine_child(worker_pid: int) -> psutil.Process | None:
-    """The engine process a worker has spawned (multiprocessing's spawn_main, before vLLM
-    renames it `VLLM::EngineCore`), not multiprocessing's resource tracker."""
-    for child in psutil.Process(worker_pid).children(recursive=True):
-        try:
-            cmdline = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "spawn_main" in cmdline or "EngineCore" in cmdline:
-            return child
-    return None
-
-
 def test_a_sigterm_while_the_worker_builds_its_engine_leaves_none_of_its_processes(
     broker: RedisServer, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -237,7 +225,7 @@ def test_a_sigterm_while_the_worker_builds_its_engine_leaves_none_of_its_process
         def engine_spawned() -> psutil.Process | None:
             assert worker.poll() is None, "the worker exited early:\n" + tail(log_path)
             recorded.update(descendants(worker.pid))
-            return _engine_child(worker.pid)
+            return spawned_engine(worker.pid)
 
         engine = wait_for(
             engine_spawned,
