@@ -409,11 +409,25 @@ class VllmEngine:
                 self.engine.abort_request(added)
             self._lists.pop(request_id, None)
             raise RequestRejected(str(exc)) from exc
+        except Exception as exc:
+            # Between an EngineCore's death and the death watch's notice, vLLM's monitor
+            # closes the client's sockets and add_request fails with a ZMQError ("Socket
+            # operation on non-socket"): the engine's death, never this request's fault. The
+            # runner would otherwise record it as the row's error (found by the engine-kill
+            # fault test).
+            if self._engine_dead() or type(exc).__module__.startswith("zmq"):
+                raise EngineDied(f"the vLLM engine died: {exc}") from exc
+            raise
         if getattr(params, "logprobs", None) is not None:  # PoolingParams has none
             self._top_k[request_id] = params.logprobs
         spec = (getattr(params, "extra_args", None) or {}).get(EXTRA_KEY)
         if spec is not None:
             self._to_parse[request_id] = spec
+
+    def _engine_dead(self) -> bool:
+        """Whether vLLM's client has seen its EngineCore die (a multiprocess engine only)."""
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        return bool(getattr(resources, "engine_dead", False))
 
     def _lora_request(self, adapter: Adapter) -> Any:
         """vLLM's LoRARequest for an adapter: one int id per adapter path, so adapters of the
