@@ -110,24 +110,6 @@ def engine_processes(root_pid: int) -> list[psutil.Process]:
     return found
 
 
-def spawned_engine(root_pid: int) -> psutil.Process | None:
-    """The engine process a batchllm process spawned, from its first moment: multiprocessing's
-    spawn_main before vLLM renames it `VLLM::EngineCore` (not multiprocessing's resource
-    tracker). A signal then lands before the engine has done its handshake with its parent."""
-    try:
-        children = psutil.Process(root_pid).children(recursive=True)
-    except psutil.Error:
-        return None
-    for child in children:
-        try:
-            cmdline = " ".join(child.cmdline())
-        except psutil.Error:
-            continue
-        if "spawn_main" in cmdline or "EngineCore" in cmdline:
-            return child
-    return None
-
-
 def descendants(root_pid: int) -> dict[int, float]:
     try:
         children = psutil.Process(root_pid).children(recursive=True)
