@@ -499,12 +499,12 @@ def reconcile(loop: bool) -> None:
     import threading
 
     from batchllm.settings import get_settings
-    from batchllm.worker.celery_app import create_app
+    from batchllm.worker.celery_app import sender_app
     from batchllm.worker.reconciler import reconcile_forever, reconcile_once
     from batchllm.worker.shard_tasks import send_shard_tasks
 
     settings = get_settings()
-    app = create_app(settings)
+    app = sender_app(settings)
 
     def send(shard_id: int, queue: str) -> None:
         send_shard_tasks(app, [shard_id], queue, settings=settings)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchllm.errors import BatchLLMError
@@ -22,7 +21,7 @@ from batchllm.store import dependencies, state_machine
 from batchllm.store.db import read_one, session_scope
 from batchllm.store.models import Job, JobStatus
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker.celery_app import create_app, queue_for_job
+from batchllm.worker.celery_app import queue_for_job, sender_app
 from batchllm.worker.shard_tasks import send_shard_tasks
 
 log = logging.getLogger(__name__)
@@ -59,13 +58,12 @@ def submit_job(
             resolved, waiting = dependencies.resolve_parents(session, spec.after)
         spec = spec.model_copy(update={"after": resolved})
         hold = bool(waiting)
-    app = create_app(settings)  # one for every release of the job's shards
     sent: list[int] = []
 
     def release(job_id: str, shard_ids: list[int]) -> None:
         if not sent and before_dispatch is not None:
             before_dispatch(job_id)
-        send_shards(job_id, spec, shard_ids, settings=settings, app=app)
+        send_shards(job_id, spec, shard_ids, settings=settings)
         sent.extend(shard_ids)
 
     created = create_job(
@@ -113,11 +111,10 @@ def send_shards(
     shard_ids: list[int],
     *,
     settings: Settings,
-    app: Celery | None = None,
 ) -> None:
     """Send one task per shard (committed `queued` before) to the queue of the job's engine
     kind; the job ends failed, saying so, when the broker cannot be reached."""
-    app = app or create_app(settings)
+    app = sender_app(settings)
     queue = queue_for_job(spec)
     try:
         with app.connection_for_write() as conn:

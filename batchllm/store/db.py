@@ -157,12 +157,25 @@ def before_commit(hook: Callable[[Session], None]) -> Callable[[Session], None]:
     return hook
 
 
+_factories: dict[Engine, sessionmaker[Session]] = {}
+
+
+def _session_factory(engine: Engine) -> sessionmaker[Session]:
+    """One sessionmaker per engine: each sessionmaker makes a Session subclass, and SQLAlchemy
+    keeps event bookkeeping for every class it sees, so one per session grew a busy server's
+    memory with every request."""
+    with _lock:
+        factory = _factories.get(engine)
+        if factory is None:
+            factory = _factories[engine] = sessionmaker(engine, expire_on_commit=False)
+        return factory
+
+
 @contextmanager
 def session_scope(settings: Settings) -> Iterator[Session]:
     """A session on the database of `settings` that commits on success (after the registered
     `before_commit` hooks) and rolls back on error; `settings_of(session)` gives them back."""
-    factory = sessionmaker(get_engine(settings), expire_on_commit=False)
-    with factory() as session:
+    with _session_factory(get_engine(settings))() as session:
         # The hooks reach what these settings name (the job storage's S3 endpoint).
         session.info[SETTINGS_KEY] = settings
         try:

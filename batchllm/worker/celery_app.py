@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from typing import Any
 
 from celery import Celery
@@ -87,6 +88,26 @@ def create_app(settings: Settings) -> Celery:
         task_default_queue="batchllm.default",
     )
     return app
+
+
+_senders: dict[tuple[str, int], Celery] = {}
+_senders_lock = threading.Lock()
+
+
+def sender_app(settings: Settings) -> Celery:
+    """The process's one Celery app for sending tasks to `settings`' broker, made on first use.
+
+    Every front door that sends (serve, submit, the Client, pipelines, the reconciler) shares
+    it with its producer pool. A new app per send leaked: kombu's Redis transport opens an
+    epoll for each app's event poller and never closes it, one open file and ~380 KiB per
+    `POST /v1/batches` under concurrent requests, until the server ran out of descriptors
+    (tests/integration/test_serve_load.py)."""
+    key = (settings.broker_url, settings.visibility_timeout)
+    with _senders_lock:
+        app = _senders.get(key)
+        if app is None:
+            app = _senders[key] = create_app(settings)
+        return app
 
 
 def run_worker(app: Celery, argv: list[str]) -> int:
