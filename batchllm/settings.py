@@ -59,6 +59,22 @@ class Settings(BaseSettings):
         default="redis://localhost:6379/0", description="Celery broker for `submit` and `worker`."
     )
     shard_size: int = Field(default=10_000, ge=1, description="Rows per shard for `submit`.")
+    place_prefixes: bool = Field(
+        default=True,
+        description="Write a generation job's shards in prompt order across the whole file, so "
+        "lines sharing a prefix (a system prompt, a document) land in the fewest shards and "
+        "its prefill is paid once per job, not once per shard (input/shards.py). The rows' "
+        "order must be known before the first shard is written, so a job's shards are queued "
+        "once its whole file is read; false (or a job's --no-group-prefixes): each shard "
+        "queued as it is stored, in file order.",
+    )
+    placement_memory_mb: int = Field(
+        default=256,
+        ge=1,
+        description="Arrow data (MiB) placement sorts in memory before it spills a sorted run "
+        "to a temporary file (TMPDIR) and merges the runs: a job's intake stays within about "
+        "twice this, whatever the file's size.",
+    )
     tokenize_at_submit: Literal["auto", "always", "never"] = Field(
         default="auto",
         description="When `submit` sizes the job's context (and tokenizes the prompts) while it "

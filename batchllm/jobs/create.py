@@ -215,6 +215,7 @@ def _store(
             task=spec.engine.task,
             table=spec.table,
             on_shard=intake.stored,
+            place=places_prefixes(spec, settings),
         )
     except (InputError, StorageError, OSError) as exc:
         intake.abandon()
@@ -231,6 +232,13 @@ def _store(
     except BaseException:
         intake.abandon()
         raise
+
+
+def places_prefixes(spec: JobSpec, settings: Settings) -> bool:
+    """Whether a job's rows are written in placement order (input/shards.py): generation
+    jobs that group prefixes, unless the operator turned it off. Pooling jobs (embed, score,
+    classify) have no prefix cache to fill and keep file order."""
+    return settings.place_prefixes and spec.engine.group_prefixes and spec.engine.task == "generate"
 
 
 def record_refused_job(

@@ -5,8 +5,8 @@ temporary Parquet table the child reads as any table input: `custom_id` (the chi
 so a child row joins back on it), the parent's output columns (`text`, `finish_reason`,
 `structured_ok`, `reasoning`, `tool_calls`, `embedding`, `error`, `status`), `parent_line` and
 `prompt` (what the parent was asked: a prompt, a chat's last user message, an embedding input).
-The child's prompt is `text` unless `--prompt-template` builds it from these columns. Written one
-parent input shard at a time (memory stays at a shard's worth); the child stores its own copy
+The child's prompt is `text` unless `--prompt-template` builds it from these columns. Read one
+parent input shard at a time and put in line order with bounded memory; the child stores its own copy
 and records its parent (store/service.py, `job_parents`). Only a completed parent is read: one
 that failed, was cancelled or expired is retried (`batchllm retry`) first.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import posixpath
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +24,14 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, JobStateError
+from batchllm.external_sort import ExternalSort
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.job_rows import CARRIED, ID_COLUMN, JobRows
-from batchllm.output.parts import output_dataset
+from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import service
@@ -63,40 +66,55 @@ def parent_input(rows: JobRows, settings: Settings) -> Iterator[InputSource]:
 def write_parent_rows(storage: Storage, job_id: str, statuses: tuple[str, ...], path: Path) -> int:
     """Write the job's output rows of these statuses, in line order, with the prompt each was
     asked, to a Parquet file at `path`; returns how many. One input shard at a time: its
-    prompts, and the output rows of its lines (the part files' line statistics let pyarrow
-    skip the others), so memory stays at a shard's worth whatever the job's size."""
-    output = output_dataset(storage, storage.output_dir(job_id))
+    prompts and the rows of its own part files; a shard's lines are not a range of the file
+    (input/shards.py places them by prompt), so the rows are put back in line order by an
+    external sort, and memory stays bounded whatever the job's size."""
+    out_dir = storage.output_dir(job_id)
+    parts_of: dict[int, list[str]] = {}
+    for name in list_parts(storage, out_dir):  # one listing, not one a shard
+        parts_of.setdefault(shard_of_part(name), []).append(posixpath.join(out_dir, name))
     wanted = pc.field("status").isin(list(statuses))
     written = 0
     writer: pq.ParquetWriter | None = None
-    try:
-        for asked in _input_shards(storage, job_id):
-            first, last = pc.min_max(asked.column("line")).values()
-            in_shard = wanted & (pc.field("line") >= first) & (pc.field("line") <= last)
-            rows = output.to_table(columns=[ID_COLUMN, "line", *CARRIED], filter=in_shard)
-            if not rows.num_rows:
+    with ExternalSort([("parent_line", "ascending")], memory_bytes=_SORT_BYTES) as in_order:
+        for index, asked in _input_shards(storage, job_id):
+            if index not in parts_of:
                 continue
-            chunk = _with_prompts(rows.sort_by("line"), asked)
-            if writer is None:
-                writer = pq.ParquetWriter(path, chunk.schema)
-            writer.write_table(chunk)
-            written += chunk.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
+            output = ds.dataset(
+                parts_of[index], schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet"
+            )
+            rows = output.to_table(columns=[ID_COLUMN, "line", *CARRIED], filter=wanted)
+            if rows.num_rows:
+                in_order.add(_with_prompts(rows, asked))
+        try:
+            for chunk in in_order.sorted_tables():
+                if writer is None:
+                    writer = pq.ParquetWriter(path, chunk.schema)
+                writer.write_table(chunk)
+                written += chunk.num_rows
+        finally:
+            if writer is not None:
+                writer.close()
     return written
 
 
-def _input_shards(storage: Storage, job_id: str) -> Iterator[pa.Table]:
-    """The job's stored input shards in order , the columns a prompt is
+# What the rows wait in memory before the sort spills them to a temporary file.
+_SORT_BYTES = 256 * 1024 * 1024
+
+
+def _input_shards(storage: Storage, job_id: str) -> Iterator[tuple[int, pa.Table]]:
+    """The job's stored input shards in order, each with its index: the columns a prompt is
     read from."""
-    for _, path in storage.input_shards(job_id):
+    for index, path in storage.input_shards(job_id):
         with storage.fs.open_input_file(path) as handle:
-            yield pq.read_table(handle, columns=["line", "kind", "prompt", "messages", "inputs"])
+            yield (
+                index,
+                pq.read_table(handle, columns=["line", "kind", "prompt", "messages", "inputs"]),
+            )
 
 
 def _with_prompts(rows: pa.Table, asked: pa.Table) -> pa.Table:
-    """Output rows (in line order) with their parent line and the text their line asked."""
+    """Output rows with their parent line and the text their line asked."""
     lines = rows.column("line").to_pylist()
     where = {line: at for at, line in enumerate(asked.column("line").to_pylist())}
     stored = asked.take(pa.array([where[line] for line in lines], pa.int64())).to_pylist()

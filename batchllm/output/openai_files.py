@@ -8,11 +8,10 @@ text_completion, embed -> an embeddings list, score -> vLLM's ScoreResponse or R
 (the row's stored shape says which), classify -> vLLM's ClassificationResponse. Plain
 `prompt`/`messages`/`input` lines export by their form the same way.
 
-Streaming, one shard at a time: a shard holds a contiguous block of input lines
-(shards._ShardWriter), so its part files (`part-s<shard>-...`) sorted by line, merged with the
-shard's stored (line, kind) column, give the shard's lines in order. Memory is bounded by one
-shard's output rows as Arrow columns (--shard-size rows, 10,000 by default), whatever the job's
-size; the JSON goes straight to the files.
+Read one shard at a time: its part files (`part-s<shard>-...`) matched by line to the shard's
+stored rows (line, kind, custom_id), then put in line order by an external sort (a shard's lines
+are not a range of the file: input/shards.py places them by prompt). Memory stays bounded
+(batchllm/external_sort.py) whatever the job's size; the JSON goes straight to the files.
 """
 
 from __future__ import annotations
@@ -32,9 +31,12 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, TextIO
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
+from batchllm.external_sort import ExternalSort
 from batchllm.input.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from batchllm.input.parsing.problems import (
     DUPLICATE_CUSTOM_ID,
@@ -79,6 +81,9 @@ _INVALID_CODES_BY_WORDING = (
 
 
 _NOT_RUN = "not_run"  # the status of a line without an output row (never ran)
+# The stored input row's columns beside an output row while the export reads it.
+_KIND, _STORED_ID, _SETTINGS, _INPUTS = "_kind", "_stored_custom_id", "_settings", "_inputs"
+_SORT_BYTES = 256 * 1024 * 1024  # rows held before the line sort spills them to a file
 
 
 @dataclass
@@ -214,67 +219,73 @@ def _shards(storage: Storage, job_id: str) -> list[_Shard]:
 def _job_rows(storage: Storage, shards: list[_Shard]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(kind, output row) per input line, in line order; a line that never ran gets a row
     with status _NOT_RUN (its line and custom_id only)."""
-    for shard in shards:
-        yield from _shard_rows(storage, shard)
+    with ExternalSort([("line", "ascending")], memory_bytes=_SORT_BYTES) as in_order:
+        for shard in shards:
+            in_order.add(_shard_table(storage, shard))
+        for table in in_order.sorted_tables():
+            for batch in table.to_batches(max_chunksize=_BATCH_ROWS):
+                for row in batch.to_pylist():
+                    yield _with_input(row)
 
 
-def _shard_rows(storage: Storage, shard: _Shard) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Merge the shard's input (line, kind), stored in line order, with its rows by line."""
-    rows = _sorted_rows(storage, shard.parts)
-    current = next(rows, None)
-    for line, kind, custom_id, settings, inputs in _input_kinds(storage, shard.input_path):
-        # Skips a second row of one line too: a part file no checkpoint records (its worker
-        # died before the commit) is deleted when a job completes, but may stay in a job that
-        # was cancelled or failed meanwhile; both rows answer the same request.
-        while current is not None and current["line"] < line:
-            current = next(rows, None)
-        if current is not None and current["line"] == line:
-            if kind == "chat" and is_responses(settings):
-                kind = "responses"  # a /v1/responses line, answered with a Response
-                current["settings"] = settings
-            elif kind == "score":  # its body needs its shape and a rerank its documents
-                current["settings"], current["inputs"] = settings, inputs
-            elif kind == "invalid":  # the code validation stored with it (input/rows.py)
-                current["invalid_code"] = refusal_code(settings)
-            yield kind, current
-            current = next(rows, None)
-        else:
-            yield kind, {"line": line, "custom_id": custom_id, "status": _NOT_RUN}
+def _with_input(row: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An output row with what its stored input row tells the export (its kind first)."""
+    kind, settings, inputs = row.pop(_KIND), row.pop(_SETTINGS), row.pop(_INPUTS)
+    stored_id = row.pop(_STORED_ID)
+    if row["status"] is None:  # no output row: the line never ran
+        return kind, {"line": row["line"], "custom_id": stored_id, "status": _NOT_RUN}
+    if kind == "chat" and is_responses(settings):
+        kind = "responses"  # a /v1/responses line, answered with a Response
+        row["settings"] = settings
+    elif kind == "score":  # its body needs its shape and a rerank its documents
+        row["settings"], row["inputs"] = settings, inputs
+    elif kind == "invalid":  # the code validation stored with it (input/rows.py)
+        row["invalid_code"] = refusal_code(settings)
+    return kind, row
 
 
-def _input_kinds(
-    storage: Storage, path: str
-) -> Iterator[tuple[int, str, str, str | None, str | None]]:
-    """(line, kind, custom_id, stored settings text, stored inputs text) per stored input
-    row."""
-    with storage.fs.open_input_file(path) as src:
-        for batch in pq.ParquetFile(src).iter_batches(
-            batch_size=_BATCH_ROWS * 8,
-            columns=["line", "kind", "custom_id", "sampling", "inputs"],
-        ):
-            yield from zip(
-                batch.column("line").to_pylist(),
-                batch.column("kind").to_pylist(),
-                batch.column("custom_id").to_pylist(),
-                batch.column("sampling").to_pylist(),
-                batch.column("inputs").to_pylist(),
-            )
+def _shard_table(storage: Storage, shard: _Shard) -> pa.Table:
+    """One output row per stored input row of the shard (a null row where the line never
+    ran), with the input row's kind, settings, inputs and custom_id beside it. Read through
+    the contract's schema, so part files of schema version 1 read with the newer columns
+    null. A shard's lines are not a range of the file (input/shards.py places them by prompt):
+    rows are matched by line, not merged in order."""
+    with storage.fs.open_input_file(shard.input_path) as src:
+        stored = pq.read_table(src, columns=["line", "kind", "custom_id", "sampling", "inputs"])
+    output = _unique_lines(_read_parts(storage, shard.parts))
+    taken = output.take(pc.index_in(stored.column("line"), value_set=output.column("line")))
+    taken = taken.set_column(taken.schema.get_field_index("line"), "line", stored.column("line"))
+    for name, column in (
+        (_KIND, "kind"),
+        (_STORED_ID, "custom_id"),
+        (_SETTINGS, "sampling"),
+        (_INPUTS, "inputs"),
+    ):
+        taken = taken.append_column(name, stored.column(column))
+    return taken
 
 
-def _sorted_rows(storage: Storage, parts: list[str]) -> Iterator[dict[str, Any]]:
-    """One shard's output rows by line. Read through the contract's schema, so part files of
-    schema version 1 read with the newer columns null."""
+def _read_parts(storage: Storage, parts: list[str]) -> pa.Table:
     if not parts:
-        return
+        return OUTPUT_SCHEMA.empty_table()
     import pyarrow.dataset as ds  # imports pandas: only where a dataset is read
 
-    table = (
-        ds.dataset(parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet")
-        .to_table()
-        .sort_by("line")
-    )
-    for batch in table.to_batches(max_chunksize=_BATCH_ROWS):
-        yield from batch.to_pylist()
+    return ds.dataset(
+        parts, schema=OUTPUT_SCHEMA, filesystem=storage.fs, format="parquet"
+    ).to_table()
+
+
+def _unique_lines(rows: pa.Table) -> pa.Table:
+    """One row per line: a part file no checkpoint records (its worker died before the
+    commit) is deleted when a job completes, but may stay in a job that was cancelled or
+    failed meanwhile; both rows answer the same request, the first is kept."""
+    if rows.num_rows < 2:
+        return rows
+    rows = rows.take(pc.sort_indices(rows, [("line", "ascending")]))
+    lines = rows.column("line")
+    first = pc.not_equal(lines.slice(1), lines.slice(0, len(lines) - 1))
+    keep = pa.concat_arrays([pa.array([True]), first.combine_chunks()])
+    return rows.filter(keep)
 
 
 # -- OpenAI lines ------------------------------------------------------------------------------

@@ -66,12 +66,14 @@ def write_items(path: Path, count: int, *, extra: list[str] | None = None) -> Pa
 
 
 def create_items_job(settings, tmp_path, rows: int, *, shard_size: int) -> tuple[str, list[int]]:
-    """A job of `rows` items (write_items) created and stored; its id and its shards' ids."""
+    """A job of `rows` items (write_items) created and stored; its id and its shards' ids.
+    Stored in file order, without prefix placement: the callers know each shard by its lines
+    (the first `shard_size` lines are the first shard's)."""
     created = create_job(
         write_items(tmp_path / "in.jsonl", rows),
         make_spec(),
         shard_size=shard_size,
-        settings=settings,
+        settings=settings.model_copy(update={"place_prefixes": False}),
     )
     with session_scope(settings) as session:
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]

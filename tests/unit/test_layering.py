@@ -34,7 +34,14 @@ LAYERS = [
     "input",
 ]  # each may import the ones after it
 PACKAGE = Path(batchllm.__file__).parent
-FOUNDATION = ["settings", "errors", "storage", "heap", "process"]  # may import no layer
+FOUNDATION = [
+    "settings",
+    "errors",
+    "storage",
+    "heap",
+    "external_sort",
+    "process",
+]  # may import no layer
 
 
 def imported_layers(path: Path) -> set[str]:

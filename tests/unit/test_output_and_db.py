@@ -262,9 +262,12 @@ def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
         assert job.status is JobStatus.QUEUED
         assert (job.request_total, job.shards_total, job.shards_done) == (6, 2, 0)
         assert job.job_metadata == {"team": "tests"}
+        # Placed in prompt order (input/placement.py): the invalid line 6 (kind `invalid`
+        # sorts before `prompt`), then prompts 0..4 (lines 1-5); a shard's first and last
+        # lines are the range its lines fall in.
         assert [(s.index, s.rows, s.first_line, s.last_line, s.status) for s in job.shards] == [
-            (0, 4, 1, 4, ShardStatus.QUEUED),
-            (1, 2, 5, 6, ShardStatus.QUEUED),
+            (0, 4, 1, 6, ShardStatus.QUEUED),
+            (1, 2, 4, 5, ShardStatus.QUEUED),
         ]
         assert job.output_dir == Storage.of(settings).output_dir(job.id)
     assert Path(job.output_dir).is_dir()

@@ -220,7 +220,9 @@ def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_o
         )["input_ids"]
         for line in source.read_text().splitlines()
     ]
-    writer.write(list(range(1, 41)), [[*ids, 7] for ids in own])
+    # In the shard's stored order (placed by prompt, not by line), as the sizing pass writes.
+    stored_lines = pq.read_table(shard.input_path, columns=["line"]).column("line").to_pylist()
+    writer.write(stored_lines, [[*own[line - 1], 7] for line in stored_lines])
     writer.close()
 
     engine = InstantEngine(tokenizer=tokenizer, max_model_len=512, max_num_seqs=16)

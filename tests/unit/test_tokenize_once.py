@@ -261,5 +261,5 @@ def test_an_unreadable_token_file_means_tokenizing_not_a_failed_shard(
     )
     storage.write_bytes(token_path(path), b"PAR1 half a file")
     rows = list(iter_shard_rows(storage, path, with_token_ids=True))
-    assert [r.line for r in rows] == list(range(1, 31))
+    assert sorted(r.line for r in rows) == list(range(1, 31))  # stored in prompt order
     assert all(r.token_ids is None for r in rows)

@@ -1,0 +1,134 @@
+"""Sorting more Arrow rows than memory holds: an external merge sort, so a job's intake and its
+readers stay within a bound whatever the file's size.
+
+Rows are gathered up to `memory_bytes` of Arrow data and sorted there (a run); when more
+follow, each run is spilled to a local temporary Parquet file and the runs are merged a batch
+at a time. Input that fits in memory is sorted there, with no file written. Peak memory is
+about twice `memory_bytes` (a run and its sorted copy) or, merging, a batch of every run.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+# Rows read from each spilled run at a time while merging, and rows handed on at a time.
+BATCH_ROWS = 16_384
+
+SortKeys = list[tuple[str, str]]  # (column, "ascending") as pyarrow's sort_indices takes them
+
+
+class ExternalSort:
+    """Tables in, the same rows out sorted by `keys`; `close()` removes what was spilled.
+
+    The merge compares the first key column only (its values must order alike in Python and in
+    Arrow: numbers, or strings, whose UTF-8 bytes order as their code points); the other keys
+    order rows whose first key is equal within a batch handed on."""
+
+    def __init__(self, keys: SortKeys, *, memory_bytes: int, spill_dir: str | None = None) -> None:
+        self.keys, self.memory_bytes = keys, memory_bytes
+        self._spill_parent = spill_dir
+        self._spill: Path | None = None
+        self._gathered: list[pa.Table] = []
+        self._gathered_bytes = 0
+        self.runs: list[Path] = []
+        self.rows = 0
+
+    def add(self, rows: pa.Table) -> None:
+        if not rows.num_rows:
+            return
+        self._gathered.append(rows)
+        self._gathered_bytes += rows.nbytes
+        self.rows += rows.num_rows
+        if self._gathered_bytes >= self.memory_bytes:
+            self._spill_run()
+
+    def sorted_tables(self) -> Iterator[pa.Table]:
+        """Every row added, exactly once, in order, a table at a time."""
+        if not self.runs:  # it all fit in memory
+            run = self._sorted_run()
+            if run is not None:
+                for offset in range(0, run.num_rows, BATCH_ROWS):
+                    yield run.slice(offset, BATCH_ROWS)
+            return
+        if self._gathered:
+            self._spill_run()
+        log.info("sorting %d rows: merging %d sorted runs", self.rows, len(self.runs))
+        yield from self._merge()
+
+    def close(self) -> None:
+        self._gathered, self._gathered_bytes = [], 0
+        if self._spill is not None:
+            shutil.rmtree(self._spill, ignore_errors=True)
+            self._spill = None
+
+    def __enter__(self) -> ExternalSort:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _sorted_run(self) -> pa.Table | None:
+        if not self._gathered:
+            return None
+        table = pa.concat_tables(self._gathered)
+        self._gathered, self._gathered_bytes = [], 0
+        return table.take(pc.sort_indices(table, self.keys))
+
+    def _spill_run(self) -> None:
+        run = self._sorted_run()
+        if run is None:
+            return
+        if self._spill is None:
+            self._spill = Path(tempfile.mkdtemp(prefix="batchllm-sort-", dir=self._spill_parent))
+        path = self._spill / f"run-{len(self.runs):05d}.parquet"
+        # Read once, soon, on this machine: fast compression, no statistics or dictionaries.
+        pq.write_table(
+            run,
+            path,
+            compression="lz4",
+            use_dictionary=False,
+            write_statistics=False,
+            row_group_size=BATCH_ROWS,
+        )
+        self.runs.append(path)
+        log.debug("spilled sorted run %d (%d rows)", len(self.runs), run.num_rows)
+
+    def _merge(self) -> Iterator[pa.Table]:
+        """Each round takes from every run the rows up to the smallest of the runs' last loaded
+        first keys (the frontier), which all come before anything still unread, sorts them and
+        hands them on. The run the frontier came from is used up in the round, so every round
+        makes progress."""
+        column = self.keys[0][0]
+        readers = [pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS) for path in self.runs]
+        current = [_next_table(reader) for reader in readers]
+        while True:
+            live = [table for table in current if table is not None]
+            if not live:
+                return
+            frontier = min(table.column(column)[-1].as_py() for table in live)
+            taken: list[pa.Table] = []
+            for i, table in enumerate(current):
+                if table is None:
+                    continue
+                # The run is sorted: its rows up to the frontier are a prefix of its batch.
+                upto = pc.sum(pc.less_equal(table.column(column), frontier)).as_py() or 0
+                taken.append(table.slice(0, upto))
+                rest = table.slice(upto)
+                current[i] = rest if rest.num_rows else _next_table(readers[i])
+            merged = pa.concat_tables(taken)
+            yield merged.take(pc.sort_indices(merged, self.keys))
+
+
+def _next_table(reader: Iterator[pa.RecordBatch]) -> pa.Table | None:
+    batch = next(reader, None)
+    return None if batch is None else pa.Table.from_batches([batch])
