@@ -6,7 +6,7 @@ low, rising a level per `priority_aging_seconds` waited, so low work always prog
 tenant's turn: the tenant (a `serve` API key; each CLI or Client job its own) whose latest shard
 started longest ago, or never, goes first, so one tenant's 100 batches delay another's one by at
 most one shard; (3) the job's own turn among its tenant's jobs, then the older job, then the
-lower shard index. A shard in failure backoff (execution/shard_failures.py) takes no turn, and
+shard worker/affinity.py picks for the worker. A shard in failure backoff (execution/shard_failures.py) takes no turn, and
 its failure counts as its job's latest turn. The task whose shard lost its turn is queued again
 (every queued shard keeps a task); the winner's task later finds its shard taken, steps aside.
 """
@@ -26,6 +26,7 @@ from batchllm.settings import Settings
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
+from batchllm.worker.affinity import placed_shard
 from batchllm.worker.celery_app import queue_for_stored_spec
 
 log = logging.getLogger(__name__)
@@ -78,10 +79,13 @@ def _ready(now: datetime) -> ColumnElement[bool]:
     )
 
 
-def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
+def next_shard(
+    session: Session, shard_id: int, *, aging_seconds: float, worker: str | None = None
+) -> int:
     """The shard to run for a task of `shard_id`: itself unless it is queued and another
     queued shard of its queue comes first in the order above, or it is backing off after a
-    failure while another can run."""
+    failure while another can run. Within the job whose turn it is, the shard `worker` takes
+    is worker/affinity.py's choice."""
     shard = session.get(Shard, shard_id)
     if shard is None or shard.status is not ShardStatus.QUEUED:
         return shard_id  # running elsewhere, done, gone: the task's usual path handles it
@@ -93,11 +97,17 @@ def next_shard(session: Session, shard_id: int, *, aging_seconds: float) -> int:
     if not turns:
         return shard_id
     first = turns[0]
-    if first == shard.job_id and (shard.retry_at is None or shard.retry_at <= now):
-        return shard_id
-    chosen = session.scalar(
-        select(Shard.id).where(Shard.job_id == first, _ready(now)).order_by(Shard.index).limit(1)
-    )
+    if worker is None:  # who asks is not known: no affinity, the task's own shard if it may
+        if first == shard.job_id and (shard.retry_at is None or shard.retry_at <= now):
+            return shard_id
+        chosen = session.scalar(
+            select(Shard.id)
+            .where(Shard.job_id == first, _ready(now))
+            .order_by(Shard.index)
+            .limit(1)
+        )
+    else:
+        chosen = placed_shard(session, first, _ready(now), worker=worker)
     return chosen if chosen is not None else shard_id
 
 
@@ -146,14 +156,26 @@ def _aware(value: datetime | None) -> datetime | None:
     return value
 
 
-def take_turn(shard_id: int, *, settings: Settings, requeue: Callable[[int], None]) -> int:
-    """The shard this task runs; when it is another one, the task's own shard is sent again
-    (before the other runs, so a crash never leaves it without a task)."""
+def take_turn(
+    shard_id: int,
+    *,
+    settings: Settings,
+    requeue: Callable[[int], None],
+    worker: str | None = None,
+) -> int:
+    """The shard this task runs on `worker`; when it is another one, the task's own shard is
+    sent again (before the other runs, so a crash never leaves it without a task)."""
     with session_scope(settings) as session:
-        chosen = next_shard(session, shard_id, aging_seconds=settings.priority_aging_seconds)
+        chosen = next_shard(
+            session, shard_id, aging_seconds=settings.priority_aging_seconds, worker=worker
+        )
     if chosen != shard_id:
         requeue(shard_id)  # worker/shard_tasks.py: sent and marked dispatched
-        log.info("shard %s takes the turn of shard %s (priority, fair share)", chosen, shard_id)
+        log.info(
+            "shard %s takes the turn of shard %s (priority, fair share, affinity)",
+            chosen,
+            shard_id,
+        )
     return chosen
 
 

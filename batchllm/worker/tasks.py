@@ -226,6 +226,7 @@ def run_shard(self, shard_id: int) -> str:
             shard_id,
             settings=settings,
             requeue=lambda own: send_shard_tasks(self.app, [own], queue, settings=settings),
+            worker=node,
         )
         waiting = backoff_left(shard_id, settings=settings)
         if waiting > 0:

@@ -130,3 +130,73 @@ def test_a_running_or_done_shards_task_keeps_its_own_shard(settings, tmp_path):
     _job(settings, tmp_path, "high", 1, priority="high")
     _start(settings, low[0])
     assert _turn(settings, low[0]) == low[0]
+
+
+# -- affinity: which of a job's shards a worker takes (worker/affinity.py) --------------------
+
+
+def _take(settings, shard_id: int, worker: str) -> int:
+    """The shard a task of `shard_id` runs on `worker`, started there (as its claim would)."""
+    with session_scope(settings) as session:
+        chosen = next_shard(session, shard_id, aging_seconds=AGING, worker=worker)
+    now = utcnow()
+    with session_scope(settings) as session:
+        state_machine.run_shard(session, chosen, worker, now=now, stale_before=now)
+    return chosen
+
+
+def _finish(settings, shard_id: int) -> None:
+    with session_scope(settings) as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.id == shard_id)
+            .values(status=ShardStatus.COMPLETED, finished_at=utcnow())
+        )
+
+
+def test_two_workers_split_a_placed_job_into_two_stretches_and_each_runs_its_own_in_order(
+    settings, tmp_path
+):
+    shards = _job(settings, tmp_path, "placed", 10)
+    index = {shard_id: i for i, shard_id in enumerate(shards)}
+    ran: dict[str, list[int]] = {"w1": [], "w2": []}
+    # Both free at once, each handed the task of the first queued shard: w1 runs it, w2 the
+    # middle of what is left, not the next one (w1 will run into it).
+    ran["w1"].append(index[_take(settings, shards[0], "w1")])
+    ran["w2"].append(index[_take(settings, shards[1], "w2")])
+    assert ran == {"w1": [0], "w2": [5]}
+    # Then each runs on from its own last shard, whatever task it is handed.
+    while len(ran["w1"]) + len(ran["w2"]) < 10:
+        for worker in ("w1", "w2"):
+            _finish(settings, shards[ran[worker][-1]])
+            with session_scope(settings) as session:
+                queued = [
+                    s.id for s in session.query(Shard).filter(Shard.status == ShardStatus.QUEUED)
+                ]
+            if queued:
+                ran[worker].append(index[_take(settings, queued[-1], worker)])
+    assert ran == {"w1": [0, 1, 2, 3, 4], "w2": [5, 6, 7, 8, 9]}
+
+
+def test_affinity_never_leaves_a_free_worker_idle_while_a_shard_of_the_job_waits(
+    settings, tmp_path
+):
+    shards = _job(settings, tmp_path, "placed", 3)
+    assert _take(settings, shards[0], "w1") == shards[0]
+    assert _take(settings, shards[1], "w2") == shards[2]  # the middle of 1-2
+    # w2 ended 2 before w1 ended 0: w2's neighbour (3) does not exist, so it takes 1, the
+    # shard w1 was heading into, rather than wait.
+    _finish(settings, shards[2])
+    assert _take(settings, shards[1], "w2") == shards[1]
+
+
+def test_a_worker_new_to_a_job_takes_a_stretch_nobody_is_heading_into_before_splitting_one(
+    settings, tmp_path
+):
+    shards = _job(settings, tmp_path, "placed", 8)
+    assert _take(settings, shards[0], "w1") == shards[0]
+    assert _take(settings, shards[1], "w2") == shards[4]  # the middle of 1-7
+    _finish(settings, shards[4])
+    # w2 left: shard 0 (running on w1) and 4 (ended) leave two stretches, 1-3, which w1 runs
+    # into, and 5-7, which nobody does: a worker new to the job starts at 5.
+    assert _take(settings, shards[1], "w3") == shards[5]
