@@ -93,6 +93,9 @@ class BenchConfig:
     prefix_cache_document_words: int = 500
     prefix_cache_max_tokens: int = 64
     prefix_cache_kv_documents: float = 4.0
+    # The prefix-cache part's fleet row: the file as a job of ten shards on this many
+    # `batchllm worker` processes (each its own engine) on a private Redis; 0 leaves it out.
+    prefix_fleet_workers: int = 0
     seed: int = 0
 
     @property

@@ -147,24 +147,30 @@ def _warm(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str,
 
 
 def _prefix_cache(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:
+    """The part's rows; the fleet's (if asked) after them, once the part's own engines are shut
+    down, so the workers' engines have the machine to themselves."""
     from batchllm.bench.contenders import bench_settings
-    from batchllm.bench.parts.prefix_cache import PrefixCacheConfig, run_prefix_cache
+    from batchllm.bench.parts.prefix_cache import FLEET, PrefixCacheConfig, run_prefix_cache
 
-    return run_prefix_cache(
-        PrefixCacheConfig(
-            model=model,
-            documents=config.prefix_cache_documents,
-            questions=config.prefix_cache_questions,
-            document_words=config.prefix_cache_document_words,
-            max_tokens=config.prefix_cache_max_tokens,
-            kv_documents=config.prefix_cache_kv_documents,
-            settings=bench_settings(workdir / "prefix-cache" / "home"),
-            workdir=workdir / "prefix-cache",
-            say=say,
-            enforce_eager=config.enforce_eager,
-            seed=config.seed,
-        )
+    part = PrefixCacheConfig(
+        model=model,
+        documents=config.prefix_cache_documents,
+        questions=config.prefix_cache_questions,
+        document_words=config.prefix_cache_document_words,
+        max_tokens=config.prefix_cache_max_tokens,
+        kv_documents=config.prefix_cache_kv_documents,
+        settings=bench_settings(workdir / "prefix-cache" / "home"),
+        workdir=workdir / "prefix-cache",
+        say=say,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
     )
+    result = run_prefix_cache(part)
+    if config.prefix_fleet_workers:
+        from batchllm.bench.parts.prefix_fleet import run_prefix_fleet
+
+        result["rows"][FLEET] = run_prefix_fleet(part, workers=config.prefix_fleet_workers)
+    return result
 
 
 def _own_engine_part(

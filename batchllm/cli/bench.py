@@ -252,6 +252,13 @@ def _config_option(
     type=click.FloatRange(min=0.5),
     help="The prefix-cache part's KV cache, in documents' tokens (the cache's pressure).",
 )
+@_config_option(
+    "--prefix-fleet-workers",
+    least=0,
+    help="The prefix-cache part also submits its file as a job of ten shards to this many "
+    "`batchllm worker` processes (each its own engine, the part's KV cache) on a private "
+    "redis-server; 0 leaves that row out.",
+)
 @_config_option("--seed", type=int)
 def bench(
     output: Path,

@@ -6,8 +6,8 @@ low, rising a level per `priority_aging_seconds` waited, so low work always prog
 tenant's turn: the tenant (a `serve` API key; each CLI or Client job its own) whose latest shard
 started longest ago, or never, goes first, so one tenant's 100 batches delay another's one by at
 most one shard; (3) the job's own turn among its tenant's jobs, then the older job, then the
-shard worker/affinity.py picks for the worker. A shard in failure backoff (execution/shard_failures.py) takes no turn, and
-its failure counts as its job's latest turn. The task whose shard lost its turn is queued again
+shard worker/affinity.py picks for the worker (the lowest index when the worker is not known).
+A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts as its job's latest turn. The task whose shard lost its turn is queued again
 (every queued shard keeps a task); the winner's task later finds its shard taken, steps aside.
 """
 

@@ -2,7 +2,9 @@
 the lines shuffled, as a file of RAG or extraction requests comes) through raw `LLM.generate`
 with vLLM's prefix cache off, with it on, with it on over the lines sorted by document (what a
 user could reach by hand), and through batchllm's job, which orders each shard's rows by their
-prompt so the lines sharing a document run while it is cached.
+prompt so the lines sharing a document run while it is cached; optionally (the suite's
+`prefix_fleet_workers`) the same file as a job of ten shards on a fleet of `batchllm worker`
+processes, the FLEET row (prefix_fleet.py).
 
 vLLM's cache is LRU over KV blocks: when the KV cache cannot hold every document at once (a
 GPU's, full of running requests, usually cannot), a shuffled file evicts a document before its
@@ -21,15 +23,18 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.own_engine import Say
+from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
 
 RAW_OFF, RAW_ON, RAW_SORTED, JOB = "raw_cache_off", "raw_cache_on", "raw_sorted", "batchllm"
+FLEET = "batchllm_fleet"
 LABELS = {
     RAW_OFF: "raw generate, prefix cache off, shuffled",
     RAW_ON: "raw generate, prefix cache on, shuffled",
     RAW_SORTED: "raw generate, prefix cache on, sorted by document (by hand)",
     JOB: "batchllm job engine phase, shuffled file",
+    FLEET: "batchllm job on a worker fleet, submit to completed",
 }
 _WORDS = (
     "river stone market winter signal harbor copper garden ledger orbit lantern meadow "
@@ -52,6 +57,48 @@ class PrefixCacheConfig:
     say: Say
     enforce_eager: bool = False
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What every engine of the part is built with, from its lines' prompt lengths."""
+
+    max_model_len: int
+    prompt_tokens_per_line: float
+    kv_cache_bytes: int
+
+
+def size_engines(config: PrefixCacheConfig, lengths: list[int]) -> Sizing:
+    """The context of the longest line and its answer (a multiple of 64), and a KV cache of
+    `kv_documents` documents."""
+    max_model_len = -(-(max(lengths) + config.max_tokens) // 64) * 64
+    per_document = sum(lengths) / len(lengths)
+    return Sizing(max_model_len, per_document, _kv_bytes(config, per_document, max_model_len))
+
+
+def part_spec(
+    config: PrefixCacheConfig, lines: int, sizing: Sizing, *, prefix_caching: bool
+) -> JobSpec:
+    """The job's spec over the part's file, greedy with a fixed answer length (as `_generate`
+    samples: every contender decodes alike), on an engine of `sizing`."""
+    from batchllm.bench.contenders import job_spec
+    from batchllm.bench.workload import Workload
+
+    workload = Workload(
+        requests=lines,
+        prompt_words=(1, 1),
+        output_tokens=(config.max_tokens,) * 2,
+        greedy=True,
+    )
+    spec = job_spec(
+        config.model,
+        workload,
+        sizing.max_model_len,
+        kv_cache_bytes=sizing.kv_cache_bytes,
+        enforce_eager=config.enforce_eager,
+    )
+    engine = spec.engine.model_copy(update={"enable_prefix_caching": prefix_caching})
+    return spec.model_copy(update={"engine": engine})
 
 
 def write_lines(config: PrefixCacheConfig) -> tuple[Path, list[tuple[str, str, int]]]:
@@ -82,8 +129,7 @@ def write_lines(config: PrefixCacheConfig) -> tuple[Path, list[tuple[str, str, i
 
 
 def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
-    from batchllm.bench.contenders import job_spec, kv_cache_tokens
-    from batchllm.bench.workload import Workload
+    from batchllm.bench.contenders import kv_cache_tokens
     from batchllm.execution.engines import EngineCache
 
     say = config.say
@@ -91,31 +137,12 @@ def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
     cache_on = EngineCache(config.settings)
     cache_off = EngineCache(config.settings)
     try:
-        probe = _tokenizer(config.model)
-        lengths = [len(probe(prompt).input_ids) for _, prompt, _ in lines]
-        longest = max(lengths) + config.max_tokens
-        max_model_len = -(-longest // 64) * 64
-        per_document = sum(lengths) / len(lengths)
-        workload = Workload(
-            requests=len(lines),
-            prompt_words=(1, 1),
-            output_tokens=(config.max_tokens,) * 2,
-            greedy=True,  # as _generate samples: every contender decodes alike
-        )
-        kv_bytes = _kv_bytes(config, per_document, max_model_len)
+        probe = tokenizer(config.model)
+        sizing = size_engines(config, [len(probe(prompt).input_ids) for _, prompt, _ in lines])
+        max_model_len, per_document = sizing.max_model_len, sizing.prompt_tokens_per_line
         specs = {
-            on: job_spec(
-                config.model,
-                workload,
-                max_model_len,
-                kv_cache_bytes=kv_bytes,
-                enforce_eager=config.enforce_eager,
-            )
-            for on in (True, False)
+            on: part_spec(config, len(lines), sizing, prefix_caching=on) for on in (True, False)
         }
-        for on, spec in specs.items():
-            engine = spec.engine.model_copy(update={"enable_prefix_caching": on})
-            specs[on] = spec.model_copy(update={"engine": engine})
         say(
             f"[prefix-cache] {config.documents} documents x {config.questions} questions, "
             f"~{per_document:,.0f} prompt tokens a line, a KV cache of "
@@ -133,11 +160,11 @@ def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
             runs[key] = _generate(engine_on, prompts, config.max_tokens)
         engine_on.llm.reset_prefix_cache()
         runs[JOB] = _job_engine_phase(cache_on, specs[True], source, config.settings)
-        for key, figures in runs.items():
+        for key, row in runs.items():
             say(
-                f"[prefix-cache] {LABELS[key]}: {figures['seconds']:.1f} s, "
-                f"{figures['output_tokens_per_s']:,.0f} output tok/s, hit rate "
-                f"{figures['hit_rate']:.0%}"
+                f"[prefix-cache] {LABELS[key]}: {row['seconds']:.1f} s, "
+                f"{row['output_tokens_per_s']:,.0f} output tok/s, hit rate "
+                f"{row['hit_rate']:.0%}"
             )
         result = {
             "documents": config.documents,
@@ -162,7 +189,7 @@ def run_prefix_cache(config: PrefixCacheConfig) -> dict[str, Any]:
         cache_off.close()
 
 
-def _tokenizer(model: str):
+def tokenizer(model: str):
     from batchllm.engine.sizing import load_tokenizer
 
     return load_tokenizer(model)
@@ -191,7 +218,7 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, An
         [{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False
     )
     seconds = time.perf_counter() - started
-    return _figures(
+    return row_figures(
         seconds,
         sum(len(o.prompt_token_ids) for o in outputs),
         sum(len(o.outputs[0].token_ids) for o in outputs),
@@ -199,7 +226,7 @@ def _generate(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, An
     )
 
 
-def _figures(seconds: float, prompt: int, output: int, cached: int) -> dict[str, Any]:
+def row_figures(seconds: float, prompt: int, output: int, cached: int) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "prompt_tokens": prompt,
@@ -242,7 +269,7 @@ def _job_engine_phase(engines, spec, source: Path, settings: Settings) -> dict[s
     seconds = time.perf_counter() - started
     if job.status is not JobStatus.COMPLETED:
         raise BenchFailed(f"bench job {job_id} ended {job.status.value}: {job.error}")
-    return _figures(
+    return row_figures(
         seconds, job.prompt_tokens or 0, job.completion_tokens or 0, job.cached_tokens or 0
     )
 
@@ -254,11 +281,11 @@ def prefix_cache_table(result: dict[str, Any]) -> str:
         f"each, shuffled), a KV cache of {result['kv_cache_tokens']:,} tokens",
         f"{'contender':<62} {'seconds':>8} {'out tok/s':>10} {'prompt tok/s':>13} {'hits':>6}",
     ]
-    for key, figures in result["rows"].items():
+    for key, row in result["rows"].items():
         lines.append(
-            f"{LABELS[key]:<62} {figures['seconds']:>8.1f} "
-            f"{figures['output_tokens_per_s']:>10,.0f} {figures['prompt_tokens_per_s']:>13,.0f} "
-            f"{figures['hit_rate']:>6.0%}"
+            f"{LABELS[key]:<62} {row['seconds']:>8.1f} "
+            f"{row['output_tokens_per_s']:>10,.0f} {row['prompt_tokens_per_s']:>13,.0f} "
+            f"{row['hit_rate']:>6.0%}"
         )
     ratios = result["ratios"]
     lines.append(
@@ -266,4 +293,23 @@ def prefix_cache_table(result: dict[str, Any]) -> str:
         f"on, {ratios['batchllm_vs_sorted']:.2f}x the sorted bound, "
         f"{ratios['batchllm_vs_raw_cache_off']:.2f}x with it off"
     )
+    if FLEET in result["rows"]:
+        lines += _fleet_lines(result["rows"][FLEET])
     return "\n".join(lines)
+
+
+def _fleet_lines(row: dict[str, Any]) -> list[str]:
+    """The fleet row's placement: which worker ran which shards, and each worker's hits."""
+    names = list(row["per_worker"])
+    order = " ".join(str(names.index(n)) if n in names else "?" for n in row["shard_workers"])
+    lines = [
+        f"fleet: {row['shards']} shards of {row['shard_size']} lines on {row['workers']} "
+        f"workers ({row['submit_seconds']:.1f} s of its time in submit: validation and "
+        f"tokenization); shard -> worker: {order}"
+    ]
+    for i, (name, tokens) in enumerate(row["per_worker"].items()):
+        lines.append(
+            f"  worker {i} ({name}): {tokens['shards']} shards, "
+            f"{tokens['prompt_tokens']:,} prompt tokens, hit rate {tokens['hit_rate']:.0%}"
+        )
+    return lines

@@ -82,9 +82,12 @@ def _seconds(later: datetime | None, earlier: datetime | None) -> float | None:
     return (later - earlier).total_seconds() if later and earlier else None
 
 
-def wait_ended(job_id: str, settings: Settings, *, timeout: float) -> dict[str, Any]:
+def wait_ended(
+    job_id: str, settings: Settings, *, timeout: float, part: str = "warm part"
+) -> dict[str, Any]:
     """Poll the database every 0.1 s until the job ends; its timestamps and counts, and the
-    monotonic time at which it was seen ended. BenchFailed unless it completed."""
+    monotonic time at which it was seen ended. BenchFailed, naming `part`, unless it
+    completed."""
     from batchllm.store.db import session_scope
     from batchllm.store.models import Job, JobStatus
 
@@ -96,9 +99,7 @@ def wait_ended(job_id: str, settings: Settings, *, timeout: float) -> dict[str, 
                 seen = time.monotonic()
                 (shard, *more) = row.shards
                 if row.status is not JobStatus.COMPLETED:
-                    raise BenchFailed(
-                        f"warm part: job {job_id} ended {row.status.value}: {row.error}"
-                    )
+                    raise BenchFailed(f"{part}: job {job_id} ended {row.status.value}: {row.error}")
                 return {
                     "seen_ended": seen,
                     "picked": shard.started_at if not more else None,
@@ -109,11 +110,12 @@ def wait_ended(job_id: str, settings: Settings, *, timeout: float) -> dict[str, 
                     "rows_failed": row.request_failed,
                     "prompt_tokens": row.prompt_tokens,
                     "output_tokens": row.completion_tokens,
+                    "cached_tokens": row.cached_tokens,
                     "hardware": row.hardware,
                     "vllm_version": row.vllm_version,
                 }
         if time.monotonic() > deadline:
-            raise BenchFailed(f"warm part: job {job_id} not done after {timeout:.0f} s")
+            raise BenchFailed(f"{part}: job {job_id} not done after {timeout:.0f} s")
         time.sleep(POLL_SECONDS)
 
 

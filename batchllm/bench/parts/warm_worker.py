@@ -1,5 +1,6 @@
-"""The warm part's `batchllm worker`: a private Redis database for its broker, its environment
-and command line, and the process itself, read back through its Prometheus metrics."""
+"""The bench's `batchllm worker` (the warm part's, and each of the prefix-cache part's fleet):
+a private Redis database for its broker, its environment and command line, and the process
+itself, read back through its Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,30 +74,43 @@ def fleet_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def worker_command(model: str, limits: EngineLimits, *, name: str, metrics_port: int) -> list[str]:
-    """`batchllm worker` with the engine flags it builds its engine from."""
+def worker_command(
+    model: str, limits: EngineLimits | Sequence[str], *, name: str, metrics_port: int
+) -> list[str]:
+    """`batchllm worker` with the engine flags it builds its engine from: the warm part's
+    limits, or the flags themselves (the prefix-cache part's fleet)."""
+    flags = limits.flags() if isinstance(limits, EngineLimits) else list(limits)
     return [
         *(sys.executable, "-m", "batchllm", "worker", "--model", model),
-        *limits.flags(),
+        *flags,
         *("--name", name, "--loglevel", "INFO", "--metrics-port", str(metrics_port)),
     ]
 
 
 class WorkerProcess:
-    """One `batchllm worker` in its own process group, with its metrics on a free port."""
+    """One `batchllm worker` in its own process group, with its metrics on a free port.
+    `name`: unique among the workers started together [default: the warm part's];
+    `env`: more environment (e.g. the cores its engine's threads take)."""
 
     def __init__(
-        self, *, model: str, limits: EngineLimits, settings: Settings, log_path: Path
+        self,
+        *,
+        model: str,
+        limits: EngineLimits | Sequence[str],
+        settings: Settings,
+        log_path: Path,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         from batchllm.process.stopping import PARENT_MARK
 
         self.model = model
-        self.name = f"bench-warm-{os.getpid()}@{socket.gethostname()}"
+        self.name = name or f"bench-warm-{os.getpid()}@{socket.gethostname()}"
         self.log_path = log_path
         self.metrics_port = free_port()
         self.command = worker_command(model, limits, name=self.name, metrics_port=self.metrics_port)
         # It stops by itself should this process die without stopping it.
-        env = fleet_env(settings) | {PARENT_MARK: str(os.getpid())}
+        env = fleet_env(settings) | dict(env or {}) | {PARENT_MARK: str(os.getpid())}
         with log_path.open("wb") as log:
             self.started = time.monotonic()
             # Its own session: one signal reaches the worker, its EngineCore and engine workers.
@@ -133,8 +147,12 @@ class WorkerProcess:
     def _model_samples(self, name: str) -> list[Any]:
         return [s for s in self.metrics() if s.name == name and s.labels.get("model") == self.model]
 
+    def total(self, name: str) -> float:
+        """A counter of the worker's model, e.g. `batchllm_prompt_tokens_total`."""
+        return sum(sample.value for sample in self._model_samples(name))
+
     def engine_starts(self) -> int:
-        return sum(int(sample.value) for sample in self._model_samples(_ENGINE_STARTS))
+        return int(self.total(_ENGINE_STARTS))
 
     def engine(self) -> dict[str, Any]:
         """The engine the worker built, as its metrics describe it: its profile (the
@@ -183,7 +201,8 @@ class WorkerProcess:
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            # Not reaped yet, so its group is still ours: the worker and its engine at once.
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         _, alive = psutil.wait_procs(tree, timeout=30)
         for child in alive:
