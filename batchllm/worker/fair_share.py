@@ -7,8 +7,9 @@ tenant's turn: the tenant (a `serve` API key; each CLI or Client job its own) wh
 started longest ago, or never, goes first, so one tenant's 100 batches delay another's one by at
 most one shard; (3) the job's own turn among its tenant's jobs, then the older job, then the
 shard worker/affinity.py picks for the worker (the lowest index when the worker is not known).
-A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts as its job's latest turn. The task whose shard lost its turn is queued again
-(every queued shard keeps a task); the winner's task later finds its shard taken, steps aside.
+A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts
+as its job's latest turn. The task whose shard lost its turn is queued again (every queued
+shard keeps a task); the winner's task later finds its shard taken, steps aside.
 """
 
 from __future__ import annotations
