@@ -30,11 +30,12 @@ SortKeys = list[tuple[str, str]]  # (column, "ascending") as pyarrow's sort_indi
 class ExternalSort:
     """Tables in, the same rows out sorted by `keys`; `close()` removes what was spilled.
 
-    The merge compares the first key column only (its values must order alike in Python and in
-    Arrow: numbers, or strings, whose UTF-8 bytes order as their code points); the other keys
-    order rows whose first key is equal within a batch handed on."""
+    Keys are ascending and never null, and their values must order alike in Python and in
+    Arrow: numbers, or strings (whose UTF-8 bytes order as their code points)."""
 
     def __init__(self, keys: SortKeys, *, memory_bytes: int, spill_dir: str | None = None) -> None:
+        if any(order != "ascending" for _, order in keys):
+            raise ValueError(f"ascending keys only: {keys}")
         self.keys, self.memory_bytes = keys, memory_bytes
         self._spill_parent = spill_dir
         self._spill: Path | None = None
@@ -105,28 +106,42 @@ class ExternalSort:
 
     def _merge(self) -> Iterator[pa.Table]:
         """Each round takes from every run the rows up to the smallest of the runs' last loaded
-        first keys (the frontier), which all come before anything still unread, sorts them and
-        hands them on. The run the frontier came from is used up in the round, so every round
-        makes progress."""
-        column = self.keys[0][0]
+        rows (the frontier, compared on the whole key: rows equal on the first key must still
+        come in the order of the next), which all come before anything still unread, sorts them
+        and hands them on. The run the frontier came from is used up in the round, so every
+        round makes progress."""
+        columns = [name for name, _ in self.keys]
         readers = [pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS) for path in self.runs]
         current = [_next_table(reader) for reader in readers]
         while True:
             live = [table for table in current if table is not None]
             if not live:
                 return
-            frontier = min(table.column(column)[-1].as_py() for table in live)
+            frontier = min(
+                tuple(table.column(name)[-1].as_py() for name in columns) for table in live
+            )
             taken: list[pa.Table] = []
             for i, table in enumerate(current):
                 if table is None:
                     continue
                 # The run is sorted: its rows up to the frontier are a prefix of its batch.
-                upto = pc.sum(pc.less_equal(table.column(column), frontier)).as_py() or 0
+                upto = pc.sum(_up_to(table, columns, frontier)).as_py() or 0
                 taken.append(table.slice(0, upto))
                 rest = table.slice(upto)
                 current[i] = rest if rest.num_rows else _next_table(readers[i])
             merged = pa.concat_tables(taken)
             yield merged.take(pc.sort_indices(merged, self.keys))
+
+
+def _up_to(table: pa.Table, columns: list[str], frontier: tuple) -> pa.ChunkedArray:
+    """Each row's key <= `frontier`, compared as tuples are: less on a column, or equal on it
+    and so on to the last, where equal counts too."""
+    last = len(columns) - 1
+    result = pc.less_equal(table.column(columns[last]), frontier[last])
+    for at in range(last - 1, -1, -1):
+        column, value = table.column(columns[at]), frontier[at]
+        result = pc.or_(pc.less(column, value), pc.and_(pc.equal(column, value), result))
+    return result
 
 
 def _next_table(reader: Iterator[pa.RecordBatch]) -> pa.Table | None:

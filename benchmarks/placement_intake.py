@@ -1,0 +1,93 @@
+"""What job-wide prefix placement costs at intake: the same file created as a job with placement
+on and off (BATCHLLM_PLACE_PREFIXES), side by side in one run, at several sizes: seconds, lines
+per second and the intake process's peak memory (each create runs in a process of its own, so
+its peak is its own). Placement must keep intake within 10% of file order and memory flat in
+the file's size (issue 62): past BATCHLLM_PLACEMENT_MEMORY_MB it spills sorted runs to disk.
+
+    python -m benchmarks.placement_intake --lines 1000000,4000000 --output docs/bench-placement-intake.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from batchllm.bench.parts.overhead import peak_rss, write_lines
+
+MODEL = "bench/placement"  # no engine runs: intake only
+
+
+def _create(source: str, home: str, place: bool, out: Any) -> None:
+    """One job created from `source` in a fresh home; (seconds, peak RSS, shards) to `out`."""
+    from batchllm.input.schemas import JobSpec
+    from batchllm.jobs.create import create_job
+    from batchllm.settings import Settings
+
+    settings = Settings(home=Path(home), place_prefixes=place)
+    started = time.perf_counter()
+    created = create_job(
+        source, JobSpec(model=MODEL), shard_size=settings.shard_size, settings=settings
+    )
+    out.send((time.perf_counter() - started, peak_rss(), len(created.stored.shards)))
+
+
+def measure(source: Path, work: Path, place: bool) -> dict[str, Any]:
+    home = work / ("placed" if place else "file-order")
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("spawn").Process(
+        target=_create, args=(str(source), str(home), place, send)
+    )
+    child.start()
+    seconds, rss, shards = receive.recv()
+    child.join()
+    shutil.rmtree(home, ignore_errors=True)
+    return {"seconds": seconds, "peak_rss_mib": rss / 2**20, "shards": shards}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", default="1000000,4000000", help="file sizes, comma-separated")
+    parser.add_argument("--output", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="batchllm-placement-bench-") as scratch:
+        work = Path(scratch)
+        for lines in (int(n) for n in args.lines.split(",")):
+            source = write_lines(
+                work / f"{lines}.jsonl",
+                lines,
+                model=MODEL,
+                prompt_words=(8, 24),
+                output_tokens=(8, 64),
+            )
+            off = measure(source, work, place=False)
+            on = measure(source, work, place=True)
+            row = {
+                "lines": lines,
+                "file_order": off,
+                "placed": on,
+                "placed_vs_file_order_seconds": on["seconds"] / off["seconds"],
+            }
+            results.append(row)
+            print(
+                f"{lines:>10,} lines: file order {off['seconds']:6.1f} s "
+                f"({lines / off['seconds']:,.0f}/s, peak {off['peak_rss_mib']:,.0f} MiB); "
+                f"placed {on['seconds']:6.1f} s ({lines / on['seconds']:,.0f}/s, peak "
+                f"{on['peak_rss_mib']:,.0f} MiB): {row['placed_vs_file_order_seconds']:.2f}x",
+                flush=True,
+            )
+            source.unlink()
+    if args.output is not None:
+        args.output.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
