@@ -1,7 +1,8 @@
 """How soon `submit` queues a big file's first shard for the fleet, against the time it takes to
-validate and store the whole file, side by side on one file: with the context length given
-(shards are queued as validation stores them: store/shard_recording.py) and without it (queued
-once the whole file is stored; a worker sizes the job's context from all of its rows).
+validate and store the whole file, side by side on one file: in file order with the context
+length given (shards are queued as validation stores them: store/shard_recording.py) and
+without it (queued once the whole file is stored; a worker sizes the job's context from all of
+its rows), and placed by prompt (the default: shards written, and queued, once the file is read).
 
 Both submit to a private Redis with no worker listening and the embedded SQLite database, so
 nothing runs the shards: what is timed is the submit alone. The tasks in Redis are counted
@@ -98,10 +99,12 @@ def measure(lines: int, work_dir: Path) -> dict[str, Any]:
     redis.start()
     try:
         runs = []
-        for max_model_len in (4096, None):
-            home = work_dir / f"home-{max_model_len or 'sized'}"
+        # In file order (placement off), the context given and not; then placed, given.
+        for max_model_len, placed in ((4096, False), (None, False), (4096, True)):
+            home = work_dir / f"home-{max_model_len or 'sized'}-{placed}"
             settings = bench_settings(home)
             settings.broker_url = redis.url
+            settings.place_prefixes = placed
             runs.append(time_submit(source, settings, redis, max_model_len=max_model_len))
             shutil.rmtree(home, ignore_errors=True)  # the stored shards: ~0.5 GB a million lines
         return {
@@ -109,6 +112,7 @@ def measure(lines: int, work_dir: Path) -> dict[str, Any]:
             "input_bytes": source.stat().st_size,
             "streamed": runs[0],
             "queued_after_validation": runs[1],
+            "placed": runs[2],
             "peak_rss_bytes": peak_rss(),
         }
     finally:

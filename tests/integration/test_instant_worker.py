@@ -161,6 +161,13 @@ def test_the_first_shard_bench_times_a_streamed_and_a_whole_file_submit(tmp_path
     assert whole["shards_stored_when_first_queued"] == 6
     assert 0 < streamed["first_shard_queued_s"] < streamed["whole_file_stored_s"]
     assert 0 < whole["first_shard_queued_s"] < whole["whole_file_stored_s"]
+    # Placed: every line read before the first shard is written, then queued as stored.
+    placed = figures["placed"]
+    assert (placed["lines"], placed["shards"], placed["shards_stored_when_first_queued"]) == (
+        30_000,
+        6,
+        1,
+    )
     assert not (tmp_path / "input.jsonl").exists()
 
 
