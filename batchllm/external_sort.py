@@ -19,7 +19,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchllm.errors import StorageError
+
 log = logging.getLogger(__name__)
+
+
+class SortSpillError(StorageError):
+    """A sorted run could not be written to the temporary directory (full, not writable)."""
+
 
 # Rows read from each spilled run at a time while merging, and rows handed on at a time.
 BATCH_ROWS = 16_384
@@ -89,18 +96,26 @@ class ExternalSort:
         run = self._sorted_run()
         if run is None:
             return
-        if self._spill is None:
-            self._spill = Path(tempfile.mkdtemp(prefix="batchllm-sort-", dir=self._spill_parent))
-        path = self._spill / f"run-{len(self.runs):05d}.parquet"
-        # Read once, soon, on this machine: fast compression, no statistics or dictionaries.
-        pq.write_table(
-            run,
-            path,
-            compression="lz4",
-            use_dictionary=False,
-            write_statistics=False,
-            row_group_size=BATCH_ROWS,
-        )
+        try:
+            if self._spill is None:
+                self._spill = Path(
+                    tempfile.mkdtemp(prefix="batchllm-sort-", dir=self._spill_parent)
+                )
+            path = self._spill / f"run-{len(self.runs):05d}.parquet"
+            # Read once, soon, on this machine: fast compression, no statistics or dictionaries.
+            pq.write_table(
+                run,
+                path,
+                compression="lz4",
+                use_dictionary=False,
+                write_statistics=False,
+                row_group_size=BATCH_ROWS,
+            )
+        except OSError as exc:  # not the input's fault: say where the space ran out
+            raise SortSpillError(
+                f"cannot spill {run.num_rows:,} sorted rows to {self._spill or tempfile.gettempdir()}"
+                f" (TMPDIR): {exc}"
+            ) from exc
         self.runs.append(path)
         log.debug("spilled sorted run %d (%d rows)", len(self.runs), run.num_rows)
 

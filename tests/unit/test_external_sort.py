@@ -9,7 +9,8 @@ import random
 import pyarrow as pa
 import pytest
 
-from batchllm.external_sort import BATCH_ROWS, ExternalSort
+from batchllm.errors import StorageError
+from batchllm.external_sort import BATCH_ROWS, ExternalSort, SortSpillError
 
 BY_KEY_THEN_LINE = [("key", "ascending"), ("line", "ascending")]
 # Keys as placement makes them (a kind, a NUL, a prompt) and worse: empty, NULs, accents,
@@ -159,3 +160,14 @@ def test_no_rows_added_or_only_empty_tables_sort_to_nothing(tmp_path):
         assert list(empties.sorted_tables()) == []
         assert (empties.rows, empties.runs) == (0, [])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spill_that_cannot_be_written_says_where_and_is_a_storage_error(tmp_path):
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    table = rows(list(range(1000)), list(range(1000)), pa.int64())
+    sort = ExternalSort(BY_KEY_THEN_LINE, memory_bytes=1, spill_dir=str(not_a_directory))
+    with pytest.raises(SortSpillError, match="cannot spill 1,000 sorted rows") as raised:
+        sort.add(table)
+    assert isinstance(raised.value, StorageError)
+    sort.close()
