@@ -76,10 +76,21 @@ class _ShardWriter:
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
+        self._limit = shard_size  # rows the current shard ends at (placed: maybe fewer)
+        self._edge_chosen = False
 
-    def add(self, rows: pa.Table) -> None:
-        """Rows in INPUT_SCHEMA, in line order or in placement order."""
+    def add(self, rows: pa.Table, keys: pa.Array | None = None) -> None:
+        """Rows in INPUT_SCHEMA, in line order, or in placement order with their placement
+        `keys`: then a shard may end up to a tenth early, where a group of lines sharing a
+        prefix ends, rather than split one that would fit the next shard whole."""
         while rows.num_rows:
+            if self._current is not None and keys is not None and not self._edge_chosen:
+                to_end = self._limit - self._current.rows
+                if to_end < rows.num_rows:  # the shard ends in these rows: where exactly
+                    self._limit = self._current.rows + group_edge(
+                        keys.slice(0, to_end + 1), window=max(1, self.shard_size // 10)
+                    )
+                    self._edge_chosen = True
             if self._current is None:
                 index = len(self.shards)
                 path = self.storage.input_shard(self.job_id, index)
@@ -96,8 +107,12 @@ class _ShardWriter:
                     use_dictionary=_REPEATING,
                     write_statistics=_WITH_STATISTICS,
                 )
-            room = min(self.shard_size - self._current.rows, _ROW_GROUP - self._gathered)
+                self._limit, self._edge_chosen = self.shard_size, False
+                continue  # its end is looked for in these rows first
+            room = min(self._limit - self._current.rows, _ROW_GROUP - self._gathered)
             taken, rows = rows.slice(0, room), rows.slice(room)
+            if keys is not None:
+                keys = keys.slice(room)
             self._tables.append(taken)
             self._gathered += taken.num_rows
             self._current.rows += taken.num_rows
@@ -108,7 +123,7 @@ class _ShardWriter:
             self._current.last_line = max(self._current.last_line, bounds["max"].as_py())
             if self._gathered >= _ROW_GROUP:
                 self._flush_rows()
-            if self._current.rows >= self.shard_size:
+            if self._current.rows >= self._limit:
                 self.close_shard()
 
     def _flush_rows(self) -> None:
@@ -171,6 +186,32 @@ def prefix_key(rows: pa.Table) -> pa.Array:
     text = pc.coalesce(rows.column("messages"), rows.column("prompt"), pa.scalar(""))
     head = pc.utf8_slice_codeunits(text, 0, PREFIX_KEY_CHARS)
     return pc.binary_join_element_wise(rows.column("kind"), head, "\x00").combine_chunks()
+
+
+# Key lengths at which a group boundary is looked for, coarsest first (a ladder of about 1.5x,
+# so the shortest shared prefix is found to within half again its length): two prompts that
+# differ within their first 24 characters share less than two that differ only after 2,048.
+_EDGE_LEVELS = (
+    *(8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072),
+    PREFIX_KEY_CHARS + 16,  # the whole key: its kind's name and separator are in it too
+)
+
+
+def group_edge(keys: pa.Array, *, window: int) -> int:
+    """Where a shard whose rows (in placement order) would end before `keys[-1]` ends best: the
+    position, among the last `window` ones, after which the next row shares the shortest prefix
+    with the row before it (the last such position: the fullest shard). At `len(keys) - 1`,
+    the full shard, when no boundary is coarser than any other."""
+    end = len(keys) - 1
+    start = max(1, end - window + 1)
+    candidates = keys.slice(start - 1, end - start + 2)  # row before each candidate edge too
+    for level in _EDGE_LEVELS:
+        heads = pc.utf8_slice_codeunits(candidates, 0, level)
+        differs = pc.not_equal(heads.slice(1), heads.slice(0, len(heads) - 1))
+        edges = pc.indices_nonzero(differs)
+        if len(edges):
+            return start + edges[-1].as_py()
+    return end
 
 
 def validated_chunks(
@@ -236,7 +277,7 @@ def store_input(
                     placement.add(rows.append_column(_PREFIX_KEY, prefix_key(rows)))
             if placement is not None and not (strict and result.invalid):
                 for rows in placement.sorted_tables():
-                    writer.add(rows.drop_columns([_PREFIX_KEY]))
+                    writer.add(rows.drop_columns([_PREFIX_KEY]), rows.column(_PREFIX_KEY))
             writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()

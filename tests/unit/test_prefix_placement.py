@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
@@ -188,6 +189,31 @@ def test_a_shuffled_file_places_each_documents_questions_in_the_fewest_shards(
     for i, line in enumerate(lines):
         by_file_order[document_of(line["custom_id"])].add(i // 10)
     assert sum(len(s) for s in by_file_order.values()) > 2 * (12 + 9 - 1)
+
+
+def test_a_shard_ends_up_to_a_tenth_early_at_a_documents_edge_rather_than_split_it(
+    settings, tmp_path
+):
+    # 40 documents of 4 questions in shards of 50: a shard of exactly 50 would split every
+    # other document; a tenth of a shard (5 lines) holds a whole document's edge.
+    lines = document_lines(40, 4, seed=5)
+    job_id = create(settings, write_jsonl(tmp_path / "in.jsonl", lines), shard_size=50)
+
+    shards = stored_shards(settings, job_id)
+    assert_every_line_once_and_bounds_recorded(shards, 160)
+    assert all(45 <= s.rows <= 50 for s in shards[:-1]), [s.rows for s in shards]
+    assert all(len(i) == 1 for i in shards_of_each_document(shards).values())
+    assert len(shards) == 4  # 48 + 48 + 48 + 16: no more shards than 160 lines need
+
+
+def test_group_edge_picks_the_coarsest_boundary_in_the_window_and_else_the_full_shard():
+    keys = pa.array([f"prompt\x00doc {d} question {q}" for d in (1, 1, 1, 2, 2, 2, 2) for q in "a"])
+    # A shard ending before row 6: the document boundary (rows 3|4) is within 4 rows of it.
+    assert input_shards.group_edge(keys.slice(0, 7), window=4) == 3
+    # Not within 2 rows: the full shard.
+    assert input_shards.group_edge(keys.slice(0, 7), window=2) == 6
+    same = pa.array(["prompt\x00one system prompt, one question"] * 8)
+    assert input_shards.group_edge(same, window=5) == 7
 
 
 def test_a_file_too_big_for_placement_memory_is_placed_through_spilled_runs_alike(
