@@ -210,7 +210,7 @@ def group_edge(keys: pa.Array, *, window: int) -> int:
         differs = pc.not_equal(heads.slice(1), heads.slice(0, len(heads) - 1))
         edges = pc.indices_nonzero(differs)
         if len(edges):
-            return start + edges[-1].as_py()
+            return start + int(edges[-1].as_py())
     return end
 
 
