@@ -10,9 +10,11 @@ about twice `memory_bytes` (a run and its sorted copy) or, merging, a batch of e
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -40,10 +42,21 @@ class ExternalSort:
     Keys are ascending and never null, and their values must order alike in Python and in
     Arrow: numbers, or strings (whose UTF-8 bytes order as their code points)."""
 
-    def __init__(self, keys: SortKeys, *, memory_bytes: int, spill_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        keys: SortKeys,
+        *,
+        memory_bytes: int,
+        spill_dir: str | None = None,
+        with_keys: Callable[[pa.Table], pa.Table] | None = None,
+    ) -> None:
+        """`with_keys(rows)`: the rows with key columns of their own added, where the keys are
+        not columns of the rows; made where the rows are compared, never stored or handed on
+        (a key that is a column's nulls filled costs nothing kept as it is)."""
         if any(order != "ascending" for _, order in keys):
             raise ValueError(f"ascending keys only: {keys}")
         self.keys, self.memory_bytes = keys, memory_bytes
+        self._with_keys = with_keys or (lambda rows: rows)
         self._spill_parent = spill_dir
         self._spill: Path | None = None
         self._gathered: list[pa.Table] = []
@@ -90,7 +103,7 @@ class ExternalSort:
             return None
         table = pa.concat_tables(self._gathered)
         self._gathered, self._gathered_bytes = [], 0
-        return table.take(pc.sort_indices(table, self.keys))
+        return _take(table, pc.sort_indices(self._with_keys(table), self.keys))
 
     def _spill_run(self) -> None:
         run = self._sorted_run()
@@ -132,20 +145,35 @@ class ExternalSort:
             live = [table for table in current if table is not None]
             if not live:
                 return
+            keyed = [None if table is None else self._with_keys(table) for table in current]
             frontier = min(
-                tuple(table.column(name)[-1].as_py() for name in columns) for table in live
+                tuple(table.column(name)[-1].as_py() for name in columns)
+                for table in keyed
+                if table is not None
             )
             taken: list[pa.Table] = []
             for i, table in enumerate(current):
                 if table is None:
                     continue
                 # The run is sorted: its rows up to the frontier are a prefix of its batch.
-                upto = pc.sum(_up_to(table, columns, frontier)).as_py() or 0
+                upto = pc.sum(_up_to(keyed[i], columns, frontier)).as_py() or 0
                 taken.append(table.slice(0, upto))
                 rest = table.slice(upto)
                 current[i] = rest if rest.num_rows else _next_table(readers[i])
             merged = pa.concat_tables(taken)
-            yield merged.take(pc.sort_indices(merged, self.keys))
+            yield _take(merged, pc.sort_indices(self._with_keys(merged), self.keys))
+
+
+def _take(table: pa.Table, order: pa.Array) -> pa.Table:
+    """The rows of `table` in `order`, each column gathered on a thread of its own (Arrow
+    releases the GIL: two cores gather in 0.4 s what one does in 0.55 s, a million chat lines
+    here). Each column is made one chunk first: a take from many chunks (one per table added)
+    ran as slow as the combine and the take together."""
+    if table.num_columns < 2 or len(order) < BATCH_ROWS:
+        return table.combine_chunks().take(order)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        columns = list(pool.map(lambda column: column.combine_chunks().take(order), table.columns))
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 def _up_to(table: pa.Table, columns: list[str], frontier: tuple) -> pa.ChunkedArray:

@@ -79,16 +79,16 @@ class _ShardWriter:
         self._limit = shard_size  # rows the current shard ends at (placed: maybe fewer)
         self._edge_chosen = False
 
-    def add(self, rows: pa.Table, keys: pa.Array | None = None) -> None:
-        """Rows in INPUT_SCHEMA, in line order, or in placement order with their placement
-        `keys`: then a shard may end up to a tenth early, where a group of lines sharing a
-        prefix ends, rather than split one that would fit the next shard whole."""
+    def add(self, rows: pa.Table, *, placed: bool = False) -> None:
+        """Rows in INPUT_SCHEMA, in line order, or `placed` (in placement order): then a shard
+        may end up to a tenth early, where a group of lines sharing a prefix ends, rather than
+        split one that would fit the next shard whole."""
         while rows.num_rows:
-            if self._current is not None and keys is not None and not self._edge_chosen:
+            if self._current is not None and placed and not self._edge_chosen:
                 to_end = self._limit - self._current.rows
                 if to_end < rows.num_rows:  # the shard ends in these rows: where exactly
                     self._limit = self._current.rows + group_edge(
-                        keys.slice(0, to_end + 1), window=max(1, self.shard_size // 10)
+                        rows.slice(0, to_end + 1), window=max(1, self.shard_size // 10)
                     )
                     self._edge_chosen = True
             if self._current is None:
@@ -111,8 +111,6 @@ class _ShardWriter:
                 continue  # its end is looked for in these rows first
             room = min(self._limit - self._current.rows, _ROW_GROUP - self._gathered)
             taken, rows = rows.slice(0, room), rows.slice(room)
-            if keys is not None:
-                keys = keys.slice(room)
             self._tables.append(taken)
             self._gathered += taken.num_rows
             self._current.rows += taken.num_rows
@@ -171,18 +169,34 @@ def _not_writable(storage: Storage, exc: OSError) -> StorageError:
 # An external merge sort (batchllm/external_sort.py) keeps memory bounded: rather than buckets
 # by a hash of the key, which keep a group together but scatter the groups that share a
 # shorter prefix (one system prompt over many documents), and rather than ranges, which need
-# the keys' distribution before the first row is placed. The key is the row's kind, then its
-# prompt text (a chat row's messages JSON, the order the shard runner uses) cut to
-# PREFIX_KEY_CHARS characters, so a long document costs no more than a short one; rows whose
-# keys agree keep their line order.
+# the keys' distribution before the first row is placed. The order is the shard runner's: by
+# kind, then by prompt text (a chat row's messages JSON), then by line. The sort reads the
+# text columns themselves (a copy of every prompt as a key cost a third of intake's time and
+# memory), with nulls as empty strings, which the merge compares (a chat row has no prompt).
+_PLACED_MESSAGES, _PLACED_PROMPT = "_placed_messages", "_placed_prompt"
+PLACEMENT_ORDER = [
+    ("kind", "ascending"),
+    (_PLACED_MESSAGES, "ascending"),
+    (_PLACED_PROMPT, "ascending"),
+    ("line", "ascending"),
+]
+# How far into the texts a group's edge is looked for (group_edge).
 PREFIX_KEY_CHARS = 4096
-_PREFIX_KEY = "_prefix_key"
-PLACEMENT_ORDER = [(_PREFIX_KEY, "ascending"), ("line", "ascending")]
+
+
+def with_placement_keys(rows: pa.Table) -> pa.Table:
+    """The rows with their text columns as sort keys: the same arrays where no value is null
+    (no copy), else with empty strings for the nulls."""
+    for name, column in ((_PLACED_MESSAGES, "messages"), (_PLACED_PROMPT, "prompt")):
+        values = rows.column(column)
+        rows = rows.append_column(name, pc.fill_null(values, "") if values.null_count else values)
+    return rows
 
 
 def prefix_key(rows: pa.Table) -> pa.Array:
-    """Each row's placement key: its kind, a NUL (below every character, so a kind's rows never
-    mix with another's), and the first PREFIX_KEY_CHARS characters of its prompt."""
+    """Each row's prefix as group_edge compares them: its kind, a NUL (below every character,
+    so a kind's rows never mix with another's), and the first PREFIX_KEY_CHARS characters of
+    its prompt."""
     text = pc.coalesce(rows.column("messages"), rows.column("prompt"), pa.scalar(""))
     head = pc.utf8_slice_codeunits(text, 0, PREFIX_KEY_CHARS)
     return pc.binary_join_element_wise(rows.column("kind"), head, "\x00").combine_chunks()
@@ -197,14 +211,15 @@ _EDGE_LEVELS = (
 )
 
 
-def group_edge(keys: pa.Array, *, window: int) -> int:
-    """Where a shard whose rows (in placement order) would end before `keys[-1]` ends best: the
+def group_edge(rows: pa.Table, *, window: int) -> int:
+    """Where a shard whose rows (in placement order) would end before `rows[-1]` ends best: the
     position, among the last `window` ones, after which the next row shares the shortest prefix
-    with the row before it (the last such position: the fullest shard). At `len(keys) - 1`,
-    the full shard, when no boundary is coarser than any other."""
-    end = len(keys) - 1
+    (prefix_key) with the row before it (the last such position: the fullest shard). At
+    `len(rows) - 1`, the full shard, when no boundary is coarser than any other."""
+    end = int(rows.num_rows) - 1
     start = max(1, end - window + 1)
-    candidates = keys.slice(start - 1, end - start + 2)  # row before each candidate edge too
+    # The row before each candidate edge too.
+    candidates = prefix_key(rows.slice(start - 1, end - start + 2))
     for level in _EDGE_LEVELS:
         heads = pc.utf8_slice_codeunits(candidates, 0, level)
         differs = pc.not_equal(heads.slice(1), heads.slice(0, len(heads) - 1))
@@ -258,7 +273,11 @@ def store_input(
     result = StoredInput()
     writer = _ShardWriter(storage, job_id, shard_size, on_shard)
     placement = (
-        ExternalSort(PLACEMENT_ORDER, memory_bytes=settings.placement_memory_mb * 1024 * 1024)
+        ExternalSort(
+            PLACEMENT_ORDER,
+            memory_bytes=settings.placement_memory_mb * 1024 * 1024,
+            with_keys=with_placement_keys,
+        )
         if place
         else None
     )
@@ -274,10 +293,10 @@ def store_input(
                 if placement is None:
                     writer.add(rows)
                 else:
-                    placement.add(rows.append_column(_PREFIX_KEY, prefix_key(rows)))
+                    placement.add(rows)
             if placement is not None and not (strict and result.invalid):
                 for rows in placement.sorted_tables():
-                    writer.add(rows.drop_columns([_PREFIX_KEY]), rows.column(_PREFIX_KEY))
+                    writer.add(rows, placed=True)
             writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()

@@ -206,13 +206,27 @@ def test_a_shard_ends_up_to_a_tenth_early_at_a_documents_edge_rather_than_split_
     assert len(shards) == 4  # 48 + 48 + 48 + 16: no more shards than 160 lines need
 
 
+def placed_rows(prompts: list[str]) -> pa.Table:
+    return pa.table(
+        {
+            "kind": ["prompt"] * len(prompts),
+            "prompt": prompts,
+            "messages": pa.nulls(len(prompts), pa.string()),
+        }
+    )
+
+
 def test_group_edge_picks_the_coarsest_boundary_in_the_window_and_else_the_full_shard():
-    keys = pa.array([f"prompt\x00doc {d} question {q}" for d in (1, 1, 1, 2, 2, 2, 2) for q in "a"])
-    # A shard ending before row 6: the document boundary (rows 3|4) is within 4 rows of it.
-    assert input_shards.group_edge(keys.slice(0, 7), window=4) == 3
-    # Not within 2 rows: the full shard.
-    assert input_shards.group_edge(keys.slice(0, 7), window=2) == 6
-    same = pa.array(["prompt\x00one system prompt, one question"] * 8)
+    rows = placed_rows(
+        [f"doc {d}, question {q}" for d, q in ((1, 0), (1, 1), (1, 2))]
+        + [f"doc {d}, question {q}" for d, q in ((2, 0), (2, 1), (2, 2), (2, 3))]
+    )
+    # A shard ending before row 6: the document boundary (rows 2|3) is within 4 rows of it,
+    # and coarser than the questions' boundaries.
+    assert input_shards.group_edge(rows, window=4) == 3
+    # Not within 2 rows: the boundary between two questions, the fullest shard.
+    assert input_shards.group_edge(rows, window=2) == 6
+    same = placed_rows(["one system prompt, one question"] * 8)
     assert input_shards.group_edge(same, window=5) == 7
 
 
