@@ -76,21 +76,10 @@ class _ShardWriter:
         self._writer: pq.ParquetWriter | None = None
         self._sink: io.BytesIO | None = None
         self._current: ShardInput | None = None
-        self._limit = shard_size  # rows the current shard ends at (placed: maybe fewer)
-        self._edge_chosen = False
 
-    def add(self, rows: pa.Table, *, placed: bool = False) -> None:
-        """Rows in INPUT_SCHEMA, in line order, or `placed` (in placement order): then a shard
-        may end up to a tenth early, where a group of lines sharing a prefix ends, rather than
-        split one that would fit the next shard whole."""
+    def add(self, rows: pa.Table) -> None:
+        """Rows in INPUT_SCHEMA, in line order or in placement order."""
         while rows.num_rows:
-            if self._current is not None and placed and not self._edge_chosen:
-                to_end = self._limit - self._current.rows
-                if to_end < rows.num_rows:  # the shard ends in these rows: where exactly
-                    self._limit = self._current.rows + group_edge(
-                        rows.slice(0, to_end + 1), window=max(1, self.shard_size // 10)
-                    )
-                    self._edge_chosen = True
             if self._current is None:
                 index = len(self.shards)
                 path = self.storage.input_shard(self.job_id, index)
@@ -107,9 +96,7 @@ class _ShardWriter:
                     use_dictionary=_REPEATING,
                     write_statistics=_WITH_STATISTICS,
                 )
-                self._limit, self._edge_chosen = self.shard_size, False
-                continue  # its end is looked for in these rows first
-            room = min(self._limit - self._current.rows, _ROW_GROUP - self._gathered)
+            room = min(self.shard_size - self._current.rows, _ROW_GROUP - self._gathered)
             taken, rows = rows.slice(0, room), rows.slice(room)
             self._tables.append(taken)
             self._gathered += taken.num_rows
@@ -121,7 +108,7 @@ class _ShardWriter:
             self._current.last_line = max(self._current.last_line, bounds["max"].as_py())
             if self._gathered >= _ROW_GROUP:
                 self._flush_rows()
-            if self._current.rows >= self._limit:
+            if self._current.rows >= self.shard_size:
                 self.close_shard()
 
     def _flush_rows(self) -> None:
@@ -180,8 +167,6 @@ PLACEMENT_ORDER = [
     (_PLACED_PROMPT, "ascending"),
     ("line", "ascending"),
 ]
-# How far into the texts a group's edge is looked for (group_edge).
-PREFIX_KEY_CHARS = 4096
 
 
 def with_placement_keys(rows: pa.Table) -> pa.Table:
@@ -191,42 +176,6 @@ def with_placement_keys(rows: pa.Table) -> pa.Table:
         values = rows.column(column)
         rows = rows.append_column(name, pc.fill_null(values, "") if values.null_count else values)
     return rows
-
-
-def prefix_key(rows: pa.Table) -> pa.Array:
-    """Each row's prefix as group_edge compares them: its kind, a NUL (below every character,
-    so a kind's rows never mix with another's), and the first PREFIX_KEY_CHARS characters of
-    its prompt."""
-    text = pc.coalesce(rows.column("messages"), rows.column("prompt"), pa.scalar(""))
-    head = pc.utf8_slice_codeunits(text, 0, PREFIX_KEY_CHARS)
-    return pc.binary_join_element_wise(rows.column("kind"), head, "\x00").combine_chunks()
-
-
-# Key lengths at which a group boundary is looked for, coarsest first (a ladder of about 1.5x,
-# so the shortest shared prefix is found to within half again its length): two prompts that
-# differ within their first 24 characters share less than two that differ only after 2,048.
-_EDGE_LEVELS = (
-    *(8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072),
-    PREFIX_KEY_CHARS + 16,  # the whole key: its kind's name and separator are in it too
-)
-
-
-def group_edge(rows: pa.Table, *, window: int) -> int:
-    """Where a shard whose rows (in placement order) would end before `rows[-1]` ends best: the
-    position, among the last `window` ones, after which the next row shares the shortest prefix
-    (prefix_key) with the row before it (the last such position: the fullest shard). At
-    `len(rows) - 1`, the full shard, when no boundary is coarser than any other."""
-    end = int(rows.num_rows) - 1
-    start = max(1, end - window + 1)
-    # The row before each candidate edge too.
-    candidates = prefix_key(rows.slice(start - 1, end - start + 2))
-    for level in _EDGE_LEVELS:
-        heads = pc.utf8_slice_codeunits(candidates, 0, level)
-        differs = pc.not_equal(heads.slice(1), heads.slice(0, len(heads) - 1))
-        edges = pc.indices_nonzero(differs)
-        if len(edges):
-            return start + int(edges[-1].as_py())
-    return end
 
 
 def validated_chunks(
@@ -296,7 +245,7 @@ def store_input(
                     placement.add(rows)
             if placement is not None and not (strict and result.invalid):
                 for rows in placement.sorted_tables():
-                    writer.add(rows, placed=True)
+                    writer.add(rows)
             writer.close_shard()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()

@@ -500,6 +500,7 @@ def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
     from batchllm.store import service
 
     settings.shard_size = 3
+    settings.place_prefixes = False  # file order: the first shard is lines 1-3 (a, bad, long)
     source = tmp_path / "in.jsonl"
     lines = [
         {"custom_id": "a", "prompt": "The farmer found a", "max_tokens": 8},

@@ -110,7 +110,10 @@ def test_lone_surrogates_in_custom_id_or_content_are_error_lines_not_a_500(setti
         assert session.get(Batch, batch_id) is not None  # no orphan job
         paths = [shard.input_path for shard in job.shards]
     storage = Storage.of(settings)
-    rows = [row for path in paths for row in iter_shard_rows(storage, path)]
+    # Sorted by line: the shards hold them placed by prompt (input/shards.py).
+    rows = sorted(
+        (row for path in paths for row in iter_shard_rows(storage, path)), key=lambda r: r.line
+    )
     assert [row.kind for row in rows] == ["chat", "invalid", "invalid", "chat"]
     assert rows[1].custom_id == "line-2"  # its own id cannot be written
     assert rows[1].error.startswith("field 'custom_id': text that is not valid Unicode")

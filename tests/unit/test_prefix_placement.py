@@ -191,45 +191,6 @@ def test_a_shuffled_file_places_each_documents_questions_in_the_fewest_shards(
     assert sum(len(s) for s in by_file_order.values()) > 2 * (12 + 9 - 1)
 
 
-def test_a_shard_ends_up_to_a_tenth_early_at_a_documents_edge_rather_than_split_it(
-    settings, tmp_path
-):
-    # 40 documents of 4 questions in shards of 50: a shard of exactly 50 would split every
-    # other document; a tenth of a shard (5 lines) holds a whole document's edge.
-    lines = document_lines(40, 4, seed=5)
-    job_id = create(settings, write_jsonl(tmp_path / "in.jsonl", lines), shard_size=50)
-
-    shards = stored_shards(settings, job_id)
-    assert_every_line_once_and_bounds_recorded(shards, 160)
-    assert all(45 <= s.rows <= 50 for s in shards[:-1]), [s.rows for s in shards]
-    assert all(len(i) == 1 for i in shards_of_each_document(shards).values())
-    assert len(shards) == 4  # 48 + 48 + 48 + 16: no more shards than 160 lines need
-
-
-def placed_rows(prompts: list[str]) -> pa.Table:
-    return pa.table(
-        {
-            "kind": ["prompt"] * len(prompts),
-            "prompt": prompts,
-            "messages": pa.nulls(len(prompts), pa.string()),
-        }
-    )
-
-
-def test_group_edge_picks_the_coarsest_boundary_in_the_window_and_else_the_full_shard():
-    rows = placed_rows(
-        [f"doc {d}, question {q}" for d, q in ((1, 0), (1, 1), (1, 2))]
-        + [f"doc {d}, question {q}" for d, q in ((2, 0), (2, 1), (2, 2), (2, 3))]
-    )
-    # A shard ending before row 6: the document boundary (rows 2|3) is within 4 rows of it,
-    # and coarser than the questions' boundaries.
-    assert input_shards.group_edge(rows, window=4) == 3
-    # Not within 2 rows: the boundary between two questions, the fullest shard.
-    assert input_shards.group_edge(rows, window=2) == 6
-    same = placed_rows(["one system prompt, one question"] * 8)
-    assert input_shards.group_edge(same, window=5) == 7
-
-
 def test_a_file_too_big_for_placement_memory_is_placed_through_spilled_runs_alike(
     settings, tmp_path, placements
 ):
