@@ -258,6 +258,15 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest request line plus headers `batchllm serve` reads (431 above it).",
     )
+    api_max_in_flight: int = Field(
+        default=64,
+        ge=1,
+        description="Requests one `batchllm serve` process works on or holds at once; one more "
+        "is answered 503 with Retry-After at once (the openai SDK and other clients retry it) "
+        "instead of waiting in a queue with no bound (500 clients at once had answers take 4 s "
+        "and the server run requests whose clients had left). /health and /metrics are never "
+        "refused. Above the request threads (40), the rest wait for one.",
+    )
     api_max_active_batches: int = Field(
         default=100,
         ge=1,

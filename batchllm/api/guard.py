@@ -1,5 +1,6 @@
-"""The first thing a request meets: its key and its body size are checked before a byte of the
-body is read, and the body has a deadline.
+"""The first thing a request meets: past BATCHLLM_API_MAX_IN_FLIGHT requests in the server it is
+shed (503, Retry-After), its key and its body size are checked before a byte of the body is
+read, and the body has a deadline.
 
 FastAPI reads an UploadFile or Form parameter (spooling it to temp files) before the route's
 code and its dependencies run, so a key or size check there comes after the client's bytes were
@@ -48,16 +49,35 @@ class _Refused(Exception):
         self.error = error
 
 
+# Answered whatever the load: a liveness probe must not restart a server for being busy, and a
+# scraper must see the overload.
+NEVER_SHED = frozenset({"/health", "/metrics"})
+RETRY_AFTER_SECONDS = 1
+
+
 class RequestGuard:
     def __init__(self, app: Any, *, settings: Settings, auth: bool) -> None:
         self.app = app
         self.settings = settings
         self.auth = auth
+        # Requests past this guard and not yet answered. One event loop runs every request's
+        # guard, so a plain count is exact.
+        self.in_flight = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in NEVER_SHED:
             await self.app(scope, receive, send)
             return
+        if self.in_flight >= self.settings.api_max_in_flight:
+            await _shed(self.in_flight, scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = Headers(scope=scope)
         if self.auth and scope["path"].startswith("/v1/"):
             try:
@@ -144,6 +164,22 @@ class RequestGuard:
 
 def too_large(limit: int) -> str:
     return f"the file is over the limit of {limit:,} bytes (BATCHLLM_API_MAX_FILE_BYTES)"
+
+
+async def _shed(in_flight: int, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """503 with Retry-After, at once: more requests than BATCHLLM_API_MAX_IN_FLIGHT are in the
+    server. A request with a body (unread) also closes its connection."""
+    headers = {"retry-after": str(RETRY_AFTER_SECONDS)}
+    if scope["method"] in ("POST", "PUT", "PATCH"):
+        headers["connection"] = "close"
+    message = (
+        f"the server is busy ({in_flight} requests in flight, BATCHLLM_API_MAX_IN_FLIGHT): "
+        f"retry after {RETRY_AFTER_SECONDS} s"
+    )
+    response = JSONResponse(
+        error_body(503, message, None, "server_overloaded"), 503, headers=headers
+    )
+    await response(scope, receive, send)
 
 
 async def _refuse(exc: ApiError, scope: dict[str, Any], receive: Any, send: Any) -> None:
