@@ -142,8 +142,7 @@ class ExternalSort:
         readers = [pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS) for path in self.runs]
         current = [_next_table(reader) for reader in readers]
         while True:
-            live = [table for table in current if table is not None]
-            if not live:
+            if all(table is None for table in current):
                 return
             keyed = [None if table is None else self._with_keys(table) for table in current]
             frontier = min(
