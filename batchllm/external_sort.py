@@ -33,6 +33,8 @@ class SortSpillError(StorageError):
 # Rows read from each spilled run at a time while merging, and rows handed on at a time.
 BATCH_ROWS = 16_384
 
+_TAKE_ROWS = 65_536  # rows gathered at a time from a run sorted in memory
+
 SortKeys = list[tuple[str, str]]  # (column, "ascending") as pyarrow's sort_indices takes them
 
 
@@ -76,10 +78,14 @@ class ExternalSort:
     def sorted_tables(self) -> Iterator[pa.Table]:
         """Every row added, exactly once, in order, a table at a time."""
         if not self.runs:  # it all fit in memory
-            run = self._sorted_run()
-            if run is not None:
-                for offset in range(0, run.num_rows, BATCH_ROWS):
-                    yield run.slice(offset, BATCH_ROWS)
+            if self._gathered:
+                table = pa.concat_tables(self._gathered)
+                self._gathered, self._gathered_bytes = [], 0
+                with ThreadPoolExecutor(max_workers=1) as beside:
+                    combined = beside.submit(_combined, table)
+                    order = pc.sort_indices(self._with_keys(table), self.keys)
+                    table = combined.result()
+                yield from _taken_in_slices(table, order)
             return
         if self._gathered:
             self._spill_run()
@@ -173,6 +179,30 @@ def _take(table: pa.Table, order: pa.Array) -> pa.Table:
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         columns = list(pool.map(lambda column: column.combine_chunks().take(order), table.columns))
     return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def _combined(table: pa.Table) -> pa.Table:
+    """The table with each column one chunk: a take from a column of many chunks (one per
+    table added) cost 15x the take from one, a million chat lines here."""
+    return table.combine_chunks()
+
+
+def _taken_in_slices(table: pa.Table, order: pa.Array) -> Iterator[pa.Table]:
+    """The rows of `table` in `order`, a slice of the order at a time, the next slice gathered
+    on a thread while the caller handles this one (Arrow releases the GIL). Gathered whole,
+    a million chat lines took 0.6 s, most of it faulting in a fresh copy of every column;
+    a slice at a time, 0.15 s, reusing the memory of the slices before it, and the intake's
+    peak memory is one copy of the rows rather than two."""
+    slices = range(0, len(order), _TAKE_ROWS)
+    with ThreadPoolExecutor(max_workers=1) as ahead:
+        pending = None
+        for offset in slices:
+            upcoming = ahead.submit(table.take, order.slice(offset, _TAKE_ROWS))
+            if pending is not None:
+                yield pending.result()
+            pending = upcoming
+        if pending is not None:
+            yield pending.result()
 
 
 def _up_to(table: pa.Table, columns: list[str], frontier: tuple) -> pa.ChunkedArray:

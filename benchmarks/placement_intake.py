@@ -4,7 +4,11 @@ per second and the intake process's peak memory (each create runs in a process o
 its peak is its own). Placement must keep intake within 10% of file order and memory flat in
 the file's size (issue 62): past BATCHLLM_PLACEMENT_MEMORY_MB it spills sorted runs to disk.
 
-    python -m benchmarks.placement_intake --lines 1000000,4000000 --output docs/bench-placement-intake.json
+    python -m benchmarks.placement_intake --lines 1000000,4000000 --repeats 5
+
+Intake on two cores varies by +-10% from one run to the next, as much as the difference
+measured: each size is created `--repeats` times each way, alternating, and the medians
+compared.
 """
 
 from __future__ import annotations
@@ -51,9 +55,18 @@ def measure(source: Path, work: Path, place: bool) -> dict[str, Any]:
     return {"seconds": seconds, "peak_rss_mib": rss / 2**20, "shards": shards}
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median seconds, with every run's seconds beside it."""
+    ordered = sorted(runs, key=lambda run: run["seconds"])
+    return {**ordered[len(ordered) // 2], "all_seconds": [run["seconds"] for run in runs]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", default="1000000,4000000", help="file sizes, comma-separated")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="creates each way per size (medians compared)"
+    )
     parser.add_argument("--output", type=Path, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     results = []
@@ -67,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_words=(8, 24),
                 output_tokens=(8, 64),
             )
-            off = measure(source, work, place=False)
-            on = measure(source, work, place=True)
+            runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            for _ in range(args.repeats):
+                for place in (False, True):
+                    runs[place].append(measure(source, work, place=place))
+            off, on = _median(runs[False]), _median(runs[True])
             row = {
                 "lines": lines,
                 "file_order": off,
@@ -80,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lines:>10,} lines: file order {off['seconds']:6.1f} s "
                 f"({lines / off['seconds']:,.0f}/s, peak {off['peak_rss_mib']:,.0f} MiB); "
                 f"placed {on['seconds']:6.1f} s ({lines / on['seconds']:,.0f}/s, peak "
-                f"{on['peak_rss_mib']:,.0f} MiB): {row['placed_vs_file_order_seconds']:.2f}x",
+                f"{on['peak_rss_mib']:,.0f} MiB): {row['placed_vs_file_order_seconds']:.2f}x "
+                f"(medians of {args.repeats})",
                 flush=True,
             )
             source.unlink()

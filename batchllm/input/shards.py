@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any
@@ -56,6 +58,13 @@ class StoredInput:
 
 
 class _ShardWriter:
+    """Rows in, Parquet shards of `shard_size` rows out, each encoded and stored on a thread
+    beside the caller (zstd and the write release the GIL): in file order a shard is written
+    while the next lines are validated, placed the shards are written two at a time. Shards
+    are announced (`on_shard`) in their order, as each is stored."""
+
+    _IN_FLIGHT = 4  # shards encoded at once at most: memory stays a few shards' rows
+
     def __init__(
         self,
         storage: Storage,
@@ -71,73 +80,86 @@ class _ShardWriter:
         except OSError as exc:
             raise _not_writable(storage, exc) from exc
         self.shards: list[ShardInput] = []
-        self._tables: list[pa.Table] = []  # rows of the row group being gathered
-        self._gathered = 0
-        self._writer: pq.ParquetWriter | None = None
-        self._sink: io.BytesIO | None = None
+        self._tables: list[pa.Table] = []  # rows of the shard being gathered
         self._current: ShardInput | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="batchllm-shards")
+        self._pending: deque[tuple[ShardInput, Future[None]]] = deque()
 
     def add(self, rows: pa.Table) -> None:
         """Rows in INPUT_SCHEMA, in line order or in placement order."""
         while rows.num_rows:
             if self._current is None:
-                index = len(self.shards)
+                index = len(self.shards) + len(self._pending)
                 path = self.storage.input_shard(self.job_id, index)
                 first = rows.column(0)[0].as_py()
                 self._current = ShardInput(index, path, 0, first, first)
-                self._sink = io.BytesIO()
-                self._writer = pq.ParquetWriter(
-                    self._sink,
-                    INPUT_SCHEMA,
-                    compression="zstd",
-                    # Dictionaries only where values repeat (trying them on the texts and ids
-                    # costs time and falls back to plain anyway); min/max statistics only of
-                    # short columns: those of the texts cost half the write and serve no one.
-                    use_dictionary=_REPEATING,
-                    write_statistics=_WITH_STATISTICS,
-                )
-            room = min(self.shard_size - self._current.rows, _ROW_GROUP - self._gathered)
+            room = self.shard_size - self._current.rows
             taken, rows = rows.slice(0, room), rows.slice(room)
             self._tables.append(taken)
-            self._gathered += taken.num_rows
             self._current.rows += taken.num_rows
             # The range its lines fall in: in file order its first and last; placed, they
             # come in prompt order.
             bounds = pc.min_max(taken.column(0))
             self._current.first_line = min(self._current.first_line, bounds["min"].as_py())
             self._current.last_line = max(self._current.last_line, bounds["max"].as_py())
-            if self._gathered >= _ROW_GROUP:
-                self._flush_rows()
             if self._current.rows >= self.shard_size:
                 self.close_shard()
 
-    def _flush_rows(self) -> None:
-        if self._tables and self._writer is not None:
-            self._writer.write_table(pa.concat_tables(self._tables))
-        self._tables, self._gathered = [], 0
-
     def close_shard(self) -> None:
-        if self._current is None:
-            return
-        self._flush_rows()
-        assert self._writer is not None and self._sink is not None  # set with _current
-        self._writer.close()
+        """Send the shard being gathered to be written, and announce those written since."""
+        if self._current is not None:
+            tables, self._tables = self._tables, []
+            shard, self._current = self._current, None
+            self._pending.append((shard, self._pool.submit(self._write, shard, tables)))
+        self._announce(wait_for=len(self._pending) - self._IN_FLIGHT)
+
+    def finish(self) -> None:
+        """Write what is gathered and wait for every shard to be stored."""
+        self.close_shard()
+        self._announce(wait_for=len(self._pending))
+        self._pool.shutdown()
+
+    def _announce(self, wait_for: int) -> None:
+        """Announce the written shards at the head of the queue: the first `wait_for` waited
+        for, those after them only if already done. A shard that failed raises here."""
+        while self._pending and (wait_for > 0 or self._pending[0][1].done()):
+            shard, written = self._pending.popleft()
+            wait_for -= 1
+            written.result()
+            self.shards.append(shard)
+            if self.on_shard is not None:
+                self.on_shard(shard)
+
+    def _write(self, shard: ShardInput, tables: list[pa.Table]) -> None:
+        sink = io.BytesIO()
+        with pq.ParquetWriter(
+            sink,
+            INPUT_SCHEMA,
+            compression="zstd",
+            # Dictionaries only where values repeat (trying them on the texts and ids costs
+            # time and falls back to plain anyway); min/max statistics only of short columns:
+            # those of the texts cost half the write and serve no one.
+            use_dictionary=_REPEATING,
+            write_statistics=_WITH_STATISTICS,
+        ) as writer:
+            writer.write_table(pa.concat_tables(tables), row_group_size=_ROW_GROUP)
         try:
-            self.storage.write_bytes(self._current.path, self._sink.getvalue())
+            self.storage.write_bytes(shard.path, sink.getvalue())
         except OSError as exc:
             raise _not_writable(self.storage, exc) from exc
-        self.shards.append(self._current)
-        if self.on_shard is not None:
-            self.on_shard(self._current)
-        self._current, self._writer, self._sink = None, None, None
 
     def discard(self) -> None:
-        """Delete the shards stored so far; best effort (the storage may be what failed)."""
-        for shard in self.shards:
+        """Delete the shards stored so far, and those being written once they are; best
+        effort (the storage may be what failed)."""
+        self._pool.shutdown(wait=True)
+        paths = [shard.path for shard in self.shards] + [s.path for s, _ in self._pending]
+        self._pending.clear()
+        for path in paths:
             try:
-                self.storage.delete(shard.path)
+                if self.storage.exists(path):
+                    self.storage.delete(path)
             except OSError as exc:
-                log.warning("could not delete %s: %s", shard.path, exc)
+                log.warning("could not delete %s: %s", path, exc)
 
 
 def _not_writable(storage: Storage, exc: OSError) -> StorageError:
@@ -246,7 +268,7 @@ def store_input(
             if placement is not None and not (strict and result.invalid):
                 for rows in placement.sorted_tables():
                     writer.add(rows)
-            writer.close_shard()
+            writer.finish()
     except OSError as exc:  # reading: the writer's errors are StorageErrors
         writer.discard()
         raise InputError(f"{source}: cannot read: {exc}") from exc
