@@ -267,6 +267,19 @@ class Settings(BaseSettings):
         "and the server run requests whose clients had left). /health and /metrics are never "
         "refused. Above the request threads (40), the rest wait for one.",
     )
+    api_threads: int = Field(
+        default=40,
+        ge=1,
+        description="Threads one `batchllm serve` process answers requests on (each holds "
+        "one database connection while it works: the process's pool is at least this big).",
+    )
+    api_key_cache_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long `batchllm serve` trusts an API key it has looked up before it "
+        "looks again: a revoked key is refused within this many seconds (0: every request "
+        "looks it up).",
+    )
     api_max_active_batches: int = Field(
         default=100,
         ge=1,

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from anyio import to_thread
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -73,6 +78,34 @@ def expire_due_batches(settings: Settings) -> None:
         log.warning("batch %s: its completion window passed; it expired", job_id)
 
 
+def expire_periodically_in_thread(settings: Settings) -> threading.Thread:
+    """The expiry round on a thread of its own (a daemon: it ends with the process), for a
+    process that runs no app itself: `serve --workers N`'s parent."""
+
+    def rounds() -> None:
+        while True:
+            time.sleep(settings.reconcile_seconds)
+            try:
+                expire_due_batches(settings)
+            except Exception:  # the database away for a moment: the next round retries
+                log.exception("expiring due batches failed")
+
+    thread = threading.Thread(target=rounds, name="batchllm-expiry", daemon=True)
+    thread.start()
+    return thread
+
+
+# `serve --workers N` hands uvicorn this factory by name: each worker process builds its app
+# from the environment's settings and these options (JSON), which the parent sets.
+WORKER_OPTIONS_ENV = "_BATCHLLM_SERVE_WORKER_OPTIONS"
+
+
+def worker_app() -> FastAPI:
+    """The app of one `serve --workers N` process."""
+    options = json.loads(os.environ[WORKER_OPTIONS_ENV])
+    return create_app(get_settings(), expire_batches=False, **options)
+
+
 async def _expire_periodically(settings: Settings) -> None:
     # serve may run with no worker, and so no reconciler: batches still end on time.
     while True:
@@ -89,18 +122,25 @@ def create_app(
     auth: bool = True,
     require_served_model: bool = False,
     dashboard_sees_all: bool | None = None,
+    expire_batches: bool = True,
 ) -> FastAPI:
     """The app; `dashboard_sees_all`: a server without keys shows every job in its dashboard
-    (default: when it has no keys; `serve` says so only when it listens on this machine)."""
+    (default: when it has no keys; `serve` says so only when it listens on this machine).
+    `expire_batches`: the app runs the expiry round itself (`serve --workers N` runs it once,
+    in the parent process, instead of once per worker process)."""
     settings = settings or get_settings()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_expire_periodically(settings))
+        # The routes run on this many threads (anyio's default is 40); serve sizes its
+        # database pool to match (cli/serve.py), so no request waits for a connection.
+        to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        task = asyncio.create_task(_expire_periodically(settings)) if expire_batches else None
         try:
             yield
         finally:
-            task.cancel()
+            if task is not None:
+                task.cancel()
 
     app = FastAPI(title="batchllm Batch API", version="1", docs_url="/docs", lifespan=lifespan)
     app.state.settings = settings

@@ -3,6 +3,9 @@ is the tenant that owns what the request creates and the only one that sees it."
 
 from __future__ import annotations
 
+import threading
+import time
+
 from fastapi import Request
 
 from batchllm.api.errors import ApiError
@@ -21,11 +24,55 @@ def owner_for(settings: Settings, authorization: str) -> str:
             "`batchllm keys create NAME`).",
             code="missing_api_key",
         )
-    with session_scope(settings) as session:
-        owner = owner_of(session, key.strip())
+    owner = cached_owner(settings, authorization)
     if owner is None:
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        with session_scope(settings) as session:
+            owner = owner_of(session, key.strip())
+        if owner is None:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        _KEYS.put(key.strip(), owner)
     return owner
+
+
+def cached_owner(settings: Settings, authorization: str) -> str | None:
+    """The owner of the header's key when it was looked up in the last
+    BATCHLLM_API_KEY_CACHE_SECONDS, else None: no database, so the guard asks on the event
+    loop and goes to a thread (owner_for) only when this does not know."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return _KEYS.get(key.strip(), settings.api_key_cache_seconds)
+
+
+class _KeyCache:
+    """Live keys looked up in the last BATCHLLM_API_KEY_CACHE_SECONDS: a client polling every
+    second cost a database session per request for its key alone. Only live keys are kept
+    (an unknown key is looked up each time: nothing a stranger sends grows this), and a
+    revoked key is refused once its entry is older than the setting. Entries are keyed by the
+    key itself, in this process's memory only."""
+
+    _MOST = 10_000  # keys kept at once; past it the cache starts over
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[str, tuple[str, float]] = {}
+        self.clock = time.monotonic
+
+    def get(self, key: str, max_age: float) -> str | None:
+        with self._lock:
+            found = self._owners.get(key)
+        if found is None or self.clock() - found[1] >= max_age:
+            return None
+        return found[0]
+
+    def put(self, key: str, owner: str) -> None:
+        with self._lock:
+            if len(self._owners) >= self._MOST:
+                self._owners.clear()
+            self._owners[key] = (owner, self.clock())
+
+
+_KEYS = _KeyCache()
 
 
 def current_owner(request: Request) -> str:

@@ -27,7 +27,7 @@ from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch
+from batchllm.store.models import Batch, Job, utcnow
 from batchllm.worker.registry import served_models
 
 router = APIRouter()
@@ -187,19 +187,36 @@ def _refused_as(code: str) -> Iterator[None]:
         raise ApiError(409, str(exc), code=code) from None
 
 
-def _render(settings, owner: str, job_id: str) -> dict[str, Any]:
-    with session_scope(settings) as session:
-        # Read at the moment it is asked for: a batch past its window is expired now, whether
-        # or not a reconciler has run since (the server's own round comes every few seconds).
-        recovery.expire_jobs(session, settings.lease_seconds, job_id)
+def _render(settings, owner: str, job_id: str, *, expiry_checked: bool = False) -> dict[str, Any]:
+    """The batch as OpenAI's object, read in one session: a poll is the request a server
+    answers most (it cost three sessions and six statements, a third of them for expiry and
+    for other jobs' cancels)."""
     with session_scope(settings) as session:
         batch = _owned_batch(session, job_id, owner)
         job = batch.job
-        if job.status.is_final and batch.output_file_id is None and job.request_total:
-            session.expunge_all()
-            batches.write_result_files(settings, batch, job)
-            return _render(settings, owner, job_id)
-        return batch_object(batch, job)
+        due = not expiry_checked and _past_window(job)
+        unwritten = job.status.is_final and batch.output_file_id is None and job.request_total
+        if not due and not unwritten:
+            return batch_object(batch, job)
+        session.expunge_all()
+    if due:
+        # Read at the moment it is asked for: a batch past its window is expired now, whether
+        # or not the server's own round (every BATCHLLM_RECONCILE_SECONDS) has come since.
+        _expire_now(settings, [job_id])
+    else:
+        batches.write_result_files(settings, batch, job)
+    return _render(settings, owner, job_id, expiry_checked=True)
+
+
+def _past_window(job: Job) -> bool:
+    """Unfinished and past its completion window: what expiry ends (store/recovery.py)."""
+    return not job.status.is_final and job.expires_at is not None and job.expires_at < utcnow()
+
+
+def _expire_now(settings, job_ids: list[str]) -> None:
+    with session_scope(settings) as session:
+        for job_id in job_ids:
+            recovery.expire_jobs(session, settings.lease_seconds, job_id)
 
 
 @router.get("/v1/batches/{batch_id}")
@@ -219,8 +236,18 @@ def list_batches(
 ) -> dict[str, Any]:
     check_limit(limit, 100)
     settings = request.app.state.settings
-    with session_scope(settings) as session:
-        recovery.expire_jobs(session, settings.lease_seconds)
+    page_of_batches = _list_page(settings, owner, limit, after, response)
+    if page_of_batches is None:  # a batch on it was past its window: read once it has ended
+        page_of_batches = _list_page(settings, owner, limit, after, response, expire=False)
+    assert page_of_batches is not None
+    return page_of_batches
+
+
+def _list_page(
+    settings, owner: str, limit: int, after: str | None, response: Response, *, expire=True
+) -> dict[str, Any] | None:
+    """A page of the owner's batches, newest first; None when a batch on it was past its
+    window and `expire`: it is expired now, and the page is to be read again."""
     with session_scope(settings) as session:
         query = (
             select(Batch)
@@ -236,6 +263,11 @@ def list_batches(
                 | ((Batch.created_at == cursor.created_at) & (Batch.job_id < cursor.job_id))
             )
         rows = list(session.scalars(query.limit(limit + 1)))
+        due = [batch.job_id for batch in rows if _past_window(batch.job)]
+        if due and expire:
+            session.rollback()
+            _expire_now(settings, due)
+            return None
         # The key's enqueued work against its quota, for a client pacing its creates.
         response.headers[ENQUEUED_HEADER] = str(batches.enqueued_rows(session, owner))
         response.headers[f"{ENQUEUED_HEADER}-limit"] = str(settings.api_max_enqueued_rows)

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from batchllm.api.auth import owner_for
+from batchllm.api.auth import cached_owner, owner_for
 from batchllm.api.errors import ApiError, error_body
 from batchllm.settings import Settings
 
@@ -80,13 +80,14 @@ class RequestGuard:
     async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         headers = Headers(scope=scope)
         if self.auth and scope["path"].startswith("/v1/"):
-            try:
-                owner = await run_in_threadpool(
-                    owner_for, self.settings, headers.get("authorization", "")
-                )
-            except ApiError as exc:
-                await _refuse(exc, scope, receive, send)
-                return
+            authorization = headers.get("authorization", "")
+            owner = cached_owner(self.settings, authorization)
+            if owner is None:
+                try:
+                    owner = await run_in_threadpool(owner_for, self.settings, authorization)
+                except ApiError as exc:
+                    await _refuse(exc, scope, receive, send)
+                    return
             # The route's dependency takes it from here instead of looking the key up again.
             scope.setdefault("state", {})["owner"] = owner
         limit = self._body_limit(scope)

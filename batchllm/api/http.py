@@ -12,12 +12,13 @@ from the moment the server starts waiting for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from batchllm.settings import Settings
+from batchllm.settings import Settings, get_settings
 
 _TOO_LARGE_TEXT = b"Request header fields too large."
 _HEAD_TOO_LARGE = (
@@ -87,14 +88,33 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def server_options(settings: Settings) -> dict[str, Any]:
-    """uvicorn.run's keyword arguments for these limits."""
-    protocol = type(
-        "BoundedH11Protocol",
-        (BoundedH11Protocol,),
-        {
-            "head_timeout": settings.api_header_timeout,
-            "max_head_bytes": settings.api_max_header_bytes,
-        },
-    )
+class EnvBoundedH11Protocol(BoundedH11Protocol):
+    """BoundedH11Protocol with the environment's limits: the class `serve --workers N` hands
+    uvicorn, whose worker processes are spawned and so take the class by its import path (a
+    class made at run time for the settings cannot be sent to them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.head_timeout, self.max_head_bytes = _environment_limits()
+        super().__init__(*args, **kwargs)
+
+
+@functools.cache
+def _environment_limits() -> tuple[float, int]:
+    settings = get_settings()
+    return settings.api_header_timeout, settings.api_max_header_bytes
+
+
+def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
+    """uvicorn.run's keyword arguments for these limits; with several `processes`, the limits
+    are the environment's (`serve` takes them from there)."""
+    protocol: type[BoundedH11Protocol] = EnvBoundedH11Protocol
+    if processes == 1:
+        protocol = type(
+            "BoundedH11Protocol",
+            (BoundedH11Protocol,),
+            {
+                "head_timeout": settings.api_header_timeout,
+                "max_head_bytes": settings.api_max_header_bytes,
+            },
+        )
     return {"http": protocol, "h11_max_incomplete_event_size": settings.api_max_header_bytes}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,16 @@ from batchllm.process.stopping import PARENT_MARK, cleanups_run_on_signals, stop
     "default engine settings (repeatable: one worker process per model); needs the broker "
     "like any worker. Run `batchllm worker` yourself for other engine settings.",
 )
+@click.option(
+    "--workers",
+    "processes",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Server processes answering on the port (uvicorn's workers; they share the "
+    "database and the broker). One process answers about a core's worth of requests; the "
+    "expiry round runs once, in the parent process. Not to be confused with --worker.",
+)
 @log_format_option(
     "json: one object per line (time, level, logger, message) for log shippers; the "
     "--worker process logs the same way."
@@ -46,6 +57,7 @@ def serve(
     no_auth: bool,
     require_served_model: bool,
     worker_models: tuple[str, ...],
+    processes: int,
     log_format: str,
 ) -> None:
     """Serve the OpenAI Batch API (/v1/files, /v1/batches, /v1/models) over this database,
@@ -59,20 +71,30 @@ def serve(
     """
     import uvicorn
 
-    from batchllm.api.app import create_app
+    from batchllm.api.app import WORKER_OPTIONS_ENV, create_app, expire_periodically_in_thread
     from batchllm.api.http import server_options
     from batchllm.settings import get_settings
     from batchllm.store.db import get_engine
 
     settings = get_settings()
+    # A connection per request thread: a smaller pool made threads wait for one, and its
+    # overflow opened and closed a PostgreSQL connection per few dozen requests.
+    pool = max(settings.db_pool_size, settings.api_threads)
+    settings = settings.model_copy(update={"db_pool_size": pool})
     get_engine(settings)  # refuse an unreachable or old database now, in one line
-    app = create_app(
-        settings,
-        auth=not no_auth,
-        require_served_model=require_served_model,
+    options = {
+        "auth": not no_auth,
+        "require_served_model": require_served_model,
         # Without keys, every job shows only to a dashboard no other machine can reach.
-        dashboard_sees_all=no_auth and is_local(host),
-    )
+        "dashboard_sees_all": no_auth and is_local(host),
+    }
+    # One process runs the app built here; several build it themselves, by name.
+    app: Any = create_app(settings, **options) if processes == 1 else "batchllm.api.app:worker_app"
+    if processes > 1:
+        # Spawned worker processes build the app by name from the environment (api/app.py).
+        os.environ[WORKER_OPTIONS_ENV] = json.dumps(options)
+        os.environ["BATCHLLM_DB_POOL_SIZE"] = str(pool)
+        expire_periodically_in_thread(settings)
     auth = "no API keys (--no-auth)" if no_auth else "API keys required"
     click.echo(f"serving the Batch API on http://{host}:{port}/v1 ({auth})", err=True)
     click.echo(f"dashboard: http://{host}:{port}/ui", err=True)
@@ -89,11 +111,13 @@ def serve(
         try:
             uvicorn.run(
                 app,
+                factory=processes > 1,
+                workers=processes,
                 host=host,
                 port=port,
                 log_level="warning",
                 log_config=log_config,
-                **server_options(app.state.settings),
+                **server_options(settings, processes=processes),
             )
         finally:
             for worker in workers:
