@@ -1,5 +1,6 @@
 """A database with history, and the tools to see what reads cost on it: `populate` writes
-thousands of ended jobs (ten shards each, five checkpoints a shard), StatementLog times every
+thousands of ended jobs (ten shards each, five checkpoints a shard, unless told fewer: 100,000
+jobs of one shard each are written in a minute), StatementLog times every
 SQL statement an operation sends, `execution_ms` and `explain` ask PostgreSQL what they cost
 it. benchmarks/history_run.py drives them over `status`, `jobs`, the Batch API's list and
 retrieve and a reconciler pass (the CLI and the API sit above the bench's layer).
@@ -24,12 +25,22 @@ from batchllm.store.models import Batch, Checkpoint, Job, Shard, utcnow
 SHARDS_PER_JOB = 10
 CHECKPOINTS_PER_SHARD = 5
 ROWS_PER_SHARD = 10_000
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _CHUNK = 20_000
 
 
-def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> list[str]:
+def populate(
+    settings: Settings,
+    jobs: int,
+    *,
+    owner: str,
+    live: int = 5,
+    shards_per_job: int = SHARDS_PER_JOB,
+    checkpoints_per_shard: int = CHECKPOINTS_PER_SHARD,
+) -> list[str]:
     """`jobs` jobs, every one a Batch API batch of `owner`, all ended but the last `live`
-    (in progress, their shards running); returns their ids, oldest first."""
+    (in progress, their shards running), each of `shards_per_job` shards of
+    `checkpoints_per_shard` checkpoints; returns their ids, oldest first."""
     from batchllm.store.db import get_engine
 
     engine = get_engine(settings)
@@ -44,18 +55,18 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
             {
                 "id": job_id,
                 "status": "completed" if ended else "in_progress",
-                "model": "meta-llama/Llama-3.1-8B-Instruct",
-                "spec": {"model": "meta-llama/Llama-3.1-8B-Instruct"},
+                "model": MODEL,
+                "spec": {"model": MODEL},
                 "metadata": {},
                 "input_file": f"/data/{job_id}.jsonl",
                 "storage_root": "/jobs",
                 "output_dir": f"/jobs/{job_id}/output",
                 "local_run": False,
-                "request_total": SHARDS_PER_JOB * ROWS_PER_SHARD,
-                "request_completed": SHARDS_PER_JOB * ROWS_PER_SHARD if ended else 0,
+                "request_total": shards_per_job * ROWS_PER_SHARD,
+                "request_completed": shards_per_job * ROWS_PER_SHARD if ended else 0,
                 "request_failed": 0,
-                "shards_total": SHARDS_PER_JOB,
-                "shards_done": SHARDS_PER_JOB if ended else 0,
+                "shards_total": shards_per_job,
+                "shards_done": shards_per_job if ended else 0,
                 "created_at": created,
                 "started_at": created,
                 "finished_at": created + timedelta(seconds=50) if ended else None,
@@ -71,6 +82,7 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
             {
                 "job_id": job_id,
                 "owner": owner,
+                "model": MODEL,
                 "endpoint": "/v1/chat/completions",
                 "completion_window": "24h",
                 "input_file_id": f"file-{job_id}",
@@ -80,7 +92,7 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
                 "created_at": created,
             }
         )
-        for index in range(SHARDS_PER_JOB):
+        for index in range(shards_per_job):
             shard_id += 1
             shard_rows.append(
                 {
@@ -97,7 +109,7 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
                     "prompt_tokens": 0,
                     "completion_tokens": 0,
                     "engine_seconds": 0.0,
-                    "next_seq": CHECKPOINTS_PER_SHARD,
+                    "next_seq": checkpoints_per_shard,
                     "attempts": 1,
                     "worker": "w@host",
                     "heartbeat_at": created + timedelta(seconds=40) if ended else now,
@@ -106,7 +118,7 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
                     "finished_at": created + timedelta(seconds=40) if ended else None,
                 }
             )
-            for seq in range(CHECKPOINTS_PER_SHARD):
+            for seq in range(checkpoints_per_shard):
                 checkpoint_id += 1
                 checkpoint_rows.append(
                     {
@@ -114,8 +126,8 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
                         "shard_id": shard_id,
                         "seq": seq,
                         "path": f"/jobs/{job_id}/output/{part_name(index, seq)}",
-                        "rows": ROWS_PER_SHARD // CHECKPOINTS_PER_SHARD,
-                        "rows_ok": ROWS_PER_SHARD // CHECKPOINTS_PER_SHARD,
+                        "rows": ROWS_PER_SHARD // checkpoints_per_shard,
+                        "rows_ok": ROWS_PER_SHARD // checkpoints_per_shard,
                         "rows_failed": 0,
                         "prompt_tokens": 0,
                         "completion_tokens": 0,
@@ -140,7 +152,10 @@ def populate(settings: Settings, jobs: int, *, owner: str, live: int = 5) -> lis
                 f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), "
                 f"(SELECT max(id) FROM {name}))"
             )
-        conn.exec_driver_sql("ANALYZE")
+    # Statistics and the visibility map, as autovacuum leaves tables that have settled (a
+    # history is written over months, not in one transaction): the plans are the steady ones.
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM (ANALYZE)")
     return ids
 
 
@@ -194,9 +209,12 @@ def timed(operation: Callable[[], Any], log: StatementLog, repeats: int = 5) -> 
     }
 
 
-def execution_ms(engine: Any, statements: list[tuple[float, str, Any]]) -> float:
+def execution_ms(engine: Any, statements: list[tuple[float, str, Any]]) -> float | None:
     """What the server spent executing the SELECTs (EXPLAIN ANALYZE's Execution Time, summed):
-    the database's own cost, free of the client's and of a busy machine's scheduling."""
+    the database's own cost, free of the client's and of a busy machine's scheduling. None on
+    another database (SQLite has no such figure)."""
+    if engine.dialect.name != "postgresql":
+        return None
     total = 0.0
     with engine.connect() as conn:
         for _, sql, params in statements:
@@ -210,9 +228,13 @@ def execution_ms(engine: Any, statements: list[tuple[float, str, Any]]) -> float
 
 
 def explain(engine: Any, statement: dict[str, Any]) -> list[str]:
+    """The statement's plan: PostgreSQL's EXPLAIN ANALYZE, SQLite's EXPLAIN QUERY PLAN."""
     with engine.connect() as conn:
         params = statement["params"]
         if isinstance(params, list | tuple) and params and isinstance(params[0], dict):
             params = params[0]
+        if engine.dialect.name != "postgresql":
+            plan = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement["full_sql"], params)
+            return [row[-1] for row in plan]
         plan = conn.exec_driver_sql("EXPLAIN (ANALYZE, COSTS OFF) " + statement["full_sql"], params)
         return [row[0] for row in plan]

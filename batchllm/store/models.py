@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    select,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -71,14 +72,17 @@ def _enum(kind: type[enum.Enum], name: str) -> Enum:
 
 class Job(Base):
     __tablename__ = "jobs"
-    # The reconciler's webhook pass reads only the jobs that announce their end.
     __table_args__ = (
+        # The reconciler's webhook pass reads only the jobs that announce their end.
         Index(
             "ix_jobs_notified_status",
             "status",
             postgresql_where=text("notify_url IS NOT NULL"),
             sqlite_where=text("notify_url IS NOT NULL"),
         ),
+        # The dashboard lists an admin's models one index step each, and a model's newest jobs
+        # (a model alone, SQLite sorted every job of the model for a page).
+        Index("ix_jobs_model_created_at", "model", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -254,15 +258,30 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
+def _job_model(context: Any) -> str | None:
+    """The model of the batch's job, for an insert that does not give it."""
+    job_id = context.get_current_parameters()["job_id"]
+    model: str | None = context.connection.scalar(select(Job.model).where(Job.id == job_id))
+    return model
+
+
 class Batch(Base):
     """The Batch API's view of a job (same id): who owns it and its OpenAI fields."""
 
     __tablename__ = "batches"
-    # GET /v1/batches pages a key's newest batches.
-    __table_args__ = (Index("ix_batches_owner_created_at", "owner", "created_at"),)
+    __table_args__ = (
+        # GET /v1/batches and the dashboard page a key's newest batches.
+        Index("ix_batches_owner_created_at", "owner", "created_at"),
+        # The dashboard lists a key's models one index step each, however long its history,
+        # and pages a key's newest batches of one model.
+        Index("ix_batches_owner_model_created_at", "owner", "model", "created_at"),
+    )
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     owner: Mapped[str] = mapped_column(String(32), index=True)
+    # Its job's model (a job's never changes), beside the owner for that index: jobs have no
+    # owner. Read from the job when an insert does not give it.
+    model: Mapped[str] = mapped_column(String(512), default=_job_model)
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
     input_file_id: Mapped[str] = mapped_column(String(40))

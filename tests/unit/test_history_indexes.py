@@ -1,20 +1,27 @@
-"""The indexes a long history needs (migration 0011, measured by benchmarks/history.py on
-10,000 jobs): the migrated schema has them, SQLite's planner uses them for the queries that
-scanned every job or shard, and listing batches costs the same few statements for any page."""
+"""The indexes a long history needs (migrations 0011 and 0015, measured by
+benchmarks/history.py on 10,000 and 100,000 jobs): the migrated schema has them, SQLite's planner
+uses them for the queries that scanned every job or shard, listing batches costs the same few
+statements for any page, and a key's quota and the dashboard's jobs page read no more of its
+history than they show."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from alembic import command
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect, select
+from sqlalchemy import create_engine, inspect, select
 
+from batchllm.api import batches
 from batchllm.api.app import create_app
+from batchllm.api.dashboard import queries, routes
+from batchllm.api.dashboard.session import Viewer
 from batchllm.api.keys import create_key
 from batchllm.settings import Settings
-from batchllm.store.db import get_engine, session_scope
-from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus
-from benchmarks.history import StatementLog, populate
+from batchllm.store.db import alembic_config, get_engine, session_scope, upgrade
+from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus, StoredFile
+from batchllm.store.states import JobStatus
+from benchmarks.history import MODEL, StatementLog, populate
 
 
 def _settings(tmp_path: Path) -> Settings:
@@ -66,3 +73,141 @@ def test_listing_batches_sends_the_same_few_statements_for_any_page_size(tmp_pat
             assert [b["id"] for b in page["data"]] == ids[::-1][:limit]
             counts[limit] = len(statements)
     assert counts[30] == counts[2] <= 10
+
+
+def _plans(engine, statements) -> list[str]:
+    """Each recorded read's plan (SQLite's EXPLAIN QUERY PLAN), one line each."""
+    with engine.connect() as conn:
+        return [
+            " ".join(row[-1] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params))
+            for _, sql, params in statements
+            if sql.lstrip().upper().startswith(("SELECT", "WITH"))
+        ]
+
+
+def test_a_keys_quota_is_read_from_the_unfinished_jobs_not_from_its_history(tmp_path):
+    # Every GET /v1/batches and dashboard refresh reads them. Joined from the key's batches,
+    # SQLite's planner walked every batch the key ever made (0.2 s at 100,000).
+    settings = _settings(tmp_path)
+    with session_scope(settings) as session:
+        key_row, _ = create_key(session, "bench")
+        other, _ = create_key(session, "other")
+    ids = populate(
+        settings, 30, owner=key_row.id, live=3, shards_per_job=1, checkpoints_per_shard=0
+    )
+    with session_scope(settings) as session:
+        # The newest batch's file says 7 lines; the others' jobs 10,000 each, none done.
+        session.add(
+            StoredFile(
+                id=f"file-{ids[-1]}",
+                owner=key_row.id,
+                filename="in.jsonl",
+                purpose="batch",
+                bytes=1,
+                lines=7,
+                path="in.jsonl",
+            )
+        )
+        session.add(
+            Job(
+                id="job_other",
+                status=JobStatus.QUEUED,
+                model="other-model",
+                spec={},
+                input_file="in.jsonl",
+                storage_root="/jobs",
+                output_dir="out",
+                request_total=50,
+            )
+        )
+        session.add(
+            Batch(
+                job_id="job_other",
+                owner=other.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                input_file_id="file-y",
+            )
+        )
+    engine = get_engine(settings)
+    log = StatementLog(engine)
+    with session_scope(settings) as session, log.recording() as statements:
+        enqueued = batches.enqueued_rows(session, key_row.id)
+        active = batches.active_batches(session, key_row.id)
+        assert session.get(Batch, "job_other").model == "other-model"  # its job's, unsaid
+    assert (enqueued, active) == (2 * 10_000 + 7, 3)
+    plans = _plans(engine, statements[:2])
+    assert all("SEARCH jobs USING INDEX ix_jobs_status" in plan for plan in plans), plans
+    assert not any("ix_batches_owner" in plan for plan in plans), plans
+    with session_scope(settings) as session:
+        assert (
+            batches.enqueued_rows(session, other.id),
+            batches.active_batches(session, other.id),
+        ) == (50, 1)
+
+
+def test_the_dashboards_jobs_page_reads_no_more_of_a_long_history_than_it_shows(
+    tmp_path, monkeypatch
+):
+    settings = _settings(tmp_path)
+    with session_scope(settings) as session:
+        key_row, _ = create_key(session, "bench")
+    ids = populate(
+        settings, 45, owner=key_row.id, live=2, shards_per_job=1, checkpoints_per_shard=0
+    )
+    newest = ids[::-1]
+    engine = get_engine(settings)
+    log = StatementLog(engine)
+    monkeypatch.setattr(queries, "COUNT_STEP", 20)  # counted to 40 rows for page 1, 60 for 2
+    viewer = Viewer(owner=key_row.id, name="bench", admin=False, login=True)
+    with session_scope(settings) as session, log.recording() as statements:
+        first = queries.job_page(session, viewer, status=None, model=None, page=1)
+        quota = queries.key_quota(session, viewer, settings)
+    assert [job["id"] for job in first["jobs"]] == newest[:20]
+    plans = _plans(engine, statements)
+    # Read along the key's indexes: no statement sorts (or counts) every one of its jobs, and
+    # its models are found one index step each.
+    assert not any("TEMP B-TREE FOR ORDER BY" in plan for plan in plans), plans
+    assert not any("TEMP B-TREE FOR DISTINCT" in plan for plan in plans), plans
+    assert any("ix_batches_owner_model_created_at (owner=? AND model>?)" in p for p in plans)
+    assert (first["total"], first["more"], first["pages"]) == (40, True, 2)
+    assert first["models"] == [MODEL]
+    text = routes.templates.get_template("jobs_live.html").render(
+        **first, quota=quota, live_url="", query={}, status="", model=""
+    )
+    assert "page 1 of more than 2 · more than 40 jobs" in " ".join(text.split())
+    with session_scope(settings) as session:
+        second = queries.job_page(session, viewer, status=None, model=None, page=2)
+        past = queries.job_page(session, viewer, status=None, model=None, page=10**18)
+        by_model = queries.job_page(session, viewer, status=None, model=MODEL, page=3)
+        running = queries.job_page(session, viewer, status="in_progress", model=None, page=1)
+    assert (second["total"], second["more"], second["pages"]) == (45, False, 3)
+    assert [job["id"] for job in second["jobs"]] == newest[20:40]
+    assert (past["page"], [job["id"] for job in past["jobs"]]) == (3, newest[40:])
+    assert (by_model["page"], [job["id"] for job in by_model["jobs"]]) == (3, newest[40:])
+    assert ([job["id"] for job in running["jobs"]], running["total"]) == (newest[:2], 2)
+
+
+def test_the_migration_gives_each_batch_its_jobs_model(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    command.upgrade(alembic_config(url), "0014")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO jobs (id, status, model, spec, metadata, input_file, storage_root, "
+            "output_dir, local_run, request_total, request_completed, request_failed, "
+            "shards_total, shards_done, created_at, prompt_tokens, completion_tokens, "
+            "cached_tokens, engine_seconds) VALUES ('job_1', 'completed', 'm-1', '{}', '{}', "
+            "'in', '/jobs', 'out', 0, 1, 1, 0, 1, 1, CURRENT_TIMESTAMP, 0, 0, 0, 0)"
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO batches (job_id, owner, endpoint, completion_window, input_file_id, "
+            "created_at) VALUES ('job_1', 'key_1', '/v1/chat/completions', '24h', 'file-1', "
+            "CURRENT_TIMESTAMP)"
+        )
+    upgrade(url)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT job_id, model FROM batches").all() == [("job_1", "m-1")]
+    model = next(c for c in inspect(engine).get_columns("batches") if c["name"] == "model")
+    assert model["nullable"] is False
+    engine.dispose()

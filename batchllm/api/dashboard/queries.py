@@ -21,6 +21,11 @@ from batchllm.store.models import Batch, Checkpoint, Job, Shard
 from batchllm.store.states import JobStatus, ShardStatus
 
 PAGE_SIZE = 20
+# The jobs page counts its jobs only so far (in steps of COUNT_STEP, past the page shown):
+# counting every job of a long history on each refresh cost 74 ms on PostgreSQL and 0.2 s on
+# SQLite at 100,000 batches. Pages past MAX_PAGE are the last's (the SQL's LIMIT stays an int64).
+COUNT_STEP = 1000
+MAX_PAGE = 10**12
 PREVIEW_ROWS = 5
 EXAMPLES_PER_REASON = 3
 MAX_POINTS = 60  # the chart's points: enough to see a shape, few enough to read
@@ -43,19 +48,36 @@ def visible_job(session: Session, viewer: Viewer, job_id: str) -> Job | None:
 def job_page(
     session: Session, viewer: Viewer, *, status: str | None, model: str | None, page: int
 ) -> dict[str, Any]:
+    """A page of the viewer's jobs, newest first, with the models to filter by. What it reads
+    does not grow with the viewer's history (the page refreshes every two seconds): the jobs
+    are counted only so far (`more`: there are more than `total`, which is then a lower
+    bound), the models are read one index step each, and a key's page is read along its
+    batches' (owner, created_at) index, in GET /v1/batches' order."""
     query = visible_jobs(viewer)
-    models = sorted(session.scalars(query.with_only_columns(Job.model).distinct()).all())
+    models = sorted(model_names(session, viewer))
     if status:
         query = query.where(Job.status == JobStatus(status))
-    if model:
-        query = query.where(Job.model == model)
-    total = session.scalar(query.with_only_columns(func.count(Job.id)).order_by(None)) or 0
+    if model:  # a batch's model is its job's, beside its owner in an index
+        query = query.where(Job.model == model if viewer.admin else Batch.model == model)
+    page = min(max(1, page), MAX_PAGE)
+    # Counted to COUNT_STEP rows past the page at least, so that the next pages are known.
+    reach = COUNT_STEP * (1 + page * PAGE_SIZE // COUNT_STEP)
+    counted = session.scalar(
+        select(func.count()).select_from(
+            query.with_only_columns(Job.id).order_by(None).limit(reach + 1).subquery()
+        )
+    )
+    more = (counted or 0) > reach
+    total = min(counted or 0, reach)
     pages = max(1, math.ceil(total / PAGE_SIZE))
-    page = min(max(1, page), pages)
+    page = min(page, pages)
+    newest_first = (
+        (Job.created_at.desc(), Job.id.desc())
+        if viewer.admin
+        else (Batch.created_at.desc(), Batch.job_id.desc())
+    )
     rows = session.scalars(
-        query.order_by(Job.created_at.desc(), Job.id.desc())
-        .offset((page - 1) * PAGE_SIZE)
-        .limit(PAGE_SIZE)
+        query.order_by(*newest_first).offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)
     ).all()
     jobs = [job_summary(job) for job in rows]
     return {
@@ -64,8 +86,21 @@ def job_page(
         "page": page,
         "pages": pages,
         "total": total,
+        "more": more,
         "running": any(not j["final"] for j in jobs),
     }
+
+
+def model_names(session: Session, viewer: Viewer) -> list[str]:
+    """The distinct models of the jobs the viewer may see, read one index step each (a loose
+    index scan: the least model, then the least one greater, ...; jobs (model, created_at) for
+    an admin, batches (owner, model, created_at) for a key), not from every job it ever ran."""
+    column = Job.model if viewer.admin else Batch.model
+    scope = [] if viewer.admin else [Batch.owner == viewer.owner]
+    found = select(func.min(column).label("model")).where(*scope).cte("models", recursive=True)
+    following = select(func.min(column)).where(*scope, column > found.c.model).scalar_subquery()
+    found = found.union_all(select(following).where(found.c.model.is_not(None)))
+    return list(session.scalars(select(found.c.model).where(found.c.model.is_not(None))))
 
 
 def key_quota(session: Session, viewer: Viewer, settings: Settings) -> dict[str, int]:
