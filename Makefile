@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 # suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache peers clean gpu-smoke cpu-smoke soak
+.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache bench-serve peers clean gpu-smoke cpu-smoke soak
 
 install: $(VENV)/.installed
 
@@ -138,6 +138,16 @@ bench-prefix-cache: install
 	$(BIN)/batchllm bench --model $(DEMO)/model --parts prefix-cache --output $(DEMO)/bench-prefix-cache
 	cp $(DEMO)/bench-prefix-cache/bench.json docs/bench-prefix-cache.json
 	cp $(DEMO)/bench-prefix-cache/bench.png docs/img/bench-prefix-cache.png
+
+# The load check of `batchllm serve` (benchmarks/serve_load.py): one private server (SQLite, no
+# worker) polled by 100 clients, 1,500 batch creates (its open files and RSS before and after),
+# 8 uploads of 20 MiB checked by SHA-256, then serve_burst's 500-client overload; writes
+# $(DEMO)/serve-load.json. SERVE_LOAD_ARGS pass through (e.g. `--database-url
+# postgresql+psycopg://root@127.0.0.1:5432/test` for a fresh PostgreSQL database on that server).
+SERVE_LOAD_ARGS ?=
+bench-serve: install
+	mkdir -p $(DEMO)
+	$(BIN)/python -m benchmarks.serve_load --output $(DEMO)/serve-load.json $(SERVE_LOAD_ARGS)
 
 # The chaos run (benchmarks/chaos.py, docs/operations.md "Chaos runs"): tenants' jobs and a poison
 # tenant's through instant-engine workers on a private Redis, PostgreSQL and S3 server, a fault

@@ -35,7 +35,15 @@ class Server:
     """`batchllm serve` on a free port with a home of its own (SQLite) and the in-memory broker
     (no worker: the batch stays in progress), ended by PID."""
 
-    def __init__(self, cap: str) -> None:
+    def __init__(
+        self,
+        cap: str,
+        *,
+        database_url: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        processes: int = 1,
+    ) -> None:
+        """`processes`: `serve --workers`; with more than one, self.proc is their parent."""
         from batchllm.api import keys
         from batchllm.settings import Settings
         from batchllm.store.db import session_scope
@@ -47,14 +55,19 @@ class Server:
             BATCHLLM_BROKER_URL="memory://",
             BATCHLLM_API_MAX_IN_FLIGHT=cap,
         )
-        with session_scope(Settings(home=self.home, broker_url="memory://")) as session:
+        if database_url is not None:  # a database of the caller's, at the newest schema
+            env["BATCHLLM_DATABASE_URL"] = database_url
+        env.update(extra_env or {})
+        settings = Settings(home=self.home, broker_url="memory://", database_url=database_url)
+        with session_scope(settings) as session:
             _, key = keys.create_key(session, "burst")
         self.headers = {"Authorization": f"Bearer {key}"}
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = (self.home / "serve.log").open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchllm", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "batchllm", "serve", "--host", "127.0.0.1", "--port", str(port)]
+            + (["--workers", str(processes)] if processes > 1 else []),
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -83,19 +96,22 @@ class Server:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
-async def _poll(client: httpx.AsyncClient, path: str, stop: float, seen: dict[str, Any]) -> None:
+async def _poll(session: Any, path: str, stop: float, seen: dict[str, Any]) -> None:
+    import aiohttp
+
     while time.monotonic() < stop:
         started = time.monotonic()
         try:
-            response = await client.get(path)
-        except httpx.HTTPError as exc:
+            async with session.get(path) as response:
+                await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             seen["errors"][type(exc).__name__] = seen["errors"].get(type(exc).__name__, 0) + 1
             continue
-        seen["codes"][response.status_code] = seen["codes"].get(response.status_code, 0) + 1
-        if response.status_code == 200:
+        seen["codes"][response.status] = seen["codes"].get(response.status, 0) + 1
+        if response.status == 200:
             seen["latencies"].append(time.monotonic() - started)
-        elif response.status_code == 503:
-            retry_after = response.headers.get("retry-after")
+        elif response.status == 503:
+            retry_after = response.headers.get("Retry-After")
             if retry_after is None:
                 seen["no_retry_after"] += 1
                 continue
@@ -126,9 +142,16 @@ def burst(cap: str, *, clients: int, seconds: float) -> dict[str, Any]:
             }
 
             async def run() -> None:
-                limits = httpx.Limits(max_connections=clients + 100)
-                async with httpx.AsyncClient(
-                    base_url=served.base_url, headers=served.headers, timeout=60, limits=limits
+                # aiohttp (vLLM's dependency), not httpx: one httpx.AsyncClient made ~120
+                # requests a second here, its own CPU the limit (aiohttp ~1,700 to /health),
+                # so the burst measured the client more than the server.
+                import aiohttp
+
+                async with aiohttp.ClientSession(
+                    served.base_url,
+                    headers=served.headers,
+                    timeout=aiohttp.ClientTimeout(total=60),
+                    connector=aiohttp.TCPConnector(limit=clients + 100),
                 ) as polling:
                     stop = time.monotonic() + seconds
                     await asyncio.gather(
