@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,9 +175,12 @@ class VllmEngine:
         """`context_name` names the context in a too-long row's error: a job's own engine, or
         the fleet worker's whose context the job adapts to. `settings`: whether an untested
         vLLM may run, and what rows' images are read under."""
+        started = time.monotonic()
         vllm = import_vllm()
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
+
+        imported = time.monotonic()
 
         self._vllm = vllm
         self.context_name = context_name
@@ -186,9 +190,22 @@ class VllmEngine:
         self._check_platform(options, settings, current_platform)
         kwargs = self._engine_kwargs(model, options, max_model_len, sleep_mode, current_platform)
         self._build_llm(model, kwargs, explicit_kv_cache=options.kv_cache_memory_bytes is not None)
+        built = time.monotonic()
         self._read_model_config(model, settings)
         self._init_request_state()
         self._start_death_watch()
+        # Where a cold start goes (issue 63), in every log that builds an engine: `run -v`,
+        # a kept engine's, a worker's.
+        self.start_phases = {
+            "import vLLM": imported - started,
+            "build the engine (processes, weights, compile, KV cache)": built - imported,
+            "read its model config": time.monotonic() - built,
+        }
+        log.info(
+            "vLLM engine ready in %.1f s: %s",
+            time.monotonic() - started,
+            ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.start_phases.items()),
+        )
 
     def _check_platform(self, options: EngineOptions, settings: Settings, platform: Any) -> None:
         """Warn about an untested vLLM (or refuse it), refuse settings this machine cannot
