@@ -15,8 +15,10 @@ import time
 from typing import Any
 
 from batchllm.engine.build_log import note_engine_build
-from batchllm.engine.cpu_backend import (
+from batchllm.engine.start_settings import (
+    engine_core_in_process,
     explicit_cpu_kv_cache,
+    freeze_the_heap,
     load_compile_cache_on_cpu,
     resolve_dtype,
 )
@@ -161,7 +163,7 @@ class VllmEngine:
         # a kept engine's, a worker's.
         self.start_phases = {
             "import vLLM": imported - started,
-            "build the engine (processes, weights, compile, KV cache)": built - imported,
+            "build the engine (weights, compile, KV cache)": built - imported,
             "read its model config": time.monotonic() - built,
         }
         log.info(
@@ -245,6 +247,8 @@ class VllmEngine:
         os.environ[ENGINE_MARK] = str(os.getpid())
         if self.is_cpu:
             load_compile_cache_on_cpu()
+        self.in_process = engine_core_in_process(kwargs["tensor_parallel_size"])
+        freeze_the_heap()
         try:
             with explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache):
                 self.llm = self._vllm.LLM(**kwargs)
@@ -472,6 +476,14 @@ class VllmEngine:
             outputs = self.engine.step()
         except EngineDeadError as exc:
             raise EngineDied(f"the vLLM engine died: {exc}") from exc
+        except Exception as exc:
+            if not self.in_process:
+                raise
+            # An engine core in its own process dies of such an error (its busy loop logs it
+            # and exits) and the client raises EngineDeadError; in this process the error
+            # arrives as it is. Either way the engine is gone and its rows run again.
+            log.exception("the vLLM engine failed in a step")
+            raise EngineDied(f"the vLLM engine failed: {type(exc).__name__}: {exc}") from exc
         done = []
         for out in outputs:
             if not out.finished:

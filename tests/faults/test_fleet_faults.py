@@ -588,6 +588,38 @@ class TestWorkerLoss:
             f"ran: {orphans} (parents {orphan_parents})"
         )
 
+    def test_a_worker_whose_engine_core_runs_in_it_killed_mid_shard_loses_no_row(
+        self, pool, engine_pool, fault_env, tmp_path, recovery
+    ):
+        """batchllm's default for a one-device engine: vLLM's engine core in the worker's own
+        process (engine/start_settings.py), so the engine's death is the worker's. kill -9 of
+        such a worker mid-shard: the partner runs the shard again, every line once, and there
+        was no engine process to outlive it."""
+        engine_pool.ensure(0)  # its build and this one's would share the two cores
+        log_dir = tmp_path / "in-process-worker"
+        log_dir.mkdir()
+        in_process = Pool(fault_env, log_dir, label="in-process")
+        try:
+            (victim,) = in_process.ensure(1)
+            (partner,) = pool.ensure(1)
+            pair = [victim, partner]
+            source = workload(tmp_path, seed=21)
+            job = fault_env.submit(source, shard_size=SHARD_SIZE, max_tokens=max(TOKENS))
+            shard = wait_mid_shard(fault_env, job.id, [victim], min_done=0, min_left=1)
+            children = alive_of(victim.record_descendants())
+            assert not [t for t in children.values() if "VLLM" in t or "EngineCore" in t], children
+            killed_at = victim.kill_main()
+
+            job, shards = wait_until_final(fault_env, job.id, pair)
+            assert_completed_exactly_once(fault_env, job, shards, source, pair)
+            recovery(
+                "in-process engine: worker kill -> completed",
+                time.monotonic() - killed_at,
+                f"{victim.name} killed on shard {shard.index}",
+            )
+        finally:
+            in_process.stop_all()
+
     def test_cancelling_a_job_whose_worker_was_killed_ends_it_cancelled_and_keeps_its_rows(
         self, pool, engine_pool, fault_env, tmp_path, recovery
     ):

@@ -70,6 +70,10 @@ def _env(home: Path, broker: RedisServer) -> dict[str, str]:
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
+            # vLLM's engine processes, as a several-device engine always has them (a one-device
+            # engine's core runs in the worker by default, engine/start_settings.py): what must
+            # not outlive the server is what these cases are about.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         }
     )
     return env

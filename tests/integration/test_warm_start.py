@@ -85,5 +85,5 @@ def test_a_warm_worker_runs_five_jobs_and_a_file_without_an_engine_start(
 
     # The worker and its engine processes are gone.
     pids = worker["pids"]
-    assert len(pids) > 1  # the worker and at least its EngineCore
+    assert pids  # the worker (its engine core runs in it: engine/start_settings.py), and any child
     assert not [pid for pid in pids if psutil.pid_exists(pid)]

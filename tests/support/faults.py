@@ -228,11 +228,12 @@ class Worker(WorkerProcess):
         core: int,
         log_path: Path,
         engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
             name,
             model=env.model,
-            env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core)),
+            env=env.worker_env(VLLM_CPU_OMP_THREADS_BIND=str(core), **(extra_env or {})),
             log_path=log_path,
             append=True,
             engine_args=engine_args,
@@ -319,10 +320,12 @@ class Pool:
         *,
         engine_args: tuple[str, ...] = WORKER_ENGINE_ARGS,
         label: str = "faults",
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.env = env
         self.log_dir = log_dir
         self.engine_args = engine_args
+        self.extra_env = extra_env
         self.label = label
         self.workers: list[Worker] = []
         self.serial = 0
@@ -346,6 +349,7 @@ class Pool:
                 core=core,
                 log_path=self.log_dir / f"{name}.log",
                 engine_args=self.engine_args,
+                extra_env=self.extra_env,
             )
             self.workers.append(worker)
             started.append(worker)

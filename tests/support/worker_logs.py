@@ -64,8 +64,9 @@ def assert_celery_output_in(log: Path) -> str:
 def assert_vllm_output_in(log: Path) -> str:
     text = assert_celery_output_in(log)
     assert VLLM_OWN_LINE.search(text), text[-3000:]
-    assert ENGINE_PROCESS_LINE in text, text[-3000:]
-    assert "Loading safetensors checkpoint shards" in text  # an engine process's stderr
+    # vLLM's engine core writes from the worker's own process by default (MainProcess), from
+    # an EngineCore process with VLLM_ENABLE_V1_MULTIPROCESSING=1: either lands here.
+    assert "Loading safetensors checkpoint shards" in text  # the engine's stderr
     return text
 
 

@@ -71,3 +71,32 @@ def test_another_error_of_a_live_engine_is_left_to_the_runner() -> None:
     # The runner records it as the row's error, as before (e.g. a parser this vLLM lacks).
     with pytest.raises(RuntimeError, match="odd"):
         _engine(_Client(RuntimeError("odd"), dead=False)).add("r1", [1], params=object())
+
+
+class _Stepping:
+    """A stand-in for vLLM's LLMEngine whose step raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def step(self) -> list:
+        raise self.error
+
+
+def _stepping(error: Exception, *, in_process: bool) -> VllmEngine:
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.engine = _Stepping(error)
+    engine.in_process = in_process
+    return engine
+
+
+def test_an_error_in_an_engine_core_in_this_process_is_the_engines_death() -> None:
+    """In process (VLLM_ENABLE_V1_MULTIPROCESSING=0) a failing model step raises as it is,
+    where an engine core process would have died of it: the shard goes back either way."""
+    with pytest.raises(EngineDied, match="RuntimeError: boom"):
+        _stepping(RuntimeError("boom"), in_process=True).step()
+
+
+def test_an_error_in_a_step_with_an_engine_core_process_is_not_taken_for_its_death() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        _stepping(RuntimeError("boom"), in_process=False).step()

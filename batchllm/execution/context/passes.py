@@ -12,10 +12,12 @@ caller reads it from `error` once the job exists.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchllm.input.rows import InputRow
@@ -32,9 +34,36 @@ log = logging.getLogger(__name__)
 
 
 def new_sizer(spec: JobSpec, settings: Settings) -> ContextSizer:
-    from batchllm.engine.sizing import ContextSizer  # transformers: only where a job is sized
+    """A sizer for the job's model. A local model's fast tokenizer and config.json are read
+    without transformers' Auto classes, whose imports (torch among them) took 4-7 s of a cold
+    `run` of 8 lines here (issue 63); the feed checks the stored ids against its engine's
+    tokenizer and tokenizes again on a difference (execution/runner.py), as for `submit`."""
+    from batchllm.engine.sizing import ContextSizer, light_tokenizer  # transformers: here only
 
-    return ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
+    local = Path(spec.model)
+    limit = config_limit(local)
+    if limit is None or not (local / "tokenizer.json").is_file():
+        return ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
+    return ContextSizer(
+        spec.model,
+        spec.sampling,
+        spec.chat_template,
+        settings=settings,
+        tokenizer=light_tokenizer(spec.model),
+        limit=limit,
+    )
+
+
+def config_limit(model: Path) -> int | None:
+    """The model's context as its config.json states it (its text model's, for a model with a
+    `text_config`), read without transformers; None when it is not stated there."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def size_shard(

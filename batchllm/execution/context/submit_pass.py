@@ -13,12 +13,11 @@ of AUTO_MIN_ROWS lines or more (see BOUND_CEILING), `always` every job, `never` 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchllm.execution.context.passes import ThreadedPass, size_shard
+from batchllm.execution.context.passes import ThreadedPass, config_limit, size_shard
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
@@ -40,18 +39,6 @@ AUTO_MIN_ROWS = 10_000
 # bound (English runs ~4 bytes a token) and tokenizing is a small share of a row's engine time,
 # so such a shard is tokenized and its ids stored as `always` does.
 BOUND_CEILING = 1024
-
-
-def config_limit(model: Path) -> int | None:
-    """The model's context as its config.json states it (its text model's, for a model with a
-    `text_config`), read without transformers; None when it is not stated there."""
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    value = text.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
 
 
 class SubmitTokens(ThreadedPass):
