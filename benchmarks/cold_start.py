@@ -1,26 +1,25 @@
-"""How long a first `batchllm run` takes from a fresh home (no kept engine yet: it imports
-vLLM and builds the engine) against a run that finds the kept engine up, for the current tree
-and, with --baseline DIR, an older checkout, side by side in one run. The cold start is most of
-what a user waits for on a small file; this says where it goes (job created, engine ready, rows
-done) and whether a change made it shorter.
+"""Cold start against warm runs: a first `batchllm run` from a fresh home (it starts a kept
+engine: imports vLLM, builds the engine) and runs that find the kept engine up, for the current
+tree and, with --baseline DIR (an older checkout), for it too, side by side in one run. The cold
+start is most of what a user waits for on a small file: this says where it goes (job created,
+engine ready, rows done) and whether a change made it shorter.
 
     python -m benchmarks.cold_start --repeats 3 --baseline /tmp/before --json cold.json
 
-Each repeat runs every contender in turn (current, baseline, current, baseline, ...: machine
-noise hits both alike), each in a fresh BATCHLLM_HOME, from the benchmark's temp dir (a `python
--m` run from the repo root would import the repo's batchllm whatever PYTHONPATH says):
+Each repeat runs the contenders in turn (current, baseline, current, baseline...: machine noise
+hits both alike), each in a fresh BATCHLLM_HOME H, from the benchmark's temp dir (run from the
+repo root, `python -m` imports the repo's batchllm whatever PYTHONPATH says):
 
     BATCHLLM_HOME=H [PYTHONPATH=DIR] python -m batchllm -v run q8.jsonl --model MODEL \\
         --temperature 0 --max-tokens 64 --enforce-eager --kv-cache-memory-bytes 536870912 \\
-        --output OUT                                    # cold: starts a kept engine
-    ... the same, without -v, --output OUT2             # warm, 8 questions
-    ... the same with q1.jsonl, --output OUT3           # warm, 1 question
+        --output H/cold                      # cold: starts a kept engine, which stays up
+    ... the same, --output H/warm8           # warm, 8 questions
+    ... the same with q1.jsonl, H/warm1      # warm, 1 question
     BATCHLLM_HOME=H [PYTHONPATH=DIR] python -m batchllm engine stop --all
 
-then waits (60 s at most, SIGKILL after) for the kept engines' processes to end. The cold run's
-offsets come from the log lines (its own -v output and HOME/engines/*.log) "batchllm.jobs.create:
-job", "vLLM engine ready in" and batchllm.execution.finalize's "completed:", against the moment
-the benchmark started the process. Figures are medians over the repeats.
+then waits for the kept engines' processes to end (SIGKILL after 60 s). The cold run's offsets
+are the log lines "batchllm.jobs.create: job", "vLLM engine ready in" and finalize's
+"completed:" (its -v output and H/engines/*.log) from the moment the benchmark started it.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ FIGURES = {
 
 
 class RunFailed(Exception):
-    pass
+    """A command that did not exit 0: (what, its output)."""
 
 
 def write_questions(work: Path) -> tuple[Path, Path]:
@@ -93,17 +92,12 @@ def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tupl
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            command,
-            env=env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=timeout, check=False,
+        )  # fmt: skip
     except subprocess.TimeoutExpired as exc:
-        output = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else ""
+        output = exc.output or ""  # bytes, what it wrote before it was killed
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
         raise RunFailed(f"{' '.join(command)}: timed out after {timeout:.0f} s", output) from exc
     if done.returncode != 0:
         raise RunFailed(f"{' '.join(command)}: exit code {done.returncode}", done.stdout)
@@ -113,19 +107,20 @@ def run(args: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tupl
 def stamps(text: str, started: float) -> dict[str, Any]:
     """Offsets from `started` (epoch seconds) of the first job created, engine ready and
     completed lines in `text`, and the ready line's phases; None where a line is missing."""
-    found: dict[str, Any] = dict.fromkeys(("job_created", "engine_ready", "completed", "phases"))
+    keys = ("cold_job_created_s", "cold_engine_ready_s", "cold_completed_s", "phases")
+    found: dict[str, Any] = dict.fromkeys(keys)
     for line in text.splitlines():
         match = STAMP.match(line)
         if match is None:
             continue
         at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
         ready = READY.search(line)
-        if "batchllm.jobs.create: job" in line and found["job_created"] is None:
-            found["job_created"] = at
-        elif ready is not None and found["engine_ready"] is None:
-            found["engine_ready"], found["phases"] = at, ready.group(1)
-        elif "batchllm.execution.finalize" in line and "completed:" in line:
-            found["completed"] = at if found["completed"] is None else found["completed"]
+        if "batchllm.jobs.create: job" in line and found["cold_job_created_s"] is None:
+            found["cold_job_created_s"] = at
+        elif ready is not None and found["cold_engine_ready_s"] is None:
+            found["cold_engine_ready_s"], found["phases"] = at, ready.group(1)
+        elif "batchllm.execution.finalize" in line and " completed:" in line:
+            found["cold_completed_s"] = found["cold_completed_s"] or at
     return found
 
 
@@ -174,32 +169,21 @@ def one_contender(
     env = environment(home, pythonpath)
     q8, q1 = (str(path) for path in questions)
 
-    def job(verbose: bool, source: str, out: str) -> tuple[float, str]:
-        flags = ["-v"] if verbose else []
-        output = str(home / out)
-        args = [*flags, "run", source, "--model", model, *FLAGS, "--output", output]
+    def job(source: str, out: str) -> tuple[float, str]:
+        args = ["-v", "run", source, "--model", model, *FLAGS, "--output", str(home / out)]
         return run(args, env, work, timeout)
 
     try:
         started = time.time()
-        cold, output = job(True, q8, "cold")
+        cold, output = job(q8, "cold")
         logs = [output] + [p.read_text(errors="replace") for p in (home / "engines").glob("*.log")]
         found = stamps("\n".join(logs), started)
-        warm8, _ = job(False, q8, "warm8")
-        warm1, _ = job(False, q1, "warm1")
+        warm8, _ = job(q8, "warm8")
+        warm1, _ = job(q1, "warm1")
     finally:
         stop = stop_engines(env, home, work)
         shutil.rmtree(home, ignore_errors=True)
-    return {
-        "cold_s": cold,
-        "cold_job_created_s": found["job_created"],
-        "cold_engine_ready_s": found["engine_ready"],
-        "cold_completed_s": found["completed"],
-        "warm8_s": warm8,
-        "warm1_s": warm1,
-        "stop_s": stop,
-        "phases": found["phases"],
-    }
+    return {"cold_s": cold, **found, "warm8_s": warm8, "warm1_s": warm1, "stop_s": stop}
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -223,7 +207,7 @@ def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         medians[name]["cold_over_warm8"] = ratio(medians[name]["cold_s"], medians[name]["warm8_s"])
     header = f"{'seconds (median)':<24}" + "".join(f"{name:>12}" for name in names)
     print(header + ("  baseline/current" if "baseline" in runs else ""))
-    for key, label in [*FIGURES.items(), ("cold_over_warm8", "cold / warm(8)")]:
+    for key, label in [*FIGURES.items(), ("cold_over_warm8", "cold / warm 8 (ratio)")]:
         line = f"{label:<24}" + "".join(f"{cell(medians[n][key]):>12}" for n in names)
         if "baseline" in runs:
             both = ratio(medians["baseline"][key], medians["current"][key])

@@ -84,7 +84,12 @@ class RemoteEngine:
             raise EngineDied(f"the kept engine {self.record.id} is gone")
         with self._lock:
             try:
-                wire.send(self._sock, (op, *args))
+                try:
+                    wire.send(self._sock, (op, *args))
+                except OSError:
+                    # The engine may have answered and closed before this was written (a
+                    # refused connection: its reason is waiting to be read), or be gone.
+                    pass
                 status, value = wire.receive(self._sock)
             except (OSError, wire.ConnectionClosed) as exc:
                 self.broken = True

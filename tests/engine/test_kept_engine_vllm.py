@@ -7,6 +7,7 @@ engine)."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from tests.support.kept_engines import (
     engine_ids_started,
     engine_ids_used,
     job_id_of,
+    pid_alive,
+    wait_for,
     write_prompts,
 )
 from tests.support.skips import require
@@ -102,3 +105,49 @@ def test_two_runs_use_the_kept_vllm_engine_and_answer_alike(
     assert status["runs_served"] >= 3, status  # `engine start`, then each run
     if builds:  # the kept engine's build alone: the runs built none
         assert count_engine_builds(builds) - built_before == 1
+
+
+def test_a_cold_run_loads_vllm_ahead_and_a_refused_file_lets_it_go(
+    kept: KeptHome, settings: Settings, tiny_model: Path, tmp_path: Path
+) -> None:
+    """With no kept engine up, `run` starts its engine's process before it reads the file:
+    vLLM is imported there while the file is validated and sized (kept_engine/client.Spare),
+    then built with the job's context. A run whose file is refused lets that process go: it
+    exits by itself, and no engine is left or listed."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    refused = kept.cli("-v", "run", str(bad), "--model", str(tiny_model), "--strict", *ENGINE_FLAGS)
+    assert refused.returncode != 0, str(refused)
+    assert "bad.jsonl:2: malformed JSON" in refused.stderr, str(refused)
+    found = re.search(
+        r"loading vLLM ahead in kept engine (eng_[0-9a-f]{8}) \(pid (\d+)\)", refused.stderr
+    )
+    assert found, str(refused)
+    spare_pid = int(found.group(2))
+    kept.remember(spare_pid)
+    wait_for(lambda: not pid_alive(spare_pid), timeout=180, what="the spare engine process to exit")
+    assert kept.records() == []
+    assert "not needed: exiting" in (kept.engines_dir / f"{found.group(1)}.log").read_text()
+
+    source = write_prompts(tmp_path / "p.jsonl", "p", PROMPTS)
+    ran = kept.cli(
+        "run",
+        str(source),
+        "--model",
+        str(tiny_model),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        *ENGINE_FLAGS,
+        timeout=600,
+    )
+    assert ran.returncode == 0, str(ran)
+    (started,) = engine_ids_started(ran.stderr)
+    (engine,) = kept.ready()
+    assert engine["id"] == started
+    log_text = (kept.engines_dir / f"{started}.log").read_text()
+    assert "vLLM loaded ahead in" in log_text and "vLLM engine ready in" in log_text
+    rows = Client(settings).results(job_id_of(ran.stderr)).to_table().to_pylist()
+    assert sorted(r["custom_id"] for r in rows) == [f"p-{i}" for i in range(PROMPTS)]
+    assert all(r["status"] == "ok" and r["text"] for r in rows), rows

@@ -490,6 +490,8 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise _Found(key)
 
     monkeypatch.setattr(KeptEngines, "_find_or_start", find_or_start)
+    # `run` would load vLLM ahead in a spare engine process first (Spare): not the subject.
+    monkeypatch.setattr(KeptEngines, "prestart", lambda self, spec: None)
     return found
 
 
