@@ -15,13 +15,6 @@ import time
 from typing import Any
 
 from batchllm.engine.build_log import note_engine_build
-from batchllm.engine.start_settings import (
-    engine_core_in_process,
-    explicit_cpu_kv_cache,
-    freeze_the_heap,
-    load_compile_cache_on_cpu,
-    resolve_dtype,
-)
 from batchllm.engine.cross_encoder import CrossEncoder
 from batchllm.engine.hardware import cpu_label
 from batchllm.engine.images import (
@@ -34,6 +27,13 @@ from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownPar
 from batchllm.engine.preflight import preflight
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
+from batchllm.engine.start_settings import (
+    engine_core_in_process,
+    explicit_cpu_kv_cache,
+    freeze_the_heap,
+    load_compile_cache_on_cpu,
+    resolve_dtype,
+)
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.input.images import ImageProblem
