@@ -30,10 +30,24 @@ _KEY_WIDTH_CAP = 24  # a longer key pushes only its own value to the right
     is_flag=True,
     help="Check for submit/worker too: an unreachable broker is then a problem.",
 )
-def doctor(as_json: bool, model: str | None, fleet: bool) -> None:
+@click.option(
+    "--startup",
+    is_flag=True,
+    help="Also build --model's engine once, as `run` would, and time each phase of its start "
+    "and a first answer (takes as long as a cold start).",
+)
+@click.option(
+    "--enforce-eager",
+    is_flag=True,
+    help="With --startup: build the engine without torch.compile, as `run --enforce-eager`.",
+)
+def doctor(
+    as_json: bool, model: str | None, fleet: bool, startup: bool, enforce_eager: bool
+) -> None:
     """Check this machine and the configuration before a run or a bug report.
 
-    Takes a few seconds: no engine is started and nothing is changed. Reports Python and
+    Takes a few seconds: no engine is started (unless --startup) and nothing is changed.
+    Reports Python and
     the platform; torch's build; the vLLM build and whether it is the release batchllm
     supports; the GPUs, processes holding GPU memory and vLLM engine processes (orphaned ones
     with the command that ends them); the dtype `--dtype auto` picks; the database
@@ -46,16 +60,33 @@ def doctor(as_json: bool, model: str | None, fleet: bool) -> None:
     so an unreachable broker is a warning (it is needed only for submit/worker) unless
     BATCHLLM_BROKER_URL is set (in the environment or .env) or --fleet is given.
 
+    With --startup and --model, the engine is built once and each phase of its start is
+    shown (importing vLLM, building the engine, a first answer): where a slow start goes on
+    this machine and GPU.
+
     \b
     Examples:
       batchllm doctor
       batchllm doctor --model ./tiny-model --json
       batchllm doctor --fleet
+      batchllm doctor --model ./tiny-model --startup
     """
+    if startup and model is None:
+        raise click.UsageError("--startup needs --model: the engine it builds")
+    if startup:  # vLLM runs in this process: its output to a log file, as `run`'s
+        from batchllm.cli.console import quiet_unless_verbose
+
+        quiet_unless_verbose("doctor")
     from batchllm.doctor.diagnose import diagnose
     from batchllm.settings import get_settings
 
-    report = diagnose(model=model, fleet=fleet, settings=get_settings())
+    report = diagnose(
+        model=model,
+        fleet=fleet,
+        settings=get_settings(),
+        startup=startup,
+        enforce_eager=enforce_eager,
+    )
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2, default=str))
     else:

@@ -4,8 +4,9 @@
 from (batchllm/doctor/machine.py), and the services that `run` and the fleet use
 (database, broker, storage; below). A problem is something `batchllm run` cannot do without;
 a warning is worth knowing but stops nothing. Each check is guarded, so one that fails becomes
-a problem line rather than a traceback. Nothing here starts an engine, imports vllm, or
-changes the database schema; the storage probe and any directory it needed are removed.
+a problem line rather than a traceback. Nothing here starts an engine (but `--startup`,
+doctor/startup.py), imports vllm, or changes the database schema; the storage probe and any
+directory it needed are removed.
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ class Report:
         }
 
 
-def diagnose(*, model: str | None = None, fleet: bool = False, settings: Settings) -> Report:
+def diagnose(
+    *,
+    model: str | None = None,
+    fleet: bool = False,
+    settings: Settings,
+    startup: bool = False,
+    enforce_eager: bool = False,
+) -> Report:
     """Every check of `settings` and this machine, in the order the report shows them.
-    `fleet` makes the broker required."""
+    `fleet` makes the broker required; `startup` builds `model`'s engine once and times it
+    (doctor/startup.py), the only check that starts one."""
     sources = setting_sources()
     sections = [
         _guarded("python", "Python", check_python),
@@ -102,6 +111,16 @@ def diagnose(*, model: str | None = None, fleet: bool = False, settings: Setting
         ),
         _guarded("settings", "Settings", lambda: check_settings(settings, sources)),
     ]
+    if startup and model is not None:
+        from batchllm.doctor.startup import check_startup
+
+        sections.append(
+            _guarded(
+                "startup",
+                "Engine start",
+                lambda: check_startup(model, settings, enforce_eager=enforce_eager),
+            )
+        )
     report = Report(sections)
     log.info("doctor: %d problem(s), %d warning(s)", len(report.problems), len(report.warnings))
     return report
