@@ -35,8 +35,10 @@ class BacklogCollector(Collector):
         )
         seconds = GaugeMetricFamily(
             BACKLOG_SECONDS,
-            "That backlog at the median rows/s of the model's 20 most recent completed jobs "
-            "(absent until the model has completed one).",
+            "That backlog at the median rows/s of the model's 20 most recent completed jobs; "
+            "for a model with none yet, at its running jobs' rate so far, or before any row of "
+            "them is done at the median of the fleet's recent jobs of any model (absent only "
+            "when no job has completed anywhere).",
             labels=["model"],
         )
         live = GaugeMetricFamily(

@@ -63,3 +63,39 @@ def test_the_backlog_seconds_use_the_models_recent_rate(no_broker, tmp_path):
     assert found[("batchllm_backlog_rows", model)] == 40
     assert found[("batchllm_backlog_seconds", model)] == pytest.approx(40 / 8.0)
     assert waiting_id != done_id
+
+
+def test_a_models_first_job_gets_seconds_from_its_rate_so_far(no_broker, tmp_path):
+    """No completed job of the model yet (an autoscaler scaling it from zero): its running
+    job's rows done since it started give the rate."""
+    from datetime import timedelta
+
+    from batchllm.store.models import utcnow
+
+    job_id, _ = create_items_job(no_broker, tmp_path, 100, shard_size=10)
+    with session_scope(no_broker) as session:
+        job = session.get(Job, job_id)
+        job.status, job.request_completed = JobStatus.IN_PROGRESS, 20
+        job.started_at = utcnow() - timedelta(seconds=10)  # 2 rows/s so far
+        model = job.model
+    found = gauges(TestClient(create_app(no_broker, auth=False)))
+    assert found[("batchllm_backlog_rows", model)] == 80
+    assert found[("batchllm_backlog_seconds", model)] == pytest.approx(80 / 2.0, rel=0.05)
+
+
+def test_a_models_first_job_before_any_row_takes_the_fleets_recent_rate(no_broker, tmp_path):
+    """Nothing of the model's first job done yet: the median rate of the fleet's recent jobs
+    of other models stands in, rather than no figure at all."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    done_id, _ = create_items_job(no_broker, tmp_path / "a", 10, shard_size=10)
+    first_id, _ = create_items_job(no_broker, tmp_path / "b", 30, shard_size=10)
+    with session_scope(no_broker) as session:
+        done = session.get(Job, done_id)
+        done.status, done.requests_per_s, done.request_completed = JobStatus.COMPLETED, 5.0, 10
+        done.model = "another-model"
+        model = session.get(Job, first_id).model
+    found = gauges(TestClient(create_app(no_broker, auth=False)))
+    assert model != "another-model"
+    assert found[("batchllm_backlog_rows", model)] == 30
+    assert found[("batchllm_backlog_seconds", model)] == pytest.approx(30 / 5.0)
