@@ -39,6 +39,7 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
+from batchllm.process.engine_output import engine_output_to_log
 from batchllm.process.parent_watch import ENGINE_MARK
 from batchllm.settings import Settings
 
@@ -250,7 +251,7 @@ class VllmEngine:
         self.in_process = engine_core_in_process(kwargs["tensor_parallel_size"])
         freeze_the_heap()
         try:
-            with explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache):
+            with explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache), engine_output_to_log():
                 self.llm = self._vllm.LLM(**kwargs)
             note_engine_build(f"vllm {model}")
         except Exception as exc:
@@ -479,9 +480,8 @@ class VllmEngine:
         except Exception as exc:
             if not self.in_process:
                 raise
-            # An engine core in its own process dies of such an error (its busy loop logs it
-            # and exits) and the client raises EngineDeadError; in this process the error
-            # arrives as it is. Either way the engine is gone and its rows run again.
+            # An engine core process dies of such an error (EngineDeadError above); in this
+            # process it arrives as it is. Either way the engine is gone, its rows run again.
             log.exception("the vLLM engine failed in a step")
             raise EngineDied(f"the vLLM engine failed: {type(exc).__name__}: {exc}") from exc
         done = []
