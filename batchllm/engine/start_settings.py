@@ -1,5 +1,5 @@
-"""What vLLM is started with beyond its arguments: the engine core in the process that owns the
-engine, a heap the start's garbage collections need not walk, and what the CPU backend needs (a
+"""What vLLM is started with beyond its arguments: the engine core in the process that owns a
+CPU engine, a heap the start's garbage collections need not walk, and what the CPU backend needs (a
 dtype the CPU computes natively, the KV cache size the job asked for, a compile cache that loads).
 """
 
@@ -19,20 +19,27 @@ _IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _set_here = False  # whether this module, not the user, set _IN_PROCESS
 
 
-def engine_core_in_process(tensor_parallel_size: int) -> bool:
+def engine_core_in_process(tensor_parallel_size: int, *, is_cpu: bool) -> bool:
     """Run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) for a
-    one-device engine, unless the user chose. vLLM's default spawns an EngineCore process that
-    imports torch and vLLM again: measured here (SmolLM2, eager, 2 cores) an engine built in
-    22.7 s that way and 8.2 s in process (issue 63). Nothing is lost by it: the death of the
-    engine is then the death of its owner, which a kept engine's run, a worker's broker
-    redelivery and `run`'s resume already handle; an error inside the engine core surfaces in
-    `step` as EngineDied (vllm_engine.py), as the core process's death did. Several devices
-    keep vLLM's processes (its executor starts one per device either way). True when the
-    engine core runs in this process."""
+    one-device CPU engine, unless the user chose. vLLM's default spawns an EngineCore process
+    that imports torch and vLLM again, and on the CPU it competes with its parent for the
+    cores the model runs on. Measured here (SmolLM2, eager, 2 cores, issue 63): the engine
+    built in 22.7 s that way and 8.2 s in process; 1,000 demo lines at 225 output tok/s that
+    way and 400 in process (`python -m benchmarks.cold_start`, docs/performance.md).
+
+    On a GPU vLLM's own default stays: there its engine core process overlaps the model's steps
+    with the parent's input and output processing, which this machine cannot measure; set the
+    variable to 0 to try it (`batchllm doctor --startup` shows the start's phases). Several
+    devices keep vLLM's processes either way.
+
+    Nothing is lost by it: the engine's death is then its owner's, which a kept engine's run,
+    a worker's broker redelivery and `run`'s resume already handle, and an error inside the
+    engine core surfaces in `step` as EngineDied (vllm_engine.py), as the core process's death
+    did. True when the engine core runs in this process."""
     global _set_here
     user_choice = os.environ.get(_IN_PROCESS) is not None and not _set_here
     if not user_choice:
-        os.environ[_IN_PROCESS] = "0" if tensor_parallel_size == 1 else "1"
+        os.environ[_IN_PROCESS] = "0" if is_cpu and tensor_parallel_size == 1 else "1"
         _set_here = True
     return os.environ[_IN_PROCESS].strip().lower() in ("0", "false")
 

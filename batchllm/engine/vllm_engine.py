@@ -248,7 +248,7 @@ class VllmEngine:
         os.environ[ENGINE_MARK] = str(os.getpid())
         if self.is_cpu:
             load_compile_cache_on_cpu()
-        self.in_process = engine_core_in_process(kwargs["tensor_parallel_size"])
+        self.in_process = engine_core_in_process(kwargs["tensor_parallel_size"], is_cpu=self.is_cpu)
         freeze_the_heap()
         try:
             with explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache), engine_output_to_log():
