@@ -51,10 +51,12 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
+@functools.lru_cache(maxsize=4)
 def light_tokenizer(model: str) -> Any:
     """The model's fast tokenizer without AutoTokenizer, whose import loads torch (measured:
-    a process of ~570 MB instead of ~80 MB): for the submit's token pass, the instant engine and
-    a kept engine's. Models without a tokenizer.json get AutoTokenizer's."""
+    a process of ~570 MB instead of ~80 MB): for the submit's token pass, run's sizing, the
+    instant engine and a kept engine's. Models without a tokenizer.json get AutoTokenizer's.
+    Loaded once per process, as load_tokenizer: a kept engine sizes each run's job with it."""
     from transformers import PreTrainedTokenizerFast
 
     try:

@@ -63,9 +63,9 @@ def size_job(job: dict[str, Any], settings: Settings) -> int:
 def _warm_tokenizer(model: str) -> None:
     """Load the sizing pass's tokenizer now, not in the first run that needs it."""
     try:
-        from batchllm.engine.sizing import load_tokenizer
+        from batchllm.engine.sizing import light_tokenizer
 
-        load_tokenizer(model)
+        light_tokenizer(model)  # the one the sizing pass takes (execution/context/passes.py)
     except Exception as exc:  # the first job's sizing reports it, if it matters
         log.info("could not load %s's tokenizer ahead of the first job: %s", model, exc)
 
