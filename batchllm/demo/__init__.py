@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,6 +198,47 @@ def _short(text: str | None, width: int = 70) -> str:
     return textwrap.shorten(" ".join((text or "").split()), width, placeholder=" ...")
 
 
+def model_label(model: str | Path) -> str:
+    """The model's name and size, as a reader of its answers should know them: e.g.
+    "SmolLM2-135M-Instruct (135M parameters, from its Q4_1 GGUF weights)"."""
+    directory = Path(model)
+    name, note = directory.name, ""
+    try:  # a `batchllm demo-model` directory says what it was made from
+        made = Path(json.loads((directory / "batchllm-model.json").read_text())["file"]).name
+        if made.endswith(".gguf"):
+            name, _, quantized = made.removesuffix(".gguf").partition(".")
+            note = f", from its {quantized} GGUF weights" if quantized else ""
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    count = _parameter_count(directory)
+    size = f"{count / 1e6:,.0f}M parameters" if count else "size unknown"
+    return f"{name} ({size}{note})"
+
+
+def _parameter_count(directory: Path) -> int:
+    """Parameters in the directory's safetensors files, from their headers alone."""
+    total = 0
+    for file in directory.glob("*.safetensors"):
+        try:
+            with file.open("rb") as handle:
+                header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        except (OSError, ValueError):
+            return 0
+        for key, tensor in header.items():
+            if key != "__metadata__":
+                total += math.prod(tensor["shape"])
+    return total
+
+
+def _graded(custom_id: str, text: str | None) -> str:
+    """A capital question's answer marked right or wrong (the demo knows those answers)."""
+    country = custom_id.rsplit("-", 1)[-1]
+    capital = dict((c.lower(), a) for c, a in _CAPITALS).get(country)
+    if not custom_id.startswith("capital-") or capital is None:
+        return ""
+    return "  (right)" if capital.lower() in (text or "").lower() else f"  (wrong: {capital})"
+
+
 def show_chat(output_dir: Path, source: Path) -> None:
     """Print a handful of each task's rows, read back from the job's Parquet output."""
     rows = _rows(output_dir)
@@ -218,11 +260,22 @@ def show_chat(output_dir: Path, source: Path) -> None:
     print(
         f"\n{len(rows)} rows read back from {output_dir}: {len(ok)} ok, {len(rows) - len(ok)} error"
     )
-    print("\nQuestions -> answers (greedy):")
+    try:
+        model = json.loads((output_dir / "_manifest.json").read_text())["model"]
+    except (OSError, ValueError, KeyError):
+        model = None
+    # What the model answered, as it answered it: a model this small is often wrong.
+    print(f"\nQuestions -> answers of {model_label(model) if model else 'the model'}, greedy:")
     picked = [r for r in ok if r["custom_id"].startswith(("capital-0-", "fact-0-"))]
     for row in picked[:4] + picked[10:14]:
         print(f"  {_short(questions[row['line']], 48):<48} -> {_short(row['text'])}")
-        print(f"  {'':<48}    [{row['finish_reason']}, {row['completion_tokens']} tokens]")
+        print(
+            f"  {'':<48}    [{row['finish_reason']}, {row['completion_tokens']} tokens]"
+            + _graded(row["custom_id"], row["text"])
+        )
+    capitals = [r for r in ok if r["custom_id"].startswith("capital-")]
+    right = sum(_graded(r["custom_id"], r["text"]) == "  (right)" for r in capitals)
+    print(f"  capitals named right: {right} of {len(capitals)}")
     print("\nSentiment, constrained to positive/negative/neutral:")
     for row in [r for r in ok if r["custom_id"].startswith("sentiment-0-")][:5]:
         print(f"  {_short(questions[row['line']], 60):<60} -> {row['text']}")
@@ -362,6 +415,9 @@ def show_pipeline(pipeline_file: Path) -> None:
         )
     said = joined.column("verdict").to_pylist()
     print(f"the judge said yes to {said.count('yes')} of {len(said)} answers")
+    judge = getattr(jobs["judge"], "model", None)
+    if judge:  # the verdicts are the model's, not checked ones
+        print(f"(answers and verdicts are {model_label(judge)}'s own, right or wrong)")
     for row in tables["answer"].filter(ds.field("status") == "error").to_pylist():
         print(f"error row {row['custom_id']}: {_short(row['error'], 80)}")
 
