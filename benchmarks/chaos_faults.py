@@ -110,7 +110,11 @@ class ChaosWorker:
         self.clock_file = log_path.with_suffix(".clock")
         self.clock_ahead = 0.0
         self.clock_file.write_text("0\n")
-        if not self.real_engine:
+        if self.real_engine:
+            # engine-kill kills the engine core's own process: vLLM's multiprocess engine (a
+            # one-device CPU engine's core runs in its worker by default, engine/start_settings.py).
+            env = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        else:
             path = os.pathsep.join(filter(None, [str(CLOCK_SITE), env.get("PYTHONPATH")]))
             env = {**env, "PYTHONPATH": path, "BATCHLLM_CHAOS_CLOCK_FILE": str(self.clock_file)}
         with log_path.open("ab") as log:
