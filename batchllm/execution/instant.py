@@ -39,6 +39,13 @@ class InstantWorkerEngine(ProfiledEngine):
         self.engine: InstantEngine | None = None
 
     def start(self) -> EngineProfile:
+        if self.options.task != "generate":
+            # As `run --engine instant` refuses such a job: its rows would otherwise complete
+            # with no embedding, score or class at all, a wrong answer given silently.
+            raise BatchLLMError(
+                f"--engine instant simulates text generation only: --task {self.options.task} "
+                "needs --engine vllm"
+            )
         started = time.monotonic()
         max_model_len = self.options.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.engine = InstantEngine(

@@ -376,3 +376,36 @@ def test_a_worker_whose_database_is_down_still_starts_and_says_why(monkeypatch, 
     assert engine.model == MODEL
     assert db._engines == {}  # opened again by the first task, once the database is back
     assert any("the database is not usable yet" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_an_instant_worker_refuses_a_task_it_cannot_simulate(tiny_model, task) -> None:
+    """As `run --engine instant` refuses such a job: a worker that took it would complete
+    every row with no vector or class at all (issue 64, item 5)."""
+    from batchllm.errors import BatchLLMError
+    from batchllm.execution.instant import InstantWorkerEngine
+
+    engine = InstantWorkerEngine(str(tiny_model), EngineOptions(task=task))
+    with pytest.raises(BatchLLMError, match=f"generation only: --task {task} needs --engine vllm"):
+        engine.start()
+    assert engine.engine is None
+
+
+def test_the_worker_command_says_so_and_exits_1(tiny_model, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHLLM_")}
+    env["BATCHLLM_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "-m", "batchllm", "worker", "--model", str(tiny_model)]
+        + ["--engine", "instant", "--task", "embed"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "the worker's engine could not start" in done.stderr
+    assert "--task embed needs --engine vllm" in done.stderr
