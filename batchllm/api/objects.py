@@ -49,7 +49,7 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "output_file_id": batch.output_file_id,
         "error_file_id": batch.error_file_id,
         "created_at": epoch(batch.created_at),
-        "in_progress_at": epoch(job.started_at),
+        "in_progress_at": _in_progress_at(batch, job),
         "expires_at": epoch(job.expires_at),
         "finalizing_at": None,
         "completed_at": ended if status is JobStatus.COMPLETED else None,
@@ -69,6 +69,18 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "metadata": job.job_metadata or None,
         "usage": usage(job),
     }
+
+
+def _in_progress_at(batch: Batch, job: Job) -> int | None:
+    """When the batch entered `in_progress`, as OpenAI fills it. batchllm shows a queued job as
+    in progress from its create on (the file is validated within the create request), so that
+    moment stands in until a worker starts it; a batch refused whole at create (its `errors`)
+    never was in progress, as OpenAI's `validating -> failed`."""
+    if job.started_at is not None:
+        return epoch(job.started_at)
+    if job.status is JobStatus.VALIDATING or batch.errors:
+        return None
+    return epoch(batch.created_at)
 
 
 def page(

@@ -559,10 +559,12 @@ def test_a_queued_batch_expires(api: Api) -> None:
     file = upload(client, jsonl(lines))
     created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="5s")
     assert created.status == "in_progress" and created.model == "/nonexistent-model"
+    # in_progress since its create, though no worker ever started it (issue 64)
+    assert created.in_progress_at == created.created_at
     assert_window(created, 5)
     batch = wait_status(api, client, created.id, "expired", 60)
     assert batch.expired_at and batch.expired_at >= batch.expires_at
-    assert batch.in_progress_at is None
+    assert batch.in_progress_at == created.created_at
     # No line ran: the output file is empty, and the error file lists every line as OpenAI
     # does for a batch that expired (openai_files: not-run lines of an expired job); the
     # counts say what the files hold.
