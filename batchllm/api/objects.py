@@ -51,11 +51,11 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "created_at": epoch(batch.created_at),
         "in_progress_at": _in_progress_at(batch, job),
         "expires_at": epoch(job.expires_at),
-        "finalizing_at": None,
+        "finalizing_at": epoch(job.finalizing_at),
         "completed_at": ended if status is JobStatus.COMPLETED else None,
         "failed_at": ended if status is JobStatus.FAILED else None,
         "expired_at": ended if status is JobStatus.EXPIRED else None,
-        "cancelling_at": None,
+        "cancelling_at": epoch(job.cancelling_at),
         "cancelled_at": ended if status is JobStatus.CANCELLED else None,
         "request_counts": {
             "total": job.request_total,

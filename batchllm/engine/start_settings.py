@@ -48,8 +48,9 @@ def freeze_the_heap() -> None:
     """Move what exists now (mostly vLLM's, torch's and transformers' modules) out of the
     garbage collector's reach: vLLM collects garbage several times while it measures memory
     at the start, each a walk over every object imported (measured here, the demo model, eager,
-    in process: the build 3.2-3.3 s without, 2.0 s with, alternating). What is frozen is never freed, as is true of modules anyway; vLLM
-    freezes its server's heap after its start for the same reason."""
+    in process: the build 3.2-3.3 s without, 2.0 s with, alternating). What is frozen is never
+    freed, as is true of modules anyway; vLLM freezes its server's heap after its start for the
+    same reason."""
     gc.freeze()
 
 

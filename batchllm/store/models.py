@@ -115,6 +115,10 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # When it entered `cancelling` (a cancel asked for; not an expiry) and `finalizing`: a
+    # Batch object's cancelling_at and finalizing_at.
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
 
     # Throughput. Counters add up from checkpoints; rates are computed when the job ends.

@@ -95,7 +95,7 @@ def start_job(session: Session, job_id: str) -> bool:
 
 def begin_cancel(session: Session, job_id: str) -> bool:
     """Any active state -> cancelling: its shards end as their workers see it (or are gone)."""
-    return _move_job(session, job_id, ACTIVE, JobStatus.CANCELLING)
+    return _move_job(session, job_id, ACTIVE, JobStatus.CANCELLING, cancelling_at=utcnow())
 
 
 def begin_expiry(session: Session, job_id: str) -> bool:
@@ -105,12 +105,18 @@ def begin_expiry(session: Session, job_id: str) -> bool:
 
 
 def _move_job(
-    session: Session, job_id: str, sources: tuple[JobStatus, ...], target: JobStatus
+    session: Session,
+    job_id: str,
+    sources: tuple[JobStatus, ...],
+    target: JobStatus,
+    **values: Any,
 ) -> bool:
     return bool(
         changed(
             session,
-            update(Job).where(Job.id == job_id, Job.status.in_(sources)).values(status=target),
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(sources))
+            .values(status=target, **values),
         )
     )
 
@@ -311,7 +317,7 @@ def after_last_shard(session: Session, job_id: str) -> JobStatus | None:
         session,
         update(Job)
         .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.IN_PROGRESS]))
-        .values(status=JobStatus.FINALIZING),
+        .values(status=JobStatus.FINALIZING, finalizing_at=utcnow()),
     )
     return JobStatus.FINALIZING if moved else None
 

@@ -300,6 +300,8 @@ def test_a_chat_batch_completes(api: Api) -> None:
 
     batch = wait_status(api, client, created.id, "completed", FIRST_BATCH_SECONDS)
     assert batch.completed_at and batch.in_progress_at and batch.errors is None
+    assert batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.cancelling_at is None
     assert batch.request_counts.model_dump() == {
         "total": len(lines),
         "completed": len(valid),
@@ -512,13 +514,14 @@ def test_cancel_a_running_batch(api: Api) -> None:
     during = backlog(api)
     assert 0 < during["batchllm_backlog_rows"] < BIG_LINES, during
     assert during["batchllm_live_workers"] == 1, during
-    if completed_jobs(api):  # the seconds need a rate: a completed job of the model
-        assert during["batchllm_backlog_seconds"] > 0, during
-    else:
-        assert "batchllm_backlog_seconds" not in during, during
+    # The seconds at a rate: the model's completed jobs', or this batch's own so far (a first
+    # checkpoint is in) when the module's earlier batches did not run.
+    assert during["batchllm_backlog_seconds"] > 0, (during, completed_jobs(api))
     cancelling = client.batches.cancel(created.id)
     assert cancelling.status in ("cancelling", "cancelled")
+    assert cancelling.cancelling_at is not None  # when the cancel was asked for (issue 64)
     batch = wait_status(api, client, created.id, "cancelled", 120)
+    assert batch.cancelling_at == cancelling.cancelling_at <= batch.cancelled_at
     after = backlog(api)
     assert after["batchllm_backlog_rows"] == after["batchllm_backlog_seconds"] == 0, after
     print(f"backlog gauges of {api.model}: during the batch {during}, after its cancel {after}")
