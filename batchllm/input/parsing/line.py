@@ -20,6 +20,7 @@ from batchllm.input.endpoints import (
 )
 from batchllm.input.files.custom_ids import default_custom_id
 from batchllm.input.parsing.messages import stored_messages
+from batchllm.input.parsing.openai_fields import without_openai_extras
 from batchllm.input.parsing.problems import INVALID_JSON, LineProblem, validated
 from batchllm.input.parsing.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.parsing.sampling import model_adapter, picked_adapter, sampling_of
@@ -124,8 +125,10 @@ def parse_line(
 
 
 def _body(envelope: OpenAIBatchLine) -> Any:
-    """The line's body as its endpoint's model."""
-    return validated(envelope.endpoint.body, envelope.body, prefix="body.")
+    """The line's body as its endpoint's model (OpenAI's fields it does not hold taken off
+    first: parsing/openai_fields.py)."""
+    body = without_openai_extras(envelope.url, envelope.body)
+    return validated(envelope.endpoint.body, body, prefix="body.")
 
 
 def _parse_generation_envelope(
