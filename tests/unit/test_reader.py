@@ -195,10 +195,17 @@ def test_duplicate_custom_id_becomes_an_error_row_naming_the_first_line(tmp_path
 
 
 def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
-    err = only_error(tmp_path, chat_line("x-1", logit_bias={"1": 5}))
+    err = only_error(tmp_path, chat_line("x-1", logit_biases={"1": 5}))  # not OpenAI's
+
+    assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.logit_biases")
+    assert "Extra inputs are not permitted" in err.message
+
+
+def test_an_openai_field_this_engine_does_not_apply_is_an_error_naming_it(tmp_path):
+    err = only_error(tmp_path, chat_line("x-1", logit_bias={"1": 5}))  # OpenAI's: refused
 
     assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.logit_bias")
-    assert "Extra inputs are not permitted" in err.message
+    assert err.message == "logit_bias: not applied here: leave it out, or give {}"
 
 
 def test_unsupported_url_is_an_error_on_the_url_field(tmp_path):

@@ -71,7 +71,7 @@ NO_EFFECT: dict[str, frozenset[str]] = {
 _NOT_STREAMED = "a batch line's answer is written whole, never streamed: give false or leave it out"
 _NO_AUDIO = "audio output is not produced here (text only)"
 _NO_SEARCH = "no web search runs here"
-_NO_BIAS = "logit_bias is not applied here: leave it out, or give {}"
+_NO_BIAS = "not applied here: leave it out, or give {}"
 _STATELESS = "a batch line is answered on its own: no stored conversation or response to continue"
 
 # Field -> (its neutral values, why any other is refused).
