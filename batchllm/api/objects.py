@@ -37,6 +37,13 @@ def file_object(row: StoredFile) -> dict[str, Any]:
 def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
     status = job.status
     ended = epoch(job.finished_at)
+    # A cancelled or expired batch's error file also lists the requests it never ran (code
+    # `cancelled` or `batch_expired`): the count says what the file holds.
+    failed = (
+        job.request_total - job.request_completed
+        if status in (JobStatus.EXPIRED, JobStatus.CANCELLED)
+        else job.request_failed
+    )
     return {
         "id": job.id,
         "object": "batch",
@@ -46,8 +53,10 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "input_file_id": batch.input_file_id,
         "completion_window": batch.completion_window,
         "status": _STATUS.get(status, status.value),
-        "output_file_id": batch.output_file_id,
-        "error_file_id": batch.error_file_id,
+        # As OpenAI: no file id for a file with no line (both are written, and listed among
+        # the key's files; the counts below are their line counts).
+        "output_file_id": batch.output_file_id if job.request_completed else None,
+        "error_file_id": batch.error_file_id if failed else None,
         "created_at": epoch(batch.created_at),
         "in_progress_at": _in_progress_at(batch, job),
         "expires_at": epoch(job.expires_at),
@@ -60,11 +69,7 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         "request_counts": {
             "total": job.request_total,
             "completed": job.request_completed,
-            # A cancelled or expired batch's error file also lists the requests it never
-            # ran (code `cancelled` or `batch_expired`): the count says what the file holds.
-            "failed": job.request_total - job.request_completed
-            if status in (JobStatus.EXPIRED, JobStatus.CANCELLED)
-            else job.request_failed,
+            "failed": failed,
         },
         "metadata": job.job_metadata or None,
         "usage": usage(job),
