@@ -268,7 +268,9 @@ def compared(
         batch = wait_status(api, client, created.id, "completed", remaining)
         assert batch.request_counts is not None, batch
         output = read_jsonl(client, batch.output_file_id)
-        errors = read_jsonl(client, batch.error_file_id)
+        # As OpenAI: no error file id when no line failed (the failed count is its line count).
+        assert (batch.error_file_id is None) == (batch.request_counts.failed == 0), batch
+        errors = read_jsonl(client, batch.error_file_id) if batch.error_file_id else []
         for line in output:
             assert line["error"] is None and line["response"]["status_code"] == 200, line
         served = {
