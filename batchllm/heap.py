@@ -17,7 +17,9 @@ def frozen_heap() -> Iterator[None]:
     rows, and each walked the whole heap: 0.3 s beside the demo model's tokenizer, a third of
     the feed's CPU and a fifth of validation's. vLLM freezes its engine core's startup heap for
     the same reason; a heap frozen already is left as it is. The young generation is
-    collected less often meanwhile."""
+    collected less often meanwhile. Also around a vLLM engine's build in this process
+    (engine/vllm_engine.py), whose start walks the whole heap five times: the demo model's
+    build took 3.2-3.3 s unfrozen, 2.0 s frozen (issue 63)."""
     thresholds = gc.get_threshold()
     # Rows, lines and requests come and go by the hundred thousand, nearly none in a cycle:
     # collecting the young generation every 700 allocations (the default) cost a twentieth of

@@ -199,20 +199,34 @@ def ratio(top: float | None, bottom: float | None) -> float | None:
     return None if top is None or not bottom else top / bottom
 
 
+def local_model(name: str) -> str:
+    """A model directory, absolute: relative to the cwd, else to the repo (the default
+    .demo/chat from a temp cwd); anything else as given (a Hugging Face name)."""
+    for path in (Path(name), Path(__file__).resolve().parents[1] / name):
+        if path.exists():
+            return str(path.resolve())
+    return name
+
+
+def print_medians(medians: dict[str, dict[str, float | None]], labels: dict[str, str]) -> None:
+    """Each figure's median per contender, and baseline/current when there is a baseline."""
+    names, both = list(medians), "baseline" in medians
+    header = f"{'seconds (median)':<24}" + "".join(f"{name:>12}" for name in names)
+    print(header + ("  baseline/current" if both else ""))
+    for key, label in labels.items():
+        line = f"{label:<24}" + "".join(f"{cell(medians[n][key]):>12}" for n in names)
+        if both:
+            line += f"{cell(ratio(medians['baseline'][key], medians['current'][key]), 'x'):>18}"
+        print(line)
+
+
 def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The table, printed; the figures, returned."""
     names = list(runs)
     medians = {name: {key: median(runs[name], key) for key in FIGURES} for name in names}
     for name in names:
         medians[name]["cold_over_warm8"] = ratio(medians[name]["cold_s"], medians[name]["warm8_s"])
-    header = f"{'seconds (median)':<24}" + "".join(f"{name:>12}" for name in names)
-    print(header + ("  baseline/current" if "baseline" in runs else ""))
-    for key, label in [*FIGURES.items(), ("cold_over_warm8", "cold / warm 8 (ratio)")]:
-        line = f"{label:<24}" + "".join(f"{cell(medians[n][key]):>12}" for n in names)
-        if "baseline" in runs:
-            both = ratio(medians["baseline"][key], medians["current"][key])
-            line += f"{cell(both, 'x'):>18}"
-        print(line)
+    print_medians(medians, {**FIGURES, "cold_over_warm8": "cold / warm 8 (ratio)"})
     for name in names:
         print(f"{name} engine ready in {runs[name][-1]['phases'] or '-'} (last repeat)")
     return {"medians": medians, "runs": runs}
@@ -226,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per command")
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    model = local_model(args.model)
     contenders: dict[str, str | None] = {"current": None}
     if args.baseline is not None:
         contenders["baseline"] = str(args.baseline.resolve())

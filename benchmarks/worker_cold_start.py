@@ -35,7 +35,7 @@ from batchllm.client import Client
 from batchllm.demo import chat_lines
 from batchllm.process.services import RedisServer, ServiceFailed, tail
 from batchllm.settings import Settings
-from benchmarks.cold_start import RunFailed, cell, imported, median, ratio
+from benchmarks.cold_start import RunFailed, cell, imported, local_model, median, print_medians
 
 ENGINE_FLAGS = "--enforce-eager --max-model-len 512 --kv-cache-memory-bytes 268435456".split()
 STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
@@ -54,15 +54,6 @@ def write_lines(work: Path) -> Path:
     source = work / "q20.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in picked[:20]))
     return source
-
-
-def local_model(name: str) -> str:
-    """A model directory, absolute: relative to the cwd, else to the repo (the default
-    .demo/chat from a temp cwd); anything else as given (a Hugging Face name)."""
-    for path in (Path(name), Path(__file__).resolve().parents[1] / name):
-        if path.exists():
-            return str(path.resolve())
-    return name
 
 
 def logs(home: Path) -> str:
@@ -180,15 +171,9 @@ def one_run(
 
 def report(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The table, printed; the figures, returned."""
-    names, both = list(runs), "baseline" in runs
+    names = list(runs)
     medians = {name: {key: median(runs[name], key) for key in FIGURES} for name in names}
-    header = f"{'seconds (median)':<24}" + "".join(f"{name:>12}" for name in names)
-    print(header + ("  baseline/current" if both else ""))
-    for key, label in FIGURES.items():
-        line = f"{label:<24}" + "".join(f"{cell(medians[n][key]):>12}" for n in names)
-        if both:
-            line += f"{cell(ratio(medians['baseline'][key], medians['current'][key]), 'x'):>18}"
-        print(line)
+    print_medians(medians, FIGURES)
     for name in names:
         for i, row in enumerate(runs[name]):
             print(f"{name} {i + 1}: vLLM engine ready in {row['phases'] or '-'}")

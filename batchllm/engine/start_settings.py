@@ -1,12 +1,11 @@
 """What vLLM is started with beyond its arguments: the engine core in the process that owns a
-CPU engine, a heap the start's garbage collections need not walk, and what the CPU backend needs (a
-dtype the CPU computes natively, the KV cache size the job asked for, a compile cache that loads).
+CPU engine, and what the CPU backend needs (a dtype the CPU computes natively, the KV cache size
+the job asked for, a compile cache that loads).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -42,16 +41,6 @@ def engine_core_in_process(tensor_parallel_size: int, *, is_cpu: bool) -> bool:
         os.environ[_IN_PROCESS] = "0" if is_cpu and tensor_parallel_size == 1 else "1"
         _set_here = True
     return os.environ[_IN_PROCESS].strip().lower() in ("0", "false")
-
-
-def freeze_the_heap() -> None:
-    """Move what exists now (mostly vLLM's, torch's and transformers' modules) out of the
-    garbage collector's reach: vLLM collects garbage several times while it measures memory
-    at the start, each a walk over every object imported (measured here, the demo model, eager,
-    in process: the build 3.2-3.3 s without, 2.0 s with, alternating). What is frozen is never
-    freed, as is true of modules anyway; vLLM freezes its server's heap after its start for the
-    same reason."""
-    gc.freeze()
 
 
 def load_compile_cache_on_cpu() -> None:

@@ -30,12 +30,12 @@ from batchllm.engine.protocol import Adapter, Finished
 from batchllm.engine.start_settings import (
     engine_core_in_process,
     explicit_cpu_kv_cache,
-    freeze_the_heap,
     load_compile_cache_on_cpu,
     resolve_dtype,
 )
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
+from batchllm.heap import frozen_heap
 from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
 from batchllm.input.schemas import EngineOptions
@@ -249,9 +249,9 @@ class VllmEngine:
         if self.is_cpu:
             load_compile_cache_on_cpu()
         self.in_process = engine_core_in_process(kwargs["tensor_parallel_size"], is_cpu=self.is_cpu)
-        freeze_the_heap()
+        kv_cache = explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache)
         try:
-            with explicit_cpu_kv_cache(self.is_cpu and explicit_kv_cache), engine_output_to_log():
+            with kv_cache, engine_output_to_log(), frozen_heap():
                 self.llm = self._vllm.LLM(**kwargs)
             note_engine_build(f"vllm {model}")
         except Exception as exc:

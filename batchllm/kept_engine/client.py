@@ -494,8 +494,8 @@ class KeptEngines:
             remote.shutdown()
 
     def close(self) -> None:
-        spare = self._take_spare("")
-        if spare is not None:
+        spare, self._spare = self._spare, None
+        if spare is not None:  # started, never needed
             spare.discard()
         self._disconnect()
         if self._local_used:

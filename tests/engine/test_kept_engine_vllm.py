@@ -48,6 +48,22 @@ def kept(settings: Settings, tmp_path: Path) -> Iterator[KeptHome]:
         home.stop_all()
 
 
+def run_prompts(kept: KeptHome, source: Path, model: Path):
+    """`batchllm run` of the prompts, greedy, with the engine flags a kept engine is found by."""
+    return kept.cli(
+        "run",
+        str(source),
+        "--model",
+        str(model),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        *ENGINE_FLAGS,
+        timeout=600,
+    )
+
+
 def test_two_runs_use_the_kept_vllm_engine_and_answer_alike(
     kept: KeptHome, settings: Settings, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -71,18 +87,7 @@ def test_two_runs_use_the_kept_vllm_engine_and_answer_alike(
     source = write_prompts(tmp_path / "p.jsonl", "p", PROMPTS)
     answers = []
     for _ in range(2):
-        ran = kept.cli(
-            "run",
-            str(source),
-            "--model",
-            str(tiny_model),
-            "--temperature",
-            "0",
-            "--max-tokens",
-            str(MAX_TOKENS),
-            *ENGINE_FLAGS,
-            timeout=600,
-        )
+        ran = run_prompts(kept, source, tiny_model)
         assert ran.returncode == 0, str(ran)
         assert engine_ids_used(ran.stderr) == [engine["id"]], str(ran)
         assert engine_ids_started(ran.stderr) == [], str(ran)
@@ -130,18 +135,7 @@ def test_a_cold_run_loads_vllm_ahead_and_a_refused_file_lets_it_go(
     assert "not needed: exiting" in (kept.engines_dir / f"{found.group(1)}.log").read_text()
 
     source = write_prompts(tmp_path / "p.jsonl", "p", PROMPTS)
-    ran = kept.cli(
-        "run",
-        str(source),
-        "--model",
-        str(tiny_model),
-        "--temperature",
-        "0",
-        "--max-tokens",
-        str(MAX_TOKENS),
-        *ENGINE_FLAGS,
-        timeout=600,
-    )
+    ran = run_prompts(kept, source, tiny_model)
     assert ran.returncode == 0, str(ran)
     (started,) = engine_ids_started(ran.stderr)
     (engine,) = kept.ready()
