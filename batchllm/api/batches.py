@@ -10,7 +10,16 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, select
+from sqlalchemy import (
+    BindParameter,
+    ColumnElement,
+    Connection,
+    Select,
+    bindparam,
+    case,
+    func,
+    select,
+)
 from sqlalchemy.orm import Session
 
 from batchllm.api import files
@@ -218,7 +227,7 @@ class QuotaExceeded(ApiError):
     """A 429 for a key at its unfinished-batch quota."""
 
 
-def _unfinished_of(owner: str) -> tuple[ColumnElement[bool], ...]:
+def _unfinished_of(owner: str | BindParameter[str]) -> tuple[ColumnElement[bool], ...]:
     """The WHERE of `owner`'s unfinished jobs, read from the unfinished jobs (jobs.status's
     index; they are few) and each one's batch by its key, never from the owner's batches, which
     are all it ever made: joined from them, the planners walked every batch of the key (SQLite
@@ -246,8 +255,8 @@ def check_active_batches(session: Session, owner: str, limit: int) -> None:
         )
 
 
-def enqueued_rows(session: Session, owner: str) -> int:
-    """The request lines `owner`'s unfinished batches have not finished: each batch's input
+def _enqueued_rows_statement() -> Select[Any]:
+    """The request lines the :owner's unfinished batches have not finished: each batch's input
     lines (its file's count; the job's own once validated, should the file be deleted) less the
     rows its job has done."""
     file_lines = (
@@ -259,12 +268,21 @@ def enqueued_rows(session: Session, owner: str) -> int:
     waiting = (
         func.coalesce(file_lines, Job.request_total) - Job.request_completed - Job.request_failed
     )
-    total = session.scalar(
+    return (
         select(func.coalesce(func.sum(case((waiting > 0, waiting), else_=0)), 0))
         .select_from(Job)
-        .where(*_unfinished_of(owner))
+        .where(*_unfinished_of(bindparam("owner")))
     )
-    return int(total or 0)
+
+
+# Built once: every list page reads it, and building it cost more than running it (2.5 of a
+# page's 3.3 ms, measured in process).
+_ENQUEUED_ROWS = _enqueued_rows_statement()
+
+
+def enqueued_rows(session: Session | Connection, owner: str) -> int:
+    """The request lines `owner`'s unfinished batches have not finished (_enqueued_rows_statement)."""
+    return int(session.scalar(_ENQUEUED_ROWS, {"owner": owner}) or 0)
 
 
 def check_enqueued_rows(session: Session, owner: str, adding: int, limit: int) -> None:

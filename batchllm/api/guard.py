@@ -53,6 +53,7 @@ class _Refused(Exception):
 # scraper must see the overload.
 NEVER_SHED = frozenset({"/health", "/metrics"})
 RETRY_AFTER_SECONDS = 1
+BODILESS = frozenset({"GET", "HEAD"})
 
 
 class RequestGuard:
@@ -90,6 +91,14 @@ class RequestGuard:
                     return
             # The route's dependency takes it from here instead of looking the key up again.
             scope.setdefault("state", {})["owner"] = owner
+        if (
+            scope["method"] in BODILESS
+            and "content-length" not in headers
+            and "transfer-encoding" not in headers
+        ):
+            # No route of these reads a body: nothing to cap or time (a poll's path, kept short).
+            await self.app(scope, receive, send)
+            return
         limit = self._body_limit(scope)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:

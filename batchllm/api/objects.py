@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import Select, bindparam, select
+
 from batchllm.store.job_view import usage
 from batchllm.store.models import Batch, Job, StoredFile
 from batchllm.store.states import JobStatus
@@ -34,7 +36,50 @@ def file_object(row: StoredFile) -> dict[str, Any]:
     }
 
 
-def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
+# What batch_object reads, as columns: a poll is the request a server answers most, and a
+# batch's ORM rows (the job's spec and attempts decoded, identity map, a lazy load each) made
+# a list page cost 3.3 ms and a retrieve 0.7 ms of the server's one core (measured in process).
+# A row of these serves as both `batch` and `job` (their names do not collide: the job's
+# created_at is not among them).
+BATCH_COLUMNS = (
+    Batch.job_id,
+    Batch.owner,
+    Batch.endpoint,
+    Batch.completion_window,
+    Batch.input_file_id,
+    Batch.output_file_id,
+    Batch.error_file_id,
+    Batch.errors,
+    Batch.created_at,
+    Job.id,
+    Job.status,
+    Job.model,
+    Job.job_metadata.label("job_metadata"),  # its column is `metadata`
+    Job.expires_at,
+    Job.request_total,
+    Job.request_completed,
+    Job.request_failed,
+    Job.started_at,
+    Job.finished_at,
+    Job.cancelling_at,
+    Job.finalizing_at,
+    Job.prompt_tokens,
+    Job.completion_tokens,
+    Job.cached_tokens,
+)
+
+
+def batch_rows() -> Select[Any]:
+    """SELECT of BATCH_COLUMNS, a batch beside its job: add the WHERE and ORDER BY."""
+    return select(*BATCH_COLUMNS).join(Job, Job.id == Batch.job_id)
+
+
+# Built once, bound per request (building a statement of 24 columns cost more than running it).
+BATCH_BY_ID = batch_rows().where(Batch.job_id == bindparam("job_id"))
+
+
+def batch_object(batch: Any, job: Any) -> dict[str, Any]:
+    """OpenAI's Batch of `batch` and `job`: the ORM rows, or one row of batch_rows() for both."""
     status = job.status
     ended = epoch(job.finished_at)
     # A cancelled or expired batch's error file also lists the requests it never ran (code
@@ -76,7 +121,7 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
     }
 
 
-def _in_progress_at(batch: Batch, job: Job) -> int | None:
+def _in_progress_at(batch: Any, job: Any) -> int | None:
     """When the batch entered `in_progress`, as OpenAI fills it. batchllm shows a queued job as
     in progress from its create on (the file is validated within the create request), so that
     moment stands in until a worker starts it; a batch refused whole at create (its `errors`)
