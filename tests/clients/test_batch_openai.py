@@ -6,6 +6,7 @@ does) to follow, cancel and download a batch (docs/batch-api.md, "Clients tried"
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -107,5 +108,6 @@ def test_batch_openai_cancels_a_running_batch_from_its_command_line(
     said = cli(served, registry, "download", job.batch_id, "--output", str(downloaded))
     assert f"Wrote {BIG_LINES} records" in said, said
     lines = downloaded.read_text().splitlines()
-    answered = answers_of("\n".join(line for line in lines if '"error": null' in line))
-    assert len(answered) == completed and len(lines) == BIG_LINES
+    answers = "\n".join(line for line in lines if json.loads(line)["error"] is None)
+    assert len(answers_of(answers)) == completed and len(lines) == BIG_LINES
+    assert len({json.loads(line)["custom_id"] for line in lines}) == BIG_LINES
