@@ -16,7 +16,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 2
 # suite starts hundreds of Python processes (workers, `run`, `serve`, the CLI): let them cache.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install browser demo test test-serial test-unit test-smoke lint bench bench-chat bench-peers bench-kept bench-prefix-cache bench-serve peers clean gpu-smoke cpu-smoke soak
+.PHONY: install browser demo test test-serial test-unit test-smoke test-clients lint bench bench-chat bench-peers bench-kept bench-prefix-cache bench-serve peers clean gpu-smoke cpu-smoke soak
 
 install: $(VENV)/.installed
 
@@ -213,5 +213,23 @@ cpu-smoke:
 test-smoke: install
 	$(BIN)/python -m pytest tests/smoke -m smoke
 
+# Third-party OpenAI Batch clients (LiteLLM, batch-openai, openai-batch; docs/batch-api.md
+# "Clients tried") driving a private `batchllm serve` and an instant-engine worker
+# (tests/clients; the machine's Redis, a SQLite home; ~1 minute once the venv exists). Their own
+# venv, .venv-clients: batchllm from this repo with the `api` extra, the clients pinned in
+# tests/clients/requirements.txt; no vLLM, no torch. Not part of `make test`.
+CLIENTS_VENV := .venv-clients
+test-clients: $(CLIENTS_VENV)/.installed
+	$(CLIENTS_VENV)/bin/python -m pytest -p no:cacheprovider -m clients tests/clients
+
+$(CLIENTS_VENV)/.installed: pyproject.toml tests/clients/requirements.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -qq --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install -qq $(PIP_ARGS) -e ".[api]" -r tests/clients/requirements.txt
+	@# openai-batch 0.3.4's wheel ships its own test suite as a top-level `tests` package,
+	@# which would shadow this repository's tests/ (tests.support): not part of the library.
+	rm -rf $(CLIENTS_VENV)/lib/python*/site-packages/tests
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(DEMO)
+	rm -rf $(VENV) $(DEMO) $(CLIENTS_VENV)

@@ -224,6 +224,12 @@ _FILLER = (
 _CHARS_PER_TOKEN = 4
 
 
+def instant_text(max_tokens: int) -> str:
+    """What the instant engine answers a request of `max_tokens`: a check of its rows (the
+    third-party clients' suite, tests/clients) compares the text it got with this."""
+    return _FILLER[: max_tokens * _CHARS_PER_TOKEN]
+
+
 class _Params:
     """Stands in for vllm.SamplingParams: keeps the settings, checks nothing."""
 
@@ -313,7 +319,7 @@ def _finished(request_id: str, prompt_tokens: int, max_tokens: int) -> Finished:
     return Finished(
         request_id=request_id,
         finish_reason="length",
-        text=_FILLER[: max_tokens * _CHARS_PER_TOKEN],
+        text=instant_text(max_tokens),
         prompt_tokens=prompt_tokens,
         completion_tokens=max_tokens,
     )
