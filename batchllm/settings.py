@@ -33,9 +33,10 @@ class Settings(BaseSettings):
         default=5,
         ge=1,
         description="Database connections a process keeps open for reuse (SQLAlchemy's "
-        "pool; `serve` raises it to BATCHLLM_API_THREADS). A worker uses at most three at once (its shard, heartbeat and reconciler; "
-        "measured: two), so a fleet of N workers holds about 2N-3N whatever this is: raise "
-        "PostgreSQL's max_connections past 3N, or put PgBouncer in front, past ~30 workers.",
+        "pool; `serve` raises it to BATCHLLM_API_THREADS). A worker uses at most three at "
+        "once (its shard, heartbeat and reconciler; measured: two), so a fleet of N workers "
+        "holds about 2N-3N whatever this is: raise PostgreSQL's max_connections past 3N, or "
+        "put PgBouncer in front, past ~30 workers.",
     )
     db_max_overflow: int = Field(
         default=10,

@@ -1,12 +1,12 @@
 """The chaos run (issue 52): K tenants' jobs and a poison tenant's through N instant-engine
 workers on a private Redis and PostgreSQL, a fault every F seconds, then Jepsen-style checks.
 
-The harness starts its own services (batchllm/process/services.py: never the machine's), its
-workers (`batchllm worker --engine instant`, paced so that a run lasts minutes;
-execution/instant.py) and submits the jobs with the package's submit API (what `batchllm
-submit` calls). Once they are queued, it injects one fault every F seconds, drawn in a seeded
-random order from
-benchmarks/chaos_faults.py's kinds, until 90% of the lines are committed (--quiet-after), then
+The harness starts its own services (batchllm/process/services.py,
+benchmarks/private_postgres.py: never the machine's), its workers (`batchllm worker --engine
+instant`, paced so that a run lasts minutes; execution/instant.py) and submits the jobs with
+the package's submit API (what `batchllm submit` calls). Once they are queued, it injects one
+fault every F seconds, drawn in a seeded random order from benchmarks/chaos_faults.py's kinds,
+until 90% of the lines are committed (--quiet-after), then
 lets the fleet drain until every job is final (Jepsen's heal-then-drain), while a sampler
 records the rows the fleet committed (twice a second) and each shard's progress; every job
 must be final within --final-within seconds of the last fault. Then it ends its workers and
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import batchllm
-from batchllm.process.services import PostgresCluster, RedisServer
+from batchllm.process.services import RedisServer
 from benchmarks import chaos_check
 from benchmarks.chaos_disk import SmallDisk, can_mount
 from benchmarks.chaos_faults import (
@@ -66,6 +66,7 @@ from benchmarks.chaos_metrics import Scraper
 from benchmarks.chaos_proxy import TcpProxy
 from benchmarks.chaos_s3 import MotoServer
 from benchmarks.chaos_workload import TenantJob, write_tenants
+from benchmarks.private_postgres import PostgresCluster
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]

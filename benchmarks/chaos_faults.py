@@ -1,6 +1,6 @@
 """The chaos run's workers and faults: `batchllm worker --engine instant` processes the harness
 starts, replaces and ends by PID (never by name), and the fault kinds it injects into them and
-into its private Redis and PostgreSQL (batchllm/process/services.py).
+into its private Redis and PostgreSQL (batchllm/process/services.py, benchmarks/private_postgres.py).
 
 Fault kinds (one at a time; each is over, its service back or its victim replaced, before the
 next begins):
@@ -44,9 +44,10 @@ from typing import Any
 import psutil
 
 from batchllm.process.ports import free_port
-from batchllm.process.services import PostgresCluster, RedisServer, ServiceFailed, tail
+from batchllm.process.services import RedisServer, ServiceFailed, tail
 from benchmarks.chaos_disk import SmallDisk, can_mount
 from benchmarks.chaos_proxy import TcpProxy
+from benchmarks.private_postgres import PostgresCluster
 
 FAULT_KINDS = (
     "kill9",

@@ -1,5 +1,6 @@
 """The fleet simulation: N `batchllm worker --engine instant` processes on a private Redis and
-PostgreSQL (batchllm/process/services.py), one job of M lines, then several jobs at once.
+PostgreSQL (batchllm/process/services.py, benchmarks/private_postgres.py), one job of M
+lines, then several jobs at once.
 
 Everything but generation is real (execution/instant.py), so what is measured is what a fleet
 costs beyond its GPUs: the rows/s the fleet's own machinery sustains, the time from submit to
@@ -32,8 +33,9 @@ import batchllm
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.parts.overhead import write_lines
 from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
-from batchllm.process.services import PostgresCluster, RedisServer, tail
+from batchllm.process.services import RedisServer, tail
 from batchllm.settings import Settings
+from benchmarks.private_postgres import PostgresCluster
 
 Say = Callable[[str], None]
 _REPO = Path(batchllm.__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchllm.process.services import PostgresCluster, RedisServer
+from batchllm.process.services import RedisServer
 from benchmarks.history import (
     CHECKPOINTS_PER_SHARD,
     SHARDS_PER_JOB,
@@ -35,6 +35,7 @@ from benchmarks.history import (
     populate,
     timed,
 )
+from benchmarks.private_postgres import PostgresCluster
 
 
 def measure_history(

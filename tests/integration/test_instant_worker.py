@@ -85,8 +85,8 @@ def test_an_instant_worker_runs_a_job_exactly_once_through_celery_and_labels_it_
 
 
 def test_the_fleet_bench_measures_two_instant_workers_on_private_services(tiny_model, tmp_path):
-    from batchllm.process.services import postgres_bin
     from benchmarks.fleet import measure_fleet
+    from benchmarks.private_postgres import postgres_bin
 
     require(shutil.which("redis-server") is not None, "redis-server is not installed")
     require(postgres_bin() is not None, "PostgreSQL's server binaries (initdb, pg_ctl) are missing")

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import psutil
 
-from batchllm.process.services import PostgresCluster, RedisServer
-from batchllm.process.services import (
+from batchllm.process.services import RedisServer
+from batchllm.settings import Settings
+from benchmarks.private_postgres import PostgresCluster
+from benchmarks.private_postgres import (
     postgres_bin as postgres_bin,  # the fault suite's fixtures' too
 )
-from batchllm.settings import Settings
 from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit
 from tests.support.job_checks import wait_for
 from tests.support.skips import require
@@ -124,7 +125,7 @@ def descendants(root_pid: int) -> dict[int, float]:
     return recorded
 
 
-# -- the private Redis and PostgreSQL (batchllm/process/services.py) ----------------------
+# -- the private Redis and PostgreSQL (process/services.py, benchmarks/private_postgres.py) --
 
 
 def fault_postgres(bin_dir: Path) -> PostgresCluster:
