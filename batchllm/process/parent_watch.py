@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 ENGINE_MARK = "BATCHLLM_ENGINE_CHILD"
 _POLL_SECONDS = 1.0
@@ -38,16 +39,26 @@ def register() -> None:
     _started = True
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-    threading.Thread(
-        target=_watch, args=(parent,), name="batchllm-parent-watch", daemon=True
-    ).start()
+    watch_parent(os.getppid(), _end_self, name="batchllm-parent-watch")
 
 
-def _watch(parent: int) -> None:
-    # The parent's death reparents this process, so getppid() changes (to 1 or a subreaper).
-    while os.getppid() == parent and parent != 1:
-        time.sleep(_POLL_SECONDS)
+def watch_parent(
+    parent: int, on_gone: Callable[[], None], *, name: str, poll: float = _POLL_SECONDS
+) -> None:
+    """Call `on_gone` on a daemon thread once the process `parent` is gone (at once when this
+    process was reparented already). The one parent-death loop: the engine plugin here and
+    `serve --worker`'s worker (process/stopping.py) both watch with it."""
+
+    def watch() -> None:
+        # The parent's death reparents this process, so getppid() changes (to 1 or a subreaper).
+        while os.getppid() == parent and parent != 1:
+            time.sleep(poll)
+        on_gone()
+
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def _end_self() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(_GRACE_SECONDS)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from batchllm.process.parent_watch import watch_parent
+
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +107,6 @@ _CUT_SHORT_GRACE = 15.0
 # Set by a command that starts a worker (serve --worker) to its own pid: the worker stops when
 # that process is gone, even when it was killed with SIGKILL and could not stop the worker.
 PARENT_MARK = "BATCHLLM_STOP_WITH_PARENT"
-_PARENT_POLL_SECONDS = 1.0
 
 
 def stop_with_parent() -> None:
@@ -117,14 +118,11 @@ def stop_with_parent() -> None:
         return
     parent = int(owner)
 
-    def watch() -> None:
-        # The parent's death reparents this process, so getppid() changes (to 1 or a subreaper).
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_SECONDS)
+    def stop() -> None:
         log.warning("the process that started this worker (pid %d) is gone: stopping", parent)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="batchllm-stop-with-parent", daemon=True).start()
+    watch_parent(parent, stop, name="batchllm-stop-with-parent")
 
 
 # Fits Kubernetes' default 30 s terminationGracePeriodSeconds with the engine's own shutdown.
