@@ -31,7 +31,7 @@ def retry(job_id: str, all_errors: bool, wait_: bool) -> None:
       batchllm retry job_3f2a9c1e                 # lines never run, engine failures
       batchllm retry job_3f2a9c1e --all-errors    # every error row
     """
-    from batchllm.cli.fleet import _follow
+    from batchllm.cli.fleet import follow_job
     from batchllm.cli.render import echo_job, job_row
     from batchllm.client import Client
 
@@ -42,7 +42,7 @@ def retry(job_id: str, all_errors: bool, wait_: bool) -> None:
     if not job.done:
         click.echo(f"{job.id}: attempt {len(job.attempts)} {job.status} on the fleet", err=True)
         if wait_:
-            _follow(job.id)
+            follow_job(job.id)
         return
     echo_job(job_row(job.id))
     if job.status != "completed":

@@ -117,8 +117,9 @@ def start(
 def status(as_json: bool) -> None:
     """The kept engines: model, context, runs using each, idle time, when it unloads."""
     from batchllm.kept_engine.control import engine_statuses
+    from batchllm.settings import get_settings
 
-    rows = engine_statuses()
+    rows = engine_statuses(get_settings().home)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -153,8 +154,10 @@ def stop(engine_id: str | None, stop_all: bool, force: bool) -> None:
     """Unload the kept engine ENGINE_ID (an id prefix will do), or every one with --all. One
     that runs are using unloads when they end (--force: now; their runs start a new one)."""
     from batchllm.kept_engine.control import stop_engines
+    from batchllm.settings import get_settings
 
     if not engine_id and not stop_all:
         raise click.UsageError("give an ENGINE_ID (see `batchllm engine status`) or --all")
-    for line in stop_engines(None if stop_all else engine_id, force=force):
+    home = get_settings().home
+    for line in stop_engines(home, None if stop_all else engine_id, force=force):
         click.echo(line)

@@ -109,7 +109,7 @@ def _submit(
     )
     echo_webhook_secret(job.notify_secret, notify)
     if wait_:
-        _follow(job.id)
+        follow_job(job.id)
 
 
 def _counts(total: int, invalid: int) -> str:
@@ -126,10 +126,12 @@ def _counts(total: int, invalid: int) -> str:
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def wait(job_id: str, timeout: float | None) -> None:
     """Follow a job until it ends; exit 0 if it completed, 1 otherwise."""
-    _follow(job_id, timeout)
+    follow_job(job_id, timeout)
 
 
-def _follow(job_ref: str, timeout: float | None = None) -> None:
+def follow_job(job_ref: str, timeout: float | None = None) -> None:
+    """Follow a job with a progress bar until it ends (`wait`, `retry --wait`, `submit
+    --wait`); exit 1 unless it completed."""
     from batchllm.cli.progress import Progress
     from batchllm.cli.render import echo_job, job_row
     from batchllm.client import Client, Job

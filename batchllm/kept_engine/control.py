@@ -6,21 +6,22 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from batchllm.errors import BatchLLMError
 from batchllm.kept_engine import registry
 from batchllm.kept_engine.client import RemoteEngine
-from batchllm.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 _STOP_WAIT = 60.0  # vLLM's shutdown takes seconds; a wedged engine gets SIGKILL after this
 
 
-def engine_statuses() -> list[dict[str, Any]]:
+def engine_statuses(home: Path) -> list[dict[str, Any]]:
+    """The kept engines of the batchllm home `home`, each asked for its live figures."""
     rows = []
-    for record in registry.list_records(get_settings().home):
+    for record in registry.list_records(home):
         row: dict[str, Any] = {
             "id": record.id,
             "state": record.state,
@@ -49,8 +50,8 @@ def engine_statuses() -> list[dict[str, Any]]:
     return rows
 
 
-def stop_engines(prefix: str | None, *, force: bool) -> list[str]:
-    home = get_settings().home
+def stop_engines(home: Path, prefix: str | None, *, force: bool) -> list[str]:
+    """Stop the kept engines of `home` (one by id prefix, or every one): a line for each."""
     records = registry.list_records(home) if prefix is None else [registry.find(home, prefix)]
     lines = []
     for record in records:

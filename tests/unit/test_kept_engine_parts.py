@@ -460,7 +460,7 @@ def test_a_kept_engine_whose_socket_is_gone_is_passed_over(
         engine = engines.get(spec, 512)
         assert isinstance(engine, InstantEngine)
         engines.close()
-        (row,) = control.engine_statuses()
+        (row,) = control.engine_statuses(settings.home)
         assert row["id"] == record.id and row["state"].startswith("unreachable ("), row
     finally:
         registry.remove_record(settings.home, record.id)
