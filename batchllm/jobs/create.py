@@ -94,6 +94,7 @@ def create_job(
             )
         )
     context = context or plain_plan(spec)
+    context.start(storage)
     log.debug("job %s: context length %s", job_id, context.policy.value)
     intake = _ShardIntake(job_id, settings, release, strict, context, on_shard)
     stored = _store(source, spec, storage, job_id, settings, shard_size, strict, intake)
@@ -122,7 +123,7 @@ class _ShardIntake:
         on_shard: Callable[[ShardInput], None] | None,
     ) -> None:
         self.job_id, self.settings, self.on_shard = job_id, settings, on_shard
-        self.preparer = context.preparer
+        self.preparer = context.preparer  # started by create_job in the job's storage
         streams = release is not None and not strict
         # Streaming needs the context length up front: without it the first worker sizes the
         # job from all of its rows (execution/context/resolve.py), which must all be there.

@@ -69,7 +69,7 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
 
     # `always`: `auto` would wait for AUTO_MIN_ROWS rows before starting (another test).
     plan = plan_for_submit(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
-    assert plan.preparer is not None
+    assert plan.has_pass
     created = create_job(
         source, spec, shard_size=50, settings=settings, release=release, context=plan
     )
@@ -149,15 +149,16 @@ def test_the_pass_runs_when_its_mode_says_and_the_model_is_a_local_directory(
     never = settings.model_copy(update={"tokenize_at_submit": "never"})
     # `auto` (the default): only a job without a context length, which must be sized.
     assert settings.tokenize_at_submit == "auto"
-    assert plan_for_submit(sized, settings).preparer is None
+    assert plan_for_submit(sized, settings).has_pass is False
     assert (
-        plan_for_submit(unsized, never).preparer is None
-        and plan_for_submit(sized, never).preparer is None
+        plan_for_submit(unsized, never).has_pass is False
+        and plan_for_submit(sized, never).has_pass is False
     )
-    assert plan_for_submit(JobSpec(model="org/some-model"), always).preparer is None
-    assert plan_for_submit(JobSpec(model=str(tmp_path / "missing")), always).preparer is None
+    assert plan_for_submit(JobSpec(model="org/some-model"), always).has_pass is False
+    assert plan_for_submit(JobSpec(model=str(tmp_path / "missing")), always).has_pass is False
+    storage = Storage.of(settings)
     for spec, mode in ((unsized, settings), (sized, always)):
-        preparer = plan_for_submit(spec, mode).preparer
+        preparer = plan_for_submit(spec, mode).start(storage)
         assert preparer is not None
         preparer.close()
     config = json.loads((tiny_model / "config.json").read_text())

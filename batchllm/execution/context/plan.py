@@ -68,10 +68,24 @@ class ShardPreparer(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class ContextPlan:
+    """`preparer`: the pass, or `starts` makes it once jobs/create.py knows the new job's
+    storage (`start`): the one place a new job's storage is worked out."""
+
     policy: ContextPolicy
     preparer: ShardPreparer | None = None
+    starts: Callable[[Storage], ShardPreparer] | None = None
+
+    @property
+    def has_pass(self) -> bool:
+        return self.preparer is not None or self.starts is not None
+
+    def start(self, storage: Storage) -> ShardPreparer | None:
+        """The pass over the new job's shards, in `storage` (None: this plan has none)."""
+        if self.preparer is None and self.starts is not None:
+            self.preparer = self.starts(storage)
+        return self.preparer
 
     @property
     def known_up_front(self) -> bool:
@@ -105,12 +119,15 @@ def plan_for_submit(spec: JobSpec, settings: Settings) -> ContextPlan:
     given = spec.engine.max_model_len is not None
     if mode == "never" or not local or (mode == "auto" and given):
         return plain_plan(spec)
-    storage = Storage.of(settings)  # a new job's storage, as jobs/create.py stores it in
     if mode == "always":
         policy = ContextPolicy.GIVEN if given else ContextPolicy.SUBMIT_EXACT
-        return ContextPlan(policy, SubmitTokens(spec, storage, settings))
-    pass_ = SubmitTokens(spec, storage, settings, min_rows=submit_pass.AUTO_MIN_ROWS, bound=True)
-    return ContextPlan(ContextPolicy.SUBMIT_BOUND, pass_)
+        return ContextPlan(policy, starts=lambda storage: SubmitTokens(spec, storage, settings))
+    return ContextPlan(
+        ContextPolicy.SUBMIT_BOUND,
+        starts=lambda storage: SubmitTokens(
+            spec, storage, settings, min_rows=submit_pass.AUTO_MIN_ROWS, bound=True
+        ),
+    )
 
 
 def plan_for_run(
@@ -123,5 +140,7 @@ def plan_for_run(
         return ContextPlan(ContextPolicy.GIVEN)
     if size_on_kept is not None:
         return ContextPlan(ContextPolicy.ON_KEPT_ENGINE, AfterValidation(size_on_kept))
-    storage = Storage.of(settings)
-    return ContextPlan(ContextPolicy.BESIDE_VALIDATION, BesideValidation(spec, storage, settings))
+    return ContextPlan(
+        ContextPolicy.BESIDE_VALIDATION,
+        starts=lambda storage: BesideValidation(spec, storage, settings),
+    )
