@@ -258,9 +258,9 @@ def _kept(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str,
 
 
 def _model_context(model: str) -> int:
-    from transformers import AutoConfig
+    from batchllm.engine.sizing import model_limit
 
-    return int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    return model_limit(model)
 
 
 def _overhead(config: BenchConfig, model: str, workdir: Path, say: Say) -> dict[str, Any]:

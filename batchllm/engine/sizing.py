@@ -9,8 +9,10 @@ tokenize them again.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from batchllm.engine.images import ImagePrompt, has_images, load_image_processor
@@ -34,11 +36,30 @@ OnPrepared = Callable[[list[int], list[list[int] | ImagePrompt | None]], None]
 
 @functools.lru_cache(maxsize=8)
 def model_limit(model: str) -> int:
+    """The model's context: its config.json's (config_limit) for a local directory, else
+    transformers' AutoConfig's (a hub name in the cache); 2048 when neither states one. The one
+    reader of a model's context before an engine is built (a built engine's is its own
+    model_config's: engine/vllm_engine.py)."""
+    stated = config_limit(Path(model))
+    if stated is not None:
+        return stated
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
     text = getattr(config, "get_text_config", lambda: config)()
     return int(getattr(text, "max_position_embeddings", 2048))
+
+
+def config_limit(model: Path) -> int | None:
+    """The model's context as its config.json states it (its text model's, for a model with a
+    `text_config`), read without transformers; None when it is not stated there."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from batchllm.engine.sizing import config_limit
 from batchllm.execution.context import submit_pass as submit_tokens_module
-from batchllm.execution.context.passes import config_limit, size_shards
+from batchllm.execution.context.passes import size_shards
 from batchllm.execution.context.plan import ContextPlan, ContextPolicy, plan_for_submit
 from batchllm.execution.context.submit_pass import SubmitTokens
 from batchllm.execution.runner import Outcome, ShardRunner

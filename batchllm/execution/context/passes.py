@@ -12,7 +12,6 @@ caller reads it from `error` once the job exists.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -38,7 +37,11 @@ def new_sizer(spec: JobSpec, settings: Settings) -> ContextSizer:
     without transformers' Auto classes, whose imports (torch among them) took 4-7 s of a cold
     `run` of 8 lines here (issue 63); the feed checks the stored ids against its engine's
     tokenizer and tokenizes again on a difference (execution/runner.py), as for `submit`."""
-    from batchllm.engine.sizing import ContextSizer, light_tokenizer  # transformers: here only
+    from batchllm.engine.sizing import (  # transformers: here only
+        ContextSizer,
+        config_limit,
+        light_tokenizer,
+    )
 
     local = Path(spec.model)
     limit = config_limit(local)
@@ -52,18 +55,6 @@ def new_sizer(spec: JobSpec, settings: Settings) -> ContextSizer:
         tokenizer=light_tokenizer(spec.model),
         limit=limit,
     )
-
-
-def config_limit(model: Path) -> int | None:
-    """The model's context as its config.json states it (its text model's, for a model with a
-    `text_config`), read without transformers; None when it is not stated there."""
-    try:
-        config = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    value = text.get("max_position_embeddings")
-    return value if isinstance(value, int) and value > 0 else None
 
 
 def size_shard(

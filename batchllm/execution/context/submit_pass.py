@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchllm.execution.context.passes import ThreadedPass, config_limit, size_shard
+from batchllm.execution.context.passes import ThreadedPass, size_shard
 from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
@@ -64,6 +64,8 @@ class SubmitTokens(ThreadedPass):
         self.min_rows = min_rows
         self.bound = bound
         self._sizer: ContextSizer | None = None
+        from batchllm.engine.sizing import config_limit  # transformers: imported when used
+
         self._limit = config_limit(Path(spec.model))
         self._before: list[ShardInput] = []  # stored while the job is under min_rows
         self._rows = 0
