@@ -1,6 +1,10 @@
 """The package's layers import only downwards:
-cli -> api -> bench -> doctor -> jobs -> kept_engine -> worker -> execution -> engine -> output
--> store -> input.
+cli -> pipeline -> client -> api -> bench -> doctor -> jobs -> kept_engine -> worker -> execution
+-> engine -> output -> store -> input.
+
+pipeline.py (`batchllm pipeline`'s stages) and client.py (the Python API, which the CLI's job
+commands call too) are modules, not folders: entry points below the CLI, above the job's front
+doors.
 
 jobs is a job's front doors (submit to the fleet, run locally, retry, estimate); worker the
 Celery fleet; execution running a shard through an engine, in a worker or in `run`.
@@ -9,7 +13,7 @@ The last three are the pipeline's stages, each knowing only the ones before it: 
 (read, validate, shard) knows no SQL; the store (jobs, shards, states, leases) reads and writes
 no part files; the output (the Parquet contract and the commit protocol) records its
 checkpoints in the store. The top-level modules (settings, errors, storage, heap, the
-process/ plumbing, client, demo) sit outside the order: the foundation below every layer, or
+process/ plumbing, demo) sit outside the order: the foundation below every layer, or
 entry points above them."""
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import batchllm
 
 LAYERS = [
     "cli",
+    "pipeline",
+    "client",
     "api",
     "bench",
     "doctor",
@@ -63,13 +69,14 @@ def test_no_module_imports_a_layer_above_its_own():
     upward = []
     for rank, layer in enumerate(LAYERS):
         allowed = set(LAYERS[rank:])
-        for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for path in _foundation_files(layer):
             for other in imported_layers(path) - allowed:
                 upward.append(f"{path.relative_to(PACKAGE)} imports batchllm.{other}")
     assert upward == []
 
 
 def _foundation_files(name: str) -> list[Path]:
+    """The modules of a folder `name`, or the module `name`.py."""
     folder = PACKAGE / name
     return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{name}.py"]
 
@@ -81,10 +88,16 @@ def test_the_foundation_imports_no_layer():
 
 
 def test_the_walk_sees_every_layer_and_catches_an_upward_import(tmp_path):
-    assert all(any((PACKAGE / layer).rglob("*.py")) for layer in LAYERS)
+    assert all(
+        files and all(f.is_file() for f in files)
+        for files in (_foundation_files(layer) for layer in LAYERS)
+    )
     module = tmp_path / "m.py"
-    module.write_text("from batchllm.execution import runner\nimport batchllm.cli.run\n")
-    assert imported_layers(module) == {"execution", "cli"}
+    module.write_text(
+        "from batchllm.execution import runner\nimport batchllm.cli.run\n"
+        "from batchllm.client import Client\n"
+    )
+    assert imported_layers(module) == {"execution", "cli", "client"}
 
 
 # -- sizes and cycles: what a newcomer can hold in their head -----------------------------------
