@@ -17,7 +17,7 @@ from typing import Any
 
 from batchllm.input.images import ImageProblem, decoded, image_parts, open_image
 from batchllm.input.rows import InputRow
-from batchllm.output.row_errors import INVALID_PROMPT, Refusal
+from batchllm.row_errors import INVALID_PROMPT, Refusal
 from batchllm.settings import Settings
 
 log = logging.getLogger(__name__)

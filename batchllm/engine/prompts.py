@@ -20,7 +20,7 @@ from batchllm.engine.images import (
     template_messages,
 )
 from batchllm.input.rows import POOLING_KINDS, TEMPLATE_OPTIONS, InputRow
-from batchllm.output.row_errors import CONTEXT_LENGTH_EXCEEDED, INVALID_PROMPT, Refusal
+from batchllm.row_errors import CONTEXT_LENGTH_EXCEEDED, INVALID_PROMPT, Refusal
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from batchllm.input.rows import InputRow
 from batchllm.input.scoring import ScoreShape, pair_scores
 from batchllm.input.structured import field_of, satisfies
 from batchllm.output.parts import OutputBuffer
-from batchllm.output.row_errors import ENGINE_ERROR, REQUEST_REJECTED
+from batchllm.row_errors import ENGINE_ERROR, REQUEST_REJECTED
 
 # Only these end a request with its full answer. vLLM reports "abort" for a request it dropped
 # (the engine stopping, e.g. on a Ctrl-C that reached it): such a request must run again.

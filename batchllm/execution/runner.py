@@ -29,8 +29,8 @@ from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
 from batchllm.input.rows import InputRow
 from batchllm.output.parts import OutputBuffer, Part
-from batchllm.output.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal
 from batchllm.process.stopping import StopRequest
+from batchllm.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal
 from batchllm.settings import Settings
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope

@@ -25,7 +25,7 @@ import logging
 from batchllm.errors import ShardBusy
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.shard_state import load_shard_state
-from batchllm.output.row_errors import INVALID_REQUEST, SHARD_FAILED
+from batchllm.row_errors import INVALID_REQUEST, SHARD_FAILED
 from batchllm.settings import Settings
 from batchllm.storage import storage_unavailable
 from batchllm.store import leases

@@ -1,7 +1,7 @@
 """`batchllm retry`: run again, as a new attempt of the same job, the lines that did not succeed.
 
 Which lines: those without a row (a cancelled, expired or failed run never got to them) and
-the error rows of a retryable kind (output/row_errors.py: the engine's failures, not the
+the error rows of a retryable kind (row_errors.py: the engine's failures, not the
 request's), or with `all_errors` every error row. Each new row replaces the old one in the
 output (output/replace.py), so the job keeps exactly one row per input line.
 

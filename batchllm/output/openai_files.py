@@ -54,7 +54,7 @@ from batchllm.output.responses_body import (
     is_responses,
     response_body,
 )
-from batchllm.output.row_errors import code_of
+from batchllm.row_errors import code_of
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.models import Job, JobStatus

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import pyarrow.dataset as ds
 
 # Version 2 appended nullable columns (structured_ok, logprobs, choices, adapter, embedding,
-# embeddings), version 3 error_code (output/row_errors.py), version 4 reasoning,
+# embeddings), version 3 error_code (row_errors.py), version 4 reasoning,
 # reasoning_tokens and tool_calls, version 5 scores, label and probs; a reader of an older
 # version keeps working, since no column moved or changed type.
 SCHEMA_VERSION = 5
@@ -83,7 +83,7 @@ OUTPUT_SCHEMA = pa.schema(
         pa.field("embedding", pa.list_(pa.float32())),  # an embedding line's one input
         pa.field("embeddings", pa.list_(pa.list_(pa.float32()))),  # its list input
         # version 3
-        pa.field("error_code", pa.string()),  # why an error row failed (output/row_errors.py)
+        pa.field("error_code", pa.string()),  # why an error row failed (row_errors.py)
         # version 4
         pa.field("reasoning", pa.string()),  # a reasoning model's thinking (--reasoning-parser)
         pa.field("reasoning_tokens", pa.int32()),  # its share of completion_tokens
@@ -207,7 +207,7 @@ class OutputBuffer:
         code: str,
         prompt_tokens: int | None = None,
     ) -> None:
-        """An error row; `code` is one of output/row_errors.py's."""
+        """An error row; `code` is one of row_errors.py's."""
         self._add(custom_id, line, "error", prompt_tokens, error=error, error_code=code)
 
     def _add(

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from batchllm.output import commit
 from batchllm.output.parts import OUTPUT_SCHEMA, Part, Values, part_name, part_of, write_table
-from batchllm.output.row_errors import retryable
+from batchllm.row_errors import retryable
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
@@ -48,7 +48,7 @@ def rows_to_replace(
 ) -> dict[int, str]:
     """The lines whose recorded row a retry runs again, each with the path of the part that
     holds the row: error rows of runs before `before_attempt`, of a retryable kind
-    (output/row_errors.py) or, with `all_errors`, of any kind."""
+    (row_errors.py) or, with `all_errors`, of any kind."""
     chosen: dict[int, str] = {}
     unclassified: dict[int, tuple[str, str | None]] = {}  # rows written before error codes
     for checkpoint in checkpoints:

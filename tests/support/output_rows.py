@@ -29,7 +29,7 @@ class OutputRow:
     adapter: str | None = None
     embedding: list[float] | None = None
     embeddings: list[list[float]] | None = None
-    error_code: str | None = None  # batchllm/output/row_errors.py
+    error_code: str | None = None  # batchllm/row_errors.py
     reasoning: str | None = None
     reasoning_tokens: int | None = None
     tool_calls: list[dict[str, Any]] | None = None  # {id, name, arguments, arguments_valid}

@@ -46,6 +46,7 @@ FOUNDATION = [
     "storage",
     "heap",
     "external_sort",
+    "row_errors",
     "process",
 ]  # may import no layer
 

@@ -8,11 +8,10 @@ import json
 import pytest
 from sqlalchemy import select
 
-from batchllm import Client
+from batchllm import Client, row_errors
 from batchllm.engine.protocol import Finished
 from batchllm.errors import JobInterrupted, JobStateError
 from batchllm.jobs.create import create_job
-from batchllm.output import row_errors
 from batchllm.output.parts import list_parts, read_lines
 from batchllm.storage import Storage
 from batchllm.store import service

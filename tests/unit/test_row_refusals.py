@@ -1,11 +1,11 @@
 """A row refused before the engine carries its error code from where the refusal arose: the
-runner writes that code and never reads the message's wording (output/row_errors.Refusal)."""
+runner writes that code and never reads the message's wording (row_errors.Refusal)."""
 
 from __future__ import annotations
 
 from batchllm.execution.stand_in_engines import FakeEngine
 from batchllm.jobs.local import run_job
-from batchllm.output.row_errors import (
+from batchllm.row_errors import (
     CONTEXT_LENGTH_EXCEEDED,
     REQUEST_REJECTED,
     Refusal,
