@@ -12,7 +12,7 @@ from alembic import command
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect, select
 
-from batchllm.api import batches
+from batchllm.api import batches, enqueued
 from batchllm.api.app import create_app
 from batchllm.api.dashboard import queries, routes
 from batchllm.api.dashboard.session import Viewer
@@ -132,16 +132,18 @@ def test_a_keys_quota_is_read_from_the_unfinished_jobs_not_from_its_history(tmp_
     engine = get_engine(settings)
     log = StatementLog(engine)
     with session_scope(settings) as session, log.recording() as statements:
-        enqueued = batches.enqueued_rows(session, key_row.id)
+        rows = enqueued.enqueued_rows(session, key_row.id)
         active = batches.active_batches(session, key_row.id)
+        tokens = enqueued.enqueued_tokens_by_model(session, key_row.id)
         assert session.get(Batch, "job_other").model == "other-model"  # its job's, unsaid
-    assert (enqueued, active) == (2 * 10_000 + 7, 3)
-    plans = _plans(engine, statements[:2])
+    assert (rows, active) == (2 * 10_000 + 7, 3)
+    assert set(tokens.values()) == {0}  # populate() estimates none
+    plans = _plans(engine, statements[:3])
     assert all("SEARCH jobs USING INDEX ix_jobs_status" in plan for plan in plans), plans
     assert not any("ix_batches_owner" in plan for plan in plans), plans
     with session_scope(settings) as session:
         assert (
-            batches.enqueued_rows(session, other.id),
+            enqueued.enqueued_rows(session, other.id),
             batches.active_batches(session, other.id),
         ) == (50, 1)
 
