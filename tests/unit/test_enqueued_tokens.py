@@ -186,3 +186,34 @@ def test_a_keys_own_limit_overrides_the_servers(api_settings: Settings) -> None:
     assert "Limit: 25 enqueued tokens" in (refused.errors.data[0].message or "")
     listed = client.get("/v1/batches", headers=alice)
     assert listed.headers["x-batchllm-enqueued-tokens-limit"] == "25"
+
+
+def test_a_batch_found_over_the_limit_when_recorded_is_failed_and_leaves_no_task(
+    api_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race concurrent creates run: the early check saw room, the count under the lock
+    (api/batches.record_batch) does not. The batch is recorded failed as an early refusal is,
+    its job failed before any task went out, and it reserves nothing."""
+    client = TestClient(create_app(api_settings, auth=True))
+    owner, alice = _key(api_settings, "alice")
+    for _ in range(3):
+        assert _create(client, alice, 4).status_code == 200
+    real = enqueued.over_token_limit
+    calls: list[int] = []
+
+    def room_at_first(*args: Any) -> Any:
+        calls.append(1)
+        return None if len(calls) == 1 else real(*args)  # the early check, then the locked one
+
+    monkeypatch.setattr(enqueued, "over_token_limit", room_at_first)
+    late = _create(client, alice, 4)
+    assert late.status_code == 200, late.text
+    batch = Batch.model_validate(late.json())
+    assert batch.status == "failed" and len(calls) == 2
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [e.code for e in batch.errors.data] == ["token_limit_exceeded"]
+    with session_scope(api_settings) as session:
+        job = session.get(Job, batch.id)
+        assert job.error is not None and job.error.startswith("Enqueued token limit reached")
+        assert job.shards_total == 0 or all(s.dispatched_at is None for s in job.shards)
+        assert enqueued.enqueued_tokens(session, owner, "tiny") == 60
