@@ -207,12 +207,18 @@ def record_batch(
             check_enqueued_rows(session, owner, lines, settings.api_max_enqueued_rows)
         if tokens is not None:
             model, estimate = tokens
+            # Exact when the job's sizing pass tokenized every prompt before its first task
+            # (jobs/create.py records it; a job released while validating has none yet).
+            counted = session.scalar(select(Job.prompt_tokens_estimate).where(Job.id == job_id))
+            estimate = counted if counted is not None else estimate
             limit = enqueued.token_limit(session, owner, settings)
             over = enqueued.over_token_limit(session, owner, model, estimate, limit)
             if over is not None:
                 raise enqueued.TokenLimitExceeded(over)
             session.execute(
-                update(Job).where(Job.id == job_id).values(prompt_tokens_estimate=estimate)
+                update(Job)
+                .where(Job.id == job_id, Job.prompt_tokens_estimate.is_(None))
+                .values(prompt_tokens_estimate=estimate)
             )
         session.add(
             Batch(
