@@ -164,9 +164,7 @@ class ContextSizer:
                     best = max(best, tokens + (default_max if max_tokens is None else max_tokens))
                 kept[row.line] = ids
                 continue
-            self.prompt_tokens += (
-                sum(map(len, ids)) if isinstance(ids[0], list) else len(ids)
-            )
+            self.prompt_tokens += sum(map(len, ids)) if isinstance(ids[0], list) else len(ids)
             # A prompt over the model's own context becomes an error row; sizing the engine for
             # it would give every other row the model's whole context (found on an 8k model).
             if row.kind in POOLING_KINDS:  # the longest text, and nothing generated
