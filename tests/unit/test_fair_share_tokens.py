@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import pytest
+
 from batchllm.api import keys
 from batchllm.jobs.create import create_job
 from batchllm.store import state_machine
@@ -150,3 +152,20 @@ def test_only_the_windows_tokens_count_and_a_keys_weight_divides_them(settings, 
             session, make_spec().model, {"key_old", double, "key_none"}, now=utcnow(), window=WINDOW
         )
     assert served == {"key_old": 40.0, double: 200.0}
+
+
+def test_the_instant_engines_token_cost_makes_its_time_follow_tokens_served(monkeypatch):
+    """BATCHLLM_INSTANT_TOKEN_SECONDS: a step sleeps its cost per prompt and output token of
+    the requests it finishes (the integration test's engine; the sleep recorded, not slept)."""
+    import batchllm.execution.stand_in_engines as stand_ins
+
+    slept: list[float] = []
+    monkeypatch.setattr(stand_ins.time, "sleep", slept.append)
+    engine = stand_ins.InstantEngine(tokenizer=None, max_model_len=512, token_seconds=0.001)
+    params = engine.sampling_params({"max_tokens": 8})
+    engine.add("long", list(range(200)), params)
+    engine.add("short", list(range(10)), params)
+    finished = engine.step()
+    assert [(f.prompt_tokens, f.completion_tokens) for f in finished] == [(200, 8), (10, 8)]
+    assert slept == [pytest.approx((208 + 18) * 0.001)]
+    assert stand_ins.InstantEngine(tokenizer=None, max_model_len=512).token_seconds == 0.0
