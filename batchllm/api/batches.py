@@ -271,32 +271,6 @@ def check_enqueued_rows(session: Session, owner: str, adding: int, limit: int) -
         )
 
 
-def fail_over_token_limit(
-    settings: Settings,
-    job_id: str,
-    error: dict[str, Any],
-    *,
-    owner: str,
-    endpoint: str,
-    window: str,
-    input_file_id: str,
-) -> None:
-    """A batch found over its key's enqueued-token limit when it came to be recorded (its
-    tasks were never sent): recorded `failed` with the error, as OpenAI fails such a batch
-    after creating it. No lock: a failed batch reserves nothing."""
-    with session_scope(settings) as session:
-        state_machine.fail_job(session, job_id, error["message"])
-    record_batch(
-        settings,
-        job_id,
-        owner=owner,
-        endpoint=endpoint,
-        window=window,
-        input_file_id=input_file_id,
-        errors=[error],
-    )
-
-
 def drop_unrecorded(settings: Settings, job_id: str) -> None:
     """End and delete a job whose batch was refused when it came to be recorded (its tasks
     were never sent): the refused create leaves nothing behind."""
@@ -327,6 +301,8 @@ def refuse_batch(
     summary = (
         f"{len(errors)} line(s) failed batch validation, e.g. line {errors[0]['line']}: "
         + (errors[0]["message"])
+        if errors[0].get("line") is not None
+        else errors[0]["message"]  # the whole batch's error: token_limit_exceeded
     )
     job_id = record_refused_job(
         Storage.of(settings).display(file.path),

@@ -161,7 +161,7 @@ def _refused(settings, owner, stored, model, body, metadata, errors, notify) -> 
 def _submit(settings, owner, stored, model, body, metadata, prompt_tokens, notify) -> str:
     """Submit the batch's job, its batch recorded (and the quotas counted under their lock)
     before its first task goes out; the job's id. A batch over the token limit by then is
-    recorded failed, as a batch refused early is."""
+    recorded failed, as a batch refused early is (its id then)."""
     recording: list[str] = []
 
     def record(job_id: str) -> None:
@@ -194,16 +194,20 @@ def _submit(settings, owner, stored, model, body, metadata, prompt_tokens, notif
             batches.drop_unrecorded(settings, recording[0])
         raise
     except enqueued.TokenLimitExceeded as over:  # the same race, for the room in tokens
-        batches.fail_over_token_limit(
+        # Failed as a batch refused early is (no lines, no files), not a job with shards that
+        # never ran: the job made is dropped and the failed batch recorded in its place.
+        batches.drop_unrecorded(settings, recording[0])
+        return batches.refuse_batch(
             settings,
-            recording[0],
-            over.error,
+            stored,
+            model,
+            body.endpoint,
+            metadata,
+            [over.error],
             owner=owner,
-            endpoint=body.endpoint,
             window=body.completion_window,
-            input_file_id=stored.id,
+            notify=notify,
         )
-        return recording[0]
     return job.id
 
 

@@ -171,7 +171,8 @@ def over_token_limit(
 
 class TokenLimitExceeded(Exception):
     """A batch over its key's enqueued-token limit when it came to be recorded (concurrent
-    creates took the room its early check saw): its batch is recorded failed with `error`. Not
+    creates took the room its early check saw): its job is dropped and a failed batch with
+    `error` recorded in its place. Not
     an ApiError: the create answers with the failed batch, as OpenAI's does; not a
     BatchLLMError, which submit_job's caller turns into a 503."""
 

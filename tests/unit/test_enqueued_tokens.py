@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import func, select, update
 
 from batchllm.api import enqueued, keys
 from batchllm.api.app import create_app
@@ -192,8 +192,9 @@ def test_a_batch_found_over_the_limit_when_recorded_is_failed_and_leaves_no_task
     api_settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The race concurrent creates run: the early check saw room, the count under the lock
-    (api/batches.record_batch) does not. The batch is recorded failed as an early refusal is,
-    its job failed before any task went out, and it reserves nothing."""
+    (api/batches.record_batch) does not. The batch is recorded failed as an early refusal is
+    (no lines, no files: the job made for it dropped before any task went out), and it
+    reserves nothing."""
     client = TestClient(create_app(api_settings, auth=True))
     owner, alice = _key(api_settings, "alice")
     for _ in range(3):
@@ -212,8 +213,11 @@ def test_a_batch_found_over_the_limit_when_recorded_is_failed_and_leaves_no_task
     assert batch.status == "failed" and len(calls) == 2
     assert batch.errors is not None and batch.errors.data is not None
     assert [e.code for e in batch.errors.data] == ["token_limit_exceeded"]
+    assert (batch.request_counts is not None and batch.request_counts.total) == 0
+    assert (batch.output_file_id, batch.error_file_id) == (None, None)
     with session_scope(api_settings) as session:
         job = session.get(Job, batch.id)
         assert job.error is not None and job.error.startswith("Enqueued token limit reached")
-        assert job.shards_total == 0 or all(s.dispatched_at is None for s in job.shards)
+        assert job.shards == []
+        assert session.scalar(select(func.count()).select_from(Job)) == 4  # 3 ran, 1 failed
         assert enqueued.enqueued_tokens(session, owner, "tiny") == 60
