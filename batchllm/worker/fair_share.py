@@ -43,6 +43,7 @@ from batchllm.worker.celery_app import queue_for_stored_spec
 log = logging.getLogger(__name__)
 
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)
+_IN_CHUNK = 500  # shard ids per IN list: well under SQLite's and PostgreSQL's bound on them
 
 
 @dataclass(frozen=True)
@@ -175,25 +176,39 @@ def tenants_served(
 ) -> dict[str, float]:
     """Each of `tenants`' tokens of `model` served (prompt + output, committed) within the
     last `window` seconds, over its key's weight (1 for a tenant with no key row: a CLI job,
-    --no-auth's "local"). Read from the checkpoints of the window (their created_at index),
-    recently ended jobs' too: a tenant of many small jobs is counted across them."""
+    --no-auth's "local"). Recently ended jobs count too: a tenant of many small jobs is
+    counted across them.
+
+    In two steps, so that it reads the window and never a history: the window's checkpoints
+    by their created_at index, summed per shard; then those shards' jobs by key. Joined in one
+    query, SQLite's planner started from the model's jobs (every one it ever ran) instead."""
     if not tenants:
         return {}
-    tenant = func.coalesce(Batch.owner, Job.id)
-    rows = session.execute(
-        select(tenant, func.sum(Checkpoint.prompt_tokens + Checkpoint.completion_tokens))
-        .select_from(Checkpoint)
-        .join(Shard, Shard.id == Checkpoint.shard_id)
-        .join(Job, Job.id == Shard.job_id)
-        .outerjoin(Batch, Batch.job_id == Job.id)
-        .where(
-            Checkpoint.created_at >= now - timedelta(seconds=window),
-            Job.model == model,
-            Job.local_run.is_(False),
+    # Summed here, not by a GROUP BY shard_id, which SQLite's planner served by walking every
+    # checkpoint in shard_id order rather than the window's range of created_at.
+    per_shard: dict[int, int] = {}
+    for shard_id, tokens_served in session.execute(
+        select(Checkpoint.shard_id, Checkpoint.prompt_tokens + Checkpoint.completion_tokens).where(
+            Checkpoint.created_at >= now - timedelta(seconds=window)
         )
-        .group_by(tenant)
-    ).all()
-    tokens = {name: int(total or 0) for name, total in rows if name in tenants}
+    ):
+        per_shard[shard_id] = per_shard.get(shard_id, 0) + int(tokens_served or 0)
+    tokens: dict[str, int] = {}
+    shard_ids = list(per_shard)
+    for start in range(0, len(shard_ids), _IN_CHUNK):
+        rows = session.execute(
+            select(Shard.id, func.coalesce(Batch.owner, Job.id))
+            .join(Job, Job.id == Shard.job_id)
+            .outerjoin(Batch, Batch.job_id == Job.id)
+            .where(
+                Shard.id.in_(shard_ids[start : start + _IN_CHUNK]),
+                Job.model == model,
+                Job.local_run.is_(False),
+            )
+        ).all()
+        for shard_id, tenant in rows:
+            if tenant in tenants:
+                tokens[tenant] = tokens.get(tenant, 0) + per_shard[shard_id]
     weights = dict(
         session.execute(
             select(ApiKey.id, ApiKey.share_weight).where(ApiKey.id.in_(list(tokens)))
