@@ -16,7 +16,9 @@ Tokens are counted from the committed checkpoints (every part file records its r
 and completion tokens): what a shard still running has served counts once its parts commit.
 The window bounds a tenant's credit: one new to the queue takes every turn only until it has
 been served what the others were within the window, and a tenant idle for a window starts
-even.
+even. A failed run serves no tokens, so a failing shard's tenant is not held back by its
+failure once its backoff has passed (its failure still orders it among tenants on a tie); the
+backoff and BATCHLLM_MAX_SHARD_FAILURES bound how often it runs.
 A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts
 as its job's latest turn. The task whose shard lost its turn is queued again (every queued
 shard keeps a task); the winner's task later finds its shard taken, steps aside.
