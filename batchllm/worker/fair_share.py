@@ -19,6 +19,7 @@ been served what the others were within the window, and a tenant idle for a wind
 even. A failed run serves no tokens, so a failing shard's tenant is not held back by its
 failure once its backoff has passed (its failure still orders it among tenants on a tie); the
 backoff and BATCHLLM_MAX_SHARD_FAILURES bound how often it runs.
+
 A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts
 as its job's latest turn. The task whose shard lost its turn is queued again (every queued
 shard keeps a task); the winner's task later finds its shard taken, steps aside.
