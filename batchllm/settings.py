@@ -172,6 +172,21 @@ class Settings(BaseSettings):
         description="A job's priority rises one level (low -> normal -> high) for each this "
         "long it has waited since it was submitted, so low-priority work always progresses.",
     )
+    fair_share_window_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="Fair share between tenants counts the prompt and output tokens each was "
+        "served (over its key's weight) within this window: the tenant served least goes "
+        "first. It also bounds how long a tenant new to the queue may take every turn to "
+        "catch up with one that was served all along.",
+    )
+    instant_token_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="Simulation only: a fleet worker's instant engine (`worker --engine "
+        "instant`) takes this many seconds per prompt and output token it serves, so the "
+        "simulated engine's time follows tokens as a real one's does (0: answers at once).",
+    )
     webhook_secret: str | None = Field(
         default=None,
         description="The secret that signs the webhooks of your `submit --notify` and `run "
@@ -292,6 +307,17 @@ class Settings(BaseSettings):
         description="Most request lines one API key may have enqueued (not yet finished) across "
         "its unfinished batches; a batch that would go over it is refused at create (429, with "
         "the numbers). GET /v1/batches shows the key's count in its x-batchllm-enqueued-rows "
+        "headers.",
+    )
+    api_max_enqueued_tokens: int = Field(
+        default=1_000_000_000,
+        ge=1,
+        description="Most prompt tokens one API key may have enqueued per model, as OpenAI "
+        "limits an organization's enqueued tokens per model: each unfinished batch's prompt "
+        "tokens as estimated at create (api/token_limit.py), released as its rows finish and "
+        "whole when it ends. A batch that would go over it is created `failed` with the error "
+        "code token_limit_exceeded and the numbers, as on OpenAI. `batchllm keys limits` sets "
+        "a key's own. GET /v1/batches shows the key's figures in x-batchllm-enqueued-tokens "
         "headers.",
     )
     api_max_stored_bytes: int = Field(

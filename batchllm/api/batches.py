@@ -10,19 +10,10 @@ import re
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import (
-    BindParameter,
-    ColumnElement,
-    Connection,
-    Select,
-    bindparam,
-    case,
-    func,
-    select,
-)
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from batchllm.api import files
+from batchllm.api import enqueued, files
 from batchllm.api.errors import ApiError
 from batchllm.input.endpoints import batch_task
 from batchllm.input.files.lines import iter_lines
@@ -37,7 +28,6 @@ from batchllm.store import state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.locks import lock_name
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
-from batchllm.store.states import JobStatus
 from batchllm.store.webhooks import WebhookTarget
 from batchllm.worker.registry import served_models
 
@@ -52,7 +42,6 @@ _MAX_LISTED = 100  # batch-level validation errors listed, as lines
 # custom_ids are echoed in every output line and kept in the error file: a bounded length, as
 # for the other strings the API stores.
 MAX_CUSTOM_ID = 512
-_UNFINISHED = [status for status in JobStatus if not status.is_final]
 
 
 def window_seconds(window: str) -> int | None:
@@ -67,13 +56,15 @@ def window_seconds(window: str) -> int | None:
 
 def scan_batch_file(
     storage: Storage, path: str, endpoint: str, max_line_bytes: int
-) -> tuple[list[str], list[dict]]:
+) -> tuple[list[str], list[dict], int]:
     """The models the file's lines name, in the order they first appear (the batch's model is
-    the first), and batch-level errors (OpenAI's BatchError shape): lines for another
-    endpoint. Lines that do not parse are left to per-line validation, which turns them into
-    error lines of the batch's error file."""
+    the first), batch-level errors (OpenAI's BatchError shape): lines for another endpoint,
+    and the lines' prompt tokens as estimated for the enqueued-token limit (api/enqueued.py).
+    Lines that do not parse are left to per-line validation, which turns them into error lines
+    of the batch's error file."""
     models: dict[str, None] = {}  # insertion-ordered
     errors: list[dict[str, Any]] = []
+    prompt_tokens = 0
     with files.open_stored(storage, path) as handle:
         for line in iter_lines(handle, max_line_bytes):
             obj = _decoded(line.raw)
@@ -106,10 +97,11 @@ def scan_batch_file(
                     }
                 )
             body = obj.get("body")
+            prompt_tokens += enqueued.estimate_prompt_tokens(body)
             model = body.get("model") if isinstance(body, dict) else None
             if isinstance(model, str) and model:
                 models.setdefault(model)
-    return list(models), errors
+    return list(models), errors, prompt_tokens
 
 
 def mixed_model_errors(
@@ -199,16 +191,35 @@ def record_batch(
     errors: list[dict[str, Any]] | None = None,
     max_active: int | None = None,
     lines: int = 0,
+    tokens: tuple[str, int] | None = None,
 ) -> None:
-    """Record the job's batch. With `max_active`, the owner's unfinished batches and enqueued
-    lines (the settings' quota; `lines`: this batch's) are counted and the batch inserted under
-    one lock (QuotaExceeded when over either): counted apart, 30 concurrent creates with a
+    """Record the job's batch. With `max_active`, the owner's unfinished batches, enqueued
+    lines (the settings' quota; `lines`: this batch's) and enqueued prompt tokens of the
+    batch's model (`tokens`: the model and this batch's estimate, reserved on its job) are
+    counted and the batch inserted under one lock (QuotaExceeded when over the first two,
+    enqueued.TokenLimitExceeded over the third): counted apart, 30 concurrent creates with a
     quota of 3 had 15-27 accepted."""
     with session_scope(settings) as session:
-        if max_active is not None:
+        if max_active is not None or tokens is not None:
             lock_name(session, f"batch-quota:{owner}")
+        if max_active is not None:
             check_active_batches(session, owner, max_active)
             check_enqueued_rows(session, owner, lines, settings.api_max_enqueued_rows)
+        if tokens is not None:
+            model, estimate = tokens
+            # Exact when the job's sizing pass tokenized every prompt before its first task
+            # (jobs/create.py records it; a job released while validating has none yet).
+            counted = session.scalar(select(Job.prompt_tokens_estimate).where(Job.id == job_id))
+            estimate = counted if counted is not None else estimate
+            limit = enqueued.token_limit(session, owner, settings)
+            over = enqueued.over_token_limit(session, owner, model, estimate, limit)
+            if over is not None:
+                raise enqueued.TokenLimitExceeded(over)
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.prompt_tokens_estimate.is_(None))
+                .values(prompt_tokens_estimate=estimate)
+            )
         session.add(
             Batch(
                 job_id=job_id,
@@ -227,19 +238,11 @@ class QuotaExceeded(ApiError):
     """A 429 for a key at its unfinished-batch quota."""
 
 
-def _unfinished_of(owner: str | BindParameter[str]) -> tuple[ColumnElement[bool], ...]:
-    """The WHERE of `owner`'s unfinished jobs, read from the unfinished jobs (jobs.status's
-    index; they are few) and each one's batch by its key, never from the owner's batches, which
-    are all it ever made: joined from them, the planners walked every batch of the key (SQLite
-    always, 0.2 s at 100,000; PostgreSQL without statistics). A scalar subquery, not a join or
-    EXISTS, which a planner may turn around."""
-    owner_of = select(Batch.owner).where(Batch.job_id == Job.id).scalar_subquery()
-    return (Job.status.in_(_UNFINISHED), owner_of == owner)
-
-
 def active_batches(session: Session, owner: str) -> int:
     """How many batches `owner` has unfinished (the BATCHLLM_API_MAX_ACTIVE_BATCHES count)."""
-    active = session.scalar(select(func.count()).select_from(Job).where(*_unfinished_of(owner)))
+    active = session.scalar(
+        select(func.count()).select_from(Job).where(*enqueued.unfinished_of(owner))
+    )
     return int(active or 0)
 
 
@@ -255,43 +258,13 @@ def check_active_batches(session: Session, owner: str, limit: int) -> None:
         )
 
 
-def _enqueued_rows_statement() -> Select[Any]:
-    """The request lines the :owner's unfinished batches have not finished: each batch's input
-    lines (its file's count; the job's own once validated, should the file be deleted) less the
-    rows its job has done."""
-    file_lines = (
-        select(StoredFile.lines)
-        .join(Batch, StoredFile.id == Batch.input_file_id)
-        .where(Batch.job_id == Job.id)
-        .scalar_subquery()
-    )
-    waiting = (
-        func.coalesce(file_lines, Job.request_total) - Job.request_completed - Job.request_failed
-    )
-    return (
-        select(func.coalesce(func.sum(case((waiting > 0, waiting), else_=0)), 0))
-        .select_from(Job)
-        .where(*_unfinished_of(bindparam("owner")))
-    )
-
-
-# Built once: every list page reads it, and building it cost more than running it (2.5 of a
-# page's 3.3 ms, measured in process).
-_ENQUEUED_ROWS = _enqueued_rows_statement()
-
-
-def enqueued_rows(session: Session | Connection, owner: str) -> int:
-    """The request lines `owner`'s unfinished batches have not finished (_enqueued_rows_statement)."""
-    return int(session.scalar(_ENQUEUED_ROWS, {"owner": owner}) or 0)
-
-
 def check_enqueued_rows(session: Session, owner: str, adding: int, limit: int) -> None:
     """QuotaExceeded when `adding` more lines would take `owner` over its enqueued quota."""
-    enqueued = enqueued_rows(session, owner)
-    if enqueued + adding > limit:
+    enqueued_now = enqueued.enqueued_rows(session, owner)
+    if enqueued_now + adding > limit:
         raise QuotaExceeded(
             429,
-            f"this batch's {adding:,} request lines and the {enqueued:,} this API key has "
+            f"this batch's {adding:,} request lines and the {enqueued_now:,} this API key has "
             f"enqueued in unfinished batches exceed its quota of {limit:,} lines "
             "(BATCHLLM_API_MAX_ENQUEUED_ROWS): wait for batches to finish, or cancel one",
             code="enqueued_rows_quota_exceeded",
@@ -328,6 +301,8 @@ def refuse_batch(
     summary = (
         f"{len(errors)} line(s) failed batch validation, e.g. line {errors[0]['line']}: "
         + (errors[0]["message"])
+        if errors[0].get("line") is not None
+        else errors[0]["message"]  # the whole batch's error: token_limit_exceeded
     )
     job_id = record_refused_job(
         Storage.of(settings).display(file.path),

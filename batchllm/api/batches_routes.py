@@ -3,16 +3,17 @@ and /v1/models."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import bindparam, select
 
-from batchllm.api import batches, keys
+from batchllm.api import batches, enqueued, keys
 from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, check_limit, not_found
 from batchllm.api.files_routes import content_missing, owned_file
@@ -85,11 +86,13 @@ def _check_request(body: CreateBatch) -> dict[str, str]:
 
 
 ENQUEUED_HEADER = "x-batchllm-enqueued-rows"
+# The key's enqueued prompt tokens per model (a JSON object) and its limit per model.
+TOKENS_HEADER = "x-batchllm-enqueued-tokens"
 
 
 @router.post("/v1/batches")
 def create_batch(
-    request: Request, body: CreateBatch, owner: str = Depends(current_owner)
+    request: Request, response: Response, body: CreateBatch, owner: str = Depends(current_owner)
 ) -> dict[str, Any]:
     settings = request.app.state.settings
     metadata = _check_request(body)
@@ -102,7 +105,7 @@ def create_batch(
         notify = keys.webhook_of(session, owner)
     storage = Storage.of(settings)
     try:
-        models, errors = batches.scan_batch_file(
+        models, errors, prompt_tokens = batches.scan_batch_file(
             storage, stored.path, body.endpoint, settings.max_line_bytes
         )
     except FileNotFoundError:
@@ -119,24 +122,46 @@ def create_batch(
     # The first model the file names: the one the model_mismatch errors hold the others to.
     model = models[0]
     if errors:
-        job_id = batches.refuse_batch(
-            settings,
-            stored,
-            model,
-            body.endpoint,
-            metadata,
-            errors,
-            owner=owner,
-            window=body.completion_window,
-            notify=notify,
-        )
-        return _render(settings, owner, job_id)
+        return _refused(settings, owner, stored, model, body, metadata, errors, notify)
     unserved = batches.unserved_model(
         model, settings, require_live=request.app.state.require_served_model
     )
     if unserved is not None:
         raise ApiError(400, unserved, param="body.model", code="model_not_found")
+    # As OpenAI: a batch over the key's enqueued-token limit is created, and failed with the
+    # error (not refused 429, which the openai SDK would send again twice and a client written
+    # for OpenAI does not expect). The count that holds is taken with the insert.
+    with session_scope(settings) as session:
+        limit = enqueued.token_limit(session, owner, settings)
+        over = enqueued.over_token_limit(session, owner, model, prompt_tokens, limit)
+    if over is not None:
+        return _refused(settings, owner, stored, model, body, metadata, [over], notify)
+    job_id = _submit(settings, owner, stored, model, body, metadata, prompt_tokens, notify)
+    _token_headers(settings, owner, response, model)
+    return _render(settings, owner, job_id)
 
+
+def _refused(settings, owner, stored, model, body, metadata, errors, notify) -> dict[str, Any]:
+    """A batch failed as a whole at create (its errors listed), as OpenAI's validation fails
+    one."""
+    job_id = batches.refuse_batch(
+        settings,
+        stored,
+        model,
+        body.endpoint,
+        metadata,
+        errors,
+        owner=owner,
+        window=body.completion_window,
+        notify=notify,
+    )
+    return _render(settings, owner, job_id)
+
+
+def _submit(settings, owner, stored, model, body, metadata, prompt_tokens, notify) -> str:
+    """Submit the batch's job, its batch recorded (and the quotas counted under their lock)
+    before its first task goes out; the job's id. A batch over the token limit by then is
+    recorded failed, as a batch refused early is (its id then)."""
     recording: list[str] = []
 
     def record(job_id: str) -> None:
@@ -150,11 +175,12 @@ def create_batch(
             input_file_id=stored.id,
             max_active=settings.api_max_active_batches,
             lines=stored.lines,
+            tokens=(model, prompt_tokens),
         )
 
     try:
         job = submit_job(
-            storage.display(stored.path),  # a URI on an object store, which the reader opens
+            Storage.of(settings).display(stored.path),  # a URI on an object store
             batches.spec_for(model, body.endpoint, metadata, settings),
             settings=settings,
             expires_at=batches.expiry(body.completion_window),
@@ -167,7 +193,35 @@ def create_batch(
         if recording:
             batches.drop_unrecorded(settings, recording[0])
         raise
-    return _render(settings, owner, job.id)
+    except enqueued.TokenLimitExceeded as over:  # the same race, for the room in tokens
+        # Failed as a batch refused early is (no lines, no files), not a job with shards that
+        # never ran: the job made is dropped and the failed batch recorded in its place.
+        batches.drop_unrecorded(settings, recording[0])
+        return batches.refuse_batch(
+            settings,
+            stored,
+            model,
+            body.endpoint,
+            metadata,
+            [over.error],
+            owner=owner,
+            window=body.completion_window,
+            notify=notify,
+        )
+    return job.id
+
+
+def _token_headers(settings, owner: str, response: Response, model: str | None = None) -> None:
+    """The key's enqueued prompt tokens against its limit: for `model` (a created batch's), or
+    per model as a JSON object (a list), for a client pacing its creates."""
+    with session_scope(settings) as session:
+        limit = enqueued.token_limit(session, owner, settings)
+        if model is None:
+            by_model = enqueued.enqueued_tokens_by_model(session, owner)
+            response.headers[TOKENS_HEADER] = json.dumps(by_model, separators=(",", ":"))
+        else:
+            response.headers[TOKENS_HEADER] = str(enqueued.enqueued_tokens(session, owner, model))
+    response.headers[f"{TOKENS_HEADER}-limit"] = str(limit)
 
 
 def _owned_batch(session, batch_id: str, owner: str) -> Batch:
@@ -288,8 +342,11 @@ def _list_page(
             _expire_now(settings, due)
             return None
         # The key's enqueued work against its quota, for a client pacing its creates.
-        headers[ENQUEUED_HEADER] = str(batches.enqueued_rows(connection, owner))
+        headers[ENQUEUED_HEADER] = str(enqueued.enqueued_rows(connection, owner))
         headers[f"{ENQUEUED_HEADER}-limit"] = str(settings.api_max_enqueued_rows)
+        by_model = enqueued.enqueued_tokens_by_model(connection, owner)
+        headers[TOKENS_HEADER] = json.dumps(by_model, separators=(",", ":"))
+        headers[f"{TOKENS_HEADER}-limit"] = str(enqueued.token_limit(connection, owner, settings))
         return page(rows, limit, lambda row: batch_object(row, row))
 
 

@@ -61,6 +61,32 @@ def set_webhook(session: Session, ref: str, url: str | None) -> ApiKey:
     return row
 
 
+def set_limits(
+    session: Session,
+    ref: str,
+    *,
+    weight: float | None = None,
+    enqueued_tokens: int | None = None,
+    default_tokens: bool = False,
+) -> ApiKey:
+    """Set the key's weight in the fair share of tokens served (worker/fair_share.py: a key of
+    weight 2 is served twice the tokens of a key of weight 1 while both have work queued)
+    and its own limit of enqueued prompt tokens per model (`default_tokens`: back to the
+    server's BATCHLLM_API_MAX_ENQUEUED_TOKENS). What is not given is left as it is."""
+    if weight is not None and not 0 < weight <= 1000:
+        raise BatchLLMError(f"a key's weight is over 0 and at most 1000, not {weight}")
+    if enqueued_tokens is not None and enqueued_tokens < 1:
+        raise BatchLLMError(f"an enqueued-token limit is at least 1, not {enqueued_tokens}")
+    row = _live_key(session, ref, "set its limits")
+    if weight is not None:
+        row.share_weight = weight
+    if enqueued_tokens is not None:
+        row.enqueued_token_limit = enqueued_tokens
+    elif default_tokens:
+        row.enqueued_token_limit = None
+    return row
+
+
 def webhook_of(session: Session, owner: str) -> WebhookTarget | None:
     """The webhook of key `owner`'s batches, if it set one."""
     row = session.get(ApiKey, owner)

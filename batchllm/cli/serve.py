@@ -233,10 +233,65 @@ def key_webhook(key: str, url: str | None, clear: bool) -> None:
         click.echo(f"key {key_id}: webhook {url}, signed with secret {secret}")
 
 
+@keys.command("limits")
+@click.argument("key")
+@click.option(
+    "--weight",
+    type=float,
+    default=None,
+    help="The key's weight in the fair share of tokens served (default 1): weight 2 is "
+    "served twice the tokens of weight 1 while both have work queued.",
+)
+@click.option(
+    "--enqueued-tokens",
+    type=int,
+    default=None,
+    help="The key's own limit of enqueued prompt tokens per model, instead of the server's "
+    "BATCHLLM_API_MAX_ENQUEUED_TOKENS.",
+)
+@click.option(
+    "--default-tokens",
+    is_flag=True,
+    help="Back to the server's BATCHLLM_API_MAX_ENQUEUED_TOKENS.",
+)
+def key_limits(
+    key: str, weight: float | None, enqueued_tokens: int | None, default_tokens: bool
+) -> None:
+    """Set KEY's (an id or name) fair-share weight and enqueued-token limit; print them.
+
+    \b
+    Example:
+      batchllm keys limits team-search --weight 2 --enqueued-tokens 50000000
+    """
+    from batchllm.api.keys import set_limits
+    from batchllm.settings import get_settings
+    from batchllm.store.db import session_scope
+
+    if enqueued_tokens is not None and default_tokens:
+        raise click.UsageError("give --enqueued-tokens N or --default-tokens, not both")
+    settings = get_settings()
+    with session_scope(settings) as session:
+        row = set_limits(
+            session,
+            key,
+            weight=weight,
+            enqueued_tokens=enqueued_tokens,
+            default_tokens=default_tokens,
+        )
+        key_id, share, own = row.id, row.share_weight, row.enqueued_token_limit
+    limit = (
+        f"{own:,}"
+        if own is not None
+        else f"{settings.api_max_enqueued_tokens:,} (BATCHLLM_API_MAX_ENQUEUED_TOKENS)"
+    )
+    click.echo(f"key {key_id}: weight {share:g}, enqueued-token limit {limit} per model")
+
+
 @keys.command("list")
 def list_keys() -> None:
-    """Keys by id, name, creation and revocation time, webhook and whether the dashboard shows
-    the key every job (admin); never the keys themselves."""
+    """Keys by id, name, creation and revocation time, webhook, whether the dashboard shows
+    the key every job (admin), fair-share weight and own enqueued-token limit (`keys
+    limits`); never the keys themselves."""
     from batchllm.api.keys import list_keys as rows
     from batchllm.cli.render import table
     from batchllm.settings import get_settings
@@ -250,11 +305,14 @@ def list_keys() -> None:
                 r.created_at.isoformat(timespec="seconds"),
                 r.revoked_at.isoformat(timespec="seconds") if r.revoked_at else "-",
                 r.webhook_url or "-",
+                f"{r.share_weight:g}",
+                f"{r.enqueued_token_limit:,}" if r.enqueued_token_limit is not None else "-",
                 "yes" if r.admin else "-",
             ]
             for r in rows(session)
         ]
-    click.echo(table(["id", "name", "created", "revoked", "webhook", "admin"], lines))
+    headers = ["id", "name", "created", "revoked", "webhook", "weight", "token-limit", "admin"]
+    click.echo(table(headers, lines))
 
 
 @keys.command("revoke")

@@ -113,6 +113,9 @@ class ContextSizer:
         self.complete = True  # every runnable row was measured
         self.longest = 1
         self.bounded = False  # some rows were measured by their bytes' bound, not their ids
+        # The prompt tokens of the rows tokenized: the job's exact count when every row was
+        # (complete, not bounded), which its key's enqueued-token limit holds (api/enqueued.py).
+        self.prompt_tokens = 0
         self._bound_encoder: Any = None  # byte_bound_encoder's, looked up once
 
     def add_bound(self, rows: list[InputRow], ceiling: int) -> bool:
@@ -176,11 +179,13 @@ class ContextSizer:
                 continue
             if isinstance(ids, ImagePrompt):  # the feed opens its images again
                 tokens = token_count(ids)
+                self.prompt_tokens += tokens
                 if tokens < self.limit:
                     max_tokens = row.overrides().get("max_tokens")
                     best = max(best, tokens + (default_max if max_tokens is None else max_tokens))
                 kept[row.line] = ids
                 continue
+            self.prompt_tokens += sum(map(len, ids)) if isinstance(ids[0], list) else len(ids)
             # A prompt over the model's own context becomes an error row; sizing the engine for
             # it would give every other row the model's whole context (found on an 8k model).
             if row.kind in POOLING_KINDS:  # the longest text, and nothing generated
@@ -197,6 +202,11 @@ class ContextSizer:
         self.longest = max(self.longest, best)
         if on_prepared is not None:
             on_prepared([r.line for r in batch], [kept.get(r.line) for r in batch])
+
+    def counted(self) -> int | None:
+        """The prompt tokens of every row added, when each was tokenized (not bounded by its
+        bytes, none left to the feed); None otherwise."""
+        return self.prompt_tokens if self.complete and not self.bounded else None
 
     def sized(self) -> int:
         """The max_model_len for the rows added so far (result() without its log line).

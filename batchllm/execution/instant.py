@@ -32,9 +32,17 @@ class InstantWorkerEngine(ProfiledEngine):
     """A WorkerEngine (an EngineSource) over an InstantEngine: same start/unmet/get/close, no
     vLLM imported, ~100 MB a process (the tokenizer and the worker itself)."""
 
-    def __init__(self, model: str, options: EngineOptions, *, step_seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        options: EngineOptions,
+        *,
+        step_seconds: float = 0.0,
+        token_seconds: float = 0.0,
+    ) -> None:
         self.model, self.options = model, options
         self.step_seconds = step_seconds  # InstantEngine's pace: 0 answers at once
+        self.token_seconds = token_seconds  # its cost per token served (0: none)
         self.profile: EngineProfile | None = None
         self.engine: InstantEngine | None = None
 
@@ -53,6 +61,7 @@ class InstantWorkerEngine(ProfiledEngine):
             max_model_len=max_model_len,
             max_num_seqs=self.options.max_num_seqs or 256,
             step_seconds=self.step_seconds,
+            token_seconds=self.token_seconds,
         )
         self.profile = EngineProfile.of(
             self.model, self.options, max_model_len=max_model_len, dtype=INSTANT_DTYPE

@@ -245,7 +245,11 @@ class InstantEngine:
     `step_seconds` > 0 paces it instead: each step takes that long and gives every running
     request (at most `max_num_seqs`) one token, so a request finishes after max_tokens steps.
     A job then takes a time set by the clock, not by the machine: long enough for a test to
-    cancel it, expire it or kill its worker part-way, on any machine."""
+    cancel it, expire it or kill its worker part-way, on any machine.
+
+    `token_seconds` > 0 gives it a token cost instead: a step takes that long for each prompt
+    and output token of the requests it finishes, so engine time follows tokens served, as
+    a real engine's does (a fleet simulation of fair share in tokens)."""
 
     version = "instant"
     hardware = "none (instant engine)"
@@ -257,11 +261,13 @@ class InstantEngine:
         max_model_len: int,
         max_num_seqs: int = 256,
         step_seconds: float = 0.0,
+        token_seconds: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.step_seconds = step_seconds
+        self.token_seconds = token_seconds
         self._queue: collections.deque[tuple[str, int, int]] = collections.deque()
         # request id -> [prompt tokens, max tokens, tokens generated]: paced requests only
         self._running: dict[str, list[int]] = {}
@@ -287,6 +293,9 @@ class InstantEngine:
         for _ in range(min(self.max_num_seqs, len(self._queue))):
             request_id, prompt_tokens, max_tokens = self._queue.popleft()
             done.append(_finished(request_id, prompt_tokens, max_tokens))
+        if self.token_seconds > 0:
+            served = sum(f.prompt_tokens + f.completion_tokens for f in done)
+            time.sleep(served * self.token_seconds)
         return done
 
     def _paced_step(self) -> list[Finished]:

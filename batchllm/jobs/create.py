@@ -163,13 +163,16 @@ class _ShardIntake:
 
     def finish(self, stored: StoredInput, hold: bool) -> tuple[Job, JobStatus | None]:
         """Record the shards left and end the job's validation; then release what is left."""
-        sized = None
+        sized = counted = None
         if self.preparer is not None:
             sized = self.preparer.finish()
+            counted = self.preparer.counted()
             self.recorder.stream = False  # released after the commit that records the size
             for prepared in self.preparer.ready():
                 self.recorder.add(prepared)
         with session_scope(self.settings) as session:
+            if counted is not None:  # exact: what its key's enqueued-token limit holds
+                service.record_prompt_tokens(session, self.job_id, counted)
             if sized is not None:
                 service.record_sized_so_far(session, self.job_id, sized)
             elif self.covered is not None:

@@ -127,6 +127,9 @@ class Job(Base):
     # Prompt tokens vLLM served from its prefix cache, over every run of a row: a retry does
     # not take the replaced rows' hits off (no row records them), as a usage figure should.
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # A Batch API job's prompt tokens as estimated at create (api/token_limit.py): what its
+    # key's enqueued-token limit reserves for it, released as its rows finish.
+    prompt_tokens_estimate: Mapped[int | None] = mapped_column(BigInteger)
     engine_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     # Rows that ran under a structured output constraint, and those whose text satisfied it.
     structured_rows: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -213,7 +216,8 @@ class Checkpoint(Base):
     engine_seconds: Mapped[float] = mapped_column(Float)
     # The job's run that committed it (1: the first; a retry's rows replace only older runs').
     job_attempt: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Indexed: fair share sums each tenant's tokens served within a recent window of it.
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
 
 
 class ApiKey(Base):
@@ -231,6 +235,10 @@ class ApiKey(Base):
     # The key's batches announce their end here, signed with the key's webhook secret.
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_secret: Mapped[str | None] = mapped_column(String(128))
+    # The key's own limit of enqueued prompt tokens per model (None: the server's
+    # BATCHLLM_API_MAX_ENQUEUED_TOKENS), and its weight in the fair share of tokens served.
+    enqueued_token_limit: Mapped[int | None] = mapped_column(BigInteger)
+    share_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
 
 
 class DashboardSession(Base):

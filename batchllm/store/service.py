@@ -92,6 +92,12 @@ def record_sized_so_far(session: Session, job_id: str, value: int) -> None:
     )
 
 
+def record_prompt_tokens(session: Session, job_id: str, tokens: int) -> None:
+    """The job's prompt tokens as its sizing pass counted them, every row tokenized: exact,
+    in place of a Batch API batch's estimate from its bytes (api/enqueued.py)."""
+    session.execute(update(Job).where(Job.id == job_id).values(prompt_tokens_estimate=tokens))
+
+
 def forget_max_model_len(session: Session, job_id: str) -> None:
     """Clear a context length sized from part of the job's rows: a worker sizes it again."""
     session.execute(update(Job).where(Job.id == job_id).values(max_model_len=None))

@@ -3,10 +3,23 @@
 A shard task is a turn on its queue (model and engine kind); the database decides whose shard
 gets it, the first queued one in this order: (1) the job's effective priority (high, normal,
 low, rising a level per `priority_aging_seconds` waited, so low work always progresses); (2) its
-tenant's turn: the tenant (a `serve` API key; each CLI or Client job its own) whose latest shard
-started longest ago, or never, goes first, so one tenant's 100 batches delay another's one by at
-most one shard; (3) the job's own turn among its tenant's jobs, then the older job, then the
-shard worker/affinity.py picks for the worker (the lowest index when the worker is not known).
+tenant's share (a tenant: a `serve` API key; each CLI or Client job its own): the tenant served
+the fewest tokens (prompt + output, committed within the last `fair_share_window_seconds`, over
+its key's weight, `batchllm keys limits --weight`) goes first, so a tenant whose prompts are 20x
+longer gets its share of the engine, not its share of turns: a weighted fair queue over tokens
+served, as deficit round robin is; on a tie (no tokens yet, say), the tenant whose latest shard
+started longest ago, or never, so one tenant's 100 batches delay another's one by at most one
+shard; (3) the job's own turn among its tenant's jobs, then the older job, then the shard
+worker/affinity.py picks for the worker (the lowest index when the worker is not known).
+
+Tokens are counted from the committed checkpoints (every part file records its rows' prompt
+and completion tokens): what a shard still running has served counts once its parts commit.
+The window bounds a tenant's credit: one new to the queue takes every turn only until it has
+been served what the others were within the window, and a tenant idle for a window starts
+even. A failed run serves no tokens, so a failing shard's tenant is not held back by its
+failure once its backoff has passed (its failure still orders it among tenants on a tie); the
+backoff and BATCHLLM_MAX_SHARD_FAILURES bound how often it runs.
+
 A shard in failure backoff (execution/shard_failures.py) takes no turn, and its failure counts
 as its job's latest turn. The task whose shard lost its turn is queued again (every queued
 shard keeps a task); the winner's task later finds its shard taken, steps aside.
@@ -16,8 +29,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
@@ -26,13 +39,14 @@ from batchllm.input.schemas import PRIORITIES
 from batchllm.settings import Settings
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
+from batchllm.store.models import ApiKey, Batch, Checkpoint, Job, Shard, ShardStatus, utcnow
 from batchllm.worker.affinity import placed_shard
 from batchllm.worker.celery_app import queue_for_stored_spec
 
 log = logging.getLogger(__name__)
 
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)
+_IN_CHUNK = 500  # shard ids per IN list: well under SQLite's and PostgreSQL's bound on them
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,9 @@ class Waiting:
     created_at: datetime
     last_started: datetime | None
     has_queued: bool = True
+    # The tenant's tokens served within the window over its weight (the same for each of its
+    # jobs): the fewer, the sooner its turn.
+    tenant_served: float = 0.0
 
 
 def effective_level(priority: str, waited_seconds: float, aging_seconds: float) -> int:
@@ -64,6 +81,7 @@ def order(waiting: list[Waiting], *, now: datetime, aging_seconds: float) -> lis
         waited = (now - job.created_at).total_seconds()
         return (
             effective_level(job.priority, waited, aging_seconds),
+            job.tenant_served,
             tenant_last[job.tenant],
             job.last_started or _NEVER,
             job.created_at,
@@ -81,7 +99,12 @@ def _ready(now: datetime) -> ColumnElement[bool]:
 
 
 def next_shard(
-    session: Session, shard_id: int, *, aging_seconds: float, worker: str | None = None
+    session: Session,
+    shard_id: int,
+    *,
+    aging_seconds: float,
+    window_seconds: float,
+    worker: str | None = None,
 ) -> int:
     """The shard to run for a task of `shard_id`: itself unless it is queued and another
     queued shard of its queue comes first in the order above, or it is backing off after a
@@ -92,9 +115,12 @@ def next_shard(
         return shard_id  # running elsewhere, done, gone: the task's usual path handles it
     now = utcnow()
     queue = queue_for_stored_spec(shard.job.spec)
-    turns = order(
-        _unfinished_jobs(session, shard.job.model, queue, now), now=now, aging_seconds=aging_seconds
+    waiting = _unfinished_jobs(session, shard.job.model, queue, now)
+    served = tenants_served(
+        session, shard.job.model, {job.tenant for job in waiting}, now=now, window=window_seconds
     )
+    waiting = [replace(job, tenant_served=served.get(job.tenant, 0.0)) for job in waiting]
+    turns = order(waiting, now=now, aging_seconds=aging_seconds)
     if not turns:
         return shard_id
     first = turns[0]
@@ -148,6 +174,52 @@ def _unfinished_jobs(session: Session, model: str, queue: str, now: datetime) ->
     ]
 
 
+def tenants_served(
+    session: Session, model: str, tenants: set[str], *, now: datetime, window: float
+) -> dict[str, float]:
+    """Each of `tenants`' tokens of `model` served (prompt + output, committed) within the
+    last `window` seconds, over its key's weight (1 for a tenant with no key row: a CLI job,
+    --no-auth's "local"). Recently ended jobs count too: a tenant of many small jobs is
+    counted across them.
+
+    In two steps, so that it reads the window and never a history: the window's checkpoints
+    by their created_at index, summed per shard; then those shards' jobs by key. Joined in one
+    query, SQLite's planner started from the model's jobs (every one it ever ran) instead."""
+    if not tenants:
+        return {}
+    # Summed here, not by a GROUP BY shard_id, which SQLite's planner served by walking every
+    # checkpoint in shard_id order rather than the window's range of created_at.
+    per_shard: dict[int, int] = {}
+    for shard_id, tokens_served in session.execute(
+        select(Checkpoint.shard_id, Checkpoint.prompt_tokens + Checkpoint.completion_tokens).where(
+            Checkpoint.created_at >= now - timedelta(seconds=window)
+        )
+    ):
+        per_shard[shard_id] = per_shard.get(shard_id, 0) + int(tokens_served or 0)
+    tokens: dict[str, int] = {}
+    shard_ids = list(per_shard)
+    for start in range(0, len(shard_ids), _IN_CHUNK):
+        rows = session.execute(
+            select(Shard.id, func.coalesce(Batch.owner, Job.id))
+            .join(Job, Job.id == Shard.job_id)
+            .outerjoin(Batch, Batch.job_id == Job.id)
+            .where(
+                Shard.id.in_(shard_ids[start : start + _IN_CHUNK]),
+                Job.model == model,
+                Job.local_run.is_(False),
+            )
+        ).all()
+        for shard_id, tenant in rows:
+            if tenant in tenants:
+                tokens[tenant] = tokens.get(tenant, 0) + per_shard[shard_id]
+    weights = dict(
+        session.execute(
+            select(ApiKey.id, ApiKey.share_weight).where(ApiKey.id.in_(list(tokens)))
+        ).all()
+    )
+    return {name: total / (weights.get(name) or 1.0) for name, total in tokens.items()}
+
+
 def _aware(value: datetime | None) -> datetime | None:
     # max() of a timestamp column comes back without its column type's zone on SQLite.
     if isinstance(value, str):
@@ -168,12 +240,16 @@ def take_turn(
     sent again (before the other runs, so a crash never leaves it without a task)."""
     with session_scope(settings) as session:
         chosen = next_shard(
-            session, shard_id, aging_seconds=settings.priority_aging_seconds, worker=worker
+            session,
+            shard_id,
+            aging_seconds=settings.priority_aging_seconds,
+            window_seconds=settings.fair_share_window_seconds,
+            worker=worker,
         )
     if chosen != shard_id:
         requeue(shard_id)  # worker/shard_tasks.py: sent and marked dispatched
         log.info(
-            "shard %s takes the turn of shard %s (priority, fair share, affinity)",
+            "shard %s takes the turn of shard %s (priority, fair share of tokens, affinity)",
             chosen,
             shard_id,
         )

@@ -80,7 +80,8 @@ def start_engine(
 ) -> WorkerEngine | InstantWorkerEngine:
     """Build this worker process's engine under `settings`; the worker says ready (and takes
     tasks) after, announcing `model`. `instant`: the simulation engine (execution/instant.py),
-    never vLLM, paced by `instant_step_seconds` (execution/stand_in_engines.py's InstantEngine).
+    never vLLM, paced by `instant_step_seconds` (execution/stand_in_engines.py's InstantEngine),
+    with the settings' cost per token served (BATCHLLM_INSTANT_TOKEN_SECONDS).
     `json_logs`: Celery's log handlers write JSON (`--log-format json`). `max_idle`: stop
     (warm, exit 0) after that many seconds without a task (worker/idle.py). `drain_seconds`: on
     SIGTERM, how long the rows in flight may go on finishing (0: stop at once)."""
@@ -92,7 +93,12 @@ def start_engine(
     _open_database(settings)
     engine: WorkerEngine | InstantWorkerEngine
     if instant:
-        engine = InstantWorkerEngine(model, options, step_seconds=instant_step_seconds)
+        engine = InstantWorkerEngine(
+            model,
+            options,
+            step_seconds=instant_step_seconds,
+            token_seconds=settings.instant_token_seconds,
+        )
     else:
         engine = WorkerEngine(model, options, settings=settings, allow_rebuild=allow_rebuild)
     _engines = engine

@@ -108,3 +108,27 @@ def test_an_admin_key_is_created_as_such_and_other_keys_are_not(settings):
         line.split()[1]: line.split()[-1] for line in invoke("keys", "list").output.splitlines()[1:]
     }
     assert listed == {"ops": "yes", "alice": "-"}
+
+
+def test_a_keys_weight_and_token_limit_are_set_listed_and_reset(settings):
+    key_id = new_key(settings, "alice")
+    new_key(settings, "bob")
+
+    result = invoke("keys", "limits", "alice", "--weight", "2.5", "--enqueued-tokens", "50000")
+
+    assert result.exit_code == 0, result.output
+    assert f"key {key_id}: weight 2.5, enqueued-token limit 50,000 per model" in result.output
+    listed = {
+        line.split()[1]: line.split()[-3:-1]
+        for line in invoke("keys", "list").output.splitlines()[1:]
+    }
+    assert listed == {"alice": ["2.5", "50,000"], "bob": ["1", "-"]}
+    reset = invoke("keys", "limits", key_id, "--default-tokens")
+    assert "weight 2.5, enqueued-token limit 1,000,000,000 (BATCHLLM_API_MAX_ENQUEUED_TOKENS)" in (
+        reset.output
+    )
+    with session_scope(settings) as session:
+        row = session.get(ApiKey, key_id)
+        assert (row.share_weight, row.enqueued_token_limit) == (2.5, None)
+    refused = invoke("keys", "limits", "alice", "--weight", "0")
+    assert refused.exit_code != 0 and "weight is over 0" in refused.output

@@ -148,6 +148,22 @@ def test_a_key_sees_its_own_batches_and_an_admin_every_job(app, settings):
     assert quota_of(listed) == ("0", "1,000,000", "0", "100")  # its own key's: no batches
 
 
+def test_the_jobs_page_shows_the_keys_enqueued_tokens_per_model_against_its_limit(app, settings):
+    alice_id, alice = new_key(settings, "alice")
+    add_job(settings, "job_alice", owner=alice_id)
+    with session_scope(settings) as session:
+        # 1,000 prompt tokens estimated, 42 of its 100 lines done: 580 still enqueued.
+        session.get(Job, "job_alice").prompt_tokens_estimate = 1_000
+    client = TestClient(app)
+    log_in(client, alice)
+    found = re.search(
+        r'<b data-quota="enqueued-tokens" data-model="m">([\d,]+)</b> of ([\d,]+) prompt tokens '
+        r"enqueued for m",
+        client.get("/ui").text,
+    )
+    assert found and found.groups() == ("580", "1,000,000,000")
+
+
 def quota_of(html: str) -> tuple[str, ...]:
     """(enqueued rows, their limit, unfinished batches, their limit) on the jobs page."""
     found = re.search(

@@ -16,6 +16,7 @@ from batchllm.worker.shard_tasks import send_shard_tasks
 from tests.support.fake_runs import make_spec, write_items
 
 AGING = 600.0
+WINDOW = 300.0  # fair share's window of tokens served
 
 
 def _job(settings, tmp_path, name: str, shards: int, *, priority: str = "normal") -> list[int]:
@@ -35,7 +36,7 @@ def _start(settings, shard_id: int, *, ago: float = 0.0) -> None:
 
 def _turn(settings, shard_id: int) -> int:
     with session_scope(settings) as session:
-        return next_shard(session, shard_id, aging_seconds=AGING)
+        return next_shard(session, shard_id, aging_seconds=AGING, window_seconds=WINDOW)
 
 
 def _job_of(settings, shard_id: int) -> str:
@@ -138,7 +139,9 @@ def test_a_running_or_done_shards_task_keeps_its_own_shard(settings, tmp_path):
 def _take(settings, shard_id: int, worker: str) -> int:
     """The shard a task of `shard_id` runs on `worker`, started there (as its claim would)."""
     with session_scope(settings) as session:
-        chosen = next_shard(session, shard_id, aging_seconds=AGING, worker=worker)
+        chosen = next_shard(
+            session, shard_id, aging_seconds=AGING, window_seconds=WINDOW, worker=worker
+        )
     now = utcnow()
     with session_scope(settings) as session:
         state_machine.run_shard(session, chosen, worker, now=now, stale_before=now)

@@ -6,21 +6,32 @@ history than they show."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from alembic import command
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, inspect, select
+from sqlalchemy import create_engine, func, inspect, select, update
 
-from batchllm.api import batches
+from batchllm.api import batches, enqueued
 from batchllm.api.app import create_app
 from batchllm.api.dashboard import queries, routes
 from batchllm.api.dashboard.session import Viewer
 from batchllm.api.keys import create_key
 from batchllm.settings import Settings
 from batchllm.store.db import alembic_config, get_engine, session_scope, upgrade
-from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus, StoredFile
+from batchllm.store.models import (
+    Base,
+    Batch,
+    Checkpoint,
+    Job,
+    Shard,
+    ShardStatus,
+    StoredFile,
+    utcnow,
+)
 from batchllm.store.states import JobStatus
+from batchllm.worker.fair_share import tenants_served
 from benchmarks.history import MODEL, StatementLog, populate
 
 
@@ -37,7 +48,7 @@ def _plan(engine, statement) -> str:
 def test_the_migrated_schema_has_every_index_the_models_declare(tmp_path):
     engine = get_engine(_settings(tmp_path))
     inspector = inspect(engine)
-    for table in ("jobs", "shards", "batches"):
+    for table in ("jobs", "shards", "batches", "checkpoints"):
         declared = {i.name for i in Base.metadata.tables[table].indexes}
         assert declared <= {i["name"] for i in inspector.get_indexes(table)}, table
     assert {"ix_jobs_created_at", "ix_jobs_notified_status"} <= {
@@ -73,6 +84,33 @@ def test_listing_batches_sends_the_same_few_statements_for_any_page_size(tmp_pat
             assert [b["id"] for b in page["data"]] == ids[::-1][:limit]
             counts[limit] = len(statements)
     assert counts[30] == counts[2] <= 10
+
+
+def test_fair_share_reads_the_windows_checkpoints_not_the_models_history(tmp_path):
+    # Every shard task's turn reads it (worker/fair_share.py). Joined from the model's jobs,
+    # SQLite's planner walked every job of the model and every checkpoint of each.
+    settings = _settings(tmp_path)
+    populate(settings, 300, owner="key_hist", live=2, shards_per_job=2)
+    engine = get_engine(settings)
+    with engine.begin() as conn:  # populate() counts no tokens: 10 a checkpoint
+        conn.execute(update(Checkpoint).values(prompt_tokens=7, completion_tokens=3))
+    log = StatementLog(engine)
+    now = utcnow()
+    with session_scope(settings) as session, log.recording() as statements:
+        # populate()'s job n was created (and checkpointed) 300 - n minutes ago: the last
+        # two are in a 150 s window.
+        served = tenants_served(session, MODEL, {"key_hist"}, now=now, window=150)
+    with session_scope(settings) as session:
+        in_window = session.scalar(
+            select(func.count())
+            .select_from(Checkpoint)
+            .where(Checkpoint.created_at >= now - timedelta(seconds=150))
+        )
+    assert 0 < in_window <= 20 and served == {"key_hist": 10.0 * in_window}
+    plans = _plans(engine, statements)
+    assert "ix_checkpoints_created_at" in plans[0], plans
+    assert "SEARCH shards USING INTEGER PRIMARY KEY" in plans[1], plans
+    assert not any("ix_jobs_model" in plan or "SCAN jobs" in plan for plan in plans), plans
 
 
 def _plans(engine, statements) -> list[str]:
@@ -132,16 +170,19 @@ def test_a_keys_quota_is_read_from_the_unfinished_jobs_not_from_its_history(tmp_
     engine = get_engine(settings)
     log = StatementLog(engine)
     with session_scope(settings) as session, log.recording() as statements:
-        enqueued = batches.enqueued_rows(session, key_row.id)
+        rows = enqueued.enqueued_rows(session, key_row.id)
         active = batches.active_batches(session, key_row.id)
+        tokens = enqueued.enqueued_tokens_by_model(session, key_row.id)
+        of_model = enqueued.enqueued_tokens(session, key_row.id, MODEL)
         assert session.get(Batch, "job_other").model == "other-model"  # its job's, unsaid
-    assert (enqueued, active) == (2 * 10_000 + 7, 3)
-    plans = _plans(engine, statements[:2])
+    assert (rows, active) == (2 * 10_000 + 7, 3)
+    assert set(tokens.values()) == {0} and of_model == 0  # populate() estimates none
+    plans = _plans(engine, statements[:4])
     assert all("SEARCH jobs USING INDEX ix_jobs_status" in plan for plan in plans), plans
     assert not any("ix_batches_owner" in plan for plan in plans), plans
     with session_scope(settings) as session:
         assert (
-            batches.enqueued_rows(session, other.id),
+            enqueued.enqueued_rows(session, other.id),
             batches.active_batches(session, other.id),
         ) == (50, 1)
 

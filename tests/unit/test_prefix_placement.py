@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
+from batchllm import row_errors
 from batchllm.engine.protocol import Finished
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.external_sort import ExternalSort
@@ -25,7 +26,7 @@ from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.jobs.retry import retry_job
-from batchllm.output import commit, row_errors
+from batchllm.output import commit
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope

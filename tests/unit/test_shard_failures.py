@@ -34,6 +34,7 @@ from tests.support.fake_runs import (
 __all__ = ["small_commits"]
 
 AGING = 600.0
+WINDOW = 300.0  # fair share's window of tokens served
 
 
 def _failing_sizing(monkeypatch, calls: list[str]) -> None:
@@ -135,7 +136,7 @@ def _job(settings, tmp_path, name: str, shards: int) -> list[int]:
 
 def _turn(settings, shard_id: int) -> int:
     with session_scope(settings) as session:
-        return next_shard(session, shard_id, aging_seconds=AGING)
+        return next_shard(session, shard_id, aging_seconds=AGING, window_seconds=WINDOW)
 
 
 def _fail(settings, shard_id: int, delay: float) -> None:

@@ -4,6 +4,7 @@ and the feed's check of stored ids against its own engine's tokenizer (execution
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import shutil
@@ -447,3 +448,27 @@ def test_the_byte_bound_covers_the_real_ids_and_holds_only_for_byte_level_bpe(to
     word_level.normalizer = normalizers.NFKC()
     word_level.pre_tokenizer = pre_tokenizers.Whitespace()
     assert byte_bound_encoder(PreTrainedTokenizerFast(tokenizer_object=word_level)) is None
+
+
+def test_a_job_whose_every_prompt_was_tokenized_records_its_exact_prompt_tokens(
+    tiny_model, tokenizer, settings, tmp_path
+):
+    """What its key's enqueued-token limit then holds (api/enqueued.py), in place of the
+    estimate from the file's bytes: the sum of the ids stored beside its shards."""
+    source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
+    spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
+    plan = plan_for_submit(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
+    created = create_job(source, spec, shard_size=50, settings=settings, context=plan)
+    storage = Storage.of(settings)
+    stored = 0
+    for shard in shards_of(settings, created.job.id):
+        table = pq.read_table(io.BytesIO(storage.read_bytes(token_path(shard.input_path))))
+        stored += sum(len(ids) for ids in table.column("token_ids").to_pylist() if ids)
+    assert stored > 120 and created.job.prompt_tokens_estimate == stored
+
+    # A pass that bounds short prompts by their bytes counts nothing exact.
+    bounded = SubmitTokens(spec, storage, settings, bound=True)
+    created = create_job(
+        source, spec, shard_size=50, settings=settings, context=exact(spec, bounded)
+    )
+    assert created.job.prompt_tokens_estimate is None

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from batchllm.api import batches
+from batchllm.api import batches, enqueued
 from batchllm.api.dashboard.session import Viewer
 from batchllm.execution.profile import EngineProfile
 from batchllm.output import stream
@@ -103,12 +103,16 @@ def model_names(session: Session, viewer: Viewer) -> list[str]:
     return list(session.scalars(select(found.c.model).where(found.c.model.is_not(None))))
 
 
-def key_quota(session: Session, viewer: Viewer, settings: Settings) -> dict[str, int]:
+def key_quota(session: Session, viewer: Viewer, settings: Settings) -> dict[str, Any]:
     """The viewer's key against its per-key quotas, counted as POST /v1/batches counts them:
-    its request lines enqueued (BATCHLLM_API_MAX_ENQUEUED_ROWS) and its unfinished batches
-    (BATCHLLM_API_MAX_ACTIVE_BATCHES). An admin's are its own key's, whatever it is shown."""
+    its request lines enqueued (BATCHLLM_API_MAX_ENQUEUED_ROWS), its enqueued prompt tokens
+    per model (BATCHLLM_API_MAX_ENQUEUED_TOKENS or the key's own limit) and its unfinished
+    batches (BATCHLLM_API_MAX_ACTIVE_BATCHES). An admin's are its own key's, whatever it is
+    shown."""
     return {
-        "enqueued_rows": batches.enqueued_rows(session, viewer.owner),
+        "enqueued_rows": enqueued.enqueued_rows(session, viewer.owner),
+        "enqueued_tokens": enqueued.enqueued_tokens_by_model(session, viewer.owner),
+        "enqueued_tokens_limit": enqueued.token_limit(session, viewer.owner, settings),
         "enqueued_rows_limit": settings.api_max_enqueued_rows,
         "active_batches": batches.active_batches(session, viewer.owner),
         "active_batches_limit": settings.api_max_active_batches,

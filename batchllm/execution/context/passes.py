@@ -152,6 +152,11 @@ class BesideValidation(ThreadedPass):
     def sized_so_far(self) -> int | None:
         return None  # a local run releases nothing before its validation ends
 
+    def counted(self) -> int | None:
+        if self.error is not None or self.stopped or self._sizer is None:
+            return None
+        return self._sizer.counted()
+
     def finish(self) -> int | None:
         """Wait for the shards stored so far; the sized max_model_len, or None and `error`."""
         try:
@@ -202,6 +207,9 @@ class AfterValidation:
 
     def sized_so_far(self) -> int | None:
         return None
+
+    def counted(self) -> int | None:
+        return None  # the kept engine's sizing gives the length only
 
     def finish(self) -> int | None:
         try:

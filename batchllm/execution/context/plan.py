@@ -55,7 +55,9 @@ class ShardPreparer(Protocol):
     over, `ready` returns the ones done since the last call (in order, without waiting),
     `finish` waits for the rest and gives the job's sized max_model_len or None,
     `sized_so_far` the max_model_len of the shards `ready` gave so far (None when it cannot
-    size the job), `close` gives up (the job was not created)."""
+    size the job), `counted` (once `finish` returned) the exact prompt tokens of the job's rows
+    when the pass tokenized every one (else None), `close` gives up (the job was not
+    created)."""
 
     def stored(self, shard: ShardInput) -> None: ...
 
@@ -64,6 +66,8 @@ class ShardPreparer(Protocol):
     def finish(self) -> int | None: ...
 
     def sized_so_far(self) -> int | None: ...
+
+    def counted(self) -> int | None: ...
 
     def close(self) -> None: ...
 

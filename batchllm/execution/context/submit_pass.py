@@ -101,6 +101,14 @@ class SubmitTokens(ThreadedPass):
         sizer = self._sizing()
         return None if sizer is None else sizer.sized()
 
+    def counted(self) -> int | None:
+        """The exact prompt tokens of the job's rows, when this pass tokenized every one (it
+        started, measuring the shards held back until then too, and never stopped or bounded
+        a shard by its bytes)."""
+        if self._thread is None or self.stopped or self._sizer is None:
+            return None
+        return self._sizer.counted()
+
     def close(self) -> None:
         """The job was not created: stop (the job's storage goes with it)."""
         self.stopped = True
