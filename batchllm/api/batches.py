@@ -343,7 +343,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
         StoredFile(
             id=f"file-{job.id.removeprefix('job_')}-{kind}",
             owner=batch.owner,
-            filename=f"{job.id}_{posixpath.basename(path)}",
+            filename=f"{batch.batch_id}_{posixpath.basename(path)}",
             purpose="batch_output",
             bytes=storage.fs.get_file_info(path).size,
             lines=lines,  # one JSON object per line

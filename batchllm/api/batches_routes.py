@@ -27,7 +27,7 @@ from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch, Job, utcnow
+from batchllm.store.models import Batch, Job, job_id_of, utcnow
 from batchllm.worker.registry import served_models
 
 router = APIRouter()
@@ -171,8 +171,9 @@ def create_batch(
 
 
 def _owned_batch(session, batch_id: str, owner: str) -> Batch:
-    """The batch, or 404 alike when it does not exist and when another key owns it."""
-    batch = session.get(Batch, batch_id)
+    """The batch by its id (`batch_...`) or its job's (`job_...`), or 404 alike when it does
+    not exist and when another key owns it."""
+    batch = session.get(Batch, job_id_of(batch_id))
     if batch is None or batch.owner != owner:
         raise not_found("batch", batch_id)
     return batch
@@ -187,12 +188,12 @@ def _refused_as(code: str) -> Iterator[None]:
         raise ApiError(409, str(exc), code=code) from None
 
 
-def _render(settings, owner: str, job_id: str, *, expiry_checked: bool = False) -> dict[str, Any]:
+def _render(settings, owner: str, batch_id: str, *, expiry_checked: bool = False) -> dict[str, Any]:
     """The batch as OpenAI's object, read in one session: a poll is the request a server
     answers most (it cost three sessions and six statements, a third of them for expiry and
     for other jobs' cancels)."""
     with session_scope(settings) as session:
-        batch = _owned_batch(session, job_id, owner)
+        batch = _owned_batch(session, batch_id, owner)
         job = batch.job
         due = not expiry_checked and _past_window(job)
         unwritten = job.status.is_final and batch.output_file_id is None and job.request_total
@@ -202,10 +203,10 @@ def _render(settings, owner: str, job_id: str, *, expiry_checked: bool = False) 
     if due:
         # Read at the moment it is asked for: a batch past its window is expired now, whether
         # or not the server's own round (every BATCHLLM_RECONCILE_SECONDS) has come since.
-        _expire_now(settings, [job_id])
+        _expire_now(settings, [job.id])
     else:
         batches.write_result_files(settings, batch, job)
-    return _render(settings, owner, job_id, expiry_checked=True)
+    return _render(settings, owner, batch_id, expiry_checked=True)
 
 
 def _past_window(job: Job) -> bool:
@@ -279,11 +280,12 @@ def cancel_batch(
     request: Request, batch_id: str, owner: str = Depends(current_owner)
 ) -> dict[str, Any]:
     settings = request.app.state.settings
+    job_id = job_id_of(batch_id)
     with session_scope(settings) as session:
-        _owned_batch(session, batch_id, owner)
+        _owned_batch(session, job_id, owner)
         with _refused_as("batch_not_cancellable"):
-            service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
-    return _render(settings, owner, batch_id)
+            service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
+    return _render(settings, owner, job_id)
 
 
 @router.post("/v1/batches/{batch_id}/retry")
@@ -294,14 +296,15 @@ def retry_batch(
     on the fleet, into the same batch (`batchllm retry`). Its output and error files are
     written again when the retry ends."""
     settings = request.app.state.settings
+    job_id = job_id_of(batch_id)
     with session_scope(settings) as session:
-        batch = _owned_batch(session, batch_id, owner)
+        batch = _owned_batch(session, job_id, owner)
         # Before the retry starts, so its end can never be read with the old files (a refused
         # retry only makes the next read write the same files again).
         batch.output_file_id = batch.error_file_id = None
     with _refused_as("batch_not_retryable"):
-        retry_job(batch_id, settings=settings)
-    return _render(settings, owner, batch_id)
+        retry_job(job_id, settings=settings)
+    return _render(settings, owner, job_id)
 
 
 @router.delete("/v1/batches/{batch_id}")
@@ -312,13 +315,13 @@ def delete_batch(
     rows and files and its output and error files; 409 while it runs (cancel it first)."""
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        _owned_batch(session, batch_id, owner)
+        deleted = _owned_batch(session, batch_id, owner).batch_id
     try:
         with _refused_as("batch_not_deletable"):
-            delete_job(settings, batch_id)
+            delete_job(settings, job_id_of(batch_id))
     except JobNotFound:  # deleted meanwhile
         raise not_found("batch", batch_id) from None
-    return {"id": batch_id, "object": "batch.deleted", "deleted": True}
+    return {"id": deleted, "object": "batch.deleted", "deleted": True}
 
 
 @router.get("/v1/models")

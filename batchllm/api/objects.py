@@ -45,7 +45,7 @@ def batch_object(batch: Batch, job: Job) -> dict[str, Any]:
         else job.request_failed
     )
     return {
-        "id": job.id,
+        "id": batch.batch_id,  # OpenAI's `batch_` form of the job's id (either finds it)
         "object": "batch",
         "endpoint": batch.endpoint,
         "model": job.model,

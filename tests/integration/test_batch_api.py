@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, StoredFile
+from batchllm.store.models import Job, JobStatus, StoredFile, job_id_of
 from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv, Worker, stop_workers
 from tests.support.serve import (
     CHAT,
@@ -344,6 +344,11 @@ def test_a_chat_batch_completes(api: Api) -> None:
         batch.output_file_id,
         batch.error_file_id,
     )
+    # OpenAI's id form; the job's own id (what the CLI shows) finds the same batch.
+    assert created.id == batch.id and batch.id.startswith("batch_")
+    by_job_id = client.batches.retrieve(job_id_of(batch.id))
+    assert by_job_id.model_dump() == again.model_dump()
+    assert client.files.retrieve(batch.output_file_id).filename == f"{batch.id}_output.jsonl"
 
 
 def test_a_completions_batch_completes(api: Api) -> None:

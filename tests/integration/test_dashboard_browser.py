@@ -28,6 +28,7 @@ import pytest
 
 from batchllm.api import keys
 from batchllm.store.db import session_scope
+from batchllm.store.models import job_id_of
 from batchllm.store.states import JobStatus
 from tests.support import job_checks
 from tests.support.fleet import PACED_INSTANT_ARGS, REPO, FleetEnv, Worker, stop_workers
@@ -83,7 +84,7 @@ class Dashboard:
                 },
             )
             assert batch.status_code == 200, batch.text
-            return batch.json()["id"]
+            return job_id_of(batch.json()["id"])  # the dashboard shows jobs
 
     def shoot(self, page: Any, name: str) -> None:
         path = self.shots / f"dashboard-{name}.png"

@@ -60,7 +60,7 @@ import pytest
 from batchllm.demo import PERSON_SCHEMA
 from batchllm.input.schemas import EngineOptions
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job
+from batchllm.store.models import Job, job_id_of
 from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail
 from tests.support.serve import (
     CHAT,
@@ -279,7 +279,7 @@ def compared(
         }
         assert len(served) == len(output), "a custom_id answered twice"
         with session_scope(fleet_env.settings) as session:
-            job = session.get(Job, batch.id)
+            job = session.get(Job, job_id_of(batch.id))
             assert job is not None, batch.id
             served_dir = Path(job.output_dir)
         run.wait(deadline - time.monotonic())

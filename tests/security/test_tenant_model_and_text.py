@@ -18,7 +18,7 @@ from batchllm.input.shards import iter_shard_rows
 from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch, Job, JobStatus
+from batchllm.store.models import Batch, Job, JobStatus, job_id_of
 
 pytest.importorskip("fastapi.testclient")
 from fastapi.testclient import TestClient
@@ -104,10 +104,10 @@ def test_lone_surrogates_in_custom_id_or_content_are_error_lines_not_a_500(setti
     batch_id = response.json()["id"]
     assert response.json()["request_counts"]["total"] == 4
     with session_scope(settings) as session:
-        job = session.get(Job, batch_id)
+        job = session.get(Job, job_id_of(batch_id))
         assert job is not None and job.status is not JobStatus.VALIDATING
         assert job.request_total == 4
-        assert session.get(Batch, batch_id) is not None  # no orphan job
+        assert session.get(Batch, job_id_of(batch_id)) is not None  # no orphan job
         paths = [shard.input_path for shard in job.shards]
     storage = Storage.of(settings)
     # Sorted by line: the shards hold them placed by prompt (input/shards.py).

@@ -17,7 +17,7 @@ from batchllm.api.app import create_app
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch as BatchRow
-from batchllm.store.models import Job, StoredFile
+from batchllm.store.models import Job, StoredFile, job_id_of
 
 pytest.importorskip("fastapi.testclient")
 openai_types = pytest.importorskip("openai.types")
@@ -524,8 +524,8 @@ def test_a_refused_batch_is_a_failed_job_of_its_tenant(
     owner, headers = new_key(settings)
     batch = refused_batch(client, headers)
     with session_scope(settings) as session:
-        assert session.get(BatchRow, batch.id).owner == owner
-        job = session.get(Job, batch.id)
+        assert session.get(BatchRow, job_id_of(batch.id)).owner == owner
+        job = session.get(Job, job_id_of(batch.id))
         assert job.status.value == "failed"
         assert "failed batch validation" in job.error
 
@@ -545,7 +545,8 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     assert response.json() == {"id": batch.id, "object": "batch.deleted", "deleted": True}
     assert_error(client.get(f"/v1/batches/{batch.id}", headers=headers), 404)
     with session_scope(settings) as session:
-        assert session.get(Job, batch.id) is None and session.get(BatchRow, batch.id) is None
+        job_id = job_id_of(batch.id)
+        assert session.get(Job, job_id) is None and session.get(BatchRow, job_id) is None
     assert file_rows(settings, owner) == 1 and len(files_on_disk(settings)) == 1
 
     from batchllm.api.batches import record_batch
