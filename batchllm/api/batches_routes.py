@@ -28,7 +28,6 @@ from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, job_id_of, utcnow
-from batchllm.worker.registry import served_models
 
 router = APIRouter()
 _MAX_METADATA = 16
@@ -131,9 +130,7 @@ def create_batch(
             notify=notify,
         )
         return _render(settings, owner, job_id)
-    unserved = batches.unserved_model(
-        model, settings, require_live=request.app.state.require_served_model
-    )
+    unserved = request.app.state.served.refusal(model)
     if unserved is not None:
         raise ApiError(400, unserved, param="body.model", code="model_not_found")
 
@@ -326,7 +323,9 @@ def delete_batch(
 
 @router.get("/v1/models")
 def list_models(request: Request, owner: str = Depends(current_owner)) -> dict[str, Any]:
-    served = served_models(request.app.state.settings.broker_url)
+    """The models a batch may name: those BATCHLLM_SERVED_MODELS lists, those of live workers
+    and those served within BATCHLLM_SERVED_MODEL_RETENTION_SECONDS (api/served.py)."""
+    served = request.app.state.served.names()
     return {
         "object": "list",
         "data": [

@@ -101,7 +101,10 @@ def s3_api(
             log_path=work / "worker.log",
             engine_args=INSTANT_ARGS,
         )
-        server = Server(env, work / "serve.log")
+        # Configured, as a deployment whose batches may come before its worker announces it.
+        server = Server(
+            {**env, "BATCHLLM_SERVED_MODELS": json.dumps([str(model)])}, work / "serve.log"
+        )
         try:
             server.wait_healthy()
             worker.wait_ready()

@@ -139,7 +139,9 @@ def dashboard(
         log_path=work / "worker.log",
         engine_args=PACED_INSTANT_ARGS,
     )
-    server = Server(env, work / "serve.log")
+    # Configured, as a deployment whose batches may come before its worker announces it.
+    served = {"BATCHLLM_SERVED_MODELS": json.dumps([str(tiny_model)])}
+    server = Server({**env, **served}, work / "serve.log")
     try:
         server.wait_healthy()
         worker.wait_ready()

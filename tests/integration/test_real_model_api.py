@@ -259,6 +259,7 @@ def compared(
         server.wait_healthy()
         worker.wait_ready()
         api = Api(fleet_env, server, worker, model, {"alice": key})
+        api.wait_model_served()
         client = api.client()
         file = upload(client, source.read_bytes(), "lines.jsonl")
         created = client.batches.create(

@@ -19,7 +19,7 @@ from batchllm.api.dashboard.session import Viewer
 from batchllm.api.keys import create_key
 from batchllm.settings import Settings
 from batchllm.store.db import alembic_config, get_engine, session_scope, upgrade
-from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus, StoredFile
+from batchllm.store.models import Base, Batch, Job, Shard, ShardStatus, StoredFile, job_id_of
 from batchllm.store.states import JobStatus
 from benchmarks.history import MODEL, StatementLog, populate
 
@@ -70,7 +70,7 @@ def test_listing_batches_sends_the_same_few_statements_for_any_page_size(tmp_pat
         for limit in (2, 30):
             with log.recording() as statements:
                 page = client.get(f"/v1/batches?limit={limit}", headers=headers).json()
-            assert [b["id"] for b in page["data"]] == ids[::-1][:limit]
+            assert [job_id_of(b["id"]) for b in page["data"]] == ids[::-1][:limit]
             counts[limit] = len(statements)
     assert counts[30] == counts[2] <= 10
 
