@@ -13,13 +13,15 @@ import pytest
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, job_id_of
 from batchllm.store.states import JobStatus
-from tests.support.serve import start_serve, stop_serve
+from tests.support.serve import SERVED_MODEL, start_serve, stop_serve
 
 pytestmark = pytest.mark.integration
 
+# The model `start_serve` configures (no worker runs here: the batch waits, then expires).
 LINES = b"".join(
     b'{"custom_id": "c%d", "method": "POST", "url": "/v1/chat/completions", "body": '
-    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n' % i
+    b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}}\n'
+    % (i, SERVED_MODEL.encode())
     for i in range(3)
 )
 
