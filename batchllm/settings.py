@@ -138,11 +138,22 @@ class Settings(BaseSettings):
     )
     served_models: list[str] | None = Field(
         default=None,
-        description="The exact model names this deployment serves, as a JSON list "
-        "('[\"/models/llama-8b\"]'). Set, `serve` refuses a batch for any other name at "
-        "create (400, model_not_found), whether or not its workers are up right now. Unset, "
-        "`serve` accepts any name (it waits for a worker of exactly that name) unless "
-        "started with --require-served-model, which asks the live workers' registry.",
+        description="Model names this deployment serves whether or not a worker of theirs is "
+        "up, as a JSON list ('[\"/models/llama-8b\"]'): `serve` accepts a batch for one of "
+        "them, or for a model a live worker serves or one served within "
+        "served_model_retention_seconds, and refuses any other name at create (400, "
+        "model_not_found, naming the models it serves). Set it for a fresh deployment whose "
+        "first batches come before any worker started, and for models scaled to zero for "
+        "longer than the retention.",
+    )
+    served_model_retention_seconds: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=0,
+        description="How long `serve` keeps accepting batches for a model after its last "
+        "worker stopped (the registry remembers when each model was last served): a fleet "
+        "scaled to zero overnight or over a weekend still takes batches for its models, which "
+        "wait until a worker starts. 0: only models a live worker serves (and "
+        "served_models).",
     )
     max_shard_failures: int = Field(
         default=3,

@@ -53,6 +53,9 @@ class Server:
         env.update(
             BATCHLLM_HOME=str(self.home),
             BATCHLLM_BROKER_URL="memory://",
+            # No worker registry on that broker: the batches' model is configured, as a
+            # deployment whose workers are not up yet does (serve refuses an unserved model).
+            BATCHLLM_SERVED_MODELS='["m"]',
             BATCHLLM_API_MAX_IN_FLIGHT=cap,
         )
         if database_url is not None:  # a database of the caller's, at the newest schema

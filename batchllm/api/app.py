@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ from batchllm.api import batches_routes, dashboard, files_routes
 from batchllm.api.backlog_metrics import backlog_registry
 from batchllm.api.errors import install_handlers
 from batchllm.api.guard import RequestGuard
+from batchllm.api.served import ServedModels
 from batchllm.settings import Settings, get_settings
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
@@ -121,11 +122,15 @@ def create_app(
     *,
     auth: bool = True,
     require_served_model: bool = False,
+    own_models: Sequence[str] = (),
     dashboard_sees_all: bool | None = None,
     expire_batches: bool = True,
 ) -> FastAPI:
-    """The app; `dashboard_sees_all`: a server without keys shows every job in its dashboard
-    (default: when it has no keys; `serve` says so only when it listens on this machine).
+    """The app; `require_served_model`: only models of live workers (and configured ones) are
+    served, not those of workers gone since; `own_models`: the models of `serve --worker`,
+    served before their worker announces them (api/served.py). `dashboard_sees_all`: a server
+    without keys shows every job in its dashboard (default: when it has no keys; `serve` says
+    so only when it listens on this machine).
     `expire_batches`: the app runs the expiry round itself (`serve --workers N` runs it once,
     in the parent process, instead of once per worker process)."""
     settings = settings or get_settings()
@@ -145,7 +150,7 @@ def create_app(
     app = FastAPI(title="batchllm Batch API", version="1", docs_url="/docs", lifespan=lifespan)
     app.state.settings = settings
     app.state.auth = auth
-    app.state.require_served_model = require_served_model
+    app.state.served = ServedModels(settings, own=own_models, live_only=require_served_model)
     app.state.dashboard_sees_all = (not auth) if dashboard_sees_all is None else dashboard_sees_all
     install_handlers(app)
     # Middleware added last runs first: requests are counted, then guarded.

@@ -29,7 +29,6 @@ from batchllm.store.db import session_scope
 from batchllm.store.locks import lock_name
 from batchllm.store.models import Batch, Job, StoredFile, utcnow
 from batchllm.store.webhooks import WebhookTarget
-from batchllm.worker.registry import served_models
 
 # OpenAI accepts only "24h". Shorter windows are accepted too (a deadline for a batch that is
 # only worth running soon; the tests expire batches in seconds), longer ones are not: a batch
@@ -145,22 +144,6 @@ def _decoded(raw: bytes | None) -> Any:
     if may_hold_surrogates(raw) and unencodable_field(obj) is not None:
         return None  # text no UTF-8 encoder takes: validation refuses the line, naming the field
     return obj
-
-
-def unserved_model(model: str, settings: Settings, *, require_live: bool) -> str | None:
-    """Why the deployment does not serve `model` (compared exactly), or None when it does or
-    cannot tell. BATCHLLM_SERVED_MODELS, when set, is the operator's word and decides whatever
-    workers are up right now; otherwise `serve --require-served-model` asks the live workers'
-    registry. Without either nothing here can know (a worker of the model may start later):
-    the batch waits on its model's own queue, which no look-alike name shares."""
-    if settings.served_models is not None:
-        if model in settings.served_models:
-            return None
-        served = ", ".join(repr(name) for name in settings.served_models[:10]) or "none"
-        return f"model {model!r} is not served here (BATCHLLM_SERVED_MODELS: {served})"
-    if require_live and model not in served_models(settings.broker_url):
-        return f"no worker serves model {model!r} (start one: batchllm worker --model {model})"
-    return None
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str], settings: Settings) -> JobSpec:
@@ -336,7 +319,7 @@ def write_result_files(settings: Settings, batch: Batch, job: Job) -> tuple[str,
         StoredFile(
             id=f"file-{job.id.removeprefix('job_')}-{kind}",
             owner=batch.owner,
-            filename=f"{job.id}_{posixpath.basename(path)}",
+            filename=f"{batch.batch_id}_{posixpath.basename(path)}",
             purpose="batch_output",
             bytes=storage.fs.get_file_info(path).size,
             lines=lines,  # one JSON object per line

@@ -28,8 +28,7 @@ from batchllm.output.deletion import delete_job
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import read_connection, session_scope
-from batchllm.store.models import Batch, utcnow
-from batchllm.worker.registry import served_models
+from batchllm.store.models import Batch, job_id_of, utcnow
 
 router = APIRouter()
 _MAX_METADATA = 16
@@ -123,9 +122,7 @@ def create_batch(
     model = models[0]
     if errors:
         return _refused(settings, owner, stored, model, body, metadata, errors, notify)
-    unserved = batches.unserved_model(
-        model, settings, require_live=request.app.state.require_served_model
-    )
+    unserved = request.app.state.served.refusal(model)
     if unserved is not None:
         raise ApiError(400, unserved, param="body.model", code="model_not_found")
     # As OpenAI: a batch over the key's enqueued-token limit is created, and failed with the
@@ -225,8 +222,9 @@ def _token_headers(settings, owner: str, response: Response, model: str | None =
 
 
 def _owned_batch(session, batch_id: str, owner: str) -> Batch:
-    """The batch, or 404 alike when it does not exist and when another key owns it."""
-    batch = session.get(Batch, batch_id)
+    """The batch by its id (`batch_...`) or its job's (`job_...`), or 404 alike when it does
+    not exist and when another key owns it."""
+    batch = session.get(Batch, job_id_of(batch_id))
     if batch is None or batch.owner != owner:
         raise not_found("batch", batch_id)
     return batch
@@ -241,14 +239,15 @@ def _refused_as(code: str) -> Iterator[None]:
         raise ApiError(409, str(exc), code=code) from None
 
 
-def _render(settings, owner: str, job_id: str, *, expiry_checked: bool = False) -> dict[str, Any]:
-    """The batch as OpenAI's object, read in one session and one statement of columns: a poll
-    is the request a server answers most (it cost three sessions and six statements, a third of
-    them for expiry and for other jobs' cancels)."""
+def _render(settings, owner: str, batch_id: str, *, expiry_checked: bool = False) -> dict[str, Any]:
+    """The batch (by its id or its job's) as OpenAI's object, read in one session and one
+    statement of columns: a poll is the request a server answers most (it cost three sessions
+    and six statements, a third of them for expiry and for other jobs' cancels)."""
+    job_id = job_id_of(batch_id)
     with read_connection(settings) as connection:
         row = connection.execute(BATCH_BY_ID, {"job_id": job_id}).one_or_none()
         if row is None or row.owner != owner:
-            raise not_found("batch", job_id)
+            raise not_found("batch", batch_id)
         due = not expiry_checked and _past_window(row)
         unwritten = row.status.is_final and row.output_file_id is None and row.request_total
         if not due and not unwritten:
@@ -263,7 +262,7 @@ def _render(settings, owner: str, job_id: str, *, expiry_checked: bool = False) 
             job = batch.job
             session.expunge_all()
         batches.write_result_files(settings, batch, job)
-    return _render(settings, owner, job_id, expiry_checked=True)
+    return _render(settings, owner, batch_id, expiry_checked=True)
 
 
 def _past_window(job: Any) -> bool:
@@ -330,7 +329,9 @@ def _list_page(
         values: dict[str, Any] = {"owner": owner, "limit": limit + 1}
         query = _PAGE
         if after is not None:
-            cursor = connection.execute(_CURSOR, {"job_id": after, "owner": owner}).one_or_none()
+            cursor = connection.execute(
+                _CURSOR, {"job_id": job_id_of(after), "owner": owner}
+            ).one_or_none()
             if cursor is None:
                 raise not_found("batch", after)
             query = _PAGE_AFTER
@@ -355,11 +356,12 @@ def cancel_batch(
     request: Request, batch_id: str, owner: str = Depends(current_owner)
 ) -> dict[str, Any]:
     settings = request.app.state.settings
+    job_id = job_id_of(batch_id)
     with session_scope(settings) as session:
-        _owned_batch(session, batch_id, owner)
+        _owned_batch(session, job_id, owner)
         with _refused_as("batch_not_cancellable"):
-            service.cancel_job(session, batch_id, lease_seconds=settings.lease_seconds)
-    return _render(settings, owner, batch_id)
+            service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
+    return _render(settings, owner, job_id)
 
 
 @router.post("/v1/batches/{batch_id}/retry")
@@ -370,14 +372,15 @@ def retry_batch(
     on the fleet, into the same batch (`batchllm retry`). Its output and error files are
     written again when the retry ends."""
     settings = request.app.state.settings
+    job_id = job_id_of(batch_id)
     with session_scope(settings) as session:
-        batch = _owned_batch(session, batch_id, owner)
+        batch = _owned_batch(session, job_id, owner)
         # Before the retry starts, so its end can never be read with the old files (a refused
         # retry only makes the next read write the same files again).
         batch.output_file_id = batch.error_file_id = None
     with _refused_as("batch_not_retryable"):
-        retry_job(batch_id, settings=settings)
-    return _render(settings, owner, batch_id)
+        retry_job(job_id, settings=settings)
+    return _render(settings, owner, job_id)
 
 
 @router.delete("/v1/batches/{batch_id}")
@@ -388,18 +391,20 @@ def delete_batch(
     rows and files and its output and error files; 409 while it runs (cancel it first)."""
     settings = request.app.state.settings
     with session_scope(settings) as session:
-        _owned_batch(session, batch_id, owner)
+        deleted = _owned_batch(session, batch_id, owner).batch_id
     try:
         with _refused_as("batch_not_deletable"):
-            delete_job(settings, batch_id)
+            delete_job(settings, job_id_of(batch_id))
     except JobNotFound:  # deleted meanwhile
         raise not_found("batch", batch_id) from None
-    return {"id": batch_id, "object": "batch.deleted", "deleted": True}
+    return {"id": deleted, "object": "batch.deleted", "deleted": True}
 
 
 @router.get("/v1/models")
 def list_models(request: Request, owner: str = Depends(current_owner)) -> dict[str, Any]:
-    served = served_models(request.app.state.settings.broker_url)
+    """The models a batch may name: those BATCHLLM_SERVED_MODELS lists, those of live workers
+    and those served within BATCHLLM_SERVED_MODEL_RETENTION_SECONDS (api/served.py)."""
+    served = request.app.state.served.names()
     return {
         "object": "list",
         "data": [

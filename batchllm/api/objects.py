@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Select, bindparam, select
 
 from batchllm.store.job_view import usage
-from batchllm.store.models import Batch, Job, StoredFile
+from batchllm.store.models import Batch, Job, StoredFile, batch_id_of
 from batchllm.store.states import JobStatus
 
 # batchllm's `queued` (validated, waiting for a worker) is in progress to an API client.
@@ -90,7 +90,7 @@ def batch_object(batch: Any, job: Any) -> dict[str, Any]:
         else job.request_failed
     )
     return {
-        "id": job.id,
+        "id": batch_id_of(batch.job_id),  # OpenAI's `batch_` form of the job's id (either finds it)
         "object": "batch",
         "endpoint": batch.endpoint,
         "model": job.model,

@@ -26,7 +26,10 @@ from batchllm.process.stopping import PARENT_MARK, cleanups_run_on_signals, stop
 @click.option(
     "--require-served-model",
     is_flag=True,
-    help="Refuse a batch for a model no live worker serves (default: it waits in the queue).",
+    help="Accept batches only for models a live worker serves now (or BATCHLLM_SERVED_MODELS "
+    "lists): a model whose workers stopped is refused at once. By default one served within "
+    "BATCHLLM_SERVED_MODEL_RETENTION_SECONDS (7 days) is still accepted and waits for a "
+    "worker; a model never served nor configured is refused either way.",
 )
 @click.option(
     "--worker",
@@ -82,9 +85,11 @@ def serve(
     pool = max(settings.db_pool_size, settings.api_threads)
     settings = settings.model_copy(update={"db_pool_size": pool})
     get_engine(settings)  # refuse an unreachable or old database now, in one line
-    options = {
+    options: dict[str, Any] = {
         "auth": not no_auth,
         "require_served_model": require_served_model,
+        # Served before their worker announces them: the first batch need not wait for it.
+        "own_models": list(worker_models),
         # Without keys, every job shows only to a dashboard no other machine can reach.
         "dashboard_sees_all": no_auth and is_local(host),
     }

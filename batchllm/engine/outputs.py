@@ -1,6 +1,7 @@
 """Generated text split into what OpenAI returns apart: the thinking of a reasoning model, the
 answer, and tool calls, with vLLM's own parsers (vllm/reasoning, vllm/tool_parsers), through
-their non-streaming extract methods, once a request has finished.
+their non-streaming extract methods, once a request has finished; and the generated tokens' log
+probabilities as OpenAI lists them (`token_logprobs`).
 
 What a request needs parsed travels with its SamplingParams (`extra_args`, see `output_spec`),
 so the engine knows it when the request finishes. vllm is imported only when a parser is built.
@@ -194,3 +195,32 @@ def _request(spec: dict[str, Any]) -> Any:
             _REQUESTS.clear()
         _REQUESTS[key] = request
     return request
+
+
+def token_logprobs(
+    token_ids: Any, positions: Any, top_k: int | None
+) -> list[dict[str, Any]] | None:
+    """One {token, logprob, top_logprobs} per generated token from vLLM's per-position
+    {token id: Logprob(logprob, rank, decoded_token)}: the sampled token's entry, and the
+    `top_k` likeliest (rank 1..k) as its alternatives, as OpenAI returns them."""
+    if top_k is None or positions is None:
+        return None
+    entries = []
+    for token_id, position in zip(token_ids, positions):
+        if not position:
+            continue
+        chosen = position.get(token_id)
+        ranked = sorted(
+            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
+            key=lambda lp: lp.rank,
+        )
+        entries.append(
+            {
+                "token": (chosen.decoded_token if chosen else None) or "",
+                "logprob": chosen.logprob if chosen else None,
+                "top_logprobs": [
+                    {"token": lp.decoded_token or "", "logprob": lp.logprob} for lp in ranked
+                ],
+            }
+        )
+    return entries

@@ -23,7 +23,14 @@ from batchllm.engine.images import (
     decoded_images,
     load_image_processor,
 )
-from batchllm.engine.outputs import EXTRA_KEY, OutputParsers, Parsed, UnknownParser, output_spec
+from batchllm.engine.outputs import (
+    EXTRA_KEY,
+    OutputParsers,
+    Parsed,
+    UnknownParser,
+    output_spec,
+    token_logprobs,
+)
 from batchllm.engine.preflight import preflight
 from batchllm.engine.prompts import Prepared, prepare_prompts, within_context
 from batchllm.engine.protocol import Adapter, Finished
@@ -60,6 +67,7 @@ _SAMPLING_KEYS = (
     "ignore_eos",
     "n",
     "logprobs",
+    "logit_bias",
 )
 
 
@@ -76,36 +84,10 @@ def import_vllm() -> Any:
 
 def sampling_values(merged: dict[str, Any]) -> dict[str, Any]:
     """The SamplingParams keyword arguments for merged job and line settings."""
-    return {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
-
-
-def token_logprobs(
-    token_ids: Any, positions: Any, top_k: int | None
-) -> list[dict[str, Any]] | None:
-    """One {token, logprob, top_logprobs} per generated token from vLLM's per-position
-    {token id: Logprob(logprob, rank, decoded_token)}: the sampled token's entry, and the
-    `top_k` likeliest (rank 1..k) as its alternatives, as OpenAI returns them."""
-    if top_k is None or positions is None:
-        return None
-    entries = []
-    for token_id, position in zip(token_ids, positions):
-        if not position:
-            continue
-        chosen = position.get(token_id)
-        ranked = sorted(
-            (lp for lp in position.values() if lp.rank is not None and lp.rank <= top_k),
-            key=lambda lp: lp.rank,
-        )
-        entries.append(
-            {
-                "token": (chosen.decoded_token if chosen else None) or "",
-                "logprob": chosen.logprob if chosen else None,
-                "top_logprobs": [
-                    {"token": lp.decoded_token or "", "logprob": lp.logprob} for lp in ranked
-                ],
-            }
-        )
-    return entries
+    values = {k: merged[k] for k in _SAMPLING_KEYS if merged.get(k) is not None}
+    if "logit_bias" in values:  # stored as JSON (token ids as strings); vLLM keys them by int
+        values["logit_bias"] = {int(token): bias for token, bias in values["logit_bias"].items()}
+    return values
 
 
 def _engine_prompt(prepared: Any) -> dict[str, Any]:

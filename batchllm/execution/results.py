@@ -89,11 +89,14 @@ def record_refused(
     exc: Exception | str,
 ) -> None:
     """The error row of a request the engine refused. A constraint the engine cannot compile,
-    or embedding dimensions the model does not have, is the usual cause: name the field."""
+    embedding dimensions the model does not have, or a logit_bias token id past its vocabulary
+    is the usual cause: name the field."""
     constraint = sampling.constraint
     where = f"field '{field_of(constraint)}': " if constraint else ""
     if not where and getattr(sampling.params, "dimensions", None) is not None:
         where = "field 'dimensions': "
+    if not where and getattr(sampling.params, "logit_bias", None) and "logit_bias" in str(exc):
+        where = "field 'logit_bias': "  # a token id past the model's vocabulary
     buffer.failed(
         row.custom_id,
         row.line,

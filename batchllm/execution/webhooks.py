@@ -1,7 +1,8 @@
 """Sending webhooks: a job's end as a signed POST, OpenAI's event shape, at least once.
 
 The body is `{"id": "evt_<job id>", "object": "event", "type": "batch.completed", "created_at":
-<unix seconds the job ended>, "data": {"id": "<job id>"}}` (types batch.completed, batch.failed,
+<unix seconds the job ended>, "data": {"id": "<batch id>"}}` (a Batch API batch's `batch_...` id;
+a job submitted otherwise, its job id) (types batch.completed, batch.failed,
 batch.cancelled, batch.expired). The headers `webhook-id` (the event id, the same on every
 retry: receivers deduplicate on it), `webhook-timestamp` (unix seconds of this attempt) and
 `webhook-signature: t=<timestamp>,v1=<hex HMAC-SHA256 of "<timestamp>.<body>" under the
@@ -39,7 +40,7 @@ def event_body(delivery: webhooks.DueDelivery) -> bytes:
         "object": "event",
         "type": delivery.event,
         "created_at": int(delivery.finished_at.timestamp()),
-        "data": {"id": delivery.job_id},
+        "data": {"id": delivery.subject_id},
     }
     return json.dumps(event, separators=(",", ":")).encode()
 

@@ -76,6 +76,21 @@ class SamplingOverrides(BaseModel):
     n: Int | None = Field(
         default=None, ge=1, description="Samples per request (capped by BATCHLLM_MAX_N)."
     )
+    logit_bias: dict[str, Float] | None = Field(
+        default=None,
+        description="OpenAI's: token id (a string) -> a bias from -100 to 100 added to its logit "
+        "(vLLM's SamplingParams.logit_bias; an id past the vocabulary is the row's error).",
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"key {token!r} is not a token id (a non-negative integer)")
+            if not -100 <= bias <= 100:  # OpenAI's range (vLLM would clamp it silently)
+                raise ValueError(f"the bias of token {token} is {bias}: from -100 to 100")
+        return value or None  # {} asks nothing
 
 
 # Most alternatives per generated token that `logprobs`/`top_logprobs` may ask for (OpenAI's cap).

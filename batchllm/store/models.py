@@ -277,6 +277,26 @@ def _job_model(context: Any) -> str | None:
     return model
 
 
+JOB_PREFIX = "job_"
+# A Batch API batch is a job: its id is the job's with OpenAI's prefix (`batch_<hex>` for
+# `job_<hex>`). A prefix mapping, not a stored column: no migration, every job made before it
+# has its batch id too, and either id finds the job (the API shows `batch_`, the CLI `job_`).
+BATCH_PREFIX = "batch_"
+
+
+def batch_id_of(job_id: str) -> str:
+    """The id the Batch API shows for the job `job_id` (`job_ab12` -> `batch_ab12`)."""
+    return BATCH_PREFIX + job_id.removeprefix(JOB_PREFIX)
+
+
+def job_id_of(ref: str) -> str:
+    """The job id a batch id names (`batch_ab12` -> `job_ab12`); any other id unchanged (a job
+    id, or one that names no job and is answered as unknown where it is looked up)."""
+    if ref.startswith(BATCH_PREFIX):
+        return JOB_PREFIX + ref.removeprefix(BATCH_PREFIX)
+    return ref
+
+
 class Batch(Base):
     """The Batch API's view of a job (same id): who owns it and its OpenAI fields."""
 
@@ -304,6 +324,11 @@ class Batch(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     job: Mapped[Job] = relationship()
+
+    @property
+    def batch_id(self) -> str:
+        """The id the Batch API shows (`batch_...`; `job_id` is the job's own)."""
+        return batch_id_of(self.job_id)
 
 
 class WebhookAttempt(Base):

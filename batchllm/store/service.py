@@ -18,7 +18,7 @@ from batchllm.settings import Settings
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import settings_of
-from batchllm.store.models import Job, JobParent, JobStatus, utcnow
+from batchllm.store.models import JOB_PREFIX, Job, JobParent, JobStatus, job_id_of, utcnow
 from batchllm.store.recovery import end_stale_shards_of_cancelled_jobs
 from batchllm.store.webhooks import WebhookTarget
 
@@ -26,17 +26,19 @@ log = logging.getLogger(__name__)
 
 
 def new_job_id() -> str:
-    return "job_" + uuid.uuid4().hex[:16]
+    return JOB_PREFIX + uuid.uuid4().hex[:16]
 
 
 def get_job(session: Session, job_ref: str) -> Job:
-    """The job with this id, or with this unique id prefix (with or without `job_`)."""
+    """The job with this id, or with this unique id prefix (with or without `job_`); a batch id
+    (`batch_...`, as the Batch API shows it) or its prefix finds its job too."""
     if not job_ref.strip():
         raise JobNotFound("the job id is empty")
-    job = session.get(Job, job_ref)
+    job = session.get(Job, job_id_of(job_ref))
     if job is not None:
         return job
-    prefix = job_ref if job_ref.startswith("job_") else "job_" + job_ref
+    prefix = job_id_of(job_ref)
+    prefix = prefix if prefix.startswith(JOB_PREFIX) else JOB_PREFIX + prefix
     # autoescape: a prefix is literal text; `%` and `_` must not act as LIKE wildcards.
     matches = session.scalars(
         select(Job).where(Job.id.startswith(prefix, autoescape=True)).limit(2)

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from batchllm.errors import BatchLLMError
-from batchllm.store.models import Job, WebhookAttempt, utcnow
+from batchllm.store.models import Batch, Job, WebhookAttempt, batch_id_of, utcnow
 from batchllm.store.states import JobStatus
 
 SECRET_PREFIX = "whsec_"
@@ -57,6 +57,9 @@ class DueDelivery:
     """One attempt to make now: the job, its event and the attempt number claimed."""
 
     job_id: str
+    # What the event's `data.id` names: a Batch API batch's `batch_` id (what the receiver
+    # retrieves, as on OpenAI), else the job id.
+    subject_id: str
     url: str
     secret: str
     event: str
@@ -130,8 +133,10 @@ def claim_attempt(session: Session, job_id: str, attempt: int) -> DueDelivery | 
             )
     except IntegrityError:
         return None
+    is_batch = session.get(Batch, job_id) is not None
     return DueDelivery(
         job_id=job_id,
+        subject_id=batch_id_of(job_id) if is_batch else job_id,
         url=job.notify_url,
         secret=job.notify_secret or "",
         event=event,

@@ -15,6 +15,10 @@ SCHEMES = ("redis://", "rediss://", "unix://")
 # worker process serves (registry.py). Both expire when their worker stops refreshing them.
 HELD_PREFIX = "batchllm:held:"
 WORKER_PREFIX = "batchllm:worker:"
+# Every model a worker has announced, with when it last did (a sorted set, model -> epoch
+# seconds): `serve` still accepts a model whose workers were scaled to zero a while ago. It never
+# expires (one entry per model name ever served: small); readers apply their retention.
+SERVED_MODELS_KEY = "batchllm:served-models"
 
 # kombu's Redis transport: messages delivered and not acknowledged, the time each was delivered,
 # and the separator of a queue's per-priority lists (QUEUE + separator + priority).

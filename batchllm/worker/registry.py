@@ -1,6 +1,7 @@
 """Which models the fleet serves: each worker process writes its models to a Redis key that
-lives a few reconcile periods, so `GET /v1/models` lists exactly the models some live worker
-serves (a dead worker drops out when its key expires)."""
+lives a few reconcile periods (a dead worker drops out when its key expires), and stamps them in
+a sorted set that remembers when each model was last served, so `serve` still knows a model
+whose workers were scaled to zero (api/served.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from typing import Any
 
 from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.input.schemas import JobSpec
-from batchllm.worker.redis_broker import WORKER_PREFIX, connect, is_redis, worker_key
+from batchllm.worker.redis_broker import (
+    SERVED_MODELS_KEY,
+    WORKER_PREFIX,
+    connect,
+    is_redis,
+    worker_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,7 @@ def register(
     if not models or not is_redis(broker_url):
         return
     client = connect(broker_url)
+    now = time.time()
     try:
         value = json.dumps(
             {
@@ -38,10 +46,13 @@ def register(
                 "node": node,
                 "engine": engine,
                 # When it last said it lives (the dashboard's "last heartbeat").
-                "seen_at": time.time(),
+                "seen_at": now,
             }
         )
-        client.set(worker_key(node), value, ex=ttl_seconds)
+        pipe = client.pipeline()
+        pipe.set(worker_key(node), value, ex=ttl_seconds)
+        pipe.zadd(SERVED_MODELS_KEY, dict.fromkeys(models, now))
+        pipe.execute()
     finally:
         client.close()
 
@@ -98,3 +109,20 @@ def served_models(broker_url: str) -> dict[str, int]:
     finally:
         client.close()
     return served
+
+
+def recently_served(broker_url: str, within_seconds: float) -> dict[str, float]:
+    """Model -> when a worker last announced it (epoch seconds), for the models announced in
+    the last `within_seconds`: live workers' and those of workers gone since ({} for a
+    non-Redis broker)."""
+    if not is_redis(broker_url) or within_seconds <= 0:
+        return {}
+    client = connect(broker_url)
+    try:
+        since = time.time() - within_seconds
+        found: list[tuple[bytes, float]] = client.zrangebyscore(  # type: ignore[assignment]
+            SERVED_MODELS_KEY, since, "+inf", withscores=True
+        )
+    finally:
+        client.close()
+    return {model.decode(): float(seen) for model, seen in found}

@@ -42,6 +42,8 @@ TEMPLATE = (
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
 ASK = [{"role": "user", "content": "Is the sky blue?"}]
+# The demo model's token "x" (checked by the test): a +100 logit_bias makes every token it.
+FORCED_TOKEN, FORCED_TEXT = 90, "x"
 
 
 def oai_chat(custom_id: str, **body) -> dict:
@@ -147,6 +149,11 @@ LINES: list[dict] = [
     },
     oai_chat("tmpl-no-generation-prompt", add_generation_prompt=False, max_completion_tokens=4),
     {"custom_id": "plain", "prompt": "A plain prompt", "max_tokens": 5},
+    # OpenAI's logit_bias (vLLM's SamplingParams.logit_bias): +100 on one token forces it.
+    oai_chat("bias-oai-chat", logit_bias={str(FORCED_TOKEN): 100}, max_tokens=4, ignore_eos=True),
+    oai_completion(
+        "bias-oai-completion", logit_bias={str(FORCED_TOKEN): 100}, max_tokens=4, ignore_eos=True
+    ),
     # Bad values: error rows naming the field.
     {"custom_id": "bad-schema", "prompt": "x", "json": {"type": "nonsense"}},
     oai_chat(
@@ -164,6 +171,7 @@ LINES: list[dict] = [
     {"custom_id": "bad-n-max", "prompt": "x", "n": 17},
     {"custom_id": "bad-grammar", "prompt": "x", "grammar": "root ::= 'a' | "},
     {"custom_id": "bad-clash", "prompt": "x", "choice": ["a"], "regex": "a"},
+    oai_chat("bad-bias-oov", logit_bias={"999999": 5}),
 ]
 
 # custom_id -> the field its error names (the vLLM refusal of a grammar says so too).
@@ -178,6 +186,7 @@ ERRORS = {
     "bad-n-max": ("n", "n is 17; at most 16 samples (BATCHLLM_MAX_N)"),
     "bad-grammar": ("grammar", "rejected by vLLM: "),
     "bad-clash": ("regex", "only one constraint per request"),
+    "bad-bias-oov": ("logit_bias", "out-of-vocab"),
 }
 # custom_id -> K alternatives per token, for the rows that ask for log probabilities.
 LOGPROBS = {
@@ -397,6 +406,16 @@ def test_a_grammar_row_follows_it_but_has_no_checker(features):
     assert row["status"] == "ok", row
     assert row["text"] in ("yes", "no"), row
     assert row["structured_ok"] is None
+
+
+def test_a_logit_bias_of_100_makes_every_generated_token_the_biased_one(features, tokenizer):
+    assert tokenizer.convert_ids_to_tokens(FORCED_TOKEN) == FORCED_TEXT
+    for custom_id in ("bias-oai-chat", "bias-oai-completion"):
+        row = features["rows"][custom_id]
+        assert row["status"] == "ok", row
+        assert (row["text"], row["completion_tokens"]) == (FORCED_TEXT * 4, 4)
+    # The same request without the bias answers otherwise (greedy on random weights).
+    assert features["rows"]["plain"]["text"] != FORCED_TEXT * 5
 
 
 def test_rows_without_new_features_have_null_new_columns(features):

@@ -18,7 +18,7 @@ import pytest
 
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, StoredFile
+from batchllm.store.models import Job, StoredFile, job_id_of
 from tests.support.fleet import INSTANT_ARGS, FleetEnv, Worker, stop_workers
 from tests.support.s3server import S3Server, moto_server
 from tests.support.serve import (
@@ -101,7 +101,10 @@ def s3_api(
             log_path=work / "worker.log",
             engine_args=INSTANT_ARGS,
         )
-        server = Server(env, work / "serve.log")
+        # Configured, as a deployment whose batches may come before its worker announces it.
+        server = Server(
+            {**env, "BATCHLLM_SERVED_MODELS": json.dumps([str(model)])}, work / "serve.log"
+        )
         try:
             server.wait_healthy()
             worker.wait_ready()
@@ -148,7 +151,7 @@ def test_a_batch_runs_from_upload_to_output_download_with_every_file_in_the_buck
         [json.loads(line) for line in errors.decode().splitlines()], {"zero-tokens": "max_tokens"}
     )
 
-    results = f"{files_prefix}/{batch.id}-results"
+    results = f"{files_prefix}/{job_id_of(batch.id)}-results"
     assert s3_api.object(f"{results}/output.jsonl") == output
     assert s3_api.object(f"{results}/errors.jsonl") == errors
     for file_id, data, lines in ((done.output_file_id, output, 6), (done.error_file_id, errors, 1)):
@@ -158,9 +161,9 @@ def test_a_batch_runs_from_upload_to_output_download_with_every_file_in_the_buck
             row = session.get(StoredFile, file_id)
             assert (row.path.startswith(results + "/"), row.lines) == (True, lines)
     with session_scope(s3_api.fleet_env.settings) as session:
-        job = session.get(Job, batch.id)
+        job = session.get(Job, job_id_of(batch.id))
         assert job.input_file == f"s3://{files_prefix}/{file.id}.jsonl"
-        assert job.output_dir == f"s3://{s3_api.bucket}/{PREFIX}/{batch.id}/output"
+        assert job.output_dir == f"s3://{s3_api.bucket}/{PREFIX}/{job.id}/output"
     # The default local storage ($BATCHLLM_HOME/jobs) was never used.
     assert not (s3_api.fleet_env.settings.home / "jobs").exists()
 

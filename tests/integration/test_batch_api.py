@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job, JobStatus, StoredFile
+from batchllm.store.models import Job, JobStatus, StoredFile, job_id_of
 from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv, Worker, stop_workers
 from tests.support.serve import (
     CHAT,
@@ -63,7 +63,11 @@ RECONCILE_SECONDS = "2"
 # whatever the machine, and it is stopped after a few seconds.
 BIG_LINES = 10_000
 FIRST_BATCH_SECONDS = 300
+# Configured on the server, served by no worker: its batches are accepted and wait.
+CONFIGURED_MODEL = "/configured-model-without-workers"
 BATCH_SECONDS = 300
+# Configured on the server, served by no worker: its batches are accepted and wait.
+CONFIGURED_MODEL = "/configured-model-without-workers"
 
 
 # -- the server and its worker ---------------------------------------------------------------
@@ -95,11 +99,17 @@ def api(
         log_path=work / "worker.log",
         engine_args=PACED_INSTANT_ARGS,
     )
-    server = Server(env, work / "serve.log")
+    # A model configured with no worker (test_a_queued_batch_expires); the worker's model is
+    # served because its live worker announces it.
+    server = Server(
+        {**env, "BATCHLLM_SERVED_MODELS": json.dumps([CONFIGURED_MODEL])}, work / "serve.log"
+    )
     try:
         server.wait_healthy()
         worker.wait_ready()
-        yield StrictApi(fleet_env, server, worker, str(tiny_model), keys)
+        api = StrictApi(fleet_env, server, worker, str(tiny_model), keys)
+        api.wait_model_served()
+        yield api
     finally:
         server.stop()
         stop_workers([worker])
@@ -219,14 +229,25 @@ def test_keys_are_required(api: Api) -> None:
     assert bare.json()["error"]["code"] == "missing_api_key"
 
 
-def test_models_lists_the_worker_model(api: Api) -> None:
-    models = wait_for(
-        lambda: [m.id for m in api.client().models.list().data] or None,
-        timeout=30,
-        what=lambda: "the worker to register its model" + api.logs(),
-    )
-    assert api.model in models
+def test_models_lists_the_worker_model_and_the_configured_one(api: Api) -> None:
+    models = [m.id for m in api.client().models.list().data]
+    assert api.model in models and CONFIGURED_MODEL in models
     assert "/nonexistent-model" not in models
+
+
+def test_a_model_neither_served_nor_configured_is_refused_at_create(api: Api) -> None:
+    """As OpenAI: model_not_found at create, naming the models served, not a batch waiting
+    in_progress on a queue no worker reads until it expires."""
+    client = api.client()
+    file = upload(client, jsonl([chat_line(api.model + "-typo", "x")]))
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert (error["code"], error["param"]) == ("model_not_found", "body.model")
+    assert repr(api.model + "-typo") in error["message"]
+    assert repr(api.model) in error["message"] and repr(CONFIGURED_MODEL) in error["message"]
+    assert "BATCHLLM_SERVED_MODELS" in error["message"]
 
 
 def test_an_oversized_upload_keeps_nothing(api: Api) -> None:
@@ -344,6 +365,11 @@ def test_a_chat_batch_completes(api: Api) -> None:
         batch.output_file_id,
         batch.error_file_id,
     )
+    # OpenAI's id form; the job's own id (what the CLI shows) finds the same batch.
+    assert created.id == batch.id and batch.id.startswith("batch_")
+    by_job_id = client.batches.retrieve(job_id_of(batch.id))
+    assert by_job_id.model_dump() == again.model_dump()
+    assert client.files.retrieve(batch.output_file_id).filename == f"{batch.id}_output.jsonl"
 
 
 def test_a_completions_batch_completes(api: Api) -> None:
@@ -556,12 +582,13 @@ def test_cancel_a_running_batch(api: Api) -> None:
 
 
 def test_a_queued_batch_expires(api: Api) -> None:
-    """No worker serves its model, so it waits in the queue until its window passes."""
+    """Its model is configured (BATCHLLM_SERVED_MODELS) but no worker serves it (scaled to
+    zero): accepted, it waits in the queue until its window passes."""
     client = api.client()
-    lines = [chat_line("/nonexistent-model", f"never-{i}") for i in range(3)]
+    lines = [chat_line(CONFIGURED_MODEL, f"never-{i}") for i in range(3)]
     file = upload(client, jsonl(lines))
     created = client.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="5s")
-    assert created.status == "in_progress" and created.model == "/nonexistent-model"
+    assert created.status == "in_progress" and created.model == CONFIGURED_MODEL
     # in_progress since its create, though no worker ever started it (issue 64)
     assert created.in_progress_at == created.created_at
     assert_window(created, 5)

@@ -55,7 +55,9 @@ def api(
     try:
         server.wait_healthy()
         worker.wait_ready()
-        yield StrictApi(fleet_env, server, worker, str(embed_model), keys)
+        api = StrictApi(fleet_env, server, worker, str(embed_model), keys)
+        api.wait_model_served()
+        yield api
     finally:
         server.stop()
         stop_workers([worker])

@@ -85,7 +85,9 @@ def servers(
         raised.wait_healthy()
         default.wait_healthy()
         worker.wait_ready()
-        yield Servers(StrictApi(fleet_env, raised, worker, str(tiny_model), keys), default)
+        api = StrictApi(fleet_env, raised, worker, str(tiny_model), keys)
+        api.wait_model_served()  # both servers read the one registry
+        yield Servers(api, default)
     finally:
         raised.stop()
         default.stop()

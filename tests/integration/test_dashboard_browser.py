@@ -28,6 +28,7 @@ import pytest
 
 from batchllm.api import keys
 from batchllm.store.db import session_scope
+from batchllm.store.models import job_id_of
 from batchllm.store.states import JobStatus
 from tests.support import job_checks
 from tests.support.fleet import PACED_INSTANT_ARGS, REPO, FleetEnv, Worker, stop_workers
@@ -83,7 +84,7 @@ class Dashboard:
                 },
             )
             assert batch.status_code == 200, batch.text
-            return batch.json()["id"]
+            return job_id_of(batch.json()["id"])  # the dashboard shows jobs
 
     def shoot(self, page: Any, name: str) -> None:
         path = self.shots / f"dashboard-{name}.png"
@@ -138,7 +139,9 @@ def dashboard(
         log_path=work / "worker.log",
         engine_args=PACED_INSTANT_ARGS,
     )
-    server = Server(env, work / "serve.log")
+    # Configured, as a deployment whose batches may come before its worker announces it.
+    served = {"BATCHLLM_SERVED_MODELS": json.dumps([str(tiny_model)])}
+    server = Server({**env, **served}, work / "serve.log")
     try:
         server.wait_healthy()
         worker.wait_ready()

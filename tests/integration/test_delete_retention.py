@@ -22,7 +22,7 @@ from batchllm.jobs.create import create_job
 from batchllm.settings import Settings, get_settings
 from batchllm.store import service
 from batchllm.store.db import session_scope, upgrade
-from batchllm.store.models import Batch, Checkpoint, Job, Shard, StoredFile, utcnow
+from batchllm.store.models import Batch, Checkpoint, Job, Shard, StoredFile, batch_id_of, utcnow
 from batchllm.worker.reconciler import reconcile_once
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, write_items
 from tests.support.s3server import S3Server, moto_server
@@ -119,7 +119,7 @@ def rows_of(place: Place, job_id: str) -> dict[str, int]:
             ),
             "batches": session.scalar(select(func.count()).where(Batch.job_id == job_id)),
             "files": session.scalar(
-                select(func.count()).where(StoredFile.filename.startswith(job_id))
+                select(func.count()).where(StoredFile.filename.startswith(batch_id_of(job_id)))
             ),
         }
     return counts

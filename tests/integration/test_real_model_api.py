@@ -60,7 +60,7 @@ import pytest
 from batchllm.demo import PERSON_SCHEMA
 from batchllm.input.schemas import EngineOptions
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job
+from batchllm.store.models import Job, job_id_of
 from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail
 from tests.support.serve import (
     CHAT,
@@ -259,6 +259,7 @@ def compared(
         server.wait_healthy()
         worker.wait_ready()
         api = Api(fleet_env, server, worker, model, {"alice": key})
+        api.wait_model_served()
         client = api.client()
         file = upload(client, source.read_bytes(), "lines.jsonl")
         created = client.batches.create(
@@ -279,7 +280,7 @@ def compared(
         }
         assert len(served) == len(output), "a custom_id answered twice"
         with session_scope(fleet_env.settings) as session:
-            job = session.get(Job, batch.id)
+            job = session.get(Job, job_id_of(batch.id))
             assert job is not None, batch.id
             served_dir = Path(job.output_dir)
         run.wait(deadline - time.monotonic())

@@ -13,6 +13,7 @@ database of the machine's Redis. No worker runs: every batch's one shard stays i
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ from tests.support.services import redis_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-# No BATCHLLM_SERVED_MODELS: serve takes any model name, and no worker consumes its queue.
+# Configured (BATCHLLM_SERVED_MODELS) with no worker: serve accepts its batches, and no worker
+# consumes its queue.
 MODEL = "serve-load-probe"
 CLIENTS = 8
 # Enough for the server's pools (database connections, broker producers, client sockets) to
@@ -58,6 +60,7 @@ def served(tmp_path: Path, broker: tuple[redis.Redis, str]) -> Iterator[Served]:
     server = start_serve(
         tmp_path,
         BATCHLLM_BROKER_URL=broker_url,
+        BATCHLLM_SERVED_MODELS=json.dumps([MODEL]),
         BATCHLLM_API_MAX_ACTIVE_BATCHES=str(10 * CREATES),
         BATCHLLM_API_MAX_ENQUEUED_ROWS=str(1_000_000),
         BATCHLLM_API_MAX_STORED_BYTES=str(100 * 1024 * 1024),

@@ -11,15 +11,17 @@ import httpx
 import pytest
 
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job
+from batchllm.store.models import Job, job_id_of
 from batchllm.store.states import JobStatus
-from tests.support.serve import start_serve, stop_serve
+from tests.support.serve import SERVED_MODEL, start_serve, stop_serve
 
 pytestmark = pytest.mark.integration
 
+# The model `start_serve` configures (no worker runs here: the batch waits, then expires).
 LINES = b"".join(
     b'{"custom_id": "c%d", "method": "POST", "url": "/v1/chat/completions", "body": '
-    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n' % i
+    b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}}\n'
+    % (i, SERVED_MODEL.encode())
     for i in range(3)
 )
 
@@ -82,7 +84,7 @@ def test_two_server_processes_answer_and_batches_still_expire(tmp_path: Path) ->
         deadline = time.monotonic() + 120
         while True:
             with session_scope(served.settings) as session:
-                status = session.get(Job, batch_id).status
+                status = session.get(Job, job_id_of(batch_id)).status
             if status is JobStatus.EXPIRED:
                 break
             assert time.monotonic() < deadline, status

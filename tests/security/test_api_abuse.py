@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job
+from batchllm.store.models import Job, job_id_of
 from tests.support.serve import MAX_ACTIVE_BATCHES, MAX_STORED_BYTES, Served
 
 pytestmark = pytest.mark.security
@@ -99,7 +99,7 @@ def test_a_file_whose_stored_copy_is_missing_is_an_error_before_any_byte(serve: 
 
 def job_status(serve: Served, job_id: str) -> str:
     with session_scope(serve.settings) as session:
-        job = session.get(Job, job_id)
+        job = session.get(Job, job_id_of(job_id))  # the API's batch id names its job
         assert job is not None
         return job.status.value
 

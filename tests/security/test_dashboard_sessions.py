@@ -24,7 +24,7 @@ from batchllm.output.commit import record_checkpoint
 from batchllm.output.parts import OutputBuffer, part_name, part_of, write_table
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
-from batchllm.store.models import ApiKey, Job, Shard, utcnow
+from batchllm.store.models import ApiKey, Job, Shard, job_id_of, utcnow
 from batchllm.store.states import JobStatus, ShardStatus
 from tests.support.serve import Served, start_serve, stop_serve
 
@@ -81,7 +81,7 @@ def _create_batch(served: Served, key: str, custom_ids: tuple[str, ...] = ("a",)
             json={"input_file_id": file.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
         )
         assert batch.status_code == 200, batch.text
-        return str(batch.json()["id"])
+        return job_id_of(batch.json()["id"])  # the dashboard shows jobs
 
 
 def _status(served: Served, job_id: str) -> JobStatus:

@@ -32,6 +32,7 @@ import pytest
 from batchllm.input.images import ImageProblem, open_image, shown
 from batchllm.input.validate import LineProblem, parse_line, read_row_chunks
 from batchllm.settings import get_settings
+from batchllm.store.models import job_id_of
 from tests.support.inputs import source_of
 from tests.support.s3server import S3Server, moto_server
 from tests.support.serve import start_serve, stop_serve
@@ -648,7 +649,9 @@ def test_batch_create_on_serve_refuses_the_probes_and_no_request_leaves(
     finally:
         stop_serve(served)
     assert batch["request_counts"]["total"] == 4, batch
-    shards = Path(served.settings.resolved_storage, batch["id"], "input").glob("shard-*.parquet")
+    shards = Path(served.settings.resolved_storage, job_id_of(batch["id"]), "input").glob(
+        "shard-*.parquet"
+    )
     rows = pa.concat_tables(pq.read_table(shard) for shard in shards).to_pylist()
     stored = {row["custom_id"]: (row["kind"], row["error"] or "") for row in rows}
     assert stored.keys() == urls.keys()

@@ -31,7 +31,7 @@ from sqlalchemy import func, select
 
 from batchllm.settings import Settings
 from batchllm.store.db import get_engine, session_scope, upgrade
-from batchllm.store.models import Batch, Job
+from batchllm.store.models import Batch, Job, job_id_of
 from batchllm.store.states import JobStatus
 from tests.support.serve import (
     HOST,
@@ -84,7 +84,7 @@ def _race(served: Served, *, accepts: int, code: str) -> None:
     )
     for refused in (r for r in responses if r.status_code == 429):
         assert refused.json()["error"]["code"] == code, refused.text
-    accepted = {r.json()["id"] for r in responses if r.status_code == 200}
+    accepted = {job_id_of(r.json()["id"]) for r in responses if r.status_code == 200}
     with session_scope(served.settings) as session:
         batches = set(session.scalars(select(Batch.job_id)))
         jobs = session.scalar(select(func.count()).select_from(Job))

@@ -147,6 +147,16 @@ class Api:
             **options,
         )
 
+    def wait_model_served(self, timeout: float = 60) -> None:
+        """Until the worker has announced its model (GET /v1/models lists it): only then does
+        a batch for it pass the create's served-model check without a configured list. The
+        announcement follows the worker's "ready" by a moment (a thread of the worker)."""
+        wait_for(
+            lambda: self.model in {m.id for m in self.client().models.list().data} or None,
+            timeout=timeout,
+            what=lambda: f"the worker to announce {self.model}" + self.logs(),
+        )
+
     def logs(self) -> str:
         return (
             f"\n--- serve log (tail) ---\n{self.server.tail()}"
@@ -270,6 +280,8 @@ MAX_STORED_BYTES = 5 * 1024 * 1024
 MAX_ACTIVE_BATCHES = 3
 HEADER_TIMEOUT = 4.0
 RECONCILE_SECONDS = 1.0
+# The model the abuse suites' batches name (`Served` configures it: no worker runs there).
+SERVED_MODEL = "tiny"
 
 
 class Served(Server):
@@ -291,6 +303,9 @@ class Served(Server):
             "BATCHLLM_API_MAX_ACTIVE_BATCHES": str(MAX_ACTIVE_BATCHES),
             "BATCHLLM_API_HEADER_TIMEOUT": str(HEADER_TIMEOUT),
             "BATCHLLM_RECONCILE_SECONDS": str(RECONCILE_SECONDS),
+            # No worker announces a model on this broker: the model its batches name is
+            # configured, as a deployment's first batches before any worker need.
+            "BATCHLLM_SERVED_MODELS": json.dumps([SERVED_MODEL]),
             "TMPDIR": str(self.tmpdir),
             **env_extra,
         }

@@ -17,7 +17,7 @@ from batchllm.api.app import create_app
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch as BatchRow
-from batchllm.store.models import Job, StoredFile
+from batchllm.store.models import Job, StoredFile, job_id_of
 
 pytest.importorskip("fastapi.testclient")
 openai_types = pytest.importorskip("openai.types")
@@ -41,11 +41,14 @@ def database_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str) -> Settings:
     # memory://: no test here may reach a real broker (the refusals below never dispatch).
+    # No worker registry there, so the model is configured, as a deployment whose workers are
+    # not up yet does.
     return Settings(
         home=tmp_path / "home",
         database_url=database_url,
         storage=str(tmp_path / "storage"),
         broker_url="memory://",
+        served_models=["tiny"],
     )
 
 
@@ -508,14 +511,18 @@ def test_models_lists_what_live_workers_serve(
 ) -> None:
     _, headers = new_key(settings)
     body = client.get("/v1/models", headers=headers).json()
-    assert body == {"object": "list", "data": []}  # a non-Redis broker: no registry
+    # A non-Redis broker: no registry, only the configured model.
+    assert [Model.model_validate(m).id for m in body["data"]] == ["tiny"]
 
-    from batchllm.api import batches_routes
+    from batchllm.worker import registry
 
-    monkeypatch.setattr(batches_routes, "served_models", lambda _url: {"b": 1, "a": 2})
-    body = client.get("/v1/models", headers=headers).json()
+    monkeypatch.setattr(registry, "served_models", lambda _url: {"b": 1, "a": 2})
+    # A model whose workers were scaled to zero lately, and one the operator configured.
+    monkeypatch.setattr(registry, "recently_served", lambda _url, _within: {"c": time.time()})
+    configured = client_for(settings, served_models=["d"])
+    body = configured.get("/v1/models", headers=headers).json()
     models = [Model.model_validate(m) for m in body["data"]]
-    assert [m.id for m in models] == ["a", "b"]
+    assert [m.id for m in models] == ["a", "b", "c", "d"]
 
 
 def test_a_refused_batch_is_a_failed_job_of_its_tenant(
@@ -524,8 +531,8 @@ def test_a_refused_batch_is_a_failed_job_of_its_tenant(
     owner, headers = new_key(settings)
     batch = refused_batch(client, headers)
     with session_scope(settings) as session:
-        assert session.get(BatchRow, batch.id).owner == owner
-        job = session.get(Job, batch.id)
+        assert session.get(BatchRow, job_id_of(batch.id)).owner == owner
+        job = session.get(Job, job_id_of(batch.id))
         assert job.status.value == "failed"
         assert "failed batch validation" in job.error
 
@@ -545,7 +552,8 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     assert response.json() == {"id": batch.id, "object": "batch.deleted", "deleted": True}
     assert_error(client.get(f"/v1/batches/{batch.id}", headers=headers), 404)
     with session_scope(settings) as session:
-        assert session.get(Job, batch.id) is None and session.get(BatchRow, batch.id) is None
+        job_id = job_id_of(batch.id)
+        assert session.get(Job, job_id) is None and session.get(BatchRow, job_id) is None
     assert file_rows(settings, owner) == 1 and len(files_on_disk(settings)) == 1
 
     from batchllm.api.batches import record_batch
@@ -564,10 +572,16 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
         assert session.get(Job, queued) is not None
 
 
-def test_an_unexpected_failure_is_an_openai_error(settings: Settings) -> None:
-    # A broker nobody listens on: GET /v1/models cannot read the registry.
-    broken = settings.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
-    client = TestClient(create_app(broken, auth=False), raise_server_exceptions=False)
+def test_an_unexpected_failure_is_an_openai_error(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchllm.worker import registry
+
+    def broken(_url: str) -> dict[str, int]:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(registry, "served_models", broken)
+    client = TestClient(create_app(settings, auth=False), raise_server_exceptions=False)
     response = client.get("/v1/models")
     assert response.status_code == 500
     assert response.json() == {

@@ -17,7 +17,7 @@ from batchllm.api import enqueued, keys
 from batchllm.api.app import create_app
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
-from batchllm.store.models import Job
+from batchllm.store.models import Job, job_id_of
 
 pytest.importorskip("fastapi.testclient")
 pytest.importorskip("openai.types")
@@ -84,6 +84,7 @@ def api_settings(tmp_path: Path) -> Settings:
         database_url=f"sqlite:///{tmp_path / 'batchllm.db'}",
         storage=str(tmp_path / "storage"),
         broker_url="memory://",
+        served_models=["tiny", "other"],  # the models these batches name (no worker runs)
         # 3 batches of 4 lines fit: 3 * 4 * 5 = 60 tokens
         api_max_enqueued_tokens=3 * 4 * LINE_TOKENS,
     )
@@ -164,10 +165,12 @@ def test_a_batchs_tokens_are_released_as_its_rows_finish(api_settings: Settings)
     owner, alice = _key(api_settings, "alice")
     batch_id = _create(client, alice, 4).json()["id"]
     with session_scope(api_settings) as session:
-        assert session.get(Job, batch_id).prompt_tokens_estimate == 20
+        assert session.get(Job, job_id_of(batch_id)).prompt_tokens_estimate == 20
         # 3 of its 4 lines done (one failed): a quarter of its estimate is still reserved.
         session.execute(
-            update(Job).where(Job.id == batch_id).values(request_completed=2, request_failed=1)
+            update(Job)
+            .where(Job.id == job_id_of(batch_id))
+            .values(request_completed=2, request_failed=1)
         )
     with session_scope(api_settings) as session:
         assert enqueued.enqueued_tokens(session, owner, "tiny") == 5
@@ -216,7 +219,7 @@ def test_a_batch_found_over_the_limit_when_recorded_is_failed_and_leaves_no_task
     assert (batch.request_counts is not None and batch.request_counts.total) == 0
     assert (batch.output_file_id, batch.error_file_id) == (None, None)
     with session_scope(api_settings) as session:
-        job = session.get(Job, batch.id)
+        job = session.get(Job, job_id_of(batch.id))
         assert job.error is not None and job.error.startswith("Enqueued token limit reached")
         assert job.shards == []
         assert session.scalar(select(func.count()).select_from(Job)) == 4  # 3 ran, 1 failed

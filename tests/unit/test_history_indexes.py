@@ -28,6 +28,7 @@ from batchllm.store.models import (
     Shard,
     ShardStatus,
     StoredFile,
+    job_id_of,
     utcnow,
 )
 from batchllm.store.states import JobStatus
@@ -81,7 +82,7 @@ def test_listing_batches_sends_the_same_few_statements_for_any_page_size(tmp_pat
         for limit in (2, 30):
             with log.recording() as statements:
                 page = client.get(f"/v1/batches?limit={limit}", headers=headers).json()
-            assert [b["id"] for b in page["data"]] == ids[::-1][:limit]
+            assert [job_id_of(b["id"]) for b in page["data"]] == ids[::-1][:limit]
             counts[limit] = len(statements)
     assert counts[30] == counts[2] <= 10
 

@@ -109,7 +109,6 @@ REFUSED: dict[str, Any] = {
     "stream": True,
     "audio": {"voice": "alloy", "format": "wav"},
     "web_search_options": {},
-    "logit_bias": {"50256": -100},
     "modalities": ["text", "audio"],
     "echo": True,
     "suffix": "tail",
@@ -137,6 +136,54 @@ def test_a_field_asking_what_a_batch_line_cannot_give_is_an_error_naming_it(
     neutral, _ = ONLY_EMPTY[url][name]
     for value in (None, *neutral):
         assert parsed(line(url, **{name: value})).custom_id == "c"
+
+
+@pytest.mark.parametrize("url", [CHAT_COMPLETIONS.url, COMPLETIONS.url])
+def test_logit_bias_is_kept_with_the_row_and_reaches_the_engine_keyed_by_token_id(url) -> None:
+    from batchllm.engine.vllm_engine import sampling_values
+
+    given = parsed(line(url, logit_bias={"50256": -100, "7": 2.5}))
+    assert given.sampling == {"logit_bias": {"50256": -100.0, "7": 2.5}}
+    # JSON keys are strings; vLLM's SamplingParams.logit_bias is keyed by token id.
+    assert sampling_values({**given.sampling, "max_tokens": 4}) == {
+        "max_tokens": 4,
+        "logit_bias": {50256: -100.0, 7: 2.5},
+    }
+    assert parsed(line(url, logit_bias={})).sampling == {}  # asks nothing
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [
+        ({"x": 1}, "key 'x' is not a token id"),
+        ({"-1": 1}, "key '-1' is not a token id"),
+        ({"5": 101}, "the bias of token 5 is 101.0: from -100 to 100"),
+        ({"5": -100.5}, "from -100 to 100"),
+    ],
+)
+def test_a_logit_bias_openai_would_refuse_is_an_error_naming_it(bias, message) -> None:
+    with pytest.raises(LineProblem) as caught:
+        parsed(line(CHAT_COMPLETIONS.url, logit_bias=bias))
+    assert caught.value.field == "body.logit_bias"
+    assert message in caught.value.message
+
+
+def embedding_line(**body: Any) -> dict[str, Any]:
+    body = {"input": "hi", **body}
+    return {"custom_id": "e", "method": "POST", "url": EMBEDDINGS.url, "body": body}
+
+
+def test_embeddings_take_dimensions_and_float_vectors_and_name_base64_as_unsupported() -> None:
+    def embedded(obj: dict[str, Any]):
+        return parse_line(obj, 1, task="embed", settings=get_settings())
+
+    assert embedded(embedding_line(dimensions=8)).sampling == {"dimensions": 8}
+    plain = embedded(embedding_line())
+    for field in ({"encoding_format": "float"}, {"user": "u-1"}):
+        assert embedded(embedding_line(**field)).sampling == plain.sampling
+    with pytest.raises(LineProblem) as caught:
+        embedded(embedding_line(encoding_format="base64"))
+    assert caught.value.field == "body.encoding_format"
 
 
 def test_legacy_functions_run_as_tools() -> None:

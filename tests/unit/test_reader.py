@@ -201,11 +201,11 @@ def test_extra_field_in_openai_body_is_an_error_naming_the_body_field(tmp_path):
     assert "Extra inputs are not permitted" in err.message
 
 
-def test_an_openai_field_this_engine_does_not_apply_is_an_error_naming_it(tmp_path):
-    err = only_error(tmp_path, chat_line("x-1", logit_bias={"1": 5}))  # OpenAI's: refused
+def test_an_openai_field_asking_what_a_line_cannot_give_is_an_error_naming_it(tmp_path):
+    err = only_error(tmp_path, chat_line("x-1", stream=True))  # OpenAI's: refused
 
-    assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.logit_bias")
-    assert err.message == "logit_bias: not applied here: leave it out, or give {}"
+    assert (err.line, err.custom_id, err.field) == (1, "x-1", "body.stream")
+    assert err.message.startswith("stream: a batch line's answer is written whole")
 
 
 def test_unsupported_url_is_an_error_on_the_url_field(tmp_path):

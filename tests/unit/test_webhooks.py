@@ -93,6 +93,30 @@ def test_a_failed_job_is_posted_once_signed_with_openais_event_shape(settings, t
     )
 
 
+def test_a_batch_apis_event_names_the_batch_by_its_batch_id(settings, tmp_path, receiver):
+    """As OpenAI's batch events: `data.id` is what the receiver retrieves (`batch_...`); the
+    event id, the receivers' deduplication key, stays the job's."""
+    from batchllm.api.batches import record_batch
+
+    hook = receiver()
+    job_id = _ended_job(
+        settings, tmp_path, hook.url, lambda s, j: state_machine.fail_job(s, j, "x")
+    )
+    record_batch(
+        settings,
+        job_id,
+        owner="key_1",
+        endpoint="/v1/chat/completions",
+        window="24h",
+        input_file_id="file-x",
+    )
+    assert deliver_due(settings) == [job_id]
+    ((headers, body),) = hook.received
+    event = json.loads(body)
+    assert event["data"] == {"id": "batch_" + job_id.removeprefix("job_")}
+    assert event["id"] == headers["webhook-id"] == f"evt_{job_id}"
+
+
 def test_a_receiver_failing_twice_gets_the_third_attempt_after_backoff(
     settings, tmp_path, receiver, monkeypatch
 ):

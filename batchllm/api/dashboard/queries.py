@@ -17,7 +17,7 @@ from batchllm.execution.profile import EngineProfile
 from batchllm.output import stream
 from batchllm.settings import Settings
 from batchllm.store.job_view import live_throughput
-from batchllm.store.models import Batch, Checkpoint, Job, Shard
+from batchllm.store.models import Batch, Checkpoint, Job, Shard, job_id_of
 from batchllm.store.states import JobStatus, ShardStatus
 
 PAGE_SIZE = 20
@@ -41,8 +41,9 @@ def visible_jobs(viewer: Viewer) -> Any:
 
 
 def visible_job(session: Session, viewer: Viewer, job_id: str) -> Job | None:
-    """The job, or None alike when it does not exist and when the viewer may not see it."""
-    return session.scalar(visible_jobs(viewer).where(Job.id == job_id))
+    """The job by its id or its batch's (`batch_...`, as the Batch API shows it), or None alike
+    when it does not exist and when the viewer may not see it."""
+    return session.scalar(visible_jobs(viewer).where(Job.id == job_id_of(job_id)))
 
 
 def job_page(

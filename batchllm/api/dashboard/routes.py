@@ -9,7 +9,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Request
@@ -31,7 +31,7 @@ from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
-from batchllm.store.models import Batch, Job
+from batchllm.store.models import Batch, Job, batch_id_of, job_id_of
 from batchllm.store.states import JobStatus
 from batchllm.worker.registry import live_workers
 
@@ -179,6 +179,7 @@ def _job_context(request: Request, viewer: Viewer, job_id: str) -> dict[str, Any
             "final": job.status.is_final,
             "local_run": job.local_run,
             "batch": db.get(Batch, job.id) is not None,
+            "batch_id": batch_id_of(job.id),
         }
         db.expunge(job)
     preview, errors = queries.output_glance(settings, job)
@@ -199,6 +200,8 @@ def _not_found(request: Request, job_id: str, viewer: Viewer | None = None) -> R
 
 @router.get("/ui/jobs/{job_id}")
 def job_page(request: Request, job_id: str, message: str = "") -> Response:
+    if job_id_of(job_id) != job_id:  # a batch id, as the Batch API shows it: its job's page
+        return RedirectResponse(f"/ui/jobs/{quote(job_id_of(job_id))}", status_code=307)
     viewer = _viewer(request)
     context = _job_context(request, viewer, job_id)
     if context is None:
@@ -220,6 +223,7 @@ def job_series(request: Request, job_id: str) -> Response:
 
 
 async def _job_action(request: Request, job_id: str, act: Any) -> Response:
+    job_id = job_id_of(job_id)  # a batch id names its job
     viewer = _viewer(request)
     form = await request.form()
     if not session.csrf_ok(request, str(form.get("csrf", ""))):

@@ -9,7 +9,7 @@ Each such field is one of:
 - honoured under batchllm's name: chat's legacy `functions` and `function_call` become `tools`
   and `tool_choice`;
 - asking for what a batch line cannot give (ONLY_EMPTY): refused with an error row naming the
-  field when it asks for it (`stream: true`, audio output, a web search, a `logit_bias`, ...);
+  field when it asks for it (`stream: true`, audio output, a web search, ...);
   absent, null, false, empty or the one neutral value, it changes nothing and is dropped.
 A field in none of these keeps the models' clear refusal of an unknown parameter.
 tests/unit/test_openai_fields.py derives each endpoint's fields from the installed `openai`
@@ -71,7 +71,6 @@ NO_EFFECT: dict[str, frozenset[str]] = {
 _NOT_STREAMED = "a batch line's answer is written whole, never streamed: give false or leave it out"
 _NO_AUDIO = "audio output is not produced here (text only)"
 _NO_SEARCH = "no web search runs here"
-_NO_BIAS = "not applied here: leave it out, or give {}"
 _STATELESS = "a batch line is answered on its own: no stored conversation or response to continue"
 
 # Field -> (its neutral values, why any other is refused).
@@ -80,12 +79,10 @@ ONLY_EMPTY: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "stream": ((False,), _NOT_STREAMED),
         "audio": ((), _NO_AUDIO),
         "web_search_options": ((), _NO_SEARCH),
-        "logit_bias": (({},), _NO_BIAS),
         "modalities": (([], ["text"]), _NO_AUDIO),
     },
     _COMPLETIONS: {
         "stream": ((False,), _NOT_STREAMED),
-        "logit_bias": (({},), _NO_BIAS),
         "echo": ((False,), "echo (the prompt in the answer) is not produced here"),
         "suffix": (("",), "suffix (text after the insertion) is not supported here"),
         "best_of": ((1,), "best_of is not supported here: ask n samples instead"),
