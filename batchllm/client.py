@@ -29,8 +29,8 @@ import batchllm.output  # noqa: F401
 from batchllm.errors import BatchLLMError
 from batchllm.input.job_rows import JobRows, child_options
 from batchllm.input.job_spec import build_job_spec
-from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings, get_settings
+from batchllm.spec import JobSpec
 from batchllm.store.states import JobStatus
 
 if TYPE_CHECKING:

@@ -403,9 +403,9 @@ def _env(config: Config, services: Services) -> dict[str, str]:
 def _submit(jobs: list[TenantJob], model: str, config: Config, direct: dict[str, Any]) -> list[str]:
     """Each tenant's job, the way `batchllm submit` sends it (jobs/submit.py), on the
     services directly (`direct`: Services.direct's settings)."""
-    from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
     from batchllm.settings import Settings
+    from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
     from batchllm.store.db import get_engine
 
     settings = Settings(**direct)

@@ -23,9 +23,9 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.parts.overhead import peak_rss, write_lines
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.process.services import RedisServer, ServiceFailed
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 
 MODEL = "bench/first-shard"  # no worker serves it: the tasks stay queued
 SHARD_SIZE = 10_000  # the default BATCHLLM_SHARD_SIZE

@@ -32,9 +32,9 @@ from typing import Any
 import batchllm
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.parts.overhead import write_lines
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.process.services import RedisServer, tail
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from benchmarks.private_postgres import PostgresCluster
 
 Say = Callable[[str], None]

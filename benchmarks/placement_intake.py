@@ -30,9 +30,9 @@ MODEL = "bench/placement"  # no engine runs: intake only
 
 def _create(source: str, home: str, place: bool, out: Any) -> None:
     """One job created from `source` in a fresh home; (seconds, peak RSS, shards) to `out`."""
-    from batchllm.input.schemas import JobSpec
     from batchllm.jobs.create import create_job
     from batchllm.settings import Settings
+    from batchllm.spec import JobSpec
 
     settings = Settings(home=Path(home), place_prefixes=place)
     started = time.perf_counter()

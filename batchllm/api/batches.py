@@ -18,11 +18,11 @@ from batchllm.api.errors import ApiError
 from batchllm.input.endpoints import batch_task
 from batchllm.input.files.lines import iter_lines
 from batchllm.input.job_spec import build_job_spec
-from batchllm.input.schemas import JobSpec
 from batchllm.input.unicode_text import may_hold_surrogates, unencodable_field
 from batchllm.jobs.create import record_refused_job
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import session_scope

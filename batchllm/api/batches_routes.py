@@ -20,11 +20,11 @@ from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import BATCH_BY_ID, batch_object, batch_rows, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.endpoints import URLS
-from batchllm.input.schemas import PRIORITIES
 from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
 from batchllm.jobs.retry import retry_job
 from batchllm.jobs.submit import submit_job
 from batchllm.output.deletion import delete_job
+from batchllm.spec import PRIORITIES
 from batchllm.storage import Storage
 from batchllm.store import recovery, service
 from batchllm.store.db import read_connection, session_scope

@@ -18,8 +18,8 @@ from batchllm.bench.memory import PeakRss
 from batchllm.bench.workload import Workload, iter_requests
 from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 
 if TYPE_CHECKING:
     from batchllm.store.models import Job

@@ -176,7 +176,7 @@ def size_context(model: str, runs: list[tuple[Workload, int]], settings: Setting
     """One max_model_len for every contender: the longest request among the (workload, variant)
     pairs that will run, sized the way batchllm sizes a job (under `settings`)."""
     from batchllm.engine.sizing import size_max_model_len
-    from batchllm.input.schemas import SamplingDefaults
+    from batchllm.spec import SamplingDefaults
 
     rows = (row for workload, variant in runs for row in stored_rows(workload, variant))
     return size_max_model_len(model, rows, SamplingDefaults(max_tokens=1), settings=settings)

@@ -90,7 +90,7 @@ def start(
     """Load MODEL now, so the next `batchllm run` with the same model and engine flags starts
     generating at once. Without --max-model-len the engine takes the longest context its
     memory holds (a job that needs more gets an engine of its own)."""
-    from batchllm.input.schemas import EngineOptions, JobSpec
+    from batchllm.spec import EngineOptions, JobSpec
 
     options = worker_engine_from_flags(flags)
     source = click.get_current_context().get_parameter_source("gpu_memory_utilization")

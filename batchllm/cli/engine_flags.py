@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from batchllm.input.schemas import EngineOptions
+from batchllm.spec import EngineOptions
 
 _DTYPES = ["auto", "bfloat16", "float16", "float32", "half", "float"]
 

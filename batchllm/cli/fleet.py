@@ -32,7 +32,7 @@ from batchllm.cli.options import (
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     from batchllm.input.files.source import InputSource
-    from batchllm.input.schemas import EngineOptions
+    from batchllm.spec import EngineOptions
 
 
 @cli.command()

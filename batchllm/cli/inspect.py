@@ -90,8 +90,8 @@ def _waiting_for_a_worker(job) -> str | None:
     profiles (None when one can run it, or the broker cannot say)."""
     if job.local_run or job.status is not JobStatus.QUEUED:
         return None
-    from batchllm.input.schemas import JobSpec
     from batchllm.settings import get_settings
+    from batchllm.spec import JobSpec
     from batchllm.worker.redis_broker import is_redis
     from batchllm.worker.registry import live_workers, waiting_reason
 

@@ -23,13 +23,8 @@ from batchllm.cli.engine_flags import (
     share_option,
 )
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
-from batchllm.input.schemas import (
-    MAX_TOKENS_LIMIT,
-    MAX_TOP_LOGPROBS,
-    JobSpec,
-    SamplingDefaults,
-)
 from batchllm.settings import get_settings
+from batchllm.spec import MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, JobSpec, SamplingDefaults
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     from batchllm.input.files.source import InputSource

@@ -25,8 +25,8 @@ from batchllm.cli.options import (
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     from batchllm.client import Job
     from batchllm.input.files.source import InputSource
-    from batchllm.input.schemas import JobSpec
     from batchllm.kept_engine.client import KeptEngines
+    from batchllm.spec import JobSpec
 
 
 @cli.command()

@@ -8,8 +8,8 @@ import time
 from typing import TYPE_CHECKING
 
 from batchllm.doctor.machine import Section
-from batchllm.input.schemas import EngineOptions
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions
 
 if TYPE_CHECKING:
     from batchllm.engine.vllm_engine import VllmEngine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchllm.engine.hardware import Gpu, visible_gpus
 from batchllm.errors import EngineSettingsError
-from batchllm.input.schemas import EngineOptions
+from batchllm.spec import EngineOptions
 
 
 def _gpu_word(count: int) -> str:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from batchllm.engine.prompts import Prepared
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
+from batchllm.spec import JobSpec
 
 # The finish reason of a request the engine refused when it was added, for an engine that
 # reports refusals with its finished requests rather than from `add` (a kept engine in another

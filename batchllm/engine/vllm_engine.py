@@ -45,10 +45,10 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.heap import frozen_heap
 from batchllm.input.images import ImageProblem
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import EngineOptions
 from batchllm.process.engine_output import engine_output_to_log
 from batchllm.process.parent_watch import ENGINE_MARK
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions
 
 log = logging.getLogger(__name__)
 

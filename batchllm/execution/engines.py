@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from batchllm.errors import EngineMismatch
 from batchllm.execution import metrics
 from batchllm.execution.profile import VLLM_LORA_RANK, EngineProfile, ProfiledEngine
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec
 
 if TYPE_CHECKING:  # vllm is imported only when an engine is built
     from batchllm.engine.vllm_engine import VllmEngine

@@ -19,7 +19,7 @@ from batchllm.errors import BatchLLMError, EngineMismatch
 from batchllm.execution import metrics
 from batchllm.execution.profile import EngineProfile, ProfiledEngine
 from batchllm.execution.stand_in_engines import InstantEngine
-from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.spec import EngineOptions, JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batchllm.input.schemas import EngineOptions, JobSpec
+from batchllm.spec import EngineOptions, JobSpec
 
 # vLLM's default max_lora_rank, which an engine built without --max-lora-rank has.
 VLLM_LORA_RANK = 16

@@ -10,11 +10,11 @@ from operator import attrgetter
 from typing import Any
 
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows
 from batchllm.output import commit, replace
 from batchllm.output.parts import OutputBuffer, Part, part_of
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store.db import get_one, session_scope
 from batchllm.store.models import Shard

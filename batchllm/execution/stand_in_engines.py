@@ -31,8 +31,8 @@ from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Adapter, Engine, EngineSource, Finished
 from batchllm.engine.vllm_engine import sampling_values
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
 from batchllm.input.scoring import ScoreShape
+from batchllm.spec import JobSpec
 
 FAKE_MAX_MODEL_LEN = 24
 FAKE_DIMENSIONS = 16

@@ -11,10 +11,6 @@ from pydantic import BaseModel, ConfigDict
 
 from batchllm.input.parsing.responses import OpenAIResponsesBody
 from batchllm.input.schemas import (
-    CLASSIFY,
-    EMBED,
-    GENERATE,
-    NonEmptyStr,
     OpenAIChatBody,
     OpenAIClassifyBody,
     OpenAICompletionBody,
@@ -22,8 +18,8 @@ from batchllm.input.schemas import (
     OpenAIRerankBody,
     OpenAIScoreBody,
     RequestKind,
-    Task,
 )
+from batchllm.spec import CLASSIFY, EMBED, GENERATE, NonEmptyStr, Task
 
 
 @dataclass(frozen=True)

@@ -8,15 +8,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import InputError
-from batchllm.input.schemas import (
-    GENERATE,
-    EngineOptions,
-    JobSpec,
-    SamplingDefaults,
-    TableColumns,
-)
 from batchllm.input.structured import constraint_of
 from batchllm.settings import Settings
+from batchllm.spec import GENERATE, EngineOptions, JobSpec, SamplingDefaults, TableColumns
 
 if TYPE_CHECKING:  # pyarrow stays out of `batchllm --help`'s imports
     from batchllm.input.files.source import InputSource

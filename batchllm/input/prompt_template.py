@@ -17,15 +17,14 @@ batch at a time: no Python string per row for text fields.
 from __future__ import annotations
 
 import json
-import string
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchllm.errors import InputError
+from batchllm.spec import TEMPLATE_FLAG, template_pieces
 
-FLAG = "--prompt-template"
+FLAG = TEMPLATE_FLAG
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +37,7 @@ class PromptTemplate:
     @classmethod
     def parse(cls, text: str) -> PromptTemplate:
         """InputError naming the flag and the field for a template this module does not take."""
-        try:
-            parsed = list(string.Formatter().parse(text))
-        except ValueError as exc:  # "Single '}' encountered", "unmatched '{'"
-            raise InputError(f"{FLAG}: {exc} (write {{{{ and }}}} for literal braces)") from None
-        pieces = []
-        for literal, field, spec, conversion in parsed:
-            if field is not None:
-                _check_field(field, spec, conversion)
-            pieces.append((literal, field))
-        template = cls(text, tuple(pieces))
-        if not template.fields:
-            raise InputError(
-                f"{FLAG}: {text!r} names no field; write the fields as {{name}} "
-                "(e.g. 'Question: {question}')"
-            )
-        return template
+        return cls(text, template_pieces(text))
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -75,22 +59,6 @@ class PromptTemplate:
     def missing(self, columns: dict[str, pa.Array]) -> dict[str, pa.Array]:
         """Per field, a boolean mask of the rows where it is null."""
         return {field: pc.is_null(columns[field]) for field in self.fields}
-
-
-def _check_field(field: str, spec: str | None, conversion: str | None) -> None:
-    if field == "" or field.isdigit():
-        raise InputError(f"{FLAG}: positional field {{{field}}}; name the field, e.g. {{question}}")
-    if any(mark in field for mark in ".[]"):
-        raise InputError(
-            f"{FLAG}: field {{{field}}}: attribute and index access are not supported; "
-            "name a column or key as it is"
-        )
-    if conversion or spec:
-        raise InputError(
-            f"{FLAG}: field {{{field}}} has a conversion or format spec "
-            f"({'!' + conversion if conversion else ''}{':' + spec if spec else ''}); "
-            "a template only places each field's text"
-        )
 
 
 def field_text(column: pa.Array | pa.ChunkedArray) -> pa.Array:

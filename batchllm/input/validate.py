@@ -25,7 +25,7 @@ from batchllm.input.images import ImageChecks, image_urls
 from batchllm.input.parsing.line import decode_line, parse_line
 from batchllm.input.parsing.problems import LineProblem, duplicate
 from batchllm.input.rows import INPUT_SCHEMA, InputRow, request_payload
-from batchllm.input.schemas import GENERATE, LineError, Request, Task
+from batchllm.input.schemas import LineError, Request
 from batchllm.input.unicode_text import (
     UNENCODABLE,
     encodable,
@@ -33,6 +33,7 @@ from batchllm.input.unicode_text import (
     unencodable_field,
 )
 from batchllm.settings import Settings
+from batchllm.spec import GENERATE, Task
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from batchllm.errors import InputError, StorageError
 from batchllm.execution.context.plan import ContextPlan, plain_plan
 from batchllm.input.adapters import store_adapters
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, StoredInput, store_input
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import get_one, session_scope

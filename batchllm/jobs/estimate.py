@@ -16,9 +16,9 @@ from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
 from batchllm.input.files.source import InputSource, resolve_input
 from batchllm.input.rows import POOLING_KINDS, InputRow, stored_row
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import validated_chunks
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.store.db import session_scope
 from batchllm.store.service import RecordedThroughput, recorded_throughput
 

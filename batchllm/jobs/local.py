@@ -15,11 +15,11 @@ from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.webhooks import deliver_soon
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.kept_engine.client import KeptEngines, size_on
 from batchllm.process.stopping import Signalled, StopRequest, stop_on_first_interrupt
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.store import recovery, service, state_machine
 from batchllm.store.db import get_one, read_one, session_scope
 from batchllm.store.models import Job, JobStatus

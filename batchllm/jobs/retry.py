@@ -19,11 +19,11 @@ from batchllm.engine.protocol import EngineSource
 from batchllm.errors import JobStateError
 from batchllm.execution.engines import EngineCache
 from batchllm.execution.runner import ProgressFn
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.local import fail_abandoned_runs, run_shards_here
 from batchllm.jobs.submit import dispatch_shards
 from batchllm.output import commit, replace
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope

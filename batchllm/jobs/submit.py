@@ -13,10 +13,10 @@ from batchllm.errors import BatchLLMError
 from batchllm.execution.context.plan import plan_for_submit
 from batchllm.execution.finalize import finalize_job
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import StoredInput
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.store import dependencies, state_machine
 from batchllm.store.db import read_one, session_scope
 from batchllm.store.models import Job, JobStatus

@@ -29,10 +29,10 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.execution.engines import EngineCache, context_free_key, with_min_lora_rank
 from batchllm.execution.instant import InstantEngines
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
 from batchllm.kept_engine import registry, wire
 from batchllm.kept_engine.registry import EngineRecord
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 from batchllm.engine.protocol import Engine
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.kept_engine import registry
 from batchllm.kept_engine.host import EngineHost
 from batchllm.settings import Settings, get_settings
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.storage import Storage
 
 log = logging.getLogger("batchllm.kept_engine")

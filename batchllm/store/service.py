@@ -13,8 +13,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from batchllm.errors import JobNotFound, JobStateError
-from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import state_machine
 from batchllm.store.db import settings_of

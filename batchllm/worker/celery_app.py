@@ -14,8 +14,8 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_init
 
-from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 
 TASK_RUN_SHARD = "batchllm.run_shard"
 

@@ -14,10 +14,10 @@ from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.execution.finalize import finalize_job
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import shard_failed
-from batchllm.input.schemas import JobSpec
 from batchllm.process.log_format import note_job, shard_context
 from batchllm.process.stopping import StopRequest
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.store import leases
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard

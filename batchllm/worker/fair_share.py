@@ -35,8 +35,8 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import ColumnElement, and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from batchllm.input.schemas import PRIORITIES
 from batchllm.settings import Settings
+from batchllm.spec import PRIORITIES
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
 from batchllm.store.models import ApiKey, Batch, Checkpoint, Job, Shard, ShardStatus, utcnow

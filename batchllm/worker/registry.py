@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from batchllm.execution.profile import EngineProfile, unmet_requirements
-from batchllm.input.schemas import JobSpec
+from batchllm.spec import JobSpec
 from batchllm.worker.redis_broker import (
     SERVED_MODELS_KEY,
     WORKER_PREFIX,

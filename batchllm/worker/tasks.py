@@ -25,10 +25,10 @@ from batchllm.engine.protocol import EngineSource
 from batchllm.execution.engines import EngineCache, WorkerEngine
 from batchllm.execution.instant import InstantWorkerEngine
 from batchllm.execution.runner import Outcome
-from batchllm.input.schemas import EngineOptions
 from batchllm.process import log_format
 from batchllm.process.stopping import DEFAULT_DRAIN_SECONDS, StopRequest, StopSignals
 from batchllm.settings import Settings, get_settings
+from batchllm.spec import EngineOptions
 from batchllm.store.db import get_engine
 from batchllm.worker import registry
 from batchllm.worker.celery_app import TASK_RUN_SHARD

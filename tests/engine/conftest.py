@@ -18,9 +18,9 @@ import pytest
 from click.testing import Result
 
 from batchllm.execution.engines import EngineCache
-from batchllm.input.schemas import JobSpec
 from batchllm.kept_engine import client as local_engines
 from batchllm.settings import Settings, get_settings
+from batchllm.spec import JobSpec
 from tests.support.cli import LOCAL_UNSET, invoke
 from tests.support.skips import require
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.output.parts import read_output
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.storage import Storage
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

@@ -21,12 +21,12 @@ from sqlalchemy import func, select
 
 from batchllm.demo.workload import write_workload
 from batchllm.execution.engines import EngineCache
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
 from batchllm.settings import get_settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
@@ -443,7 +443,7 @@ def test_run_of_a_parquet_table_joins_back_on_its_id_then_dry_run_uses_its_throu
     import pyarrow.parquet as pq
 
     from batchllm.client import Client
-    from batchllm.input.schemas import TableColumns
+    from batchllm.spec import TableColumns
 
     docs = pa.table(
         {

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, JobStatus, ShardStatus

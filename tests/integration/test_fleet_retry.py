@@ -13,7 +13,7 @@ import re
 import subprocess
 
 from batchllm.demo.workload import write_workload
-from batchllm.input.schemas import JobSpec
+from batchllm.spec import JobSpec
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.broker_tasks import shard_ids_in_broker
 from batchllm.worker.celery_app import TASK_RUN_SHARD, queue_for_job

@@ -14,8 +14,8 @@ from pathlib import Path
 from sqlalchemy import select
 
 from batchllm.api import batches, keys
-from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.jobs.submit import submit_job
+from batchllm.spec import JobSpec, SamplingDefaults
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, Shard
 from tests.support.fleet import ENGINE, INSTANT_ARGS, start_workers, stop_workers, tails

@@ -285,8 +285,8 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
     sizing lock and read the size it stored instead of each running the pass (issue 37), when
     the submit leaves it to them. Then the same file submitted with `always` and as by default
     (`auto`): sized at submit, and no worker sizes it."""
-    from batchllm.input.schemas import JobSpec, SamplingDefaults
     from batchllm.jobs.submit import submit_job
+    from batchllm.spec import JobSpec, SamplingDefaults
 
     names = ["size1", "size2", "size3", "size4"]
     workers = start_workers(

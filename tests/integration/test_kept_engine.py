@@ -24,11 +24,11 @@ import pytest
 
 from batchllm.client import Client
 from batchllm.errors import BatchLLMError
-from batchllm.input.schemas import JobSpec
 from batchllm.kept_engine import registry, wire
 from batchllm.kept_engine.client import KeptEngines, RemoteEngine
 from batchllm.output.parts import SUCCESS_NAME
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus

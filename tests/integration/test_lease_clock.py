@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.store import clock, leases, models, recovery, state_machine
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, Shard, ShardStatus

@@ -11,8 +11,8 @@ import json
 import time
 
 from batchllm.execution.webhooks import verify
-from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.jobs.submit import submit_job
+from batchllm.spec import JobSpec, SamplingDefaults
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget

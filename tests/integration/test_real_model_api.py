@@ -58,7 +58,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchllm.demo import PERSON_SCHEMA
-from batchllm.input.schemas import EngineOptions
+from batchllm.spec import EngineOptions
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, job_id_of
 from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail

@@ -668,8 +668,8 @@ def test_a_parquet_table_s_images_are_fetched_concurrently_and_checked_the_same_
 ) -> None:
     """Table input (a messages column of JSON text) goes through the same checks: its
     images fetched 4 at a time, a loopback URL refused without a request."""
-    from batchllm.input.schemas import TableColumns
     from batchllm.input.shards import validated_chunks
+    from batchllm.spec import TableColumns
 
     configure(
         http_on,

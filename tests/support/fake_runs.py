@@ -13,10 +13,10 @@ import pytest
 from sqlalchemy import update
 
 from batchllm.execution.stand_in_engines import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import list_parts, read_output
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope

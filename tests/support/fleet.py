@@ -22,10 +22,10 @@ from pathlib import Path
 
 import redis
 
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.process.ports import HOST
 from batchllm.process.services import tail
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from tests.support.cli import REPO, run_cli
 from tests.support.worker_logs import named_log_tail
 

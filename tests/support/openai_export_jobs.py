@@ -13,12 +13,12 @@ from typing import Any
 from sqlalchemy import update
 
 from batchllm.engine.protocol import Finished
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
 from batchllm.output.parts import part_name
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope

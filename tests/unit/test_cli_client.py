@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from batchllm import Client
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import record_refused_job
 from batchllm.settings import get_settings
+from batchllm.spec import JobSpec
 from batchllm.store import service
 from tests.support.cli import invoke
 from tests.support.fake_runs import FakeEngine, FakeEngines

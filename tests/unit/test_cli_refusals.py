@@ -14,9 +14,9 @@ import pytest
 
 from batchllm.cli.options import require_local_model
 from batchllm.errors import JobNotFound
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
+from batchllm.spec import JobSpec
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from tests.support.cli import invoke

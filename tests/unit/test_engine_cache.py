@@ -10,8 +10,8 @@ import pytest
 
 from batchllm.execution import engines as engines_module
 from batchllm.execution.engines import EngineCache
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec
 
 MODEL = "/models/fake"
 

@@ -7,9 +7,9 @@ import pytest
 
 from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.runner import Outcome
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, Shard, ShardStatus

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 
 from batchllm.execution.shard_state import ShardState
 from batchllm.input.rows import INPUT_SCHEMA, InputRow, stored_row
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, part_of
 from batchllm.settings import get_settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, rows_to_table

@@ -23,11 +23,11 @@ from batchllm.engine.protocol import REJECTED, Finished
 from batchllm.errors import BatchLLMError, EngineDied
 from batchllm.execution.stand_in_engines import FakeEngine, InstantEngine
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
 from batchllm.kept_engine import control, registry, wire
 from batchllm.kept_engine.client import KeptEngines, RemoteEngine
 from batchllm.kept_engine.host import EngineHost
 from batchllm.settings import Settings, duration_seconds
+from batchllm.spec import JobSpec
 from tests.support.cli import invoke
 
 DEADLINE = 30.0

@@ -47,6 +47,7 @@ FOUNDATION = [
     "heap",
     "external_sort",
     "row_errors",
+    "spec",
     "process",
 ]  # may import no layer
 

@@ -11,10 +11,10 @@ from sqlalchemy import update
 
 from batchllm.errors import ShardBusy, ShardLost
 from batchllm.execution.finalize import finalize_job
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import part_name
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope

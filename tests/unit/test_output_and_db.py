@@ -11,7 +11,6 @@ import pytest
 from sqlalchemy import create_engine, inspect, select
 
 from batchllm.errors import JobNotFound, JobStateError
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.output import commit
 from batchllm.output.parts import (
@@ -23,6 +22,7 @@ from batchllm.output.parts import (
     read_output,
     write_manifest,
 )
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope, upgrade

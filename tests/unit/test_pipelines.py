@@ -16,11 +16,11 @@ from batchllm import Client, JobRows
 from batchllm.errors import InputError, JobStateError
 from batchllm.execution.instant import InstantEngines
 from batchllm.input.prompt_template import PromptTemplate
-from batchllm.input.schemas import TableColumns
 from batchllm.input.shards import validated_chunks
 from batchllm.jobs.create import create_job
 from batchllm.jobs.parent_rows import asked_text
 from batchllm.settings import get_settings
+from batchllm.spec import TableColumns
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope

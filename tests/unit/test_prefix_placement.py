@@ -22,12 +22,12 @@ from batchllm.engine.protocol import Finished
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.external_sort import ExternalSort
 from batchllm.input import shards as input_shards
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.jobs.retry import retry_job
 from batchllm.output import commit
 from batchllm.output.openai_files import ERRORS_NAME, OUTPUT_NAME, export_openai
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow

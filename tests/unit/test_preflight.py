@@ -14,7 +14,7 @@ from batchllm.engine.preflight import (
     check_worker_concurrency,
 )
 from batchllm.errors import EngineSettingsError
-from batchllm.input.schemas import EngineOptions
+from batchllm.spec import EngineOptions
 
 
 def gpu(index: int, capability: int = 90, name: str = "NVIDIA H100") -> Gpu:
@@ -132,7 +132,7 @@ def test_the_run_command_refuses_a_memory_share_above_one_in_one_line(tmp_path):
 
 def test_a_workers_lora_rank_floor_raises_only_lora_engines():
     from batchllm.execution.engines import with_min_lora_rank
-    from batchllm.input.schemas import JobSpec
+    from batchllm.spec import JobSpec
 
     plain = JobSpec(model="m")
     assert with_min_lora_rank(plain, 64) is plain

@@ -16,12 +16,12 @@ from sqlalchemy import update
 from batchllm.errors import EngineUnavailable, InputError
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.stand_in_engines import FakeEngine, FakeEngines
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
 from batchllm.output.parts import MANIFEST_NAME, SUCCESS_NAME
 from batchllm.process.stopping import StopRequest
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope

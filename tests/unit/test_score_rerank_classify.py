@@ -12,12 +12,13 @@ import pyarrow as pa
 import pytest
 
 from batchllm.execution.stand_in_engines import FAKE_LABELS, FakeEngine
-from batchllm.input.schemas import EngineOptions, JobSpec, LineError, Request, SamplingDefaults
+from batchllm.input.schemas import LineError, Request
 from batchllm.input.scoring import ScoreShape, pair_scores, ranked
 from batchllm.input.validate import infer_task, read_requests
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import export_openai
 from batchllm.output.parts import OUTPUT_SCHEMA, SCHEMA_VERSION
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from tests.support.fake_runs import FakeEngines, output_rows
 from tests.support.inputs import source_of
 

@@ -9,9 +9,9 @@ import pytest
 
 from batchllm.errors import InputError
 from batchllm.execution.runner import ShardRunner
-from batchllm.input.schemas import EngineOptions
 from batchllm.jobs import submit as dispatch
 from batchllm.jobs.create import create_job
+from batchllm.spec import EngineOptions
 from batchllm.store import service, shard_recording, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow

@@ -20,10 +20,10 @@ from batchllm.execution.context.plan import ContextPlan, ContextPolicy, plan_for
 from batchllm.execution.context.submit_pass import SubmitTokens
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.stand_in_engines import InstantEngine
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.input.token_store import TokenFileWriter, token_path
 from batchllm.jobs.create import CreatedJob, create_job
 from batchllm.output.parts import read_output
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store import service, shard_recording
 from batchllm.store.db import session_scope

@@ -15,9 +15,9 @@ from batchllm import Client
 from batchllm.errors import InputError
 from batchllm.input.files import table as table_module
 from batchllm.input.job_spec import build_job_spec
-from batchllm.input.schemas import TableColumns
 from batchllm.input.shards import validated_chunks
 from batchllm.settings import get_settings
+from batchllm.spec import TableColumns
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
 from tests.support.fake_runs import FakeEngine, FakeEngines, small_commits

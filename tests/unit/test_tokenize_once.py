@@ -15,11 +15,11 @@ from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
 from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec, SamplingDefaults
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import token_path
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
+from batchllm.spec import JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope

@@ -17,8 +17,8 @@ from batchllm.errors import EngineMismatch
 from batchllm.execution.engines import WorkerEngine
 from batchllm.execution.profile import EngineProfile, unmet_requirements
 from batchllm.execution.runner import Outcome
-from batchllm.input.schemas import EngineOptions, JobSpec
 from batchllm.settings import get_settings
+from batchllm.spec import EngineOptions, JobSpec
 from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues

@@ -24,8 +24,8 @@ from batchllm.bench.own_engine import OwnEnginePart
 from batchllm.demo.workload import sentence
 from batchllm.execution.engines import EngineCache
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 
 CONTENDERS = {
     "vllm_embed_texts": "raw vLLM: LLM.embed(texts)",

@@ -30,8 +30,8 @@ from batchllm.engine.prompts import Prepared
 from batchllm.engine.protocol import Adapter, Engine, Finished
 from batchllm.execution.engines import EngineCache
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.store.models import Job
 
 SCHEMA = {

@@ -21,7 +21,7 @@ from typing import Any
 from batchllm.bench.figures import BenchFailed
 from batchllm.demo.workload import sentence
 from batchllm.execution.stand_in_engines import InstantEngines
-from batchllm.input.schemas import JobSpec
+from batchllm.spec import JobSpec
 
 _SENTENCES = 4096
 
@@ -142,7 +142,7 @@ def _run_once(
 ) -> dict[str, Any]:
     from batchllm.bench.contenders import bench_settings, timed_run_job
     from batchllm.engine.sizing import load_tokenizer
-    from batchllm.input.schemas import EngineOptions, SamplingDefaults
+    from batchllm.spec import EngineOptions, SamplingDefaults
     from batchllm.store.models import JobStatus
 
     engines = InstantEngines(load_tokenizer(model))

@@ -23,9 +23,9 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.own_engine import Say
-from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 
 RAW_OFF, RAW_ON, RAW_SORTED, JOB = "raw_cache_off", "raw_cache_on", "raw_sorted", "batchllm"
 SHARDED, SHARDED_FILE_ORDER = "batchllm_sharded", "batchllm_sharded_file_order"

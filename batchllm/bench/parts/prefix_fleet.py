@@ -32,9 +32,9 @@ from batchllm.bench.parts.prefix_cache import (
 )
 from batchllm.bench.parts.warm import wait_ended
 from batchllm.bench.parts.warm_worker import WorkerProcess
-from batchllm.input.schemas import JobSpec
 from batchllm.process.services import RedisServer, ServiceFailed
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 
 SHARDS = 10  # at least: the job's shard size is its lines over this, rounded up
 PART = "prefix-cache fleet"

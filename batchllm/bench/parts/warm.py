@@ -32,8 +32,8 @@ from batchllm.bench.parts.warm_worker import (
     private_redis,
 )
 from batchllm.bench.processes import EngineLimits
-from batchllm.input.schemas import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.settings import Settings
+from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 
 # The promise: a warm worker starts generating within 1 s of picking a job up.
 TARGET_SECONDS = 1.0

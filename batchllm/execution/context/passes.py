@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchllm.input.rows import InputRow
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.input.token_store import TokenFileWriter, token_path
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 
 if TYPE_CHECKING:

@@ -33,9 +33,9 @@ from typing import Protocol
 from batchllm.execution.context import submit_pass
 from batchllm.execution.context.passes import AfterValidation, BesideValidation
 from batchllm.execution.context.submit_pass import SubmitTokens
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from batchllm.execution.context.passes import size_shards
-from batchllm.input.schemas import JobSpec
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import get_one, read_one, session_scope

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from batchllm.execution.context.passes import ThreadedPass, size_shard
-from batchllm.input.schemas import JobSpec
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.settings import Settings
+from batchllm.spec import JobSpec
 from batchllm.storage import Storage
 
 if TYPE_CHECKING:

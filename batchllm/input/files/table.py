@@ -33,9 +33,10 @@ from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.problems import LineProblem
 from batchllm.input.prompt_template import PromptTemplate
 from batchllm.input.rows import request_payload
-from batchllm.input.schemas import EMBED, POOLING_TASKS, LineError, TableColumns
+from batchllm.input.schemas import LineError
 from batchllm.input.validate import stored_block
 from batchllm.settings import Settings
+from batchllm.spec import EMBED, POOLING_TASKS, TableColumns
 
 _BATCH_ROWS = 65_536  # rows per record batch: a few MB of text, whatever the file's length
 _CSV_BLOCK = 4 << 20

@@ -25,9 +25,6 @@ from batchllm.input.parsing.problems import INVALID_JSON, LineProblem, validated
 from batchllm.input.parsing.responses import OpenAIResponsesBody, responses_request
 from batchllm.input.parsing.sampling import model_adapter, picked_adapter, sampling_of
 from batchllm.input.schemas import (
-    CLASSIFY,
-    EMBED,
-    GENERATE,
     ChatLine,
     ClassifyLine,
     EmbeddingLine,
@@ -43,6 +40,7 @@ from batchllm.input.schemas import (
 from batchllm.input.scoring import rerank_request, score_request, unpaired
 from batchllm.input.structured import ConstraintError
 from batchllm.settings import Settings
+from batchllm.spec import CLASSIFY, EMBED, GENERATE
 
 _UNKNOWN_FORM = (
     "unknown line form: expected a 'prompt' string, a 'messages' list, "

@@ -9,14 +9,9 @@ from pydantic import BaseModel
 
 from batchllm.input.parsing.problems import LineProblem
 from batchllm.input.rows import TEMPLATE_OPTIONS
-from batchllm.input.schemas import (
-    ChatOptions,
-    CompletionLogprobs,
-    ConstraintFields,
-    SamplingOverrides,
-)
 from batchllm.input.structured import ConstraintError, constraint_of
 from batchllm.input.tools import line_tool_settings
+from batchllm.spec import ChatOptions, CompletionLogprobs, ConstraintFields, SamplingOverrides
 
 _SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text
 
