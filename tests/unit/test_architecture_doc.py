@@ -61,3 +61,28 @@ def test_every_function_and_transition_the_doc_names_exists():
     assert len(named) > 15 and "store/state_machine.start_job" in named
     assert [name for name in named if not _resolves(name)] == []
     assert not _resolves("store/state_machine.queue_job")  # the check can fail
+
+
+def _row_path_block() -> str:
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    section = doc.split("## A row's path", 1)[1].split("\n## ", 1)[0]
+    return section.split("```text", 1)[1].split("```", 1)[0]
+
+
+def test_the_row_path_names_modules_and_functions_that_exist():
+    """The diagram's modules exist, and the names it gives each step are that module's."""
+    block = _row_path_block()
+    paths = re.findall(r"\b((?:[a-z_]+/)*[a-z_]+\.py)\b", block)
+    assert len(paths) >= 15
+    assert [p for p in paths if not (REPO / "batchllm" / p).is_file()] == []
+    named = {
+        "input/validate.py": "read_row_chunks",
+        "input/shards.py": "store_input",
+        "execution/runner.py": "ShardRunner",
+        "output/parts.py": "OutputBuffer",
+        "output/commit.py": "commit_part",
+    }
+    for path, name in named.items():
+        assert f"{path}" in block and name in block
+        module = importlib.import_module("batchllm." + path.removesuffix(".py").replace("/", "."))
+        assert hasattr(module, name), (path, name)
