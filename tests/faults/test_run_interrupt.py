@@ -25,6 +25,7 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.output.parts import SUCCESS_NAME, read_output
 from batchllm.storage import Storage
+from tests.support.cli import kill_group
 from tests.support.faults import alive_of, descendants, kill_recorded
 from tests.support.fleet import REPO, tail
 from tests.support.job_checks import assert_each_line_at_most_once, expected_rows
@@ -191,12 +192,7 @@ def interrupted(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         yield runs
     finally:
         for run in runs.values():
-            if run.proc.poll() is None:
-                try:
-                    os.killpg(run.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                run.proc.wait(timeout=30)
+            kill_group(run.proc)
             kill_recorded(run.recorded)
 
 

@@ -19,7 +19,8 @@ import pytest
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, StoredFile, job_id_of
-from tests.support.fleet import INSTANT_ARGS, FleetEnv, Worker, stop_workers
+from tests.support.batch_api import serving
+from tests.support.fleet import INSTANT_ARGS, FleetEnv, Worker
 from tests.support.s3server import S3Server, moto_server
 from tests.support.serve import (
     CHAT,
@@ -105,13 +106,8 @@ def s3_api(
         server = Server(
             {**env, "BATCHLLM_SERVED_MODELS": json.dumps([str(model)])}, work / "serve.log"
         )
-        try:
-            server.wait_healthy()
-            worker.wait_ready()
+        with serving(worker, server):
             yield S3Api(s3_fleet, s3, bucket, server, worker, str(model), key)
-        finally:
-            server.stop()
-            stop_workers([worker])
 
 
 def test_a_batch_runs_from_upload_to_output_download_with_every_file_in_the_bucket(

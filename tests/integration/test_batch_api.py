@@ -27,7 +27,8 @@ from sqlalchemy import func, select
 
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, StoredFile, job_id_of
-from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv, Worker, stop_workers
+from tests.support.batch_api import StrictApi, api_worker, assert_line_shapes, serving
+from tests.support.fleet import PACED_INSTANT_ARGS, FleetEnv
 from tests.support.serve import (
     CHAT,
     COMPLETIONS,
@@ -73,13 +74,6 @@ CONFIGURED_MODEL = "/configured-model-without-workers"
 # -- the server and its worker ---------------------------------------------------------------
 
 
-class StrictApi(Api):
-    """Clients that validate every response with the SDK's own models."""
-
-    def client(self, key: str | None = None, **options: Any) -> OpenAI:
-        return super().client(key, _strict_response_validation=True, **options)
-
-
 @pytest.fixture(scope="module")
 def api(
     fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -92,27 +86,16 @@ def api(
         BATCHLLM_RECONCILE_SECONDS=RECONCILE_SECONDS,
         BATCHLLM_API_MAX_FILE_BYTES=str(MAX_FILE_BYTES),
     )
-    worker = Worker(
-        "api@test",
-        model=tiny_model,
-        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
-        log_path=work / "worker.log",
-        engine_args=PACED_INSTANT_ARGS,
-    )
+    worker = api_worker("api@test", tiny_model, env, work, PACED_INSTANT_ARGS)
     # A model configured with no worker (test_a_queued_batch_expires); the worker's model is
     # served because its live worker announces it.
     server = Server(
         {**env, "BATCHLLM_SERVED_MODELS": json.dumps([CONFIGURED_MODEL])}, work / "serve.log"
     )
-    try:
-        server.wait_healthy()
-        worker.wait_ready()
+    with serving(worker, server):
         api = StrictApi(fleet_env, server, worker, str(tiny_model), keys)
         api.wait_model_served()
         yield api
-    finally:
-        server.stop()
-        stop_workers([worker])
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -148,15 +131,7 @@ def read_jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     """A result file's lines, each as OpenAI writes it: an answer (status code, request id,
     body) or an error (code, message)."""
     lines = read_file_lines(client, file_id)
-    for line in lines:
-        assert set(line) == {"id", "custom_id", "response", "error"}, line
-        response, error = line["response"], line["error"]
-        assert (response is None) != (error is None), line
-        if response is not None:
-            assert isinstance(response["status_code"], int) and response["request_id"], line
-            assert isinstance(response["body"], dict), line
-        else:
-            assert set(error) == {"code", "message"} and error["code"] and error["message"], line
+    assert_line_shapes(lines)
     return lines
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.fleet import FleetEnv, Worker, stop_workers
-from tests.support.serve import Api, Server, create_key, jsonl, read_jsonl, upload, wait_status
+from tests.support.batch_api import StrictApi, api_worker, assert_line_shapes, serving
+from tests.support.fleet import FleetEnv
+from tests.support.serve import Server, create_key, jsonl, read_jsonl, upload, wait_status
 
 openai = pytest.importorskip("openai")
 from openai import OpenAI  # noqa: E402
@@ -29,13 +30,6 @@ DIMENSIONS = 384  # all-MiniLM-L6-v2's
 BATCH_SECONDS = 300
 
 
-class StrictApi(Api):
-    """Clients that validate every response with the SDK's own models."""
-
-    def client(self, key: str | None = None, **options: Any) -> OpenAI:
-        return super().client(key, _strict_response_validation=True, **options)
-
-
 @pytest.fixture(scope="module")
 def api(
     fleet_env: FleetEnv, embed_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -43,24 +37,14 @@ def api(
     work = tmp_path_factory.mktemp("batch-api-embeddings")
     keys = {"alice": create_key(fleet_env, "embeddings-alice")}
     env = fleet_env.worker_env(BATCHLLM_RECONCILE_SECONDS="2")
-    worker = Worker(
-        "api-embed@test",
-        model=embed_model,
-        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
-        log_path=work / "worker.log",
-        # MiniLM's context is 256 positions.
-        engine_args=("--enforce-eager", "--max-model-len", "256", "--task", "embed"),
-    )
+    # MiniLM's context is 256 positions.
+    engine_args = ("--enforce-eager", "--max-model-len", "256", "--task", "embed")
+    worker = api_worker("api-embed@test", embed_model, env, work, engine_args)
     server = Server(env, work / "serve.log")
-    try:
-        server.wait_healthy()
-        worker.wait_ready()
+    with serving(worker, server):
         api = StrictApi(fleet_env, server, worker, str(embed_model), keys)
         api.wait_model_served()
         yield api
-    finally:
-        server.stop()
-        stop_workers([worker])
 
 
 def embedding_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
@@ -70,20 +54,6 @@ def embedding_line(model: str, custom_id: str, **body: Any) -> dict[str, Any]:
         "url": EMBEDDINGS,
         "body": {"model": model, **body},
     }
-
-
-def assert_line_shapes(lines: list[dict[str, Any]]) -> None:
-    """Each line as OpenAI's batch output writes it: an answer or an error, not both."""
-    for line in lines:
-        assert set(line) == {"id", "custom_id", "response", "error"}, line
-        assert line["id"].startswith("batch_req_") and isinstance(line["custom_id"], str), line
-        response, error = line["response"], line["error"]
-        assert (response is None) != (error is None), line
-        if response is not None:
-            assert isinstance(response["status_code"], int) and response["request_id"], line
-            assert isinstance(response["body"], dict), line
-        if error is not None:
-            assert set(error) == {"code", "message"} and error["code"] and error["message"], line
 
 
 def test_an_embeddings_batch_answers_with_embedding_lists(api: StrictApi) -> None:

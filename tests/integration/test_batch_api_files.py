@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.fleet import INSTANT_ARGS, FleetEnv, Worker, stop_workers
+from tests.support.batch_api import StrictApi, api_worker, assert_line_shapes, serving
+from tests.support.fleet import INSTANT_ARGS, FleetEnv
 from tests.support.serve import (
     CHAT,
-    Api,
     Server,
     assert_invalid_lines,
     assert_ok_lines,
@@ -52,13 +52,6 @@ BATCH_SECONDS = 300
 BIG_BATCH_SECONDS = 600
 
 
-class StrictApi(Api):
-    """Clients that validate every response with the SDK's own models."""
-
-    def client(self, key: str | None = None, **options: Any) -> OpenAI:
-        return super().client(key, _strict_response_validation=True, **options)
-
-
 @dataclass
 class Servers:
     api: StrictApi  # BATCHLLM_API_MAX_FILE_LINES raised to BIG
@@ -72,26 +65,13 @@ def servers(
     work = tmp_path_factory.mktemp("batch-api-files")
     keys = {name: create_key(fleet_env, f"files-{name}") for name in ("alice", "bob")}
     env = fleet_env.worker_env(BATCHLLM_RECONCILE_SECONDS="2")
-    worker = Worker(
-        "api-files@test",
-        model=tiny_model,
-        env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0"},
-        log_path=work / "worker.log",
-        engine_args=INSTANT_ARGS,
-    )
+    worker = api_worker("api-files@test", tiny_model, env, work, INSTANT_ARGS)
     raised = Server({**env, "BATCHLLM_API_MAX_FILE_LINES": str(BIG)}, work / "serve.log")
     default = Server(env, work / "serve-default.log")
-    try:
-        raised.wait_healthy()
-        default.wait_healthy()
-        worker.wait_ready()
+    with serving(worker, raised, default):
         api = StrictApi(fleet_env, raised, worker, str(tiny_model), keys)
         api.wait_model_served()  # both servers read the one registry
         yield Servers(api, default)
-    finally:
-        raised.stop()
-        default.stop()
-        stop_workers([worker])
 
 
 @pytest.fixture(scope="module")
@@ -99,25 +79,10 @@ def api(servers: Servers) -> StrictApi:
     return servers.api
 
 
-def assert_line_shapes(lines: list[dict[str, Any]]) -> None:
-    """Each line as OpenAI's batch output writes it (vLLM's BatchRequestOutput): exactly one of
-    an answer (status code, request id, body) and an error (code, message)."""
-    for line in lines:
-        assert set(line) == {"id", "custom_id", "response", "error"}, line
-        assert line["id"].startswith("batch_req_") and isinstance(line["custom_id"], str), line
-        response, error = line["response"], line["error"]
-        assert (response is None) != (error is None), line
-        if response is not None:
-            assert isinstance(response["status_code"], int) and response["request_id"], line
-            assert isinstance(response["body"], dict), line
-        if error is not None:
-            assert set(error) == {"code", "message"} and error["code"] and error["message"], line
-    assert len({line["id"] for line in lines}) == len(lines)
-
-
 def read_lines(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     lines = read_jsonl(client, file_id)
     assert_line_shapes(lines)
+    assert len({line["id"] for line in lines}) == len(lines)
     return lines
 
 

@@ -61,6 +61,7 @@ from batchllm.demo import PERSON_SCHEMA
 from batchllm.spec import EngineOptions
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, job_id_of
+from tests.support.cli import start_batchllm
 from tests.support.fleet import REPO, FleetEnv, Worker, stop_workers, tail
 from tests.support.serve import (
     CHAT,
@@ -158,11 +159,8 @@ class Run:
             }
         )
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(
+        self.proc = start_batchllm(
             [
-                sys.executable,
-                "-m",
-                "batchllm",
                 "run",
                 str(source),
                 "--model",
@@ -176,10 +174,7 @@ class Run:
                 str(self.output),
             ],
             env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            log=self._log,
         )
 
     def tail(self, lines: int = 40) -> str:

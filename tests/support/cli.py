@@ -5,9 +5,11 @@ for the unit tests of the commands)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 from click.testing import CliRunner, Result
 
@@ -33,6 +35,29 @@ def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.
         text=True,
         timeout=timeout,
     )
+
+
+def start_batchllm(args: list[str], *, env: dict[str, str], log: IO[bytes]) -> subprocess.Popen:
+    """`batchllm ARGS` in the background, in a process group of its own (so that a test can
+    signal it and every process it started, and nothing else), stdout and stderr into `log`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchllm", *args],
+        env=env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of a `start_new_session` child that still runs, and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
 
 
 def local_env(home: Path, *, unset: tuple[str, ...] = LOCAL_UNSET, **extra: str) -> dict[str, str]:

@@ -26,7 +26,7 @@ from batchllm.process.ports import HOST
 from batchllm.process.services import tail
 from batchllm.settings import Settings
 from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
-from tests.support.cli import REPO, run_cli
+from tests.support.cli import REPO, run_cli, start_batchllm
 from tests.support.worker_logs import named_log_tail
 
 __all__ = ["HOST", "REPO", "run_cli", "tail"]
@@ -110,25 +110,10 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = log_path.open("ab" if append else "wb")
         self._terminated = False
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchllm",
-                "worker",
-                "--model",
-                str(model),
-                "--name",
-                name,
-                "--loglevel",
-                "INFO",
-                *engine_args,
-            ],
+        self.proc = start_batchllm(
+            ["worker", "--model", str(model), "--name", name, "--loglevel", "INFO", *engine_args],
             env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            log=self._log,
         )
 
     @property

@@ -24,7 +24,7 @@ import psutil
 
 from batchllm.settings import Settings
 from tests.support import job_checks
-from tests.support.cli import REPO, local_env
+from tests.support.cli import REPO, kill_group, local_env
 
 T = TypeVar("T")
 
@@ -116,12 +116,7 @@ class Running:
 
     def end(self) -> None:
         """SIGKILL its process group if it still runs (a test that failed part-way)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        kill_group(self.proc)
 
 
 @dataclass

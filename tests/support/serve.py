@@ -23,7 +23,7 @@ from batchllm.api import keys
 from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from tests.support import job_checks
-from tests.support.cli import REPO
+from tests.support.cli import kill_group, start_batchllm
 from tests.support.fleet import HOST, FleetEnv, Worker
 from tests.support.ports import free_port
 
@@ -53,23 +53,8 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://{HOST}:{self.port}"
         env, args = self.env, self.args
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "batchllm",
-                "serve",
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-                *args,
-            ],
-            env=env,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.proc = start_batchllm(
+            ["serve", "--host", HOST, "--port", str(self.port), *args], env=env, log=self._log
         )
 
     @property
@@ -116,11 +101,7 @@ class Server:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+                kill_group(self.proc)
         self._log.close()
 
 
