@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
+from batchllm.execution.runner import ShardRunner
 from batchllm.execution.stand_in_engines import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
 from batchllm.jobs.create import create_job
 from batchllm.output import commit
@@ -136,11 +137,34 @@ def shard_row(settings, shard_id: int) -> Shard:
         return shard
 
 
+def update_shard(settings, shard_id: int, **values) -> None:
+    """Set columns of the shard's row, as another worker or the passing of time would."""
+    with session_scope(settings) as session:
+        session.execute(update(Shard).where(Shard.id == shard_id).values(**values))
+
+
+def age_heartbeat(settings, shard_id: int, age: timedelta) -> None:
+    """The shard's last heartbeat `age` ago: its worker went quiet (died) then."""
+    update_shard(settings, shard_id, heartbeat_at=utcnow() - age)
+
+
 def past_backoff(settings, shard_id: int) -> None:
     """Move the shard's retry_at into the past, as if its backoff had run out."""
+    update_shard(settings, shard_id, retry_at=utcnow() - timedelta(seconds=1))
+
+
+def job_left_finalizing(
+    settings, tmp_path, monkeypatch, *, hardware: str, vllm_version: str
+) -> tuple[str, list[int]]:
+    """A job of 20 rows in two shards, both completed, left FINALIZING: the worker that ended
+    the last shard died before it finalized the job."""
+    job_id, shard_ids = create_items_job(settings, tmp_path, 20, shard_size=12)
     with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(retry_at=utcnow() - timedelta(seconds=1))
+        service.mark_generation_started(
+            session, job_id, hardware=hardware, vllm_version=vllm_version
         )
+    with monkeypatch.context() as patch:
+        patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
+        ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
+    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
+    return job_id, shard_ids

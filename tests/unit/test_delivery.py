@@ -26,8 +26,10 @@ from batchllm.worker.delivery import (
 )
 from tests.support.fake_runs import (
     FakeEngine,
+    age_heartbeat,
     create_items_job,
     job_and_shards,
+    job_left_finalizing,
     make_spec,
     output_rows,
     small_commits,
@@ -54,16 +56,9 @@ def test_a_shard_of_a_job_left_finalizing_completes_the_job_without_an_engine(
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    job_id, shard_ids = create_items_job(settings, tmp_path, 20, shard_size=12)
-    with session_scope(settings) as session:
-        service.mark_generation_started(
-            session, job_id, hardware="4x L40S 48GB", vllm_version="0.42.1"
-        )
-    # The worker that ended the last shard died before it finalized the job.
-    with monkeypatch.context() as patch:
-        patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
-        ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
-    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
+    job_id, shard_ids = job_left_finalizing(
+        settings, tmp_path, monkeypatch, hardware="4x L40S 48GB", vllm_version="0.42.1"
+    )
     storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     # A part file no checkpoint records (its worker died before the commit) is not output.
@@ -127,12 +122,8 @@ def test_a_running_shard_of_a_cancelling_job_ends_cancelled_without_an_engine(se
         # w1's heartbeat is fresh: the cancel leaves its shard to it, and w1 then dies.
         service.cancel_job(session, job_id, lease_seconds=settings.lease_seconds)
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
-    with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5))
-        )
+    # w1 dies: its heartbeat goes stale
+    age_heartbeat(settings, shard_id, timedelta(seconds=settings.lease_seconds + 5))
     engines = NoEngines()
 
     outcome = process_shard(shard_id, worker="w2", engines=engines, settings=settings)
@@ -201,12 +192,8 @@ def test_the_last_shard_of_a_cancelling_job_ending_in_process_shard_ends_the_job
     process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLING, [ShardStatus.RUNNING])
 
-    with session_scope(settings) as session:  # w1 dies: its heartbeat goes stale
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(heartbeat_at=utcnow() - timedelta(seconds=settings.lease_seconds + 5))
-        )
+    # w1 dies: its heartbeat goes stale
+    age_heartbeat(settings, shard_id, timedelta(seconds=settings.lease_seconds + 5))
     process_shard(shard_id, worker="w2", engines=NoEngines(), settings=settings)
 
     assert job_and_shards(settings, job_id) == (JobStatus.CANCELLED, [ShardStatus.CANCELLED])

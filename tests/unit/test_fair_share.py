@@ -13,7 +13,7 @@ from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.fair_share import effective_level, next_shard, take_turn
 from batchllm.worker.shard_tasks import send_shard_tasks
-from tests.support.fake_runs import make_spec, write_items
+from tests.support.fake_runs import make_spec, update_shard, write_items
 
 AGING = 600.0
 WINDOW = 300.0  # fair share's window of tokens served
@@ -149,12 +149,7 @@ def _take(settings, shard_id: int, worker: str) -> int:
 
 
 def _finish(settings, shard_id: int) -> None:
-    with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(status=ShardStatus.COMPLETED, finished_at=utcnow())
-        )
+    update_shard(settings, shard_id, status=ShardStatus.COMPLETED, finished_at=utcnow())
 
 
 def test_two_workers_split_a_placed_job_into_two_stretches_and_each_runs_its_own_in_order(

@@ -19,6 +19,7 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
+from tests.support import fake_runs
 from tests.support.output_rows import OutputRow, write_part
 
 
@@ -31,12 +32,7 @@ def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:
 
 
 def age_heartbeat(settings, shard_id: int, seconds: float) -> None:
-    with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(heartbeat_at=utcnow() - timedelta(seconds=seconds))
-        )
+    fake_runs.age_heartbeat(settings, shard_id, timedelta(seconds=seconds))
 
 
 def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> None:

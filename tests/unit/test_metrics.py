@@ -32,6 +32,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
 from tests.support.fake_runs import (
     FakeEngine,
+    age_heartbeat,
     crash_on_checkpoint,
     make_spec,
     small_commits,
@@ -227,12 +228,7 @@ def test_a_shard_taken_over_by_another_worker_is_counted_lost(small_commits, tmp
 
     def take_over(step: int) -> None:
         if step == 5:
-            with session_scope(settings) as session:
-                session.execute(
-                    update(Shard)
-                    .where(Shard.id == shard_id)
-                    .values(heartbeat_at=utcnow() - timedelta(hours=1))
-                )
+            age_heartbeat(settings, shard_id, timedelta(hours=1))
             with session_scope(settings) as session:
                 assert leases.claim_shard(session, shard_id, "w2", settings.lease_seconds)
 

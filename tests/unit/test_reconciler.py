@@ -25,6 +25,7 @@ from tests.support.fake_runs import (
     FakeEngine,
     create_items_job,
     job_and_shards,
+    job_left_finalizing,
     make_spec,
     output_rows,
     small_commits,
@@ -231,16 +232,9 @@ def test_a_job_left_finalizing_is_completed_with_the_hardware_recorded_at_its_fi
     small_commits, tmp_path, broker, monkeypatch
 ):
     settings = small_commits
-    job_id, shard_ids = create_items_job(settings, tmp_path, 20, shard_size=12)
-    with session_scope(settings) as session:
-        service.mark_generation_started(
-            session, job_id, hardware="8x H100 80GB", vllm_version="0.99.0"
-        )
-    # The worker that ends the last shard dies before it finalizes the job.
-    with monkeypatch.context() as patch:
-        patch.setattr("batchllm.execution.runner.finalize_job", lambda *a, **k: None)
-        ShardRunner(FakeEngine(), worker="w1", settings=settings).run(shard_ids)
-    assert job_and_shards(settings, job_id) == (JobStatus.FINALIZING, [ShardStatus.COMPLETED] * 2)
+    job_id, _ = job_left_finalizing(
+        settings, tmp_path, monkeypatch, hardware="8x H100 80GB", vllm_version="0.99.0"
+    )
     storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
     assert not storage.exists(posixpath.join(out_dir, SUCCESS_NAME))

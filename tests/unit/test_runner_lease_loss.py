@@ -22,6 +22,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from tests.support.fake_runs import (
     FakeEngine,
+    age_heartbeat,
     make_spec,
     output_rows,
     part_files,
@@ -42,12 +43,7 @@ def recorded_paths(settings, shard_id: int) -> list[str]:
 
 def take_over(settings, shard_id: int, worker: str) -> int:
     """Another worker's claim after this shard's lease ran out; returns its attempt."""
-    with session_scope(settings) as session:
-        session.execute(
-            update(Shard)
-            .where(Shard.id == shard_id)
-            .values(heartbeat_at=utcnow() - timedelta(hours=1))
-        )
+    age_heartbeat(settings, shard_id, timedelta(hours=1))
     with session_scope(settings) as session:
         claimed = leases.claim_shard(session, shard_id, worker, settings.lease_seconds)
         assert claimed is not None
