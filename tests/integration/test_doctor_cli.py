@@ -19,29 +19,15 @@ from pathlib import Path
 import pytest
 
 from batchllm.worker.celery_app import TASK_RUN_SHARD, create_app, queue_for_model
+from tests.support.cli import DOCTOR_SECTIONS
 from tests.support.fleet import REPO, FleetEnv
+from tests.support.ports import closed_port
 from tests.support.services import postgres_database
 
 pytestmark = pytest.mark.integration
 
-SECTIONS = {
-    "python",
-    "torch",
-    "vllm",
-    "hardware",
-    "dtype",
-    "database",
-    "broker",
-    "storage",
-    "settings",
-}
+SECTIONS = DOCTOR_SECTIONS
 ORPHANED_ENGINE = "problem: hardware: orphaned vLLM engine process"
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def clean_env(home: Path, **settings: str) -> dict[str, str]:

@@ -214,22 +214,12 @@ def test_a_key_over_its_enqueued_rows_quota_is_refused_and_another_key_is_not(
 
     with _served(tmp_path, postgres=False, **ROWS_RACE_ENV) as served:
 
-        def client(name: str) -> Any:
-            key = served.new_key(name)["Authorization"].removeprefix("Bearer ")
-            return openai.OpenAI(
-                base_url=f"{served.base_url}/v1",
-                api_key=key,
-                max_retries=0,
-                timeout=60,
-                _strict_response_validation=True,  # every object parsed by the SDK's models
-            )
-
         def create(one: Any, lines: int, prefix: str) -> BatchObject:
             content = b"".join(_line(f"{prefix}-{i}") for i in range(lines))
             file = one.files.create(file=("in.jsonl", content), purpose="batch")
             return one.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
 
-        alice, bob = client("alice"), client("bob")
+        alice, bob = _sdk_client(served, "alice"), _sdk_client(served, "bob")
         first = create(alice, 6, "first")
         assert (first.status, first.request_counts.total) == ("in_progress", 6)
         with pytest.raises(openai.RateLimitError) as caught:

@@ -111,14 +111,21 @@ def _login_head(served: Served, length: int) -> bytes:
     ).encode()
 
 
-def test_an_upload_sending_a_byte_every_2_s_is_answered_408_and_closed(slow: Served) -> None:
-    with _slow_upload(slow, slow.new_key()) as sock:
-        closed = _drip([sock], DEADLINE)
-        assert sock in closed, f"the connection is still open after {DEADLINE} s"
-        seconds, data = closed[sock]
+def _answered_408(sock):
+    """The server's answer once it closed the connection a dripping client keeps open: a 408
+    sent after its body timeout, within the deadline."""
+    closed = _drip([sock], DEADLINE)
+    assert sock in closed, f"the connection is still open after {DEADLINE} s"
+    seconds, data = closed[sock]
     assert BODY_TIMEOUT - 0.5 <= seconds <= DEADLINE
     response = parse_response(data)
     assert response is not None and response.status == 408, data[:300]
+    return response
+
+
+def test_an_upload_sending_a_byte_every_2_s_is_answered_408_and_closed(slow: Served) -> None:
+    with _slow_upload(slow, slow.new_key()) as sock:
+        response = _answered_408(sock)
     assert response.json()["error"]["code"] == "request_timeout"
     assert response.headers.get("connection") == "close"
 
@@ -146,12 +153,7 @@ def test_twenty_slow_uploads_give_their_file_descriptors_back(slow: Served) -> N
 def test_a_login_sending_a_byte_every_2_s_is_answered_408_and_closed(slow: Served) -> None:
     with connect(slow.port) as sock:
         sock.sendall(_login_head(slow, 1000))
-        closed = _drip([sock], DEADLINE)
-        assert sock in closed, f"the connection is still open after {DEADLINE} s"
-        seconds, data = closed[sock]
-    assert BODY_TIMEOUT - 0.5 <= seconds <= DEADLINE
-    response = parse_response(data)
-    assert response is not None and response.status == 408, data[:300]
+        _answered_408(sock)
 
 
 def test_a_login_declaring_64_kb_is_refused_unread(slow: Served) -> None:

@@ -16,6 +16,18 @@ from click.testing import CliRunner, Result
 from batchllm.cli import cli
 
 REPO = Path(__file__).resolve().parents[2]
+# The sections `batchllm doctor` reports, each once.
+DOCTOR_SECTIONS = {
+    "python",
+    "torch",
+    "vllm",
+    "hardware",
+    "dtype",
+    "database",
+    "broker",
+    "storage",
+    "settings",
+}
 # What a local run must not inherit from the machine's environment: it would point the run at
 # another database or storage than its home's.
 LOCAL_UNSET = ("BATCHLLM_DATABASE_URL", "BATCHLLM_STORAGE")
@@ -58,6 +70,17 @@ def kill_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def capture_supervised(monkeypatch) -> list[list[str]]:
+    """`batchllm worker --concurrency N` starts no process: the argv of each child it would
+    have supervised is appended to the list returned, and the supervisor returns 0."""
+    started: list[list[str]] = []
+    monkeypatch.setattr(
+        "batchllm.process.supervisor.supervise",
+        lambda commands: started.extend(argv for argv, _env in commands) or 0,
+    )
+    return started
 
 
 def local_env(home: Path, *, unset: tuple[str, ...] = LOCAL_UNSET, **extra: str) -> dict[str, str]:

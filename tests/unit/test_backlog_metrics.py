@@ -48,11 +48,17 @@ def test_a_queued_job_shows_its_rows_and_they_fall_to_zero_when_it_ends(no_broke
     assert after[("batchllm_backlog_seconds", model)] == 0
 
 
-def test_the_backlog_seconds_use_the_models_recent_rate(no_broker, tmp_path):
+def done_and_other_job(settings, tmp_path, rows: int) -> tuple[str, str]:
+    """Two jobs' ids: one of 10 rows (the test ends it) and one of `rows` rows, in shards of 10."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    done_id, _ = create_items_job(no_broker, tmp_path / "a", 10, shard_size=10)
-    waiting_id, _ = create_items_job(no_broker, tmp_path / "b", 40, shard_size=10)
+    done_id, _ = create_items_job(settings, tmp_path / "a", 10, shard_size=10)
+    other_id, _ = create_items_job(settings, tmp_path / "b", rows, shard_size=10)
+    return done_id, other_id
+
+
+def test_the_backlog_seconds_use_the_models_recent_rate(no_broker, tmp_path):
+    done_id, waiting_id = done_and_other_job(no_broker, tmp_path, 40)
     with session_scope(no_broker) as session:
         done = session.get(Job, done_id)
         done.status, done.requests_per_s = JobStatus.COMPLETED, 8.0
@@ -86,10 +92,7 @@ def test_a_models_first_job_gets_seconds_from_its_rate_so_far(no_broker, tmp_pat
 def test_a_models_first_job_before_any_row_takes_the_fleets_recent_rate(no_broker, tmp_path):
     """Nothing of the model's first job done yet: the median rate of the fleet's recent jobs
     of other models stands in, rather than no figure at all."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    done_id, _ = create_items_job(no_broker, tmp_path / "a", 10, shard_size=10)
-    first_id, _ = create_items_job(no_broker, tmp_path / "b", 30, shard_size=10)
+    done_id, first_id = done_and_other_job(no_broker, tmp_path, 30)
     with session_scope(no_broker) as session:
         done = session.get(Job, done_id)
         done.status, done.requests_per_s, done.request_completed = JobStatus.COMPLETED, 5.0, 10

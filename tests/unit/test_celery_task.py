@@ -94,29 +94,24 @@ def test_a_shard_handed_back_is_sent_again_at_once_to_the_queue_it_came_from(
     assert kwargs["engines"] is tasks._engines
 
 
-def test_a_shard_busy_on_another_worker_is_looked_at_again_in_thirty_seconds(
-    sent, processed, monkeypatch
+# A shard busy on another worker is looked at again in thirty seconds; one this worker's
+# engine cannot run goes back on its own queue, where a worker that serves the job takes it,
+# and this one looks again in fifteen.
+@pytest.mark.parametrize(
+    ("outcome", "countdown"), [(Outcome.BUSY, 30), (Outcome.WAITING, 15)], ids=["busy", "waiting"]
+)
+def test_a_shard_not_run_here_is_sent_again_after_a_countdown(
+    sent, processed, monkeypatch, outcome, countdown
 ):
-    fake_process_shard(monkeypatch, processed, outcome=Outcome.BUSY)
+    fake_process_shard(monkeypatch, processed, outcome=outcome)
 
     with delivered():
         result = run_shard.run(SHARD_ID)
 
-    assert result == "busy"
-    assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": 30})]
-
-
-def test_a_shard_this_workers_engine_cannot_run_is_offered_to_the_fleet_again(
-    sent, processed, monkeypatch
-):
-    fake_process_shard(monkeypatch, processed, outcome=Outcome.WAITING)
-
-    with delivered():
-        result = run_shard.run(SHARD_ID)
-
-    assert result == "waiting"
-    # Back on its own queue, where a worker that serves the job takes it; this one looks again.
-    assert sent.calls == [(TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": 15})]
+    assert result == outcome.value
+    assert sent.calls == [
+        (TASK_RUN_SHARD, {"args": (SHARD_ID,), "queue": QUEUE, "countdown": countdown})
+    ]
 
 
 @pytest.mark.parametrize(

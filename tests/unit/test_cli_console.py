@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from batchllm.cli import cli
 from batchllm.cli.console import own_warnings, worker_lines
+from tests.support.cli import capture_supervised
 
 
 def record(logger: str, level: int = logging.INFO) -> logging.LogRecord:
@@ -51,13 +52,7 @@ def test_worker_processes_of_concurrency_n_get_the_verbosity(monkeypatch, flags,
         monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")  # restored after `cli -v` changed it
     monkeypatch.setattr("batchllm.engine.hardware.runs_on_cpu", lambda: True)
-    started: list[list[str]] = []
-
-    def supervise(commands):
-        started.extend(argv for argv, _env in commands)
-        return 0
-
-    monkeypatch.setattr("batchllm.process.supervisor.supervise", supervise)
+    started = capture_supervised(monkeypatch)
 
     result = CliRunner().invoke(cli, [*flags, "worker", "-m", "tiny", "--concurrency", "2"])
 

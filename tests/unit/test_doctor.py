@@ -34,29 +34,14 @@ from batchllm.engine import hardware, versions
 from batchllm.engine.hardware import EngineProcess, Gpu
 from batchllm.settings import Settings
 from batchllm.store.db import upgrade
+from tests.support.cli import DOCTOR_SECTIONS
 from tests.support.cli import invoke as cli_invoke
+from tests.support.ports import closed_port
 
 H100 = Gpu(0, "GPU-aaaa", "NVIDIA H100", 81559, 80000, 90)
 T4 = Gpu(1, "GPU-bbbb", "Tesla T4", 15360, 15000, 75)
 CPU_MACHINE = Machine(nvidia_smi=None, gpus=[], visible=[], on_cpu=True)
-SECTIONS = {
-    "python",
-    "torch",
-    "vllm",
-    "hardware",
-    "dtype",
-    "database",
-    "broker",
-    "storage",
-    "settings",
-}
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound once by us, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+SECTIONS = DOCTOR_SECTIONS
 
 
 @pytest.fixture

@@ -83,17 +83,21 @@ def test_the_batch_api_doc_lists_the_endpoints_of_the_table():
     assert re.findall(r"`(/v1/[a-z/]+)`", paragraph) == list(URLS)
 
 
+# A chat line whose body has no messages.
+NO_MESSAGES = {
+    "custom_id": "no-messages",
+    "method": "POST",
+    "url": "/v1/chat/completions",
+    "body": {},
+}
+
+
 def test_a_line_missing_a_field_is_stored_with_code_missing_required_parameter(tmp_path):
     path = write_lines(
         tmp_path / "in.jsonl",
         [
             {"custom_id": "ok", "prompt": "hello"},
-            {
-                "custom_id": "no-messages",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {},
-            },
+            NO_MESSAGES,
             {"custom_id": "typo", "prompt": "x", "temprature": 0.5},
         ],
     )
@@ -125,12 +129,7 @@ def test_the_export_answers_a_line_missing_a_field_with_its_stored_code(settings
         tmp_path / "in.jsonl",
         [
             {"custom_id": "ok", "prompt": "hello"},
-            {
-                "custom_id": "no-messages",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {},
-            },
+            NO_MESSAGES,
         ],
     )
     job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(FakeEngine()))

@@ -30,6 +30,7 @@ from batchllm.settings import get_settings
 from batchllm.store import leases, service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, utcnow
+from tests.support.cli import capture_supervised
 from tests.support.fake_runs import (
     FakeEngine,
     age_heartbeat,
@@ -347,13 +348,7 @@ def worker_command_env(monkeypatch) -> None:
 def test_worker_concurrency_gives_each_process_its_own_metrics_port(monkeypatch):
     worker_command_env(monkeypatch)
     monkeypatch.setattr("batchllm.engine.hardware.runs_on_cpu", lambda: True)
-    started: list[list[str]] = []
-
-    def supervise(commands):
-        started.extend(argv for argv, _env in commands)
-        return 0
-
-    monkeypatch.setattr("batchllm.process.supervisor.supervise", supervise)
+    started = capture_supervised(monkeypatch)
 
     result = CliRunner().invoke(
         cli, ["worker", "-m", "tiny", "--concurrency", "3", "--metrics-port", "9400"]

@@ -42,41 +42,24 @@ def test_memory_share_outside_zero_one_is_refused_even_past_the_schema():
 
 def test_quantization_checks():
     known, supported = ["awq", "fp8", "gptq"], []
-    check_quantization(
-        "fp8",
-        known=known,
-        platform_supported=supported,
-        device="cuda",
-        min_capability=75,
-        gpus=TWO,
-    )
+
+    def check(name: str, min_capability: int | None, gpus, platform=supported, device="cuda"):
+        check_quantization(
+            name,
+            known=known,
+            platform_supported=platform,
+            device=device,
+            min_capability=min_capability,
+            gpus=gpus,
+        )
+
+    check("fp8", 75, TWO)
     with pytest.raises(EngineSettingsError, match=r"--quantization fp9: vLLM does not know it"):
-        check_quantization(
-            "fp9",
-            known=known,
-            platform_supported=supported,
-            device="cuda",
-            min_capability=None,
-            gpus=TWO,
-        )
+        check("fp9", None, TWO)
     with pytest.raises(EngineSettingsError, match=r"needs compute capability 7\.5\+; GPU 1 \(T4"):
-        check_quantization(
-            "fp8",
-            known=known,
-            platform_supported=supported,
-            device="cuda",
-            min_capability=75,
-            gpus=[gpu(0), gpu(1, 70, "T4-ish")],
-        )
+        check("fp8", 75, [gpu(0), gpu(1, 70, "T4-ish")])
     with pytest.raises(EngineSettingsError, match=r"does not run on tpu; it runs: awq"):
-        check_quantization(
-            "gptq",
-            known=known,
-            platform_supported=["awq"],
-            device="tpu",
-            min_capability=None,
-            gpus=[],
-        )
+        check("gptq", None, [], platform=["awq"], device="tpu")
 
 
 def test_worker_concurrency_beyond_the_gpus_is_refused():

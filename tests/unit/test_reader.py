@@ -354,19 +354,23 @@ def test_strict_accepts_a_clean_file(tmp_path):
     assert (stored.total, stored.invalid) == (2, 0)
 
 
+def store_job_x(source, tmp_path) -> None:
+    store_input(
+        source_of(source),
+        Storage(str(tmp_path / "store")),
+        "job_x",
+        shard_size=10,
+        settings=get_settings(),
+    )
+
+
 @pytest.mark.parametrize("content", [b"", b"\n  \n\n"])
 def test_empty_file_raises_input_error_naming_the_file(tmp_path, content):
     source = tmp_path / "empty.jsonl"
     source.write_bytes(content)
 
     with pytest.raises(InputError, match="no requests") as caught:
-        store_input(
-            source_of(source),
-            Storage(str(tmp_path / "store")),
-            "job_x",
-            shard_size=10,
-            settings=get_settings(),
-        )
+        store_job_x(source, tmp_path)
 
     assert str(source) in str(caught.value)
 
@@ -375,12 +379,6 @@ def test_missing_file_raises_input_error_naming_the_file(tmp_path):
     source = tmp_path / "absent.jsonl"
 
     with pytest.raises(InputError, match="no such file") as caught:
-        store_input(
-            source_of(source),
-            Storage(str(tmp_path / "store")),
-            "job_x",
-            shard_size=10,
-            settings=get_settings(),
-        )
+        store_job_x(source, tmp_path)
 
     assert str(source) in str(caught.value)

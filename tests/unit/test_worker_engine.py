@@ -24,6 +24,7 @@ from batchllm.store.models import JobStatus, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues
 from batchllm.worker.delivery import process_shard
 from batchllm.worker.registry import waiting_reason
+from tests.support.cli import capture_supervised
 from tests.support.fake_runs import create_items_job, small_commits
 
 __all__ = ["small_commits"]
@@ -256,12 +257,8 @@ def test_a_shard_the_engine_cannot_run_stays_queued_and_unclaimed(small_commits,
 
 
 def test_concurrency_children_get_the_engine_flags_given(monkeypatch):
-    started: list[list[str]] = []
     monkeypatch.setattr("batchllm.engine.preflight.check_worker_concurrency", lambda *a, **k: None)
-    monkeypatch.setattr(
-        "batchllm.process.supervisor.supervise",
-        lambda commands: started.extend(argv for argv, _env in commands) or 0,
-    )
+    started = capture_supervised(monkeypatch)
     result = CliRunner().invoke(
         cli,
         [
@@ -295,12 +292,8 @@ def test_concurrency_children_get_the_engine_flags_given(monkeypatch):
 def test_concurrency_children_get_the_log_format_as_an_argument_not_the_environment(monkeypatch):
     for name in ("BATCHLLM_LOG_FORMAT", "BATCHLLM_WORKER_MODELS"):
         monkeypatch.delenv(name, raising=False)
-    started: list[list[str]] = []
     monkeypatch.setattr("batchllm.engine.preflight.check_worker_concurrency", lambda *a, **k: None)
-    monkeypatch.setattr(
-        "batchllm.process.supervisor.supervise",
-        lambda commands: started.extend(argv for argv, _env in commands) or 0,
-    )
+    started = capture_supervised(monkeypatch)
 
     result = CliRunner().invoke(
         cli, ["worker", "-m", MODEL, "--concurrency", "2", "--log-format", "json"]
