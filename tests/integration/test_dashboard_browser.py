@@ -32,7 +32,7 @@ from batchllm.store.models import job_id_of
 from batchllm.store.states import JobStatus
 from tests.support import job_checks
 from tests.support.fleet import PACED_INSTANT_ARGS, REPO, FleetEnv, Worker, stop_workers
-from tests.support.serve import Server
+from tests.support.serve import Server, post_batch
 from tests.support.skips import require
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -69,20 +69,7 @@ class Dashboard:
         headers = {"Authorization": f"Bearer {self.keys[key]}"}
         content = "".join(json.dumps(line) + "\n" for line in lines).encode()
         with httpx.Client(base_url=self.server.base_url, headers=headers, timeout=60) as http:
-            file = http.post(
-                "/v1/files",
-                files={"file": ("input.jsonl", content)},
-                data={"purpose": "batch"},
-            )
-            assert file.status_code == 200, file.text
-            batch = http.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": file.json()["id"],
-                    "endpoint": CHAT,
-                    "completion_window": "24h",
-                },
-            )
+            batch = post_batch(http, content, content_type=None)
             assert batch.status_code == 200, batch.text
             return job_id_of(batch.json()["id"])  # the dashboard shows jobs
 

@@ -26,7 +26,7 @@ from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import ApiKey, Job, Shard, job_id_of, utcnow
 from batchllm.store.states import JobStatus, ShardStatus
-from tests.support.serve import Served, start_serve, stop_serve
+from tests.support.serve import Served, post_batch, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 
@@ -70,16 +70,7 @@ def _create_batch(served: Served, key: str, custom_ids: tuple[str, ...] = ("a",)
     content = "".join(json.dumps(_line(c)) + "\n" for c in custom_ids).encode()
     headers = {"Authorization": f"Bearer {key}"}
     with httpx.Client(base_url=served.base_url, headers=headers, timeout=60) as api:
-        file = api.post(
-            "/v1/files",
-            files={"file": ("in.jsonl", content, "application/jsonl")},
-            data={"purpose": "batch"},
-        )
-        assert file.status_code == 200, file.text
-        batch = api.post(
-            "/v1/batches",
-            json={"input_file_id": file.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
-        )
+        batch = post_batch(api, content, filename="in.jsonl")
         assert batch.status_code == 200, batch.text
         return job_id_of(batch.json()["id"])  # the dashboard shows jobs
 

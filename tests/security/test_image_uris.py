@@ -35,7 +35,7 @@ from batchllm.settings import get_settings
 from batchllm.store.models import job_id_of
 from tests.support.inputs import source_of
 from tests.support.s3server import S3Server, moto_server
-from tests.support.serve import start_serve, stop_serve
+from tests.support.serve import post_batch, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
 
@@ -630,20 +630,7 @@ def test_batch_create_on_serve_refuses_the_probes_and_no_request_leaves(
         lines += json.dumps(line).encode() + b"\n"
     try:
         with httpx.Client(base_url=served.base_url, headers=served.new_key(), timeout=60) as client:
-            uploaded = client.post(
-                "/v1/files",
-                files={"file": ("images.jsonl", lines, "application/jsonl")},
-                data={"purpose": "batch"},
-            )
-            assert uploaded.status_code == 200, uploaded.text
-            created = client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": uploaded.json()["id"],
-                    "endpoint": CHAT,
-                    "completion_window": "24h",
-                },
-            )
+            created = post_batch(client, lines, filename="images.jsonl")
             assert created.status_code == 200, created.text
             batch = client.get(f"/v1/batches/{created.json()['id']}").json()
     finally:

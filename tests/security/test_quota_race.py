@@ -33,10 +33,10 @@ from batchllm.settings import Settings
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Batch, Job, job_id_of
 from batchllm.store.states import JobStatus
+from tests.support.cli import REPO
 from tests.support.serve import (
     HOST,
     MAX_ACTIVE_BATCHES,
-    REPO,
     Served,
     free_port,
     start_serve,

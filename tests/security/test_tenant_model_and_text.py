@@ -23,6 +23,8 @@ from batchllm.store.models import Batch, Job, JobStatus, job_id_of
 pytest.importorskip("fastapi.testclient")
 from fastapi.testclient import TestClient
 
+from tests.support.serve import post_batch
+
 CHAT = "/v1/chat/completions"
 SERVED = "/models/tiny"
 
@@ -53,18 +55,7 @@ def _line(custom_id: str, content: str = "hi", model: str = SERVED) -> str:
 
 def _create(client: TestClient, headers: dict[str, str], lines: list[str]):
     content = ("\n".join(lines) + "\n").encode()
-    upload = client.post(
-        "/v1/files",
-        headers=headers,
-        files={"file": ("input.jsonl", content, "application/jsonl")},
-        data={"purpose": "batch"},
-    )
-    assert upload.status_code == 200, upload.text
-    return client.post(
-        "/v1/batches",
-        headers=headers,
-        json={"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
-    )
+    return post_batch(client, content, headers=headers)
 
 
 @pytest.mark.parametrize("look_alike", ["models_tiny", "/models/tiny/", "/Models/tiny"])

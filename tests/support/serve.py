@@ -189,6 +189,26 @@ def upload(client: OpenAI, content: bytes, name: str = "input.jsonl") -> FileObj
     return file
 
 
+def post_batch(
+    client: Any,
+    content: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    filename: str = "input.jsonl",
+    content_type: str | None = "application/jsonl",
+) -> Any:
+    """Upload `content` and create a chat batch of it over plain HTTP, as the Batch API's
+    clients do (`client`: an httpx.Client on the server or Starlette's TestClient); the
+    create's response. The upload must succeed."""
+    file = (filename, content) if content_type is None else (filename, content, content_type)
+    upload = client.post(
+        "/v1/files", headers=headers, files={"file": file}, data={"purpose": "batch"}
+    )
+    assert upload.status_code == 200, upload.text
+    body = {"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
+    return client.post("/v1/batches", headers=headers, json=body)
+
+
 def read_jsonl(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     assert file_id is not None
     stored = client.files.retrieve(file_id)

@@ -25,6 +25,7 @@ from batchllm.store.models import Job, job_id_of
 from batchllm.store.states import JobStatus, ShardStatus
 from batchllm.worker import registry
 from batchllm.worker.redis_broker import worker_key
+from tests.support.serve import post_batch
 from tests.support.services import redis_database
 
 CHAT = "/v1/chat/completions"
@@ -51,17 +52,8 @@ def tenant(settings: Settings) -> dict[str, str]:
 def create(client: TestClient, headers: dict[str, str], model: str) -> Any:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
     line = {"custom_id": "a", "method": "POST", "url": CHAT, "body": body}
-    upload = client.post(
-        "/v1/files",
-        headers=headers,
-        files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n", "application/jsonl")},
-        data={"purpose": "batch"},
-    )
-    assert upload.status_code == 200, upload.text
-    return client.post(
-        "/v1/batches",
-        headers=headers,
-        json={"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
+    return post_batch(
+        client, json.dumps(line).encode() + b"\n", headers=headers, filename="in.jsonl"
     )
 
 

@@ -24,6 +24,8 @@ pytest.importorskip("openai.types")
 from fastapi.testclient import TestClient
 from openai.types import Batch
 
+from tests.support.serve import post_batch
+
 CHAT = "/v1/chat/completions"
 # A line asking "hi" as the user: "hi" 1 token, "user" 1, the message's 3: 5 tokens a line.
 LINE_TOKENS = 5
@@ -104,15 +106,7 @@ def _line(custom_id: str, model: str) -> bytes:
 
 def _create(client: TestClient, headers: dict[str, str], lines: int, model: str = "tiny") -> Any:
     content = b"".join(_line(f"q{i}", model) for i in range(lines))
-    upload = client.post(
-        "/v1/files",
-        headers=headers,
-        files={"file": ("in.jsonl", content, "application/jsonl")},
-        data={"purpose": "batch"},
-    )
-    assert upload.status_code == 200, upload.text
-    body = {"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
-    return client.post("/v1/batches", headers=headers, json=body)
+    return post_batch(client, content, headers=headers, filename="in.jsonl")
 
 
 def test_a_batch_over_its_keys_enqueued_tokens_fails_as_openais_and_another_key_is_unaffected(
