@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import update
 
+from batchllm.engine.protocol import Finished
 from batchllm.execution.runner import ShardRunner
 from batchllm.execution.stand_in_engines import FAKE_MAX_MODEL_LEN, FakeEngine, FakeEngines
 from batchllm.jobs.create import create_job
@@ -135,6 +136,19 @@ def shard_row(settings, shard_id: int) -> Shard:
         shard = session.get(Shard, shard_id)
         session.expunge(shard)
         return shard
+
+
+def engine_error(out: Finished, *, cached_tokens: int = 0) -> Finished:
+    """`out` ended by the engine with finish reason "error" (as vLLM reports a request it could
+    not finish): no text, no completion tokens, its prompt tokens (and prefix-cache hits)."""
+    return Finished(
+        request_id=out.request_id,
+        text="",
+        finish_reason="error",
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=0,
+        cached_tokens=cached_tokens,
+    )
 
 
 def update_shard(settings, shard_id: int, **values) -> None:

@@ -12,7 +12,13 @@ from batchllm.output.parts import OUTPUT_SCHEMA
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
 from batchllm.store.models import Job
-from tests.support.fake_runs import FakeEngine, FakeEngines, output_rows, small_commits
+from tests.support.fake_runs import (
+    FakeEngine,
+    FakeEngines,
+    engine_error,
+    output_rows,
+    small_commits,
+)
 
 __all__ = ["small_commits"]
 
@@ -38,14 +44,7 @@ class FailingEngine(FakeEngine):
         finished = super().step()
         for i, out in enumerate(finished):
             if out.text.split()[-1] in self.failing:
-                finished[i] = Finished(
-                    request_id=out.request_id,
-                    text="",
-                    finish_reason="error",
-                    prompt_tokens=out.prompt_tokens,
-                    completion_tokens=0,
-                    cached_tokens=out.cached_tokens,
-                )
+                finished[i] = engine_error(out, cached_tokens=out.cached_tokens)
         return finished
 
 

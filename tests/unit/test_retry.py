@@ -20,6 +20,7 @@ from batchllm.store.models import Checkpoint, Job, Shard
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
+    engine_error,
     item_of,
     make_spec,
     output_rows,
@@ -39,13 +40,7 @@ class FlakyEngine(FakeEngine):
         finished = super().step()
         for i, out in enumerate(finished):
             if out.text.split()[1] in FAILING:
-                finished[i] = Finished(
-                    request_id=out.request_id,
-                    text="",
-                    finish_reason="error",
-                    prompt_tokens=out.prompt_tokens,
-                    completion_tokens=0,
-                )
+                finished[i] = engine_error(out)
         return finished
 
 
