@@ -25,6 +25,21 @@ os.environ["BATCHLLM_KEEP_ALIVE"] = "0"
 _BUILD_LOG = pytest.StashKey[str]()
 
 
+@pytest.fixture(autouse=True)
+def _database_files_closed_after_each_test():
+    """Each test's SQLite database keeps its pooled connections open in this process (three
+    descriptors each: the file, its WAL, its shared memory) for as long as the process runs
+    (store/db.py keeps one engine per URL). A session of a thousand tests then passed 1,024
+    descriptors, and the tests that wait on a socket with select() failed: "filedescriptor
+    out of range in select()". Disposing every engine after a test closes its idle pooled
+    connections; the engine stays usable and reconnects when asked."""
+    yield
+    from batchllm.store import db
+
+    for engine in list(db._engines.values()):
+        engine.dispose()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Count the real vLLM engines this session builds, in its own process and in every process
     it starts (batchllm/engine/build_log.py): the count is the suite's main cost on a CPU."""
