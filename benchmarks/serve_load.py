@@ -5,7 +5,8 @@ PostgreSQL server, where a fresh database is made and dropped), one line of figu
 - polling: C clients back to back for S seconds, GET /v1/batches/{id} (80%) or
   GET /v1/batches?limit=20 (20%): answered requests a second, p50/p95/p99, statuses, errors;
 - creates: N batches (POST /v1/files + POST /v1/batches) from 8 clients: creates a second,
-  errors, the server's open files and RSS before and after and their growth per create;
+  errors, the server's open files and RSS before, halfway and after, and their growth per
+  create over the run and over its second half (the slope once warm);
 - uploads: U uploads of M MiB of batch lines at once: seconds per upload, then each file
   downloaded again and its SHA-256 compared;
 - overload: benchmarks.serve_burst's burst (its own fresh SQLite server) at the default
@@ -64,12 +65,19 @@ def count(counts: dict[str, int], key: object) -> None:
 
 
 def process_figures(pid: int) -> dict[str, int]:
-    """The server's open files and resident memory, from /proc."""
-    rss_kib = 0
+    """The server's open files and resident memory, from /proc: all of it (VmRSS) and its
+    anonymous part (RssAnon: the heap, what a leak grows; VmRSS also counts pages of the
+    libraries, which come and go with what runs and with other processes' memory pressure)."""
+    memory = {"VmRSS:": 0, "RssAnon:": 0}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss_kib = int(line.split()[1])
-    return {"open_files": len(list(Path(f"/proc/{pid}/fd").iterdir())), "rss_kib": rss_kib}
+        name = line.split(maxsplit=1)[0] if line else ""
+        if name in memory:
+            memory[name] = int(line.split()[1])
+    return {
+        "open_files": len(list(Path(f"/proc/{pid}/fd").iterdir())),
+        "rss_kib": memory["VmRSS:"],
+        "anon_kib": memory["RssAnon:"],
+    }
 
 
 def settled_figures(pid: int) -> dict[str, int]:
@@ -220,8 +228,14 @@ def creates(server: Server, *, creates: int) -> dict[str, Any]:
     errors: dict[str, int] = {}
     remaining = iter(range(creates))
     deadline = time.monotonic() + 120 + creates  # generous: ~20 creates a second measured
+    # Taken when half the creates are answered: the growth over the second half is the
+    # slope once the server's pools and caches are warm (a leak keeps it; a plateau not).
+    halfway: dict[str, Any] = {}
+    samples: list[dict[str, int]] = []
+    answered = 0
 
     async def create_loop(client: httpx.AsyncClient) -> None:
+        nonlocal answered
         for _ in remaining:
             if time.monotonic() > deadline:
                 count(errors, "deadline")
@@ -230,6 +244,11 @@ def creates(server: Server, *, creates: int) -> dict[str, Any]:
                 count(codes, (await create_batch(client)).status_code)
             except httpx.HTTPError as exc:
                 count(errors, type(exc).__name__)
+            answered += 1
+            if answered % max(creates // 10, 1) == 0:  # the curve, in the JSON output
+                samples.append({"answered": answered, **process_figures(server.proc.pid)})
+            if answered == creates // 2:
+                halfway.update(process_figures(server.proc.pid), created=codes.get("200", 0))
 
     async def body(client: httpx.AsyncClient) -> float:
         started = time.monotonic()
@@ -240,6 +259,7 @@ def creates(server: Server, *, creates: int) -> dict[str, Any]:
     server_cpu = (cpu_seconds(server.proc.pid) - cpu_before) / elapsed
     after = settled_figures(server.proc.pid)
     created = codes.get("200", 0)
+    second_half = max(created - halfway.get("created", 0), 1)
     return {
         "creates": creates,
         "created": created,
@@ -252,6 +272,12 @@ def creates(server: Server, *, creates: int) -> dict[str, Any]:
         "after": after,
         "open_files_per_create": (after["open_files"] - before["open_files"]) / max(created, 1),
         "rss_kib_per_create": (after["rss_kib"] - before["rss_kib"]) / max(created, 1),
+        "halfway": halfway,
+        "samples": samples,
+        "rss_kib_per_create_second_half": (after["rss_kib"] - halfway.get("rss_kib", 0))
+        / second_half,
+        "anon_kib_per_create_second_half": (after["anon_kib"] - halfway.get("anon_kib", 0))
+        / second_half,
         "server_cpu": server_cpu,
     }
 
@@ -347,7 +373,7 @@ def describe(phase: str, row: dict[str, Any]) -> str:
             f"({row['server_cpu_ms_per_request']:.2f} ms a request)"
         )
     if phase == "creates":
-        before, after = row["before"], row["after"]
+        before, after, halfway = row["before"], row["after"], row["halfway"]
         return (
             f"creates ({row['creates']:,} from {CREATE_CLIENTS} clients): "
             f"{row['creates_per_s']:.1f}/s, {row['created']:,} created, {row['failed']} failed, "
@@ -355,7 +381,10 @@ def describe(phase: str, row: dict[str, Any]) -> str:
             f"open files "
             f"{before['open_files']} -> {after['open_files']} "
             f"({row['open_files_per_create']:+.3f}/create), RSS {before['rss_kib'] / 1024:.0f} "
-            f"-> {after['rss_kib'] / 1024:.0f} MiB ({row['rss_kib_per_create']:+.1f} KiB/create)"
+            f"-> {halfway.get('rss_kib', 0) / 1024:.0f} (halfway) -> "
+            f"{after['rss_kib'] / 1024:.0f} MiB ({row['rss_kib_per_create']:+.1f} KiB/create "
+            f"over the run, {row['rss_kib_per_create_second_half']:+.1f} over its second half; "
+            f"anonymous {row['anon_kib_per_create_second_half']:+.1f})"
         )
     if phase == "uploads":
         return (

@@ -22,6 +22,7 @@ from batchllm.api.backlog_metrics import backlog_registry
 from batchllm.api.errors import install_handlers
 from batchllm.api.guard import RequestGuard
 from batchllm.api.served import ServedModels
+from batchllm.heap import serving_heap
 from batchllm.settings import Settings, get_settings
 from batchllm.store import recovery
 from batchllm.store.db import session_scope
@@ -142,7 +143,11 @@ def create_app(
         to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         task = asyncio.create_task(_expire_periodically(settings)) if expire_batches else None
         try:
-            yield
+            # So that a create's validation (input/shards.py's frozen_heap) does not freeze
+            # and thaw the heap: each thaw left its request's reference cycles where only a
+            # full collection finds them, and memory grew with every batch (batchllm/heap.py).
+            with serving_heap():
+                yield
         finally:
             if task is not None:
                 task.cancel()

@@ -67,11 +67,14 @@ class Server:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log().splitlines()[-lines:])
 
-    def rss_bytes(self) -> int:
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        """Resident memory: all of it (VmRSS), or its anonymous part (RssAnon: the heap, what
+        a leak grows, without the pages of files and libraries, which come and go with what
+        runs and with other processes' memory pressure)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
+        raise AssertionError(f"no {field}")
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

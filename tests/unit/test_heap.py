@@ -62,3 +62,89 @@ def test_a_heap_frozen_by_the_caller_stays_frozen():
         assert gc.get_threshold() == before
         """
     )
+
+
+def test_overlapping_passes_on_two_threads_put_the_settings_back():
+    """serve validates several batches at once: B enters while A runs, A leaves first. Each
+    pass saving and restoring the settings itself left the young threshold at 50,000 and,
+    with the heap thawed by A while B ran, every create's objects in the oldest generation."""
+    run_checks(
+        """
+        import threading
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        def a():
+            with frozen_heap():
+                a_in.set()
+                b_in.wait(10)
+            a_out.set()
+
+        def b():
+            a_in.wait(10)
+            with frozen_heap():
+                b_in.set()
+                a_out.wait(10)
+                # A has left: B still runs, so the heap stays frozen and the threshold raised.
+                seen["inside"] = (gc.get_freeze_count() > 0, gc.get_threshold())
+
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        raised = (max(before[0], _YOUNG_THRESHOLD), *before[1:])
+        assert seen["inside"] == (True, raised), seen
+        assert gc.get_threshold() == before
+        assert gc.get_freeze_count() == 0
+        """
+    )
+
+
+def test_a_serving_heap_is_frozen_once_and_no_pass_thaws_it():
+    run_checks(
+        """
+        import platform
+        from batchllm.heap import pin_mmap_threshold, serving_heap
+        with serving_heap():
+            frozen = gc.get_freeze_count()
+            assert frozen > 0
+            with frozen_heap():  # a create's validation
+                pass
+            assert gc.get_freeze_count() > 0  # still the server's freeze
+            assert gc.get_threshold() == before
+        assert gc.get_freeze_count() == 0
+        assert pin_mmap_threshold() == (platform.libc_ver()[0] == "glibc")
+        """
+    )
+
+
+def test_a_serving_heap_keeps_a_request_cycle_in_the_young_generations():
+    """What grew serve's memory: a cycle alive when a pass froze the heap was in the oldest
+    generation once it thawed, out of reach of the young collections."""
+    run_checks(
+        """
+        import weakref
+        from batchllm.heap import serving_heap
+
+        class Node:
+            pass
+
+        def request() -> weakref.ref:
+            node = Node()
+            node.self = node  # a reference cycle, as SQLAlchemy's and kombu's objects make
+            with frozen_heap():
+                pass
+            return weakref.ref(node)
+
+        gc.disable()  # only the collections below
+        thawed_cycle = request()
+        gc.collect(1)
+        assert thawed_cycle() is not None  # in the oldest generation: a young collection missed it
+        gc.collect()
+        with serving_heap():
+            served_cycle = request()
+            gc.collect(1)
+            assert served_cycle() is None  # collected young
+        """
+    )
