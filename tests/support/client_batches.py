@@ -28,7 +28,7 @@ from tests.support.fleet import (
     settings_of,
     stop_workers,
 )
-from tests.support.serve import CHAT, Server, create_key
+from tests.support.serve import CHAT, Server, chat_line, create_key
 from tests.support.services import redis_database
 
 # A batch that the worker finishes in about a second: 20 lines of 4 to 11 tokens each.
@@ -106,25 +106,14 @@ def small_tokens(i: int) -> int:
     return 4 + i % 8
 
 
-def chat_request(model: str, custom_id: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": CHAT,
-        "body": {
-            "model": model,
-            "messages": [{"role": "user", "content": f"Say something about {custom_id}."}],
-            "max_tokens": max_tokens,
-        },
-    }
-
-
 def small_batch(model: str, prefix: str) -> list[dict[str, Any]]:
-    return [chat_request(model, f"{prefix}-{i}", small_tokens(i)) for i in range(SMALL_LINES)]
+    return [
+        chat_line(model, f"{prefix}-{i}", max_tokens=small_tokens(i)) for i in range(SMALL_LINES)
+    ]
 
 
 def big_batch(model: str, prefix: str) -> list[dict[str, Any]]:
-    return [chat_request(model, f"{prefix}-{i}", BIG_TOKENS) for i in range(BIG_LINES)]
+    return [chat_line(model, f"{prefix}-{i}", max_tokens=BIG_TOKENS) for i in range(BIG_LINES)]
 
 
 def write_jsonl(path: Path, requests: list[dict[str, Any]]) -> Path:
