@@ -5,6 +5,10 @@ its peak is its own). Placement must keep intake within 10% of file order and me
 the file's size (issue 62): past BATCHLLM_PLACEMENT_MEMORY_MB it spills sorted runs to disk.
 
     python -m benchmarks.placement_intake --lines 1000000,4000000 --repeats 5
+    python -m benchmarks.placement_intake --lines 1000000 --baseline /tmp/before
+
+With --baseline, an older checkout's intake (file order: the tree before placement) is measured
+in the same turns, so placed intake is compared with what intake cost before placement existed.
 
 Intake on two cores varies by +-10% from one run to the next, as much as the difference
 measured: each size is created `--repeats` times each way, alternating, and the medians
@@ -15,43 +19,64 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from batchllm.bench.parts.overhead import peak_rss, write_lines
+from batchllm.bench.parts.overhead import write_lines
 
 MODEL = "bench/placement"  # no engine runs: intake only
 
 
-def _create(source: str, home: str, place: bool, out: Any) -> None:
-    """One job created from `source` in a fresh home; (seconds, peak RSS, shards) to `out`."""
-    from batchllm.jobs.create import create_job
-    from batchllm.settings import Settings
+# Run in a process of its own, with the tree under test first on the path: this tree, or with
+# --baseline an older checkout, which may predate placement (no place_prefixes setting), the
+# spec module or resolve_input's move, so the script looks each one up where it may be.
+_CHILD = """
+import json, sys, time
+from pathlib import Path
+source, home, place = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+try:
     from batchllm.spec import JobSpec
+except ImportError:
+    from batchllm.input.schemas import JobSpec
+from batchllm.jobs.create import create_job
+from batchllm.settings import Settings
+settings = Settings(home=Path(home), **({"place_prefixes": place} if place else {}))
+try:  # where the front doors resolve the input before create_job
+    from batchllm.input.files.source import resolve_input
+    source = resolve_input(source, s3_endpoint=settings.s3_endpoint or "")
+except ImportError:
+    pass
+started = time.perf_counter()
+created = create_job(source, JobSpec(model=sys.argv[4]), shard_size=settings.shard_size,
+                     settings=settings)
+seconds = time.perf_counter() - started
+with open("/proc/self/status") as status:
+    peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+print(json.dumps([seconds, peak, len(created.stored.shards)]))
+"""
 
-    settings = Settings(home=Path(home), place_prefixes=place)
-    started = time.perf_counter()
-    created = create_job(
-        source, JobSpec(model=MODEL), shard_size=settings.shard_size, settings=settings
-    )
-    out.send((time.perf_counter() - started, peak_rss(), len(created.stored.shards)))
 
-
-def measure(source: Path, work: Path, place: bool) -> dict[str, Any]:
+def measure(source: Path, work: Path, place: bool, tree: str | None = None) -> dict[str, Any]:
+    """One job created from `source` in a fresh home, in a process of its own (so its peak
+    memory is its own), by this checkout or by the one at `tree`."""
     home = work / ("placed" if place else "file-order")
-    receive, send = multiprocessing.Pipe(duplex=False)
-    child = multiprocessing.get_context("spawn").Process(
-        target=_create, args=(str(source), str(home), place, send)
+    env = dict(os.environ, PYTHONPATH=tree or str(Path(__file__).resolve().parents[1]))
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(source), str(home), "1" if place else "0", MODEL],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    child.start()
-    seconds, rss, shards = receive.recv()
-    child.join()
     shutil.rmtree(home, ignore_errors=True)
+    if child.returncode != 0:
+        raise SystemExit(f"a create failed ({tree or 'this checkout'}):\n{child.stderr}")
+    seconds, rss, shards = json.loads(child.stdout.strip().splitlines()[-1])
     return {"seconds": seconds, "peak_rss_mib": rss / 2**20, "shards": shards}
 
 
@@ -68,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=5, help="creates each way per size (medians compared)"
     )
     parser.add_argument("--output", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="an older checkout (a git worktree): its file-order intake measured beside, in turn",
+    )
     args = parser.parse_args(argv)
+    baseline = str(args.baseline.resolve()) if args.baseline else None
     results = []
     with tempfile.TemporaryDirectory(prefix="batchllm-placement-bench-") as scratch:
         work = Path(scratch)
@@ -81,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 output_tokens=(8, 64),
             )
             runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            before: list[dict[str, Any]] = []
             for _ in range(args.repeats):
                 for place in (False, True):
                     runs[place].append(measure(source, work, place=place))
+                if baseline is not None:
+                    before.append(measure(source, work, place=False, tree=baseline))
             off, on = _median(runs[False]), _median(runs[True])
             row = {
                 "lines": lines,
@@ -91,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                 "placed": on,
                 "placed_vs_file_order_seconds": on["seconds"] / off["seconds"],
             }
+            if before:
+                then = _median(before)
+                row["baseline"] = {**then, "tree": baseline}
+                row["placed_vs_baseline_seconds"] = on["seconds"] / then["seconds"]
             results.append(row)
             print(
                 f"{lines:>10,} lines: file order {off['seconds']:6.1f} s "
@@ -100,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"(medians of {args.repeats})",
                 flush=True,
             )
+            if before:
+                print(
+                    f"{'':>10}        baseline's file order {row['baseline']['seconds']:6.1f} s "
+                    f"(peak {row['baseline']['peak_rss_mib']:,.0f} MiB): placed "
+                    f"{row['placed_vs_baseline_seconds']:.2f}x the baseline",
+                    flush=True,
+                )
             source.unlink()
     if args.output is not None:
         args.output.write_text(json.dumps(results, indent=2) + "\n")
