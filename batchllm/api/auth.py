@@ -7,6 +7,7 @@ import threading
 import time
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from batchllm.api.errors import ApiError
 from batchllm.api.keys import LOCAL_OWNER, owner_of
@@ -75,12 +76,17 @@ class _KeyCache:
 _KEYS = _KeyCache()
 
 
-def current_owner(request: Request) -> str:
+async def current_owner(request: Request) -> str:
     """FastAPI dependency: the owner id of the request's key (checked by the RequestGuard
-    before the body was read, batchllm/api/guard.py); 401 without a live key."""
+    before the body was read, batchllm/api/guard.py); 401 without a live key.
+
+    A coroutine, so FastAPI calls it on the event loop: a plain function dependency is run on
+    the request threads, a second hop to a thread for every request beside the route's own,
+    to read a value the guard has already put in the scope."""
     if not request.app.state.auth:
         return LOCAL_OWNER
     checked = request.scope.get("state", {}).get("owner")
     if checked is not None:
         return str(checked)
-    return owner_for(request.app.state.settings, request.headers.get("authorization", ""))
+    settings, authorization = request.app.state.settings, request.headers.get("authorization", "")
+    return await run_in_threadpool(owner_for, settings, authorization)
