@@ -308,6 +308,15 @@ class Settings(BaseSettings):
         "16, measured); more let more slow requests (uploads, creates of big files) run "
         "beside them.",
     )
+    api_poll_threads: int = Field(
+        default=4,
+        ge=1,
+        description="Threads one `batchllm serve` process answers polls on (GET of a batch and "
+        "of a page of batches), apart from BATCHLLM_API_THREADS, which the other routes share: "
+        "a poll never waits behind uploads or creates, and few threads taking turns under the "
+        "GIL keep the slowest poll short (api/polls.py). Each holds a database connection "
+        "while it works.",
+    )
     api_key_cache_seconds: float = Field(
         default=5.0,
         ge=0,

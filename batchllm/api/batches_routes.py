@@ -18,6 +18,7 @@ from batchllm.api.auth import current_owner
 from batchllm.api.errors import ApiError, check_limit, not_found
 from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import BATCH_BY_ID, batch_object, batch_rows, page
+from batchllm.api.polls import on_poll_threads
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
 from batchllm.input.endpoints import URLS
 from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
@@ -279,15 +280,17 @@ def _expire_now(settings, job_ids: list[str]) -> None:
 # The two routes a polling client calls answer JSONResponse themselves: FastAPI's check of a
 # returned dict against the route's annotation (pydantic, per request) was 7% of a polled
 # server's CPU, for objects that are plain JSON already.
+# Both run on the poll threads (api/polls.py), apart from the other routes' request threads.
 @router.get("/v1/batches/{batch_id}", response_model=None)
-def retrieve_batch(
+async def retrieve_batch(
     request: Request, batch_id: str, owner: str = Depends(current_owner)
 ) -> JSONResponse:
-    return JSONResponse(_render(request.app.state.settings, owner, batch_id))
+    settings = request.app.state.settings
+    return JSONResponse(await on_poll_threads(request, _render, settings, owner, batch_id))
 
 
 @router.get("/v1/batches", response_model=None)
-def list_batches(
+async def list_batches(
     request: Request,
     limit: int = 20,
     after: str | None = None,
@@ -296,11 +299,20 @@ def list_batches(
     check_limit(limit, 100)
     settings = request.app.state.settings
     headers: dict[str, str] = {}
+    page_of_batches = await on_poll_threads(
+        request, _read_page, settings, owner, limit, after, headers
+    )
+    return JSONResponse(page_of_batches, headers=headers)
+
+
+def _read_page(
+    settings, owner: str, limit: int, after: str | None, headers: dict[str, str]
+) -> dict[str, Any]:
     page_of_batches = _list_page(settings, owner, limit, after, headers)
     if page_of_batches is None:  # a batch on it was past its window: read once it has ended
         page_of_batches = _list_page(settings, owner, limit, after, headers, expire=False)
     assert page_of_batches is not None
-    return JSONResponse(page_of_batches, headers=headers)
+    return page_of_batches
 
 
 # A page of a key's batches, newest first: the statements built once and bound per request

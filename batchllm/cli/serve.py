@@ -80,9 +80,9 @@ def serve(
     from batchllm.store.db import get_engine
 
     settings = get_settings()
-    # A connection per request thread: a smaller pool made threads wait for one, and its
+    # A connection per request and poll thread: a smaller pool made threads wait for one, and its
     # overflow opened and closed a PostgreSQL connection per few dozen requests.
-    pool = max(settings.db_pool_size, settings.api_threads)
+    pool = max(settings.db_pool_size, settings.api_threads + settings.api_poll_threads)
     settings = settings.model_copy(update={"db_pool_size": pool})
     get_engine(settings)  # refuse an unreachable or old database now, in one line
     options: dict[str, Any] = {
