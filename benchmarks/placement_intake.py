@@ -45,7 +45,8 @@ except ImportError:
     from batchllm.input.schemas import JobSpec
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
-settings = Settings(home=Path(home), **({"place_prefixes": place} if place else {}))
+placement = {"place_prefixes": place} if "place_prefixes" in Settings.model_fields else {}
+settings = Settings(home=Path(home), **placement)
 try:  # where the front doors resolve the input before create_job
     from batchllm.input.files.source import resolve_input
     source = resolve_input(source, s3_endpoint=settings.s3_endpoint or "")
