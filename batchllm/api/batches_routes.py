@@ -19,8 +19,8 @@ from batchllm.api.errors import ApiError, check_limit, not_found
 from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import BATCH_BY_ID, batch_object, batch_rows, page
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
-from batchllm.input.endpoints import URLS
-from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
+from batchllm.input.formats.unicode_text import UNENCODABLE, unencodable_field
+from batchllm.input.parsing.endpoints import URLS
 from batchllm.jobs.retry import retry_job
 from batchllm.jobs.submit import submit_job
 from batchllm.output.deletion import delete_job

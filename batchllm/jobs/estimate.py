@@ -15,7 +15,7 @@ from batchllm.engine.images import ImagePrompt
 from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.rows import POOLING_KINDS, InputRow, stored_row
+from batchllm.input.formats.rows import POOLING_KINDS, InputRow, stored_row
 from batchllm.input.shards import validated_chunks
 from batchllm.settings import Settings
 from batchllm.spec import JobSpec

@@ -1,6 +1,6 @@
-"""The one endpoint table (input/endpoints.py) is what the line schema, the Batch API, the export
-and the docs go by; a refused line's OpenAI error code is decided by validation and stored with
-it; `n` over BATCHLLM_MAX_N is refused at every front door."""
+"""The one endpoint table (input/parsing/endpoints.py) is what the line schema, the Batch API, the
+export and the docs go by; a refused line's OpenAI error code is decided by validation and stored
+with it; `n` over BATCHLLM_MAX_N is refused at every front door."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from batchllm.api.batches import spec_for
 from batchllm.api.batches_routes import CreateBatch, _check_request
 from batchllm.api.errors import ApiError
 from batchllm.client import Client
-from batchllm.input.endpoints import ENDPOINTS, URLS, OpenAIBatchLine
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.input.parsing.endpoints import ENDPOINTS, URLS, OpenAIBatchLine
+from batchllm.input.validation.validate import read_requests, read_row_chunks
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, export_openai
 from batchllm.settings import Settings, get_settings

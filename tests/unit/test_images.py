@@ -15,11 +15,11 @@ import pytest
 
 from batchllm.engine.images import NO_IMAGES, ImageProcessor, ImagePrompt
 from batchllm.engine.prompts import prepare_prompts, token_count
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 
 

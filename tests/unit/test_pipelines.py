@@ -15,7 +15,7 @@ import pytest
 from batchllm import Client, JobRows
 from batchllm.errors import InputError, JobStateError
 from batchllm.execution.instant import InstantEngines
-from batchllm.input.prompt_template import PromptTemplate
+from batchllm.input.formats.prompt_template import PromptTemplate
 from batchllm.input.shards import validated_chunks
 from batchllm.jobs.create import create_job
 from batchllm.jobs.parent_rows import asked_text

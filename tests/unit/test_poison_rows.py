@@ -11,9 +11,9 @@ from pathlib import Path
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.stand_in_engines import WordTokenizer
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.validation.validate import read_requests, read_row_chunks
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service

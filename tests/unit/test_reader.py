@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.errors import InputError
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from tests.support.inputs import source_of

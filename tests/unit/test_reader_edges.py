@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.spec import MAX_TOKENS_LIMIT, JobSpec, SamplingDefaults
 from batchllm.storage import Storage

@@ -10,8 +10,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 
 LIMIT = 64  # small, so that generated long lines go over it cheaply

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 from batchllm.execution.stand_in_engines import FAKE_LABELS, FakeEngine
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.scoring import ScoreShape, pair_scores, ranked
-from batchllm.input.validate import infer_task, read_requests
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.scoring import ScoreShape, pair_scores, ranked
+from batchllm.input.validation.validate import infer_task, read_requests
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import export_openai
 from batchllm.output.parts import OUTPUT_SCHEMA, SCHEMA_VERSION
@@ -328,7 +328,7 @@ def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
 )
 def test_a_batch_api_batch_takes_its_task_from_its_endpoint(endpoint, metadata, task, settings):
     from batchllm.api.batches import spec_for
-    from batchllm.input.endpoints import URLS as ENDPOINTS
+    from batchllm.input.parsing.endpoints import URLS as ENDPOINTS
 
     assert endpoint in ENDPOINTS
     assert spec_for("/models/fake", endpoint, metadata, settings).engine.task == task

@@ -19,9 +19,9 @@ from sqlalchemy import update
 from batchllm.errors import BatchLLMError, InputError, StorageError
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.files.lines import has_requests
-from batchllm.input.schemas import LineError
+from batchllm.input.formats.schemas import LineError
 from batchllm.input.shards import store_input
-from batchllm.input.validate import infer_task, read_requests
+from batchllm.input.validation.validate import infer_task, read_requests
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit

@@ -1,6 +1,6 @@
 """Structured output, log probabilities, n and chat template options without an engine: the
-constraint forms of input/structured.py, their normalization by the reader in every line form,
-the job-level CLI flags, and the runner's structured_ok and structured counters on a fake
+constraint forms of input/formats/structured.py, their normalization by the reader in every line
+form, the job-level CLI flags, and the runner's structured_ok and structured counters on a fake
 engine."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from batchllm.cli.run import run as run_command
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError
 from batchllm.execution.shard_state import sampling_for
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.structured import (
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.structured import (
     ConstraintError,
     check_choice,
     check_regex,
@@ -30,7 +30,7 @@ from batchllm.input.structured import (
     from_response_format,
     satisfies,
 )
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.output.parts import MANIFEST_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage

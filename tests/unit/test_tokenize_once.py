@@ -14,7 +14,7 @@ from batchllm.engine import chat_batch
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
 from batchllm.execution.context.resolve import resolve_max_model_len
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import token_path
 from batchllm.jobs.create import create_job

@@ -15,23 +15,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchllm.input import columnar
-from batchllm.input.columnar import Verdict
-from batchllm.input.endpoints import task_of_line
 from batchllm.input.files.custom_ids import CustomIds, given_id, may_give_default_id
 from batchllm.input.files.lines import Line, iter_line_chunks, iter_lines
 from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.images import ImageChecks, image_urls
-from batchllm.input.parsing.line import decode_line, parse_line
-from batchllm.input.parsing.problems import LineProblem, duplicate
-from batchllm.input.rows import INPUT_SCHEMA, InputRow, request_payload
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.unicode_text import (
+from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow, request_payload
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.unicode_text import (
     UNENCODABLE,
     encodable,
     may_hold_surrogates,
     unencodable_field,
 )
+from batchllm.input.images import ImageChecks, image_urls
+from batchllm.input.parsing.endpoints import task_of_line
+from batchllm.input.parsing.line import decode_line, parse_line
+from batchllm.input.parsing.problems import LineProblem, duplicate
+from batchllm.input.validation import columnar
+from batchllm.input.validation.columnar import Verdict
 from batchllm.settings import Settings
 from batchllm.spec import GENERATE, Task
 
@@ -134,9 +134,9 @@ def read_row_chunks(
     task: str = GENERATE,
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The non-blank lines of `source` as rows to store, a chunk of the file at a time: a table
-    of the lines' input-shard values (INPUT_SCHEMA, input/rows.py) in line order, and the
+    of the lines' input-shard values (INPUT_SCHEMA, formats/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
-    validated a block at a time (input/columnar.py) and kept in columns to the stored shard."""
+    validated a block at a time (columnar.py) and kept in columns to the stored shard."""
     limit = max_line_bytes or settings.max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:
