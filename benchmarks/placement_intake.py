@@ -30,6 +30,7 @@ MODEL = "bench/placement"  # no engine runs: intake only
 
 def _create(source: str, home: str, place: bool, out: Any) -> None:
     """One job created from `source` in a fresh home; (seconds, peak RSS, shards) to `out`."""
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.create import create_job
     from batchllm.settings import Settings
     from batchllm.spec import JobSpec
@@ -37,7 +38,10 @@ def _create(source: str, home: str, place: bool, out: Any) -> None:
     settings = Settings(home=Path(home), place_prefixes=place)
     started = time.perf_counter()
     created = create_job(
-        source, JobSpec(model=MODEL), shard_size=settings.shard_size, settings=settings
+        resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint),
+        JobSpec(model=MODEL),
+        shard_size=settings.shard_size,
+        settings=settings,
     )
     out.send((time.perf_counter() - started, peak_rss(), len(created.stored.shards)))
 

@@ -180,7 +180,8 @@ def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp
 
     assert infer_task(source_of(source, settings), settings=settings) == "embed"
     read = {
-        item.custom_id: item for item in read_requests(source, task="generate", settings=settings)
+        item.custom_id: item
+        for item in read_requests(source_of(source, settings), task="generate", settings=settings)
     }
 
     assert set(read) == {line["custom_id"] for line in EMBED_LINES}

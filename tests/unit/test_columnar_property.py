@@ -168,7 +168,11 @@ def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple
     return [
         (InputRow.from_item(item).stored_values(), item if isinstance(item, LineError) else None)
         for item in validate.read_requests(
-            path, max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
+            source_of(path),
+            max_line_bytes=LIMIT,
+            adapters=adapters,
+            task=task,
+            settings=get_settings(),
         )
     ]
 

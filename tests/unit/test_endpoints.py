@@ -52,7 +52,7 @@ def test_a_url_outside_the_table_is_refused_naming_every_url_of_the_table(tmp_pa
         [{"custom_id": "a", "method": "POST", "url": "/v1/moderations", "body": {}}],
     )
 
-    [error] = read_requests(path, settings=get_settings())
+    [error] = read_requests(source_of(path), settings=get_settings())
 
     listed = ", ".join(f"'{url}'" for url in URLS[:-1]) + f" or '{URLS[-1]}'"
     assert isinstance(error, LineError)
@@ -116,7 +116,7 @@ def test_a_line_missing_a_field_is_stored_with_code_missing_required_parameter(t
         {"error_code": "unknown_parameter"},
     ]
     # Line by line, the same code with the LineError.
-    items = list(read_requests(path, settings=get_settings()))
+    items = list(read_requests(source_of(path), settings=get_settings()))
     assert isinstance(items[0], Request)
     assert [item.code for item in items[1:]] == [  # type: ignore[union-attr]
         "missing_required_parameter",
@@ -132,7 +132,9 @@ def test_the_export_answers_a_line_missing_a_field_with_its_stored_code(settings
             NO_MESSAGES,
         ],
     )
-    job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(FakeEngine()))
+    job = run_job(
+        source_of(path, settings), make_spec(), settings=settings, engines=FakeEngines(FakeEngine())
+    )
     export_openai(job, tmp_path / "out", settings=settings)
 
     [line] = [json.loads(t) for t in (tmp_path / "out" / ERRORS_NAME).read_text().splitlines()]

@@ -230,3 +230,44 @@ def test_no_module_of_input_imports_a_sub_layer_above_its_own():
         "batchllm.input.files.lines imports batchllm.input.validation.validate",
         "batchllm.input.formats.rows imports batchllm.input.shards",
     ]
+
+
+# -- the input resolved once, at the front doors ------------------------------------------------
+
+# Where a job's input comes in: the CLI, the Batch API, the Python API and its pipeline files,
+# and `batchllm bench`, which writes its own workload files and runs them as jobs. Everything
+# below them (jobs/, input/, ...) takes the InputSource they resolved (input/files/source.py).
+FRONT_DOORS = ["cli", "api", "bench", "client", "pipeline"]
+INPUT_RESOLVED_IN = "input/files/source.py"
+
+
+def resolves_input(path: Path) -> bool:
+    """Whether the module imports or calls `resolve_input` (an alias or a lazy import too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "resolve_input" for a in node.names):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "resolve_input":
+            return True
+        if isinstance(node, ast.Name) and node.id == "resolve_input":
+            return True
+    return False
+
+
+def test_only_the_front_doors_resolve_a_jobs_input(tmp_path):
+    doors = [m for name in FRONT_DOORS for m in _foundation_files(name)]
+    below = [
+        str(m.relative_to(PACKAGE))
+        for m in _modules()
+        if m not in doors and str(m.relative_to(PACKAGE)) != INPUT_RESOLVED_IN and resolves_input(m)
+    ]
+    assert below == []
+    assert {str(m.relative_to(PACKAGE)) for m in doors if resolves_input(m)} >= {
+        "cli/options.py",
+        "client.py",
+        "api/batches_routes.py",
+    }
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f(p):\n    from batchllm.input.files import source\n    source.resolve_input(p)\n"
+    )
+    assert resolves_input(module)

@@ -495,7 +495,10 @@ def test_a_waiting_job_is_cancelled_at_once_and_one_without_parents_left_is_rele
     given.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     spec = build_job_spec("/models/m", settings=settings, max_tokens=2)
     held = [
-        create_job(given, spec, shard_size=2, settings=settings, hold=True).job.id for _ in range(2)
+        create_job(
+            source_of(given, settings), spec, shard_size=2, settings=settings, hold=True
+        ).job.id
+        for _ in range(2)
     ]
     assert {Client().status(job).status for job in held} == {"waiting"}
     assert Client().cancel(held[0]).status == "cancelled"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,7 @@ import pyarrow.compute as pc
 
 from batchllm.input.files.custom_ids import CustomIds, given_id, may_give_default_id
 from batchllm.input.files.lines import Line, iter_line_chunks, iter_lines
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource
 from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow, request_payload
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.formats.unicode_text import (
@@ -93,21 +92,20 @@ def _check(
 
 
 def read_requests(
-    path: str | Path | InputSource,
+    source: InputSource,
     *,
     settings: Settings,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = GENERATE,
 ) -> Iterator[Request | LineError]:
-    """Yield one Request or LineError per non-blank line of `path` (a local path or a URI
+    """Yield one Request or LineError per non-blank line of `source` (a local file or a URI
     such as s3://bucket/key, streamed), in line order, validating line by line.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
     A line over `max_line_bytes` (default: the settings') is an error without being parsed.
     The file is read twice (files/custom_ids.py), each time from its start.
     """
-    source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
     limit = max_line_bytes or settings.max_line_bytes
     images = ImageChecks(settings)
 
