@@ -62,12 +62,11 @@ def create_job(
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
-    (input/files/source.py). `hold`: the job waits for the
-    jobs it runs after (spec.after): it ends `waiting`, none of its shards released
-    (store/dependencies.py releases them). `context`: how the job's max_model_len is settled
-    (execution/context/plan.py); its pass sees each stored shard before it is recorded and
-    released, and the max_model_len it sized, if any, is the job's. Without one: as given, or
-    by the job's first worker.
+    (input/files/source.py). `hold`: the job waits for the jobs it runs after (spec.after): it
+    ends `waiting`, none of its shards released (store/dependencies.py releases them).
+    `context`: how the job's max_model_len is settled (execution/context/plan.py); its pass
+    sees each stored shard before it is recorded and released, and the max_model_len it sized,
+    if any, is the job's. Without one: as given, or by the job's first worker.
     """
     if hold:
         release = None

@@ -41,7 +41,8 @@ def run_job(
     engines: EngineSource | None = None,
     notify: WebhookTarget | None = None,
 ) -> Job:
-    """Validate, store and run a job to its end here; returns the final Job row.
+    """Validate, store and run a job to its end here; returns the final Job row. `source`: the
+    input as a front door resolved it, so a missing file was reported before any engine starts.
 
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
