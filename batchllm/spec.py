@@ -2,12 +2,12 @@
 made it (the CLI's flags, the Client's keyword arguments, a Batch API request, a pipeline
 file's stage): `JobSpec` with its `EngineOptions` and `SamplingDefaults`, and the sampling
 fields a line may override (`SamplingOverrides` and the option groups the line formats in
-input/schemas.py share).
+input/formats/schemas.py share).
 
 It sits at the foundation, below every layer: 41 modules outside input/ read a job's spec, and
 with it in the input parser the engine and the store sat above the line formats only to reach
 it. A prompt template's syntax is checked here too (`template_pieces`), where a table's spec
-names one; input/prompt_template.py renders it.
+names one; input/formats/prompt_template.py renders it.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ MAX_TOP_LOGPROBS = 20
 
 
 class ConstraintFields(BaseModel):
-    """Structured output fields a line may carry (at most one; input/structured.py checks and
-    normalizes them)."""
+    """Structured output fields a line may carry (at most one; input/formats/structured.py checks
+    and normalizes them)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -176,7 +176,7 @@ class SamplingDefaults(BaseModel):
         description="Log probabilities of each generated token with this many alternatives.",
     )
     structured: dict[str, Any] | None = unset(
-        "The job's structured output constraint (input/structured.py), which a "
+        "The job's structured output constraint (input/formats/structured.py), which a "
         "line's own constraint replaces."
     )
 
@@ -271,7 +271,7 @@ class TableColumns(BaseModel):
     )
     prompt_template: NonEmptyStr | None = unset(
         "Each row's prompt built from its fields: `str.format` named fields, "
-        "e.g. 'Question: {question}' (input/prompt_template.py). Fields are the table's "
+        "e.g. 'Question: {question}' (input/formats/prompt_template.py). Fields are the table's "
         "columns, or a JSONL line's own keys."
     )
     id_column: NonEmptyStr | None = unset(
@@ -358,7 +358,7 @@ TEMPLATE_FLAG = "--prompt-template"
 def template_pieces(text: str) -> tuple[tuple[str, str | None], ...]:
     """A prompt template's literal texts around its fields, `(literal, field or None)` each;
     InputError naming the flag and the field for a template batchllm does not take
-    (input/prompt_template.py says which)."""
+    (input/formats/prompt_template.py says which)."""
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as exc:  # "Single '}' encountered", "unmatched '{'"

@@ -403,6 +403,7 @@ def _env(config: Config, services: Services) -> dict[str, str]:
 def _submit(jobs: list[TenantJob], model: str, config: Config, direct: dict[str, Any]) -> list[str]:
     """Each tenant's job, the way `batchllm submit` sends it (jobs/submit.py), on the
     services directly (`direct`: Services.direct's settings)."""
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.submit import submit_job
     from batchllm.settings import Settings
     from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
@@ -416,7 +417,12 @@ def _submit(jobs: list[TenantJob], model: str, config: Config, direct: dict[str,
     )
     try:
         return [
-            submit_job(job.source, spec, shard_size=config.shard_size, settings=settings).id
+            submit_job(
+                resolve_input(job.source, s3_endpoint=settings.resolved_s3_endpoint),
+                spec,
+                shard_size=config.shard_size,
+                settings=settings,
+            ).id
             for job in jobs
         ]
     finally:

@@ -46,6 +46,7 @@ def time_submit(
 ) -> dict[str, Any]:
     from sqlalchemy import func, select
 
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.submit import submit_job
     from batchllm.store import service
     from batchllm.store.db import session_scope
@@ -68,7 +69,11 @@ def time_submit(
 
     started = time.monotonic()
     job = submit_job(
-        source, spec, shard_size=SHARD_SIZE, settings=settings, before_dispatch=first_queued
+        resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint),
+        spec,
+        shard_size=SHARD_SIZE,
+        settings=settings,
+        before_dispatch=first_queued,
     )
     ended = time.monotonic()
     tasks = queued_tasks(redis, queue_for_job(spec))

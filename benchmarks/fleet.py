@@ -237,6 +237,7 @@ def run_jobs(
 ) -> dict:
     """Submit the files one after another as fast as submit goes, then follow every job to its
     end; the figures of the whole set."""
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.submit import submit_job
     from batchllm.store.db import get_engine
 
@@ -255,7 +256,7 @@ def run_jobs(
         for source in sources:
             job_ids.append(
                 submit_job(
-                    source,
+                    resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint),
                     _spec(fleet.model, sized, max_tokens),
                     shard_size=shard_size,
                     settings=settings,

@@ -15,10 +15,10 @@ from sqlalchemy.orm import Session
 
 from batchllm.api import enqueued, files
 from batchllm.api.errors import ApiError
-from batchllm.input.endpoints import batch_task
 from batchllm.input.files.lines import iter_lines
+from batchllm.input.formats.unicode_text import may_hold_surrogates, unencodable_field
 from batchllm.input.job_spec import build_job_spec
-from batchllm.input.unicode_text import may_hold_surrogates, unencodable_field
+from batchllm.input.parsing.endpoints import batch_task
 from batchllm.jobs.create import record_refused_job
 from batchllm.output.deletion import delete_job
 from batchllm.settings import Settings
@@ -147,8 +147,8 @@ def _decoded(raw: bytes | None) -> Any:
 
 
 def spec_for(model: str, endpoint: str, metadata: dict[str, str], settings: Settings) -> JobSpec:
-    # Score and rerank batches embed (an embedding model, input/scoring.py); a cross-encoder's
-    # asks for classify in its metadata.
+    # Score and rerank batches embed (an embedding model, input/formats/scoring.py); a
+    # cross-encoder's asks for classify in its metadata.
     task = batch_task(endpoint, metadata.get("task"))
     # OpenAI's batch has no priority field, nor output parsers: the metadata keys
     # `priority`, `reasoning_parser`, `tool_call_parser` (and `task`) set them.

@@ -20,8 +20,9 @@ from batchllm.api.files_routes import content_missing, owned_file
 from batchllm.api.objects import BATCH_BY_ID, batch_object, batch_rows, page
 from batchllm.api.polls import on_poll_threads
 from batchllm.errors import BatchLLMError, JobNotFound, JobStateError
-from batchllm.input.endpoints import URLS
-from batchllm.input.unicode_text import UNENCODABLE, unencodable_field
+from batchllm.input.files.source import resolve_input
+from batchllm.input.formats.unicode_text import UNENCODABLE, unencodable_field
+from batchllm.input.parsing.endpoints import URLS
 from batchllm.jobs.retry import retry_job
 from batchllm.jobs.submit import submit_job
 from batchllm.output.deletion import delete_job
@@ -177,9 +178,14 @@ def _submit(settings, owner, stored, model, body, metadata, prompt_tokens, notif
         )
 
     try:
-        job = submit_job(
+        spec = batches.spec_for(model, body.endpoint, metadata, settings)
+        source = resolve_input(
             Storage.of(settings).display(stored.path),  # a URI on an object store
-            batches.spec_for(model, body.endpoint, metadata, settings),
+            s3_endpoint=settings.resolved_s3_endpoint,
+        )
+        job = submit_job(
+            source,
+            spec,
             settings=settings,
             expires_at=batches.expiry(body.completion_window),
             before_dispatch=record,

@@ -138,12 +138,15 @@ def timed_run_job(
     engines: EngineSource, spec: JobSpec, source: Path, settings: Settings
 ) -> TimedJob:
     """The whole `run_job`, the end of its validation and storage marked (`on_created`)."""
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.local import run_job
 
+    # Resolved before the clock starts, as `batchllm run` resolves its FILE with its flags.
+    resolved = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     stored_at: list[float] = []
     started = time.perf_counter()
     job = run_job(
-        source,
+        resolved,
         spec,
         settings=settings,
         engines=engines,

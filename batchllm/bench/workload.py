@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchllm.demo.workload import sentence
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.settings import Settings
 
 TEMPERATURE = 1.0

@@ -442,7 +442,7 @@ def _job_constraint(
     schema_file: Path | None, choice: str | None, regex: str | None
 ) -> dict[str, Any] | None:
     """The job's structured output constraint from --json-schema/--choice/--regex (one)."""
-    from batchllm.input.structured import ConstraintError, constraint_of
+    from batchllm.input.formats.structured import ConstraintError, constraint_of
 
     given = [
         f

@@ -15,8 +15,8 @@ import json
 from typing import Any
 
 from batchllm.engine.prompts import Prepared
-from batchllm.input.rows import InputRow
-from batchllm.input.scoring import ScoreShape
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.scoring import ScoreShape
 from batchllm.row_errors import INVALID_PROMPT, REQUEST_REJECTED, Refusal
 
 _TYPES_KEY = "compressed_token_type_ids"  # vLLM's pooling params key of a pair's token types

@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.images import ImageProblem, decoded, image_parts, open_image
-from batchllm.input.rows import InputRow
 from batchllm.row_errors import INVALID_PROMPT, Refusal
 from batchllm.settings import Settings
 
@@ -42,7 +42,7 @@ def decoded_images(prompt: ImagePrompt) -> list[Any]:
 
 
 def has_images(row: InputRow) -> bool:
-    # Validation keeps a message's parts only when it has images (input/validate.py).
+    # Validation keeps a message's parts only when it has images (input/validation/validate.py).
     return row.kind == "chat" and row.messages is not None and '"image_url"' in row.messages
 
 

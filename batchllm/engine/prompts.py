@@ -19,7 +19,7 @@ from batchllm.engine.images import (
     prepare_image_row,
     template_messages,
 )
-from batchllm.input.rows import POOLING_KINDS, TEMPLATE_OPTIONS, InputRow
+from batchllm.input.formats.rows import POOLING_KINDS, TEMPLATE_OPTIONS, InputRow
 from batchllm.row_errors import CONTEXT_LENGTH_EXCEEDED, INVALID_PROMPT, Refusal
 
 log = logging.getLogger(__name__)

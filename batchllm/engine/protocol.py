@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from batchllm.engine.prompts import Prepared
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.spec import JobSpec
 
 # The finish reason of a request the engine refused when it was added, for an engine that

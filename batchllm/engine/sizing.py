@@ -17,7 +17,7 @@ from typing import Any
 
 from batchllm.engine.images import ImagePrompt, has_images, load_image_processor
 from batchllm.engine.prompts import prepare_prompts, token_count
-from batchllm.input.rows import POOLING_KINDS, InputRow
+from batchllm.input.formats.rows import POOLING_KINDS, InputRow
 from batchllm.row_errors import Refusal
 from batchllm.settings import Settings
 from batchllm.spec import SamplingDefaults

@@ -43,8 +43,8 @@ from batchllm.engine.start_settings import (
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.heap import frozen_heap
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.images import ImageProblem
-from batchllm.input.rows import InputRow
 from batchllm.process.engine_output import engine_output_to_log
 from batchllm.process.parent_watch import ENGINE_MARK
 from batchllm.settings import Settings

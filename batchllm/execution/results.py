@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchllm.engine.protocol import REJECTED, Adapter, Finished
-from batchllm.input.rows import InputRow
-from batchllm.input.scoring import ScoreShape, pair_scores
-from batchllm.input.structured import field_of, satisfies
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.scoring import ScoreShape, pair_scores
+from batchllm.input.formats.structured import field_of, satisfies
 from batchllm.output.parts import OutputBuffer
 from batchllm.row_errors import ENGINE_ERROR, REQUEST_REJECTED
 

@@ -27,7 +27,7 @@ from batchllm.execution.results import Sampling, record_finished, record_refused
 from batchllm.execution.shard_state import ShardState, load_shard_state, sampling_for
 from batchllm.heap import frozen_heap
 from batchllm.input.adapters import local_adapter_path
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.output.parts import OutputBuffer, Part
 from batchllm.process.stopping import StopRequest
 from batchllm.row_errors import INVALID_REQUEST, REQUEST_REJECTED, Refusal

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.shards import iter_shard_rows
 from batchllm.output import commit, replace
 from batchllm.output.parts import OutputBuffer, Part, part_of

@@ -30,8 +30,8 @@ from typing import Any
 from batchllm.engine.prompts import Prepared, prepare_prompts
 from batchllm.engine.protocol import Adapter, Engine, EngineSource, Finished
 from batchllm.engine.vllm_engine import sampling_values
-from batchllm.input.rows import InputRow
-from batchllm.input.scoring import ScoreShape
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.scoring import ScoreShape
 from batchllm.spec import JobSpec
 
 FAKE_MAX_MODEL_LEN = 24

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from batchllm.errors import InputError
-from batchllm.input.structured import constraint_of
+from batchllm.input.formats.structured import constraint_of
 from batchllm.settings import Settings
 from batchllm.spec import GENERATE, EngineOptions, JobSpec, SamplingDefaults, TableColumns
 
@@ -60,9 +60,9 @@ def build_job_spec(
     embed job) or, with no requests to read, is `generate`.
 
     `prompt_column` or `messages_column` (with `id_column`, `system`): `requests` is a Parquet
-    or CSV file read by these columns (input/files/table.py), checked here before any job exists.
+    or CSV file read by these columns (validation/table.py), checked here before any job exists.
     `prompt_template` builds each row's prompt from a table's columns or a JSONL file's keys
-    (input/prompt_template.py).
+    (input/formats/prompt_template.py).
     `requests`: the resolved input file (input/files/source.py), read as `settings` say.
     `parents`: the jobs whose rows `requests` holds (jobs/parent_rows.py), recorded; `after`:
     the jobs a fleet job waits for (store/dependencies.py)."""
@@ -82,12 +82,12 @@ def build_job_spec(
     )
     if engine.get("task") is None:
         # Lazily: `batchllm --help` and `import batchllm` stay instant.
-        from batchllm.input.validate import infer_task
+        from batchllm.input.validation.validate import infer_task
 
         lines = requests if table is None else None
         engine["task"] = infer_task(lines, settings) if lines is not None else GENERATE
     if table is not None and requests is not None:
-        from batchllm.input.files.table import table_schema
+        from batchllm.input.validation.table import table_schema
 
         table_schema(requests, table, engine["task"], settings=settings)
     return JobSpec(

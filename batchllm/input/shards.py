@@ -24,11 +24,11 @@ from batchllm.errors import InputError, StorageError
 from batchllm.external_sort import ExternalSort
 from batchllm.heap import frozen_heap
 from batchllm.input.files.source import InputSource
-from batchllm.input.files.table import read_table_chunks
-from batchllm.input.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
-from batchllm.input.schemas import LineError
+from batchllm.input.formats.rows import INPUT_SCHEMA, STORED_FIELDS, InputRow, stored_row
+from batchllm.input.formats.schemas import LineError
 from batchllm.input.token_store import iter_token_batches, token_lists
-from batchllm.input.validate import read_row_chunks
+from batchllm.input.validation.table import read_table_chunks
+from batchllm.input.validation.validate import read_row_chunks
 from batchllm.settings import Settings
 from batchllm.spec import TableColumns
 from batchllm.storage import Storage

@@ -9,12 +9,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 from batchllm.errors import InputError, StorageError
 from batchllm.execution.context.plan import ContextPlan, plain_plan
 from batchllm.input.adapters import store_adapters
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource
 from batchllm.input.shards import ShardInput, StoredInput, store_input
 from batchllm.settings import Settings
 from batchllm.spec import JobSpec
@@ -38,7 +37,7 @@ class CreatedJob:
 
 
 def create_job(
-    source: str | Path | InputSource,
+    source: InputSource,
     spec: JobSpec,
     *,
     shard_size: int,
@@ -63,16 +62,14 @@ def create_job(
     A file refused under --strict leaves a `failed` job with the reason, like the OpenAI API;
     so does a job storage that cannot be written (StorageError). `notify`: where the job's end
     is announced (store/webhooks.py). `source`: the input as a front door resolved it
-    (input/files/source.py); a path is resolved here, once. `hold`: the job waits for the
-    jobs it runs after (spec.after): it ends `waiting`, none of its shards released
-    (store/dependencies.py releases them). `context`: how the job's max_model_len is settled
-    (execution/context/plan.py); its pass sees each stored shard before it is recorded and
-    released, and the max_model_len it sized, if any, is the job's. Without one: as given, or
-    by the job's first worker.
+    (input/files/source.py). `hold`: the job waits for the jobs it runs after (spec.after): it
+    ends `waiting`, none of its shards released (store/dependencies.py releases them).
+    `context`: how the job's max_model_len is settled (execution/context/plan.py); its pass
+    sees each stored shard before it is recorded and released, and the max_model_len it sized,
+    if any, is the job's. Without one: as given, or by the job's first worker.
     """
     if hold:
         release = None
-    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     storage = Storage.of(settings)  # a new job's storage: where the settings say now
     job_id = service.new_job_id()
     if spec.adapters:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from batchllm.engine.hardware import machine_label
 from batchllm.engine.images import ImagePrompt
 from batchllm.engine.prompts import token_count
 from batchllm.engine.sizing import ContextSizer
-from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.rows import POOLING_KINDS, InputRow, stored_row
+from batchllm.input.files.source import InputSource
+from batchllm.input.formats.rows import POOLING_KINDS, InputRow, stored_row
 from batchllm.input.shards import validated_chunks
 from batchllm.settings import Settings
 from batchllm.spec import JobSpec
@@ -47,11 +46,8 @@ class Estimate:
         return (self.prompt_tokens + self.max_output_tokens) / self.history.tokens_per_s
 
 
-def estimate_job(
-    source: str | Path | InputSource, spec: JobSpec, *, settings: Settings
-) -> Estimate:
+def estimate_job(source: InputSource, spec: JobSpec, *, settings: Settings) -> Estimate:
     """Validate and tokenize `source` as a job of `spec` would; create nothing."""
-    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     sizer = ContextSizer(spec.model, spec.sampling, spec.chat_template, settings=settings)
     counts = {"requests": 0, "invalid": 0, "too_long": 0, "prompt": 0, "output": 0}
     chunk: dict[int, InputRow] = {}  # the rows being tokenized, by line

@@ -6,7 +6,6 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 from batchllm.engine.protocol import EngineSource
 from batchllm.errors import BatchLLMError, EngineDied, InputError, JobInterrupted
@@ -14,7 +13,7 @@ from batchllm.execution.context.plan import ContextPlan, ContextPolicy, plan_for
 from batchllm.execution.context.resolve import resolve_max_model_len
 from batchllm.execution.runner import ProgressFn, ShardRunner
 from batchllm.execution.webhooks import deliver_soon
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource
 from batchllm.jobs.create import create_job
 from batchllm.kept_engine.client import KeptEngines, size_on
 from batchllm.process.stopping import Signalled, StopRequest, stop_on_first_interrupt
@@ -32,7 +31,7 @@ _NOTIFY_WITHIN_SECONDS = 30.0
 
 
 def run_job(
-    source: str | Path | InputSource,
+    source: InputSource,
     spec: JobSpec,
     *,
     strict: bool = False,
@@ -42,7 +41,8 @@ def run_job(
     engines: EngineSource | None = None,
     notify: WebhookTarget | None = None,
 ) -> Job:
-    """Validate, store and run a job to its end here; returns the final Job row.
+    """Validate, store and run a job to its end here; returns the final Job row. `source`: the
+    input as a front door resolved it, so a missing file was reported before any engine starts.
 
     `engines` lets a caller (tests, bench) reuse one warm engine across jobs. `notify`: the
     job's end is POSTed there once it ended (retried here for a while, then by a reconciler).
@@ -52,8 +52,6 @@ def run_job(
             "--after is for jobs submitted to the fleet; a local run starts at once "
             "(`batchllm wait` for the other job first)"
         )
-    # Resolved once (input/files/source.py): a missing file is reported before any engine starts.
-    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     own_engines = engines is None
     engines = engines or KeptEngines(settings)
     if isinstance(engines, KeptEngines):

@@ -13,7 +13,6 @@ that failed, was cancelled or expired is retried (`batchllm retry`) first.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import posixpath
 import tempfile
@@ -29,7 +28,7 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import InputError, JobStateError
 from batchllm.external_sort import ExternalSort
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource
 from batchllm.input.job_rows import CARRIED, ID_COLUMN, JobRows
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
 from batchllm.settings import Settings
@@ -59,8 +58,15 @@ def parent_input(rows: JobRows, settings: Settings) -> Iterator[InputSource]:
             raise InputError(
                 f"--from {parent_id}: the job has no row of status {', '.join(rows.statuses)}"
             )
-        source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
-        yield dataclasses.replace(source, recorded=rows.recorded)
+        # Written just now, so nothing is left to resolve: a local Parquet file, recorded as
+        # the rows it holds (`--from JOB`), not as this temporary path.
+        yield InputSource(
+            name=str(path),
+            recorded=rows.recorded,
+            uri=False,
+            format="parquet",
+            s3_endpoint=settings.resolved_s3_endpoint,
+        )
 
 
 def write_parent_rows(storage: Storage, job_id: str, statuses: tuple[str, ...], path: Path) -> int:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import datetime
-from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from batchllm.errors import BatchLLMError
 from batchllm.execution.context.plan import plan_for_submit
 from batchllm.execution.finalize import finalize_job
-from batchllm.input.files.source import InputSource, resolve_input
+from batchllm.input.files.source import InputSource
 from batchllm.input.shards import StoredInput
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
@@ -28,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def submit_job(
-    source: str | Path | InputSource,
+    source: InputSource,
     spec: JobSpec,
     *,
     shard_size: int | None = None,
@@ -51,7 +50,6 @@ def submit_job(
     jobs not completed yet makes a `waiting` job: no task goes out until the reconciler
     releases it (store/dependencies.py).
     """
-    source = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     hold = False
     if spec.after:  # refused before anything is stored when a parent is unknown or failed
         with session_scope(settings) as session:

@@ -28,7 +28,7 @@ from batchllm.engine.protocol import Adapter, EngineSource, Finished
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.execution.engines import EngineCache, context_free_key, with_min_lora_rank
 from batchllm.execution.instant import InstantEngines
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.kept_engine import registry, wire
 from batchllm.kept_engine.registry import EngineRecord
 from batchllm.settings import Settings

@@ -3,9 +3,9 @@
 One line per output row, in input line order: ok rows go to the output file, error rows to the
 error file, each as OpenAI writes them (`{"id": "batch_req_...", "custom_id", "response",
 "error"}`). The line's endpoint is not stored (an OpenAI line's url is dropped at validation),
-so it follows from the stored row kind (input/endpoints.py): chat -> chat.completion, prompt ->
-text_completion, embed -> an embeddings list, score -> vLLM's ScoreResponse or RerankResponse
-(the row's stored shape says which), classify -> vLLM's ClassificationResponse. Plain
+so it follows from the stored row kind (input/parsing/endpoints.py): chat -> chat.completion,
+prompt -> text_completion, embed -> an embeddings list, score -> vLLM's ScoreResponse or
+RerankResponse (the row's stored shape says which), classify -> vLLM's ClassificationResponse. Plain
 `prompt`/`messages`/`input` lines export by their form the same way.
 
 Read one shard at a time: its part files (`part-s<shard>-...`) matched by line to the shard's
@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 
 from batchllm.errors import JobStateError
 from batchllm.external_sort import ExternalSort
-from batchllm.input.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from batchllm.input.formats.rows import refusal_code
+from batchllm.input.parsing.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from batchllm.input.parsing.problems import (
     DUPLICATE_CUSTOM_ID,
     INVALID_JSON,
@@ -45,7 +46,6 @@ from batchllm.input.parsing.problems import (
     MISSING_REQUIRED_PARAMETER,
     UNKNOWN_PARAMETER,
 )
-from batchllm.input.rows import refusal_code
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, shard_of_part
 from batchllm.output.pooling_bodies import classify_body, score_body
 from batchllm.output.responses_body import (
@@ -239,7 +239,7 @@ def _with_input(row: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         row["settings"] = settings
     elif kind == "score":  # its body needs its shape and a rerank its documents
         row["settings"], row["inputs"] = settings, inputs
-    elif kind == "invalid":  # the code validation stored with it (input/rows.py)
+    elif kind == "invalid":  # the code validation stored with it (input/formats/rows.py)
         row["invalid_code"] = refusal_code(settings)
     return kind, row
 

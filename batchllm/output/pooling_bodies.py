@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from batchllm.input.scoring import ScoreShape, ranked
+from batchllm.input.formats.scoring import ScoreShape, ranked
 
 
 def score_body(

@@ -187,7 +187,7 @@ def test_direct_tokenization_gives_the_ids_of_the_tokenizer_call(tiny_model):
     from transformers import AutoTokenizer
 
     from batchllm.engine.prompts import prepare_prompts
-    from batchllm.input.rows import InputRow
+    from batchllm.input.formats.rows import InputRow
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     rows = [

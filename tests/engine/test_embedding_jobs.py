@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.schemas import LineError, Request
 from tests.support.inputs import source_of
 
 # The module's jobs share the pooling engine the bench's embed part built (or build it).
@@ -174,13 +174,14 @@ def test_generation_lines_and_dimensions_are_error_rows_in_an_embedding_job(embe
 
 
 def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp_path, settings):
-    from batchllm.input.validate import infer_task, read_requests
+    from batchllm.input.validation.validate import infer_task, read_requests
 
     source = write_jsonl(tmp_path / "embed.jsonl", EMBED_LINES)
 
     assert infer_task(source_of(source, settings), settings=settings) == "embed"
     read = {
-        item.custom_id: item for item in read_requests(source, task="generate", settings=settings)
+        item.custom_id: item
+        for item in read_requests(source_of(source, settings), task="generate", settings=settings)
     }
 
     assert set(read) == {line["custom_id"] for line in EMBED_LINES}

@@ -19,6 +19,7 @@ import pytest
 from batchllm.output.parts import read_output
 from batchllm.spec import EngineOptions, JobSpec
 from batchllm.storage import Storage
+from tests.support.inputs import source_of
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -149,7 +150,7 @@ def run_classifier_job(engines, spec: JobSpec, lines: list[dict], settings, work
     from batchllm.output.openai_files import export_openai
 
     source = write_jsonl(work / "lines.jsonl", lines)
-    job = run_job(source, spec, settings=settings, engines=engines.lend())
+    job = run_job(source_of(source, settings), spec, settings=settings, engines=engines.lend())
     assert job.status.value == "completed", job.error
     storage = Storage.of(settings)
     rows = read_output(storage, storage.output_dir(job.id)).to_pylist()

@@ -32,6 +32,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from tests.support.cli import local_env, run_cli
+from tests.support.inputs import source_of
 from tests.support.skips import require
 
 # The first test here to need the engine builds it (unless another module did).
@@ -150,7 +151,12 @@ def mixed_run(tiny_model, engines, tmp_path_factory):
         get_settings.cache_clear()
         settings = get_settings()
         mixed = MixedFile(home / "mixed.jsonl")
-        job = run_job(mixed.path, make_spec(tiny_model), settings=settings, engines=engines)
+        job = run_job(
+            source_of(mixed.path, settings),
+            make_spec(tiny_model),
+            settings=settings,
+            engines=engines,
+        )
         storage = Storage.of(settings)
         out_dir = storage.output_dir(job.id)
         table = ds.dataset(out_dir, format="parquet").to_table()
@@ -349,7 +355,9 @@ def test_a_second_job_reuses_the_warm_engine_across_shards_and_commits(
             out.write(json.dumps(line) + "\n")
     wanted = sum(json.loads(raw)["max_tokens"] for raw in source.read_text().splitlines())
 
-    job = run_job(source, make_spec(tiny_model), settings=settings, engines=engines)
+    job = run_job(
+        source_of(source, settings), make_spec(tiny_model), settings=settings, engines=engines
+    )
 
     assert warm_engine(engines, tiny_model) is warm
     assert job.status is JobStatus.COMPLETED
@@ -457,7 +465,7 @@ def test_run_of_a_parquet_table_joins_back_on_its_id_then_dry_run_uses_its_throu
         update={"table": TableColumns(prompt_column="text", id_column="doc_id")}
     )
 
-    job = run_job(path, spec, settings=settings, engines=engines)
+    job = run_job(source_of(path, settings), spec, settings=settings, engines=engines)
 
     assert (job.status, job.request_total, job.request_completed, job.request_failed) == (
         JobStatus.COMPLETED,
@@ -512,7 +520,11 @@ def test_retry_of_a_cancelled_job_runs_its_unanswered_lines_into_the_same_job(
     ]
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     created = create_job(
-        source, make_spec(tiny_model), shard_size=3, settings=settings, local_run=True
+        source_of(source, settings),
+        make_spec(tiny_model),
+        shard_size=3,
+        settings=settings,
+        local_run=True,
     )
     job_id = created.job.id
     with session_scope(settings) as session:
@@ -577,7 +589,7 @@ def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
     def run() -> None:
         outcome.append(
             run_job(
-                source,
+                source_of(source, settings),
                 make_spec(tiny_model, max_tokens=16),
                 settings=settings,
                 engines=engines,

@@ -25,6 +25,7 @@ from batchllm.storage import Storage
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.fleet import WorkerProcess, fleet_env_vars, settings_of
+from tests.support.inputs import source_of
 from tests.support.job_checks import load_job, output_rows, wait_until_final
 from tests.support.services import redis_database
 
@@ -71,7 +72,7 @@ class Fleet:
             sampling=SamplingDefaults(max_tokens=8),
         )
         return submit_job(
-            path,
+            source_of(path, self.settings),
             spec,
             shard_size=shard_size,
             settings=self.settings.model_copy(update={"tokenize_at_submit": "never"}),

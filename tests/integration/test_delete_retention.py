@@ -25,6 +25,7 @@ from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Batch, Checkpoint, Job, Shard, StoredFile, batch_id_of, utcnow
 from batchllm.worker.reconciler import reconcile_once
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, write_items
+from tests.support.inputs import source_of
 from tests.support.s3server import S3Server, moto_server
 from tests.support.services import postgres_database
 
@@ -154,7 +155,10 @@ def test_delete_removes_the_jobs_rows_and_files_and_nothing_else(place, tmp_path
 
 def test_a_queued_job_is_refused_until_cancelled(place, tmp_path):
     created = create_job(
-        write_items(tmp_path / "q.jsonl", 5), make_spec(), shard_size=100, settings=place.settings
+        source_of(write_items(tmp_path / "q.jsonl", 5), place.settings),
+        make_spec(),
+        shard_size=100,
+        settings=place.settings,
     )
     job_id = created.job.id
     files = place.files_of(job_id)
@@ -173,7 +177,10 @@ def test_retention_deletes_only_the_ended_jobs_older_than_retain_days(place, tmp
     old = run_job(place, tmp_path, 4, "old")
     recent = run_job(place, tmp_path, 4, "recent")
     waiting = create_job(
-        write_items(tmp_path / "w.jsonl", 4), make_spec(), shard_size=100, settings=place.settings
+        source_of(write_items(tmp_path / "w.jsonl", 4), place.settings),
+        make_spec(),
+        shard_size=100,
+        settings=place.settings,
     ).job.id
     long_ago = utcnow() - timedelta(days=3)
     with session_scope(place.settings) as session:

@@ -19,6 +19,7 @@ from batchllm.spec import JobSpec, SamplingDefaults
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, Shard
 from tests.support.fleet import ENGINE, INSTANT_ARGS, start_workers, stop_workers, tails
+from tests.support.inputs import source_of
 
 MAX_TOKENS = 8
 LONG_ROWS, LONG_SHARD = 24, 2  # 12 shards
@@ -52,7 +53,11 @@ def _submit(fleet_env, source: Path, model: Path, owner: str, shard_size: int) -
         )
 
     job = submit_job(
-        source, spec, shard_size=shard_size, settings=fleet_env.settings, before_dispatch=record
+        source_of(source, fleet_env.settings),
+        spec,
+        shard_size=shard_size,
+        settings=fleet_env.settings,
+        before_dispatch=record,
     )
     return job.id
 

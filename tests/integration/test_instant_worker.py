@@ -17,6 +17,7 @@ from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.registry import live_workers
 from tests.support.fleet import start_workers, stop_workers
+from tests.support.inputs import source_of
 from tests.support.job_checks import (
     assert_exactly_once,
     expected_rows,
@@ -307,7 +308,7 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         )
         # `never`: the submit leaves the sizing to the workers (by default it sizes the job).
         never = fleet_env.settings.model_copy(update={"tokenize_at_submit": "never"})
-        job = submit_job(source, spec, shard_size=2_000, settings=never)
+        job = submit_job(source_of(source, never), spec, shard_size=2_000, settings=never)
         assert job.max_model_len is None and job.shards_total == 10
 
         job = wait_until_final(fleet_env, job.id, timeout=240)
@@ -326,7 +327,7 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
         # The same job submitted with `always`: sized and its ids stored at submit, so no
         # worker sizes it and none tokenizes a row again.
         always = fleet_env.settings.model_copy(update={"tokenize_at_submit": "always"})
-        again = submit_job(source, spec, shard_size=2_000, settings=always)
+        again = submit_job(source_of(source, always), spec, shard_size=2_000, settings=always)
         assert again.max_model_len == job.max_model_len
         storage = Storage.of(fleet_env.settings)
         _, queued = load_job(fleet_env, again.id)
@@ -347,7 +348,12 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
 
         # And as by default (`auto`): sized at submit from the prompts' bytes, an upper bound
         # (engine/token_bound.py), with no ids stored: the workers tokenize, none sizes it.
-        bounded = submit_job(source, spec, shard_size=2_000, settings=fleet_env.settings)
+        bounded = submit_job(
+            source_of(source, fleet_env.settings),
+            spec,
+            shard_size=2_000,
+            settings=fleet_env.settings,
+        )
         assert bounded.max_model_len is not None
         assert job.max_model_len <= bounded.max_model_len <= 1024
         _, queued = load_job(fleet_env, bounded.id)

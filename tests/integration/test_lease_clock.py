@@ -17,6 +17,7 @@ from batchllm.spec import JobSpec
 from batchllm.store import clock, leases, models, recovery, state_machine
 from batchllm.store.db import get_engine, session_scope, upgrade
 from batchllm.store.models import Job, Shard, ShardStatus
+from tests.support.inputs import source_of
 from tests.support.services import postgres_database
 
 HOUR = timedelta(hours=1)
@@ -34,7 +35,9 @@ def pg_settings(tmp_path: Path):
 def a_running_shard(settings: Settings, tmp_path: Path, worker: str) -> int:
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(4)))
-    created = create_job(source, JobSpec(model="m"), shard_size=4, settings=settings)
+    created = create_job(
+        source_of(source, settings), JobSpec(model="m"), shard_size=4, settings=settings
+    )
     with session_scope(settings) as session:
         shard_id = session.get(Job, created.job.id).shards[0].id
         assert leases.claim_shard(session, shard_id, worker, lease_seconds=60) is not None

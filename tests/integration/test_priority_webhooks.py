@@ -17,6 +17,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import JobStatus, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
 from tests.support.fleet import ENGINE, PACED_INSTANT_ARGS, start_workers, stop_workers, tails
+from tests.support.inputs import source_of
 from tests.support.job_checks import load_job
 from tests.support.webhook_receiver import Receiver
 
@@ -42,7 +43,11 @@ def _submit(fleet_env, source, model, priority: str, notify: WebhookTarget | Non
         priority=priority,
     )
     return submit_job(
-        source, spec, shard_size=ROWS_PER_SHARD, settings=fleet_env.settings, notify=notify
+        source_of(source, fleet_env.settings),
+        spec,
+        shard_size=ROWS_PER_SHARD,
+        settings=fleet_env.settings,
+        notify=notify,
     )
 
 

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.input.images import ImageProblem, open_image, shown
-from batchllm.input.validate import LineProblem, parse_line, read_row_chunks
+from batchllm.input.validation.validate import LineProblem, parse_line, read_row_chunks
 from batchllm.settings import get_settings
 from batchllm.store.models import job_id_of
 from tests.support.inputs import source_of

@@ -23,6 +23,7 @@ from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from tests.support.inputs import source_of
 
 __all__ = ["FakeEngine", "FakeEngines"]
 
@@ -72,7 +73,7 @@ def create_items_job(settings, tmp_path, rows: int, *, shard_size: int) -> tuple
     Stored in file order, without prefix placement: the callers know each shard by its lines
     (the first `shard_size` lines are the first shard's)."""
     created = create_job(
-        write_items(tmp_path / "in.jsonl", rows),
+        source_of(write_items(tmp_path / "in.jsonl", rows), settings),
         make_spec(),
         shard_size=shard_size,
         settings=settings.model_copy(update={"place_prefixes": False}),

@@ -27,6 +27,7 @@ from batchllm.process.services import tail
 from batchllm.settings import Settings
 from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from tests.support.cli import REPO, run_cli, start_batchllm
+from tests.support.inputs import source_of
 from tests.support.worker_logs import named_log_tail
 
 __all__ = ["HOST", "REPO", "run_cli", "tail"]
@@ -89,7 +90,7 @@ def submit(settings: Settings, source: Path, model: Path | str, *, shard_size: i
     from batchllm.jobs.submit import submit_job
 
     spec = JobSpec(model=str(model), engine=ENGINE, sampling=SamplingDefaults(**sampling))
-    return submit_job(source, spec, shard_size=shard_size, settings=settings)
+    return submit_job(source_of(source, settings), spec, shard_size=shard_size, settings=settings)
 
 
 class WorkerProcess:

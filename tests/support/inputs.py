@@ -1,5 +1,5 @@
 """An input file resolved as a front door resolves it (input/files/source.py), for tests that call
-the layers below the front doors (store_input, the readers) directly."""
+the layers below the front doors (jobs/, store_input, the readers) directly."""
 
 from __future__ import annotations
 

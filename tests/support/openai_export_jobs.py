@@ -24,6 +24,7 @@ from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, utcnow
 from tests.support.fake_runs import MAX_MODEL_LEN, FakeEngine, FakeEngines, make_spec
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 
 
@@ -139,7 +140,12 @@ def export_every_form(settings: Settings, tmp_path: Path) -> tuple[Job, Path]:
         "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in LINES),
         encoding="utf-8",
     )
-    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(LogprobEngine()))
+    job = run_job(
+        source_of(source, settings),
+        make_spec(),
+        settings=settings,
+        engines=FakeEngines(LogprobEngine()),
+    )
     assert job.status is JobStatus.COMPLETED
     out = tmp_path / "export"
     counts = export_openai(job, out, settings=settings)
@@ -151,7 +157,9 @@ def export_every_form(settings: Settings, tmp_path: Path) -> tuple[Job, Path]:
 def create(settings, tmp_path: Path, lines: list[dict], spec: JobSpec | None = None) -> str:
     source = tmp_path / "hand.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    created = create_job(source, spec or make_spec(), shard_size=10, settings=settings)
+    created = create_job(
+        source_of(source, settings), spec or make_spec(), shard_size=10, settings=settings
+    )
     return created.job.id
 
 

@@ -559,9 +559,13 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     from batchllm.api.batches import record_batch
     from batchllm.jobs.create import create_job
     from tests.support.fake_runs import make_spec, write_items
+    from tests.support.inputs import source_of
 
     queued = create_job(
-        write_items(tmp_path / "q.jsonl", 2), make_spec(), shard_size=10, settings=settings
+        source_of(write_items(tmp_path / "q.jsonl", 2), settings),
+        make_spec(),
+        shard_size=10,
+        settings=settings,
     ).job.id
     record_batch(settings, queued, owner=owner, endpoint=CHAT, window="24h", input_file_id="file-x")
     error = assert_error(

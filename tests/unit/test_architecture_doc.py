@@ -76,7 +76,7 @@ def test_the_row_path_names_modules_and_functions_that_exist():
     assert len(paths) >= 15
     assert [p for p in paths if not (REPO / "batchllm" / p).is_file()] == []
     named = {
-        "input/validate.py": "read_row_chunks",
+        "input/validation/validate.py": "read_row_chunks",
         "input/shards.py": "store_input",
         "execution/runner.py": "ShardRunner",
         "output/parts.py": "OutputBuffer",

@@ -23,6 +23,7 @@ from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.cli import invoke
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def finished_job(settings, tmp_path) -> str:
         '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n'
     )
     job_id = create_job(
-        source,
+        source_of(source, settings),
         JobSpec(model="/models/fake", metadata={"team": "cli"}),
         shard_size=10,
         settings=settings,

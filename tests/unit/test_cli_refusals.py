@@ -20,6 +20,7 @@ from batchllm.spec import JobSpec
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from tests.support.cli import invoke
+from tests.support.inputs import source_of
 
 
 def no_jobs(settings) -> bool:
@@ -198,7 +199,9 @@ def test_run_refuses_max_tokens_above_the_bound(settings, prompts, model_dir):
 
 @pytest.fixture
 def job_id(settings, prompts) -> str:
-    return create_job(prompts, JobSpec(model="m"), shard_size=10, settings=settings).job.id
+    return create_job(
+        source_of(prompts, settings), JobSpec(model="m"), shard_size=10, settings=settings
+    ).job.id
 
 
 @pytest.mark.parametrize("pattern", ["%{tail}", "job_%{tail}", "_{middle}", "job__{middle}"])

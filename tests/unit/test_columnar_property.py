@@ -1,6 +1,6 @@
-"""Block validation (input/columnar.py) stores exactly the rows that line-by-line validation
-(validate.read_requests, the definition of validity) gives, whatever the lines hold; and for the
-common line shapes it does decide the lines itself, without the line-by-line path."""
+"""Block validation (input/validation/columnar.py) stores exactly the rows that line-by-line
+validation (validate.read_requests, the definition of validity) gives, whatever the lines hold;
+and for the common line shapes it does decide the lines itself, without the line-by-line path."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchllm.input import columnar, validate
 from batchllm.input.files.custom_ids import CustomIds
 from batchllm.input.files.lines import iter_lines
-from batchllm.input.rows import INPUT_SCHEMA, InputRow
-from batchllm.input.schemas import LineError
+from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow
+from batchllm.input.formats.schemas import LineError
+from batchllm.input.validation import columnar, validate
 from batchllm.settings import get_settings
 from tests.support.inputs import source_of
 
@@ -168,7 +168,11 @@ def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple
     return [
         (InputRow.from_item(item).stored_values(), item if isinstance(item, LineError) else None)
         for item in validate.read_requests(
-            path, max_line_bytes=LIMIT, adapters=adapters, task=task, settings=get_settings()
+            source_of(path),
+            max_line_bytes=LIMIT,
+            adapters=adapters,
+            task=task,
+            settings=get_settings(),
         )
     ]
 
@@ -276,6 +280,6 @@ def test_custom_ids_refuse_a_duplicate_within_and_across_chunks():
 
 
 def test_the_written_out_spaces_are_every_character_str_isspace_accepts():
-    from batchllm.input.columnar import SPACES
+    from batchllm.input.validation.columnar import SPACES
 
     assert "".join(chr(c) for c in range(0x110000) if chr(c).isspace()) == SPACES

@@ -1,6 +1,6 @@
-"""The one endpoint table (input/endpoints.py) is what the line schema, the Batch API, the export
-and the docs go by; a refused line's OpenAI error code is decided by validation and stored with
-it; `n` over BATCHLLM_MAX_N is refused at every front door."""
+"""The one endpoint table (input/parsing/endpoints.py) is what the line schema, the Batch API, the
+export and the docs go by; a refused line's OpenAI error code is decided by validation and stored
+with it; `n` over BATCHLLM_MAX_N is refused at every front door."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from batchllm.api.batches import spec_for
 from batchllm.api.batches_routes import CreateBatch, _check_request
 from batchllm.api.errors import ApiError
 from batchllm.client import Client
-from batchllm.input.endpoints import ENDPOINTS, URLS, OpenAIBatchLine
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.input.parsing.endpoints import ENDPOINTS, URLS, OpenAIBatchLine
+from batchllm.input.validation.validate import read_requests, read_row_chunks
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, export_openai
 from batchllm.settings import Settings, get_settings
@@ -52,7 +52,7 @@ def test_a_url_outside_the_table_is_refused_naming_every_url_of_the_table(tmp_pa
         [{"custom_id": "a", "method": "POST", "url": "/v1/moderations", "body": {}}],
     )
 
-    [error] = read_requests(path, settings=get_settings())
+    [error] = read_requests(source_of(path), settings=get_settings())
 
     listed = ", ".join(f"'{url}'" for url in URLS[:-1]) + f" or '{URLS[-1]}'"
     assert isinstance(error, LineError)
@@ -116,7 +116,7 @@ def test_a_line_missing_a_field_is_stored_with_code_missing_required_parameter(t
         {"error_code": "unknown_parameter"},
     ]
     # Line by line, the same code with the LineError.
-    items = list(read_requests(path, settings=get_settings()))
+    items = list(read_requests(source_of(path), settings=get_settings()))
     assert isinstance(items[0], Request)
     assert [item.code for item in items[1:]] == [  # type: ignore[union-attr]
         "missing_required_parameter",
@@ -132,7 +132,9 @@ def test_the_export_answers_a_line_missing_a_field_with_its_stored_code(settings
             NO_MESSAGES,
         ],
     )
-    job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(FakeEngine()))
+    job = run_job(
+        source_of(path, settings), make_spec(), settings=settings, engines=FakeEngines(FakeEngine())
+    )
     export_openai(job, tmp_path / "out", settings=settings)
 
     [line] = [json.loads(t) for t in (tmp_path / "out" / ERRORS_NAME).read_text().splitlines()]

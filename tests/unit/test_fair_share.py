@@ -14,6 +14,7 @@ from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.fair_share import effective_level, next_shard, take_turn
 from batchllm.worker.shard_tasks import send_shard_tasks
 from tests.support.fake_runs import make_spec, update_shard, write_items
+from tests.support.inputs import source_of
 
 AGING = 600.0
 WINDOW = 300.0  # fair share's window of tokens served
@@ -22,7 +23,10 @@ WINDOW = 300.0  # fair share's window of tokens served
 def _job(settings, tmp_path, name: str, shards: int, *, priority: str = "normal") -> list[int]:
     spec = make_spec().model_copy(update={"priority": priority})
     created = create_job(
-        write_items(tmp_path / f"{name}.jsonl", shards), spec, shard_size=1, settings=settings
+        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
+        spec,
+        shard_size=1,
+        settings=settings,
     )
     with session_scope(settings) as session:
         return [s.id for s in session.get(Job, created.job.id).shards]

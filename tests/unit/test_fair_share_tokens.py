@@ -16,6 +16,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Checkpoint, Job, Shard, ShardStatus, utcnow
 from batchllm.worker.fair_share import Waiting, next_shard, order, tenants_served
 from tests.support.fake_runs import make_spec, write_items
+from tests.support.inputs import source_of
 
 AGING = 600.0
 WINDOW = 300.0
@@ -58,7 +59,7 @@ def test_priority_still_comes_before_the_share():
 
 def _batch_job(settings, tmp_path, name: str, owner: str, shards: int) -> list[int]:
     created = create_job(
-        write_items(tmp_path / f"{name}.jsonl", shards),
+        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
         make_spec(),
         shard_size=1,
         settings=settings,

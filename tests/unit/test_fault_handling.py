@@ -31,6 +31,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 RESULT_REASONS = ("stop", "length")
 
@@ -302,7 +303,9 @@ def test_a_request_that_ended_with_another_finish_reason_becomes_an_error_row_an
     source = write_items(tmp_path / "in.jsonl", 20)
     engine = FaultyEngine(reasons={"item-5": "error", "item-9": "timeout"})
 
-    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
 
     assert job.status is JobStatus.COMPLETED
     assert (job.request_completed, job.request_failed) == (18, 2)
@@ -367,7 +370,12 @@ def test_a_first_ctrl_c_stops_the_run_in_order_and_fails_the_job_with_its_commit
     previous = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(JobInterrupted, match="interrupted"):
-            run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+            run_job(
+                source_of(source, settings),
+                make_spec(),
+                settings=settings,
+                engines=FakeEngines(engine),
+            )
         assert signal.getsignal(signal.SIGINT) is previous
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -389,7 +397,12 @@ def test_a_second_ctrl_c_stops_at_once_and_still_keeps_the_committed_rows(
     previous = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(JobInterrupted):
-            run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+            run_job(
+                source_of(source, settings),
+                make_spec(),
+                settings=settings,
+                engines=FakeEngines(engine),
+            )
         assert signal.getsignal(signal.SIGINT) is previous
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -409,7 +422,12 @@ def test_a_ctrl_c_during_the_last_step_never_reports_a_completed_job_as_failed(
     previous = signal.getsignal(signal.SIGINT)
     try:
         try:
-            run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+            run_job(
+                source_of(source, settings),
+                make_spec(),
+                settings=settings,
+                engines=FakeEngines(engine),
+            )
             reported = "completed"
         except JobInterrupted:
             reported = "failed"

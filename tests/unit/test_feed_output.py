@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchllm.execution.shard_state import ShardState
-from batchllm.input.rows import INPUT_SCHEMA, InputRow, stored_row
+from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow, stored_row
 from batchllm.input.shards import iter_shard_rows, store_input
 from batchllm.output.parts import OUTPUT_SCHEMA, OutputBuffer, part_of
 from batchllm.settings import get_settings

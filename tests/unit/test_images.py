@@ -15,12 +15,13 @@ import pytest
 
 from batchllm.engine.images import NO_IMAGES, ImageProcessor, ImagePrompt
 from batchllm.engine.prompts import prepare_prompts, token_count
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
+from tests.support.inputs import source_of
 
 
 def png(width: int, height: int) -> bytes:
@@ -160,7 +161,7 @@ def test_a_file_of_image_lines_validates_to_rows_and_error_rows(images_dir: Path
     ]
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    items = list(read_requests(path, settings=get_settings()))
+    items = list(read_requests(source_of(path), settings=get_settings()))
     assert [type(item) for item in items] == [Request, LineError, Request]
     assert isinstance(items[1], LineError)
     assert items[1].field == "messages.0.content.1.image_url"

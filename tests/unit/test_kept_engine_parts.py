@@ -22,7 +22,7 @@ import pytest
 from batchllm.engine.protocol import REJECTED, Finished
 from batchllm.errors import BatchLLMError, EngineDied
 from batchllm.execution.stand_in_engines import FakeEngine, InstantEngine
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.kept_engine import control, registry, wire
 from batchllm.kept_engine.client import KeptEngines, RemoteEngine
 from batchllm.kept_engine.host import EngineHost

@@ -14,7 +14,10 @@ The last three are the pipeline's stages, each knowing only the ones before it: 
 no part files; the output (the Parquet contract and the commit protocol) records its
 checkpoints in the store. The top-level modules (settings, errors, storage, heap, the
 process/ plumbing, demo) sit outside the order: the foundation below every layer, or
-entry points above them."""
+entry points above them.
+
+input/ is in layers of its own: its top-level modules (the stored input) -> validation -> parsing
+-> images -> files -> formats."""
 
 from __future__ import annotations
 
@@ -185,3 +188,86 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_around_a_loop():
     assert cycles(import_graph()) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- input/'s own layers ---------------------------------------------------------------------
+
+# input/'s top-level modules (the stored input: shards, token ids, adapters, a job's spec) first,
+# then its folders; each may import the ones after it. A lazy import inside a function counts.
+INPUT_LAYERS = ["", "validation", "parsing", "images", "files", "formats"]
+
+
+def _input_layer(module: str) -> str:
+    """The sub-layer of a module of batchllm.input ("" for input/'s top-level modules)."""
+    parts = module.split(".")[2:]
+    return parts[0] if parts and parts[0] in INPUT_LAYERS else ""
+
+
+def upward_in_input(graph: dict[str, set[str]]) -> list[str]:
+    upward = []
+    for module, targets in graph.items():
+        if not module.startswith("batchllm.input"):
+            continue
+        rank = INPUT_LAYERS.index(_input_layer(module))
+        for target in sorted(targets):
+            if target.startswith("batchllm.input") and (
+                INPUT_LAYERS.index(_input_layer(target)) < rank
+            ):
+                upward.append(f"{module} imports {target}")
+    return upward
+
+
+def test_no_module_of_input_imports_a_sub_layer_above_its_own():
+    folders = {d.name for d in (PACKAGE / "input").iterdir() if (d / "__init__.py").is_file()}
+    assert folders == set(INPUT_LAYERS) - {""}  # a new folder must take its place in the order
+    assert upward_in_input(import_graph()) == []
+    fake = {
+        "batchllm.input.parsing.line": {"batchllm.input.formats.rows"},
+        "batchllm.input.files.lines": {"batchllm.input.validation.validate"},
+        "batchllm.input.formats.rows": {"batchllm.input.shards"},
+    }
+    assert upward_in_input(fake) == [
+        "batchllm.input.files.lines imports batchllm.input.validation.validate",
+        "batchllm.input.formats.rows imports batchllm.input.shards",
+    ]
+
+
+# -- the input resolved once, at the front doors ------------------------------------------------
+
+# Where a job's input comes in: the CLI, the Batch API, the Python API and its pipeline files,
+# and `batchllm bench`, which writes its own workload files and runs them as jobs. Everything
+# below them (jobs/, input/, ...) takes the InputSource they resolved (input/files/source.py).
+FRONT_DOORS = ["cli", "api", "bench", "client", "pipeline"]
+INPUT_RESOLVED_IN = "input/files/source.py"
+
+
+def resolves_input(path: Path) -> bool:
+    """Whether the module imports or calls `resolve_input` (an alias or a lazy import too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "resolve_input" for a in node.names):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "resolve_input":
+            return True
+        if isinstance(node, ast.Name) and node.id == "resolve_input":
+            return True
+    return False
+
+
+def test_only_the_front_doors_resolve_a_jobs_input(tmp_path):
+    doors = [m for name in FRONT_DOORS for m in _foundation_files(name)]
+    below = [
+        str(m.relative_to(PACKAGE))
+        for m in _modules()
+        if m not in doors and str(m.relative_to(PACKAGE)) != INPUT_RESOLVED_IN and resolves_input(m)
+    ]
+    assert below == []
+    assert {str(m.relative_to(PACKAGE)) for m in doors if resolves_input(m)} >= {
+        "cli/options.py",
+        "client.py",
+        "api/batches_routes.py",
+    }
+    module = tmp_path / "m.py"
+    module.write_text(
+        "def f(p):\n    from batchllm.input.files import source\n    source.resolve_input(p)\n"
+    )
+    assert resolves_input(module)

@@ -20,13 +20,16 @@ from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from tests.support import fake_runs
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 
 
 def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(rows)))
-    created = create_job(source, JobSpec(model="m"), shard_size=rows, settings=settings)
+    created = create_job(
+        source_of(source, settings), JobSpec(model="m"), shard_size=rows, settings=settings
+    )
     with session_scope(settings) as session:
         return created.job.id, session.get(Job, created.job.id).shards[0].id
 

@@ -39,6 +39,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 from tests.support.ports import free_port
 
 MODEL = make_spec().model
@@ -75,7 +76,7 @@ def since(before: dict[str, float], model: str = MODEL) -> dict[str, float]:
 
 def create(settings, tmp_path, rows: int, *, shard_size: int, extra=None) -> tuple[str, list[int]]:
     created = create_job(
-        write_items(tmp_path / "in.jsonl", rows, extra=extra),
+        source_of(write_items(tmp_path / "in.jsonl", rows, extra=extra), settings),
         make_spec(),
         shard_size=shard_size,
         settings=settings,

@@ -15,11 +15,11 @@ from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from batchllm.input import validate
-from batchllm.input.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
+from batchllm.input.parsing.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.openai_fields import NO_EFFECT, ONLY_EMPTY
 from batchllm.input.parsing.problems import LineProblem
+from batchllm.input.validation import validate
 from batchllm.settings import get_settings
 from tests.support.inputs import source_of
 
@@ -218,8 +218,8 @@ def test_a_field_openai_does_not_have_is_still_refused_as_unknown() -> None:
 
 def test_a_file_of_sdk_written_lines_runs_block_and_line_by_line_alike(tmp_path: Path) -> None:
     """A client writing `"stream": false`, `user` and `store` into every line: every line
-    runs (block validation, input/columnar.py), and a `stream: true` line among them is that
-    line's error, naming the field."""
+    runs (block validation, input/validation/columnar.py), and a `stream: true` line among them is
+    that line's error, naming the field."""
     lines = [
         line(CHAT_COMPLETIONS.url, stream=False, user="u", store=False, temperature=0)
         | {"custom_id": f"c{i}"}

@@ -27,6 +27,7 @@ from batchllm.storage import Storage
 from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 
 # -- Parquet output --------------------------------------------------------------------------
@@ -255,7 +256,9 @@ def spec() -> JobSpec:
 
 
 def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
-    created = create_job(make_input(tmp_path, 5, bad=1), spec(), shard_size=4, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 5, bad=1), settings), spec(), shard_size=4, settings=settings
+    )
 
     with session_scope(settings) as session:
         job = session.get(Job, created.job.id)
@@ -274,7 +277,9 @@ def test_create_job_stores_a_queued_job_with_its_shards(settings, tmp_path):
 
 
 def test_job_status_is_stored_by_value(settings, tmp_path):
-    created = create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 1), settings), spec(), shard_size=4, settings=settings
+    )
 
     with session_scope(settings) as session:
         raw = (
@@ -287,7 +292,9 @@ def test_job_status_is_stored_by_value(settings, tmp_path):
 
 
 def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(settings, tmp_path):
-    created = create_job(make_input(tmp_path, 6), spec(), shard_size=3, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 6), settings), spec(), shard_size=3, settings=settings
+    )
     job_id = created.job.id
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -372,7 +379,9 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
 
 
 def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
-    created = create_job(make_input(tmp_path, 2), spec(), shard_size=10, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 2), settings), spec(), shard_size=10, settings=settings
+    )
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
         leases.claim_shard(session, shard.id, "w1")
@@ -388,7 +397,9 @@ def test_a_failed_shard_fails_the_job_with_its_error(settings, tmp_path):
 def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claimed(
     settings, tmp_path
 ):
-    created = create_job(make_input(tmp_path, 5), spec(), shard_size=2, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 5), settings), spec(), shard_size=2, settings=settings
+    )
 
     with session_scope(settings) as session:
         job = service.cancel_job(session, created.job.id)
@@ -405,7 +416,9 @@ def test_cancel_on_a_queued_job_ends_it_cancelled_and_its_shards_cannot_be_claim
 def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_ends(
     settings, tmp_path
 ):
-    created = create_job(make_input(tmp_path, 4), spec(), shard_size=2, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 4), settings), spec(), shard_size=2, settings=settings
+    )
     with session_scope(settings) as session:
         first, second = session.get(Job, created.job.id).shards
         leases.claim_shard(session, first.id, "w1")
@@ -420,7 +433,9 @@ def test_cancel_on_a_running_job_waits_in_cancelling_until_its_running_shard_end
 
 
 def test_get_job_finds_a_job_by_full_id_or_unique_prefix(settings, tmp_path):
-    created = create_job(make_input(tmp_path, 1), spec(), shard_size=4, settings=settings)
+    created = create_job(
+        source_of(make_input(tmp_path, 1), settings), spec(), shard_size=4, settings=settings
+    )
     job_id = created.job.id
     bare = job_id.removeprefix("job_")
 
@@ -434,8 +449,8 @@ def test_get_job_finds_a_job_by_full_id_or_unique_prefix(settings, tmp_path):
 
 def test_get_job_refuses_an_ambiguous_prefix(settings, tmp_path):
     source = make_input(tmp_path, 1)
-    create_job(source, spec(), shard_size=4, settings=settings)
-    create_job(source, spec(), shard_size=4, settings=settings)
+    create_job(source_of(source, settings), spec(), shard_size=4, settings=settings)
+    create_job(source_of(source, settings), spec(), shard_size=4, settings=settings)
 
     with session_scope(settings) as session, pytest.raises(JobNotFound, match="ambiguous"):
         service.get_job(session, "job_")
@@ -443,8 +458,8 @@ def test_get_job_refuses_an_ambiguous_prefix(settings, tmp_path):
 
 def test_list_jobs_filters_by_status_newest_first(settings, tmp_path):
     source = make_input(tmp_path, 1)
-    older = create_job(source, spec(), shard_size=4, settings=settings).job.id
-    newer = create_job(source, spec(), shard_size=4, settings=settings).job.id
+    older = create_job(source_of(source, settings), spec(), shard_size=4, settings=settings).job.id
+    newer = create_job(source_of(source, settings), spec(), shard_size=4, settings=settings).job.id
     with session_scope(settings) as session:
         service.cancel_job(session, older)
 
@@ -459,7 +474,11 @@ def test_strict_refusal_leaves_a_failed_job_with_the_reason(settings, tmp_path):
 
     with pytest.raises(InputError):
         create_job(
-            make_input(tmp_path, 2, bad=1), spec(), shard_size=4, strict=True, settings=settings
+            source_of(make_input(tmp_path, 2, bad=1), settings),
+            spec(),
+            shard_size=4,
+            strict=True,
+            settings=settings,
         )
 
     with session_scope(settings) as session:

@@ -15,7 +15,7 @@ import pytest
 from batchllm import Client, JobRows
 from batchllm.errors import InputError, JobStateError
 from batchllm.execution.instant import InstantEngines
-from batchllm.input.prompt_template import PromptTemplate
+from batchllm.input.formats.prompt_template import PromptTemplate
 from batchllm.input.shards import validated_chunks
 from batchllm.jobs.create import create_job
 from batchllm.jobs.parent_rows import asked_text
@@ -495,7 +495,10 @@ def test_a_waiting_job_is_cancelled_at_once_and_one_without_parents_left_is_rele
     given.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     spec = build_job_spec("/models/m", settings=settings, max_tokens=2)
     held = [
-        create_job(given, spec, shard_size=2, settings=settings, hold=True).job.id for _ in range(2)
+        create_job(
+            source_of(given, settings), spec, shard_size=2, settings=settings, hold=True
+        ).job.id
+        for _ in range(2)
     ]
     assert {Client().status(job).status for job in held} == {"waiting"}
     assert Client().cancel(held[0]).status == "cancelled"

@@ -11,9 +11,9 @@ from pathlib import Path
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.stand_in_engines import WordTokenizer
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests, read_row_chunks
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.validation.validate import read_requests, read_row_chunks
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service
@@ -48,7 +48,7 @@ def poisoned_file(tmp_path: Path) -> Path:
 
 
 def test_lone_surrogates_in_content_or_custom_id_are_error_lines_naming_the_field(tmp_path):
-    items = list(read_requests(poisoned_file(tmp_path), settings=get_settings()))
+    items = list(read_requests(source_of(poisoned_file(tmp_path)), settings=get_settings()))
     errors = {item.line: item for item in items if isinstance(item, LineError)}
     assert sorted(errors) == [7, 8, 9]
     assert errors[7].field == "messages.0.content"
@@ -84,7 +84,9 @@ def test_the_columnar_reader_stores_poisoned_lines_as_invalid_rows_instead_of_ra
 
 def test_a_job_with_poisoned_lines_is_created_and_runs_the_others(small_commits, tmp_path):
     settings = small_commits
-    created = create_job(poisoned_file(tmp_path), make_spec(), shard_size=12, settings=settings)
+    created = create_job(
+        source_of(poisoned_file(tmp_path), settings), make_spec(), shard_size=12, settings=settings
+    )
     with session_scope(settings) as session:
         job = session.get(Job, created.job.id)
         assert job.status is JobStatus.QUEUED  # never left validating
@@ -128,7 +130,7 @@ def test_a_row_the_engine_cannot_prepare_is_an_error_row_and_its_shard_completes
     settings = small_commits
     extra = [json.dumps({"custom_id": "bad", "prompt": "poison pill"})]
     path = write_items(tmp_path / "in.jsonl", 10, extra=extra)
-    created = create_job(path, make_spec(), shard_size=12, settings=settings)
+    created = create_job(source_of(path, settings), make_spec(), shard_size=12, settings=settings)
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, created.job.id).shards]
     engine = FakeEngine()

@@ -30,6 +30,7 @@ from tests.support.fake_runs import (
     read_output_file,
     small_commits,
 )
+from tests.support.inputs import source_of
 
 DOCUMENTS, QUESTIONS = 4, 6
 
@@ -88,7 +89,12 @@ def test_grouping_runs_each_documents_lines_together_and_keeps_every_line_once_b
     source = write_lines(tmp_path / "in.jsonl", [*lines, "{not json"])
     engine = FakeEngine()
 
-    job = run_job(source, make_spec(), settings=small_commits, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, small_commits),
+        make_spec(),
+        settings=small_commits,
+        engines=FakeEngines(engine),
+    )
 
     assert job.status is JobStatus.COMPLETED
     fed = [document_of(prompt) for prompt in engine.prompts_added]
@@ -128,7 +134,12 @@ def test_a_job_mixing_prefixed_and_unprefixed_lines_groups_the_prefixed_and_runs
     source = write_lines(tmp_path / "in.jsonl", lines)
     engine = FakeEngine()
 
-    job = run_job(source, make_spec(), settings=small_commits, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, small_commits),
+        make_spec(),
+        settings=small_commits,
+        engines=FakeEngines(engine),
+    )
 
     assert job.status is JobStatus.COMPLETED
     fed = engine.prompts_added
@@ -149,7 +160,7 @@ def test_resume_after_a_kill_mid_shard_with_grouping_runs_the_rest_grouped_exact
     settings.shard_size = 100
     lines = document_lines(seed=11)
     created = create_job(
-        write_lines(tmp_path / "in.jsonl", lines),
+        source_of(write_lines(tmp_path / "in.jsonl", lines), settings),
         make_spec(),
         shard_size=settings.shard_size,
         settings=settings,

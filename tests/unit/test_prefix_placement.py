@@ -39,6 +39,7 @@ from tests.support.fake_runs import (
     output_rows,
     read_output_file,
 )
+from tests.support.inputs import source_of
 
 # -- input files and what the shards hold -----------------------------------------------------
 
@@ -159,7 +160,9 @@ def placements(monkeypatch) -> list[ExternalSort]:
 
 
 def create(settings, path: Path, *, shard_size: int, spec: JobSpec | None = None) -> str:
-    return create_job(path, spec or make_spec(), shard_size=shard_size, settings=settings).job.id
+    return create_job(
+        source_of(path, settings), spec or make_spec(), shard_size=shard_size, settings=settings
+    ).job.id
 
 
 def fake_prompt(line: dict) -> str:
@@ -282,7 +285,9 @@ def test_mixed_chat_plain_and_invalid_lines_are_each_stored_and_answered_exactly
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     engine = FakeEngine()
 
-    job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(path, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
 
     shards = stored_shards(settings, job.id)
     assert_every_line_once_and_bounds_recorded(shards, 21)
@@ -365,7 +370,9 @@ def test_a_placed_job_answers_each_line_under_its_own_id_and_exports_in_file_ord
     path = write_jsonl(tmp_path / "in.jsonl", lines)
     engine = FakeEngine()
 
-    job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(path, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
 
     assert job.status is JobStatus.COMPLETED
     shards = stored_shards(settings, job.id)
@@ -466,7 +473,9 @@ def test_a_retry_of_a_placed_job_reruns_its_failed_lines_into_the_same_job_once_
     # Question 2 of every document: placed in four of the job's five shards.
     failing = {n for n, x in enumerate(lines, start=1) if x["custom_id"].endswith("-q2")}
     engine = FailingEngine({fake_prompt(lines[n - 1]) for n in failing})
-    job = run_job(path, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(path, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
     shards = stored_shards(settings, job.id)
     assert [len(failing & set(s.lines)) for s in shards] == [1, 2, 1, 2, 0]
     first = output_rows(settings, job.id)

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.errors import InputError
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from tests.support.inputs import source_of
@@ -31,7 +31,9 @@ def write_lines(path: Path, lines: list[str | dict | bytes]) -> Path:
 
 
 def read_all(tmp_path: Path, lines: list[str | dict | bytes]) -> list[Request | LineError]:
-    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines), settings=get_settings()))
+    return list(
+        read_requests(source_of(write_lines(tmp_path / "in.jsonl", lines)), settings=get_settings())
+    )
 
 
 def only_error(tmp_path: Path, line: str | dict | bytes) -> LineError:
@@ -250,7 +252,7 @@ def test_windows_line_endings_are_accepted(tmp_path):
     path = tmp_path / "crlf.jsonl"
     path.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
 
-    items = list(read_requests(path, settings=get_settings()))
+    items = list(read_requests(source_of(path), settings=get_settings()))
 
     assert [(i.line, i.prompt) for i in items] == [(1, "a"), (2, "b")]
 

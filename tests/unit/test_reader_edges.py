@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.spec import MAX_TOKENS_LIMIT, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
@@ -37,7 +37,9 @@ def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -
 
 def read(tmp_path: Path, lines: list[str | dict | bytes], **kwargs) -> list[Request | LineError]:
     return list(
-        read_requests(write(tmp_path / "in.jsonl", lines), **kwargs, settings=get_settings())
+        read_requests(
+            source_of(write(tmp_path / "in.jsonl", lines)), **kwargs, settings=get_settings()
+        )
     )
 
 
@@ -51,7 +53,7 @@ def summary(items: list[Request | LineError]) -> list[tuple[str, int, str]]:
 def test_a_utf8_bom_before_the_first_line_is_ignored(tmp_path):
     path = write(tmp_path / "bom.jsonl", [{"prompt": "a"}, {"prompt": "b"}], prefix=b"\xef\xbb\xbf")
 
-    items = list(read_requests(path, settings=get_settings()))
+    items = list(read_requests(source_of(path), settings=get_settings()))
 
     assert [(type(i).__name__, i.line, i.prompt) for i in items] == [
         ("Request", 1, "a"),
@@ -70,7 +72,7 @@ def test_a_file_holding_only_a_bom_and_blank_lines_has_no_rows(tmp_path):
     path = tmp_path / "bom-only.jsonl"
     path.write_bytes(b"\xef\xbb\xbf\n  \n")
 
-    assert list(read_requests(path, settings=get_settings())) == []
+    assert list(read_requests(source_of(path), settings=get_settings())) == []
 
 
 # -- default ids never clash with given ids ------------------------------------------------------
@@ -159,7 +161,9 @@ def test_a_file_whose_lines_all_give_ids_is_read_once_and_one_needing_a_default_
     def ids_of(lines: list[dict]) -> list[str]:
         source = write(tmp_path / "in.jsonl", lines)
         if path == "lines":
-            return [item.custom_id for item in read_requests(source, settings=get_settings())]
+            return [
+                item.custom_id for item in read_requests(source_of(source), settings=get_settings())
+            ]
         storage = Storage(str(tmp_path / f"store-{len(opened)}"))
         stored = store_input(
             source_of(source), storage, "job_x", shard_size=10, settings=get_settings()
@@ -355,7 +359,7 @@ def test_a_huge_line_is_skipped_without_being_held_in_memory(tmp_path):
 
     tracemalloc.start()
     try:
-        items = list(read_requests(path, max_line_bytes=1024, settings=get_settings()))
+        items = list(read_requests(source_of(path), max_line_bytes=1024, settings=get_settings()))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

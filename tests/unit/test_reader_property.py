@@ -10,9 +10,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.validate import read_requests
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
+from tests.support.inputs import source_of
 
 LIMIT = 64  # small, so that generated long lines go over it cheaply
 BOM = b"\xef\xbb\xbf"
@@ -90,7 +91,7 @@ def test_every_non_blank_line_yields_exactly_one_row_with_its_line_number(data):
         path = Path(tmp) / "in.jsonl"
         path.write_bytes(data)
 
-        items = list(read_requests(path, max_line_bytes=LIMIT, settings=get_settings()))
+        items = list(read_requests(source_of(path), max_line_bytes=LIMIT, settings=get_settings()))
 
     pieces = physical_lines(data)
     expected = [number for number, piece in enumerate(pieces, start=1) if piece.strip()]

@@ -31,6 +31,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 LEASE = 120.0
 QUEUE = queue_for_model(make_spec().model)
@@ -262,7 +263,7 @@ def test_the_shards_of_a_local_run_are_never_sent_to_the_fleet_and_a_killed_run_
     settings, broker, tmp_path
 ):
     created = create_job(
-        write_items(tmp_path / "in.jsonl", 8),
+        source_of(write_items(tmp_path / "in.jsonl", 8), settings),
         make_spec(),
         shard_size=4,
         settings=settings,

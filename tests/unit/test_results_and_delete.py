@@ -26,6 +26,7 @@ from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard
 from tests.support.fake_runs import FakeEngine, FakeEngines, write_items
+from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, write_part
 
 
@@ -221,7 +222,10 @@ def _running_job_with_one_part(settings, tmp_path, *, first: bool = True):
     """A created job on one shard marked running, with (if `first`) one committed part of
     the row `first`."""
     created = create_job(
-        write_items(tmp_path / "one.jsonl", 3), _spec(), shard_size=100, settings=settings
+        source_of(write_items(tmp_path / "one.jsonl", 3), settings),
+        _spec(),
+        shard_size=100,
+        settings=settings,
     )
     job_id = created.job.id
     storage = Storage.of(settings)

@@ -26,6 +26,7 @@ from tests.support.fake_runs import (
     output_rows,
     small_commits,
 )
+from tests.support.inputs import source_of
 
 __all__ = ["small_commits"]
 
@@ -175,7 +176,7 @@ def test_a_cancelled_job_is_retried_into_the_same_job_to_one_ok_row_per_line(
 def test_a_job_still_running_is_refused_with_a_clear_message(settings, tmp_path):
     path = tmp_path / "in.jsonl"
     write_requests(path, 2)
-    created = create_job(path, make_spec(), shard_size=10, settings=settings)
+    created = create_job(source_of(path, settings), make_spec(), shard_size=10, settings=settings)
     with pytest.raises(JobStateError, match="is still queued: a job is retried once it ended"):
         Client(settings).retry(created.job.id, engines=FakeEngines(FakeEngine()))
 

@@ -38,6 +38,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 # -- a whole job ------------------------------------------------------------------------------
 
@@ -63,7 +64,9 @@ def test_every_input_line_gets_one_output_row_including_invalid_and_too_long_pro
     )
     engine = FakeEngine()
 
-    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
 
     rows = output_rows(settings, job.id)
     assert [r["line"] for r in rows] == list(range(1, 34)) + [35, 36]
@@ -108,7 +111,9 @@ def test_a_warm_engine_with_a_longer_context_still_refuses_rows_over_the_jobs_ma
     )
     engine = FakeEngine(max_model_len=4 * MAX_MODEL_LEN)
 
-    job = run_job(source, make_spec(), settings=settings, engines=WarmEngines(engine))
+    job = run_job(
+        source_of(source, settings), make_spec(), settings=settings, engines=WarmEngines(engine)
+    )
 
     by_id = {r["custom_id"]: r for r in output_rows(settings, job.id)}
     assert len(by_id) == 7
@@ -125,7 +130,12 @@ def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small
     settings = small_commits
     source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
 
-    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(FakeEngine()))
+    job = run_job(
+        source_of(source, settings),
+        make_spec(),
+        settings=settings,
+        engines=FakeEngines(FakeEngine()),
+    )
 
     assert job.status is JobStatus.COMPLETED
     assert (job.request_total, job.request_completed, job.request_failed) == (31, 30, 1)
@@ -182,7 +192,13 @@ def test_with_a_given_context_length_the_engine_starts_while_the_file_is_validat
     def created(job) -> None:
         engine_started_before_job_was_stored.append(engines.starting.wait(timeout=10))
 
-    job = run_job(source, make_spec(), settings=small_commits, engines=engines, on_created=created)
+    job = run_job(
+        source_of(source, small_commits),
+        make_spec(),
+        settings=small_commits,
+        engines=engines,
+        on_created=created,
+    )
 
     assert engine_started_before_job_was_stored == [True]
     assert job.status is JobStatus.COMPLETED
@@ -196,7 +212,13 @@ def test_under_strict_a_refused_file_is_reported_without_starting_the_engine(
     engines = StartingEngines(FakeEngine())
 
     with pytest.raises(InputError, match=r"in.jsonl:4: malformed JSON"):
-        run_job(source, make_spec(), strict=True, settings=small_commits, engines=engines)
+        run_job(
+            source_of(source, small_commits),
+            make_spec(),
+            strict=True,
+            settings=small_commits,
+            engines=engines,
+        )
 
     assert not engines.starting.is_set()
 
@@ -206,7 +228,9 @@ def test_an_engine_that_fails_to_start_fails_the_job_created_meanwhile(small_com
     engines = StartingEngines(FakeEngine(), fail="no such model")
 
     with pytest.raises(EngineUnavailable, match="no such model"):
-        run_job(source, make_spec(), settings=small_commits, engines=engines)
+        run_job(
+            source_of(source, small_commits), make_spec(), settings=small_commits, engines=engines
+        )
 
     with session_scope(small_commits) as session:
         (job,) = service.list_jobs(session, limit=5)
@@ -222,7 +246,7 @@ def test_rows_run_in_file_order_when_prefix_grouping_is_off(small_commits, tmp_p
     spec.engine.group_prefixes = False
     engine = FakeEngine()
 
-    run_job(source, spec, settings=settings, engines=FakeEngines(engine))
+    run_job(source_of(source, settings), spec, settings=settings, engines=FakeEngines(engine))
 
     assert [item_of(p) for p in engine.prompts_added] == [f"item-{i}" for i in range(9)]
 
@@ -236,7 +260,9 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
     settings = small_commits
     settings.shard_size = 20
     source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
-    created = create_job(source, make_spec(), shard_size=settings.shard_size, settings=settings)
+    created = create_job(
+        source_of(source, settings), make_spec(), shard_size=settings.shard_size, settings=settings
+    )
     job_id = created.job.id
     storage = Storage.of(settings)
     out_dir = storage.output_dir(job_id)
@@ -295,7 +321,10 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):
     settings = small_commits
     created = create_job(
-        write_items(tmp_path / "in.jsonl", 4), make_spec(), shard_size=10, settings=settings
+        source_of(write_items(tmp_path / "in.jsonl", 4), settings),
+        make_spec(),
+        shard_size=10,
+        settings=settings,
     )
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards
@@ -330,7 +359,9 @@ def test_cancelling_mid_run_aborts_in_flight_requests_and_keeps_committed_rows(
 
     engine = FakeEngine(on_step=cancel_at_step)
 
-    job = run_job(source, make_spec(), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings), make_spec(), settings=settings, engines=FakeEngines(engine)
+    )
 
     assert job.status is JobStatus.CANCELLED
     assert engine.aborted
@@ -360,7 +391,7 @@ def test_a_warm_shutdown_commits_finished_rows_and_a_later_run_finishes_the_shar
     settings.shard_size = 40
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", 0.0)
     source = write_items(tmp_path / "in.jsonl", 40)
-    created = create_job(source, make_spec(), shard_size=40, settings=settings)
+    created = create_job(source_of(source, settings), make_spec(), shard_size=40, settings=settings)
     with session_scope(settings) as session:
         shard_id = session.get(Job, created.job.id).shards[0].id
         session.execute(update(Job).where(Job.id == created.job.id).values(max_model_len=64))

@@ -29,6 +29,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 ROWS = 40
 # A commit follows step 1 (a job's first rows at once), then every 5 rows: step 10 is the next
@@ -66,7 +67,10 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
     settings = small_commits
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", control_interval)
     created = create_job(
-        write_items(tmp_path / "in.jsonl", ROWS), make_spec(), shard_size=ROWS, settings=settings
+        source_of(write_items(tmp_path / "in.jsonl", ROWS), settings),
+        make_spec(),
+        shard_size=ROWS,
+        settings=settings,
     )
     job_id = created.job.id
     with session_scope(settings) as session:

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 
 from batchllm.execution.stand_in_engines import FAKE_LABELS, FakeEngine
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.scoring import ScoreShape, pair_scores, ranked
-from batchllm.input.validate import infer_task, read_requests
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.scoring import ScoreShape, pair_scores, ranked
+from batchllm.input.validation.validate import infer_task, read_requests
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import export_openai
 from batchllm.output.parts import OUTPUT_SCHEMA, SCHEMA_VERSION
@@ -94,7 +94,10 @@ def test_classify_lines_make_a_classification_job(tmp_path, settings):
 
 def test_score_lines_store_their_texts_queries_first_and_their_shape(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
-    read = {r.custom_id: r for r in read_requests(source, task="embed", settings=settings)}
+    read = {
+        r.custom_id: r
+        for r in read_requests(source_of(source, settings), task="embed", settings=settings)
+    }
 
     assert all(isinstance(r, Request) and r.kind == "score" for r in read.values())
     assert read["one-many"].inputs == [QUERY, PARAPHRASE, UNRELATED]
@@ -113,7 +116,7 @@ def test_a_bad_score_or_rerank_line_is_an_error_naming_its_line_and_field(
 ):
     line, field = BAD_LINES[custom_id]
     source = write_jsonl(tmp_path / "bad.jsonl", [GOOD_LINES[0], line])
-    read = list(read_requests(source, task="embed", settings=settings))
+    read = list(read_requests(source_of(source, settings), task="embed", settings=settings))
 
     assert isinstance(read[0], Request)
     error = read[1]
@@ -124,7 +127,7 @@ def test_a_bad_score_or_rerank_line_is_an_error_naming_its_line_and_field(
 
 def test_score_lines_in_a_generation_job_are_error_rows_naming_the_url(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES[:1] + GOOD_LINES[3:4])
-    read = list(read_requests(source, task="generate", settings=settings))
+    read = list(read_requests(source_of(source, settings), task="generate", settings=settings))
 
     assert [type(r) for r in read] == [LineError, LineError]
     assert {r.field for r in read} == {"url"}
@@ -133,7 +136,10 @@ def test_score_lines_in_a_generation_job_are_error_rows_naming_the_url(tmp_path,
 
 def test_a_classification_job_takes_score_lines_for_a_cross_encoder(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
-    read = {r.custom_id: r for r in read_requests(source, task="classify", settings=settings)}
+    read = {
+        r.custom_id: r
+        for r in read_requests(source_of(source, settings), task="classify", settings=settings)
+    }
 
     assert all(isinstance(r, Request) and r.kind == "score" for r in read.values())
     assert read["rerank"].inputs == [QUERY, UNRELATED, PARAPHRASE]
@@ -143,7 +149,7 @@ def test_classify_lines_outside_a_classification_job_are_error_rows(tmp_path, se
     lines = [score_line("c", {"input": QUERY}, "/v1/classify")]
     source = write_jsonl(tmp_path / "c.jsonl", lines)
     for task in ("generate", "embed"):
-        (error,) = read_requests(source, task=task, settings=settings)
+        (error,) = read_requests(source_of(source, settings), task=task, settings=settings)
         assert isinstance(error, LineError)
         assert error.field == "url" and "--task classify" in error.message
 
@@ -156,7 +162,10 @@ def test_a_classification_job_takes_input_lines_and_refuses_others(tmp_path, set
         {"custom_id": "prompt", "prompt": QUERY},
     ]
     source = write_jsonl(tmp_path / "c.jsonl", lines)
-    read = {r.custom_id: r for r in read_requests(source, task="classify", settings=settings)}
+    read = {
+        r.custom_id: r
+        for r in read_requests(source_of(source, settings), task="classify", settings=settings)
+    }
 
     assert (read["plain"].kind, read["plain"].prompt) == ("classify", QUERY)
     assert (read["oai"].kind, read["oai"].prompt) == ("classify", UNRELATED)
@@ -189,7 +198,9 @@ def score_job(tmp_path, settings):
     embed = {"custom_id": "vector", "input": QUERY}
     source = write_jsonl(tmp_path / "score.jsonl", [*GOOD_LINES, *bad, embed])
     engine = FakeEngine(max_model_len=64)
-    job = run_job(source, spec("embed"), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings), spec("embed"), settings=settings, engines=FakeEngines(engine)
+    )
     rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
     return job, rows
 
@@ -271,7 +282,12 @@ def test_a_classification_job_writes_labels_and_probs_and_exports_them(settings,
     ]
     source = write_jsonl(tmp_path / "c.jsonl", lines)
     engine = FakeEngine(max_model_len=64)
-    job = run_job(source, spec("classify"), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings),
+        spec("classify"),
+        settings=settings,
+        engines=FakeEngines(engine),
+    )
     rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
 
     assert job.status.value == "completed"
@@ -298,7 +314,12 @@ def test_a_classification_job_writes_labels_and_probs_and_exports_them(settings,
 def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
     engine = FakeEngine(max_model_len=64)
-    job = run_job(source, spec("classify"), settings=settings, engines=FakeEngines(engine))
+    job = run_job(
+        source_of(source, settings),
+        spec("classify"),
+        settings=settings,
+        engines=FakeEngines(engine),
+    )
     rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
 
     assert job.status.value == "completed"
@@ -328,7 +349,7 @@ def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
 )
 def test_a_batch_api_batch_takes_its_task_from_its_endpoint(endpoint, metadata, task, settings):
     from batchllm.api.batches import spec_for
-    from batchllm.input.endpoints import URLS as ENDPOINTS
+    from batchllm.input.parsing.endpoints import URLS as ENDPOINTS
 
     assert endpoint in ENDPOINTS
     assert spec_for("/models/fake", endpoint, metadata, settings).engine.task == task

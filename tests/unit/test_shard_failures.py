@@ -30,6 +30,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.inputs import source_of
 
 __all__ = ["small_commits"]
 
@@ -125,7 +126,7 @@ def test_a_shard_that_ended_while_its_run_failed_is_not_counted_again(
 
 def _job(settings, tmp_path, name: str, shards: int) -> list[int]:
     created = create_job(
-        write_items(tmp_path / f"{name}.jsonl", shards),
+        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
         make_spec(),
         shard_size=1,
         settings=settings,

@@ -19,9 +19,9 @@ from sqlalchemy import update
 from batchllm.errors import BatchLLMError, InputError, StorageError
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.files.lines import has_requests
-from batchllm.input.schemas import LineError
+from batchllm.input.formats.schemas import LineError
 from batchllm.input.shards import store_input
-from batchllm.input.validate import infer_task, read_requests
+from batchllm.input.validation.validate import infer_task, read_requests
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
@@ -308,8 +308,10 @@ def test_an_s3_input_reads_exactly_as_the_same_local_file(server, s3, tmp_path):
             (i.line, i.custom_id, i.message if isinstance(i, LineError) else i.kind) for i in items
         ]
 
-    from_s3 = list(read_requests(uri, settings=get_settings()))
-    assert described(from_s3) == described(list(read_requests(local, settings=get_settings())))
+    from_s3 = list(read_requests(source_of(uri), settings=get_settings()))
+    assert described(from_s3) == described(
+        list(read_requests(source_of(local), settings=get_settings()))
+    )
     assert [i.custom_id for i in from_s3] == ["line-1-2", "line-3", "line-1", "line-1", "line-6"]
     assert from_s3[1].file == uri  # errors name the URI
     assert (
@@ -420,7 +422,7 @@ def test_a_local_run_of_an_s3_input_writes_its_output_manifest_and_success_to_th
     upload(server, f"{bucket}/in/items.jsonl", source.read_bytes())
 
     job = run_job(
-        f"s3://{bucket}/in/items.jsonl",
+        source_of(f"s3://{bucket}/in/items.jsonl", settings),
         make_spec(),
         settings=settings,
         engines=FakeEngines(FakeEngine()),
@@ -444,7 +446,9 @@ def test_a_crash_between_upload_and_checkpoint_leaves_no_duplicate_rows_in_the_b
 ):
     settings = s3_settings
     source = write_items(tmp_path / "in.jsonl", 36, extra=["not json"])
-    job_id = create_job(source, make_spec(), shard_size=20, settings=settings).job.id
+    job_id = create_job(
+        source_of(source, settings), make_spec(), shard_size=20, settings=settings
+    ).job.id
     out_dir = s3.output_dir(job_id)
     with session_scope(settings) as session:
         shard_ids = [s.id for s in session.get(Job, job_id).shards]
@@ -481,7 +485,7 @@ def test_storage_that_cannot_be_written_fails_the_job_with_the_reason(
     source = write_items(tmp_path / "in.jsonl", 3)
 
     with pytest.raises(StorageError, match=r"job storage s3://no-such-bucket/jobs: cannot write"):
-        create_job(source, make_spec(), shard_size=10, settings=settings)
+        create_job(source_of(source, settings), make_spec(), shard_size=10, settings=settings)
 
     with session_scope(settings) as session:
         (job,) = service.list_jobs(session)
@@ -495,7 +499,10 @@ def test_a_local_storage_path_that_cannot_be_made_fails_the_job_too(settings, tm
 
     with pytest.raises(StorageError, match="cannot write"):
         create_job(
-            write_items(tmp_path / "in.jsonl", 3), make_spec(), shard_size=10, settings=settings
+            source_of(write_items(tmp_path / "in.jsonl", 3), settings),
+            make_spec(),
+            shard_size=10,
+            settings=settings,
         )
 
     with session_scope(settings) as session:

@@ -16,6 +16,7 @@ from batchllm.store import service, shard_recording, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from tests.support.fake_runs import FakeEngine, make_spec, output_rows, write_items
+from tests.support.inputs import source_of
 
 
 class Releases:
@@ -49,7 +50,7 @@ def every_shard_at_once(monkeypatch):
 def _create(settings, tmp_path, lines: int, releases: Releases, spec=None, **options):
     """A job of `lines` items in 10-line shards, its shards released to `releases`."""
     return create_job(
-        write_items(tmp_path / "in.jsonl", lines),
+        source_of(write_items(tmp_path / "in.jsonl", lines), settings),
         spec or make_spec(),
         shard_size=10,
         settings=settings,
@@ -121,7 +122,12 @@ def test_a_strict_refusal_releases_nothing(settings, tmp_path, every_shard_at_on
     source = write_items(tmp_path / "in.jsonl", 30, extra=['{"custom_id": "bad"}'])
     with pytest.raises(InputError, match="--strict refuses the file"):
         create_job(
-            source, make_spec(), shard_size=10, settings=settings, strict=True, release=releases
+            source_of(source, settings),
+            make_spec(),
+            shard_size=10,
+            settings=settings,
+            strict=True,
+            release=releases,
         )
     assert releases.calls == []
 
@@ -169,7 +175,9 @@ def test_a_job_whose_shards_all_ended_during_validation_is_finalized_by_the_subm
 
     monkeypatch.setattr(shard_recording.ShardRecorder, "record_rest", check_then_record_rest)
     source = write_items(tmp_path / "in.jsonl", 30)
-    job = dispatch.submit_job(source, make_spec(), shard_size=10, settings=settings)
+    job = dispatch.submit_job(
+        source_of(source, settings), make_spec(), shard_size=10, settings=settings
+    )
 
     assert sent == [[shard_id] for shard_id in _shard_ids(settings, job.id)]
     assert job.status is JobStatus.COMPLETED
@@ -180,7 +188,10 @@ def test_a_job_whose_shards_all_ended_during_validation_is_finalized_by_the_subm
 
 def test_end_validation_moves_the_job_on_as_its_shards_say(settings, tmp_path):
     created = create_job(
-        write_items(tmp_path / "in.jsonl", 20), make_spec(), shard_size=10, settings=settings
+        source_of(write_items(tmp_path / "in.jsonl", 20), settings),
+        make_spec(),
+        shard_size=10,
+        settings=settings,
     )
     job_id = created.job.id
     with session_scope(settings) as session:

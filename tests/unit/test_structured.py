@@ -1,6 +1,6 @@
 """Structured output, log probabilities, n and chat template options without an engine: the
-constraint forms of input/structured.py, their normalization by the reader in every line form,
-the job-level CLI flags, and the runner's structured_ok and structured counters on a fake
+constraint forms of input/formats/structured.py, their normalization by the reader in every line
+form, the job-level CLI flags, and the runner's structured_ok and structured counters on a fake
 engine."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from batchllm.cli.run import run as run_command
 from batchllm.engine.protocol import Finished
 from batchllm.errors import BatchLLMError
 from batchllm.execution.shard_state import sampling_for
-from batchllm.input.rows import InputRow
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.structured import (
+from batchllm.input.formats.rows import InputRow
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.structured import (
     ConstraintError,
     check_choice,
     check_regex,
@@ -30,7 +30,7 @@ from batchllm.input.structured import (
     from_response_format,
     satisfies,
 )
-from batchllm.input.validate import read_requests
+from batchllm.input.validation.validate import read_requests
 from batchllm.output.parts import MANIFEST_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
@@ -38,6 +38,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
 from tests.support.cli import invoke
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, output_rows, small_commits
+from tests.support.inputs import source_of
 
 SCHEMA = {
     "type": "object",
@@ -231,7 +232,9 @@ def write_lines(path: Path, lines: list[dict]) -> Path:
 
 
 def read_all(tmp_path: Path, lines: list[dict]) -> list[Request | LineError]:
-    return list(read_requests(write_lines(tmp_path / "in.jsonl", lines), settings=get_settings()))
+    return list(
+        read_requests(source_of(write_lines(tmp_path / "in.jsonl", lines)), settings=get_settings())
+    )
 
 
 def openai_chat(custom_id: str, **body) -> dict:
@@ -796,6 +799,6 @@ def test_a_job_without_constraints_shows_no_structured_line(small_commits, tmp_p
 def run_job_on(engine: FakeEngine, source: Path, spec, settings) -> Job:
     from batchllm.jobs.local import run_job
 
-    job = run_job(source, spec, settings=settings, engines=FakeEngines(engine))
+    job = run_job(source_of(source, settings), spec, settings=settings, engines=FakeEngines(engine))
     with session_scope(settings) as session:
         return session.get(Job, job.id)

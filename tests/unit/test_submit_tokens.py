@@ -28,6 +28,7 @@ from batchllm.storage import Storage
 from batchllm.store import service, shard_recording
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard
+from tests.support.inputs import source_of
 
 
 def write_chats(path: Path, count: int, bad: int = 0) -> Path:
@@ -73,7 +74,12 @@ def test_each_shard_is_released_only_once_its_ids_are_stored_and_the_context_is_
     plan = plan_for_submit(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
     assert plan.has_pass
     created = create_job(
-        source, spec, shard_size=50, settings=settings, release=release, context=plan
+        source_of(source, settings),
+        spec,
+        shard_size=50,
+        settings=settings,
+        release=release,
+        context=plan,
     )
     shards = shards_of(settings, created.job.id)
     assert len(shards) == 5 and sorted(released) == sorted(s.id for s in shards)
@@ -102,7 +108,7 @@ def test_a_job_given_its_context_keeps_it_and_gets_the_ids(tiny_model, settings,
     )
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
     created = create_job(
-        source,
+        source_of(source, settings),
         spec,
         shard_size=25,
         settings=settings,
@@ -127,7 +133,7 @@ def test_a_pass_that_fails_loses_no_shard_and_leaves_the_sizing_to_the_workers(
     preparer = SubmitTokens(spec, Storage.of(settings), settings)
     with caplog.at_level(logging.WARNING, logger="batchllm.execution.context.submit_pass"):
         created = create_job(
-            source,
+            source_of(source, settings),
             spec,
             shard_size=50,
             settings=settings,
@@ -178,7 +184,7 @@ def test_auto_starts_once_the_job_is_big_enough_and_leaves_a_small_one_to_its_wo
 
     def submitted(name: str, lines: int) -> CreatedJob:
         return create_job(
-            write_chats(tmp_path / f"{name}.jsonl", lines),
+            source_of(write_chats(tmp_path / f"{name}.jsonl", lines), settings),
             spec,
             shard_size=40,
             settings=settings,
@@ -209,7 +215,7 @@ def test_stored_ids_that_differ_from_the_engines_tokenizer_are_dropped_for_its_o
         engine=EngineOptions(max_model_len=512),
         sampling=SamplingDefaults(max_tokens=4),
     )
-    created = create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source_of(source, settings), spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     (shard,) = shards_of(settings, created.job.id)
     # Ids with one token too many on every row, as another tokenizer's might be.
@@ -248,7 +254,7 @@ def test_stored_ids_equal_to_the_engines_are_used_as_they_are(
         sampling=SamplingDefaults(max_tokens=4),
     )
     created = create_job(
-        source,
+        source_of(source, settings),
         spec,
         shard_size=100,
         settings=settings,
@@ -313,7 +319,7 @@ def submit_growing(
             seen.extend((shard_id, job.status, job.max_model_len) for shard_id in shard_ids)
 
     created = create_job(
-        write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20),
+        source_of(write_growing_chats(tmp_path / "in.jsonl", shards=5, per_shard=20), settings),
         spec,
         shard_size=20,
         settings=settings,
@@ -393,7 +399,7 @@ def test_auto_sizes_short_prompts_by_their_bytes_and_tokenizes_only_the_shards_o
             out.write(json.dumps({"custom_id": f"r{i}", "messages": messages}) + "\n")
     with caplog.at_level(logging.INFO, logger="batchllm.engine.sizing"):
         created = create_job(
-            source,
+            source_of(source, settings),
             spec,
             shard_size=30,
             settings=settings,
@@ -418,7 +424,11 @@ def test_a_job_of_short_prompts_is_sized_from_bytes_at_or_above_its_exact_size(
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
     created = create_job(
-        source, spec, shard_size=50, settings=settings, context=plan_for_submit(spec, settings)
+        source_of(source, settings),
+        spec,
+        shard_size=50,
+        settings=settings,
+        context=plan_for_submit(spec, settings),
     )
     storage = Storage.of(settings)
     shards = shards_of(settings, created.job.id)
@@ -458,7 +468,9 @@ def test_a_job_whose_every_prompt_was_tokenized_records_its_exact_prompt_tokens(
     source = write_chats(tmp_path / "in.jsonl", 120, bad=1)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     plan = plan_for_submit(spec, settings.model_copy(update={"tokenize_at_submit": "always"}))
-    created = create_job(source, spec, shard_size=50, settings=settings, context=plan)
+    created = create_job(
+        source_of(source, settings), spec, shard_size=50, settings=settings, context=plan
+    )
     storage = Storage.of(settings)
     stored = 0
     for shard in shards_of(settings, created.job.id):
@@ -469,6 +481,10 @@ def test_a_job_whose_every_prompt_was_tokenized_records_its_exact_prompt_tokens(
     # A pass that bounds short prompts by their bytes counts nothing exact.
     bounded = SubmitTokens(spec, storage, settings, bound=True)
     created = create_job(
-        source, spec, shard_size=50, settings=settings, context=exact(spec, bounded)
+        source_of(source, settings),
+        spec,
+        shard_size=50,
+        settings=settings,
+        context=exact(spec, bounded),
     )
     assert created.job.prompt_tokens_estimate is None

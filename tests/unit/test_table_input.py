@@ -1,5 +1,5 @@
-"""Table input (input/files/table.py): Parquet and CSV rows become the stored rows JSONL lines become,
-with error rows naming row and column, ids joined back, local and on S3 (moto)."""
+"""Table input (input/validation/table.py): Parquet and CSV rows become the stored rows JSONL lines
+become, with error rows naming row and column, ids joined back, local and on S3 (moto)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 
 from batchllm import Client
 from batchllm.errors import InputError
-from batchllm.input.files import table as table_module
 from batchllm.input.job_spec import build_job_spec
 from batchllm.input.shards import validated_chunks
+from batchllm.input.validation import table as table_module
 from batchllm.settings import get_settings
 from batchllm.spec import TableColumns
 from batchllm.store.db import session_scope

@@ -14,7 +14,7 @@ from batchllm.engine import chat_batch
 from batchllm.engine.prompts import prepare_prompts
 from batchllm.engine.sizing import load_tokenizer
 from batchllm.execution.context.resolve import resolve_max_model_len
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.shards import iter_shard_rows
 from batchllm.input.token_store import token_path
 from batchllm.jobs.create import create_job
@@ -24,6 +24,7 @@ from batchllm.storage import Storage
 from batchllm.store import service
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job
+from tests.support.inputs import source_of
 
 WORDS = ["alpha", "beta", "gamma", "ünïcode", "日本語", "tab\there", "new\nline", "{{ x }}", "%"]
 
@@ -120,7 +121,7 @@ def test_the_sizing_pass_stores_the_ids_and_the_feed_reads_them_back(
             out.write(json.dumps({"messages": [{"role": "user", "content": words}]}) + "\n")
         out.write("not json\n")
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    created = create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source_of(source, settings), spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     with session_scope(settings) as session:
         paths = [s.input_path for s in session.get(Job, created.job.id).shards]
@@ -150,7 +151,7 @@ def one_sized_shard(tiny_model, settings, tmp_path, prompts: list[str]) -> tuple
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
-    created = create_job(source, spec, shard_size=100, settings=settings)
+    created = create_job(source_of(source, settings), spec, shard_size=100, settings=settings)
     storage = Storage.of(settings)
     resolve_max_model_len(created.job.id, settings=settings)
     with session_scope(settings) as session:
@@ -197,7 +198,7 @@ def test_a_local_run_sizes_its_shards_while_validating_and_feeds_the_stored_ids(
     source = write_chat_lines(tmp_path / "in.jsonl", 150, bad=2)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     engines = InstantEngines(load_tokenizer(str(tiny_model)))
-    job = run_job(source, spec, settings=settings, engines=engines)
+    job = run_job(source_of(source, settings), spec, settings=settings, engines=engines)
 
     assert job.status is JobStatus.COMPLETED
     assert (job.request_completed, job.request_failed) == (150, 2)
@@ -224,7 +225,7 @@ def test_a_refused_file_leaves_no_token_ids_behind(tiny_model, settings, tmp_pat
     source = write_chat_lines(tmp_path / "in.jsonl", 100, bad=1)
     spec = JobSpec(model=str(tiny_model), sampling=SamplingDefaults(max_tokens=8))
     with pytest.raises(InputError, match="--strict refuses the file"):
-        run_job(source, spec, settings=settings, strict=True)
+        run_job(source_of(source, settings), spec, settings=settings, strict=True)
     stored = [p.name for p in Path(settings.resolved_storage).rglob("*.parquet")]
     assert not [name for name in stored if name.startswith("tokens-")], stored
 
@@ -238,7 +239,7 @@ def test_a_failed_sizing_pass_fails_the_created_job_with_the_reason(settings, tm
     missing = tmp_path / "no-such-model"
     spec = JobSpec(model=str(missing), sampling=SamplingDefaults(max_tokens=8))
     with pytest.raises(BatchLLMError, match="failed"):
-        run_job(source, spec, settings=settings, engines=_NeverEngines())
+        run_job(source_of(source, settings), spec, settings=settings, engines=_NeverEngines())
     with session_scope(settings) as session:
         (job,) = session.query(Job).all()
         assert job.status is JobStatus.FAILED

@@ -23,6 +23,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, WebhookAttempt
 from batchllm.store.webhooks import WebhookTarget
 from tests.support.fake_runs import make_spec, write_items
+from tests.support.inputs import source_of
 from tests.support.webhook_receiver import Receiver
 
 SECRET = "whsec_test-secret"
@@ -43,7 +44,7 @@ def receiver():
 
 def _ended_job(settings, tmp_path, url: str, end) -> str:
     created = create_job(
-        write_items(tmp_path / "in.jsonl", 2),
+        source_of(write_items(tmp_path / "in.jsonl", 2), settings),
         make_spec(),
         shard_size=10,
         settings=settings,

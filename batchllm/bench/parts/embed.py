@@ -23,7 +23,7 @@ from batchllm.bench.memory import PeakRss
 from batchllm.bench.own_engine import OwnEnginePart
 from batchllm.demo.workload import sentence
 from batchllm.execution.engines import EngineCache
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.settings import Settings
 from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 

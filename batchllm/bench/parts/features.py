@@ -29,7 +29,7 @@ from batchllm.bench.workload import TEMPERATURE, Request, Workload, iter_request
 from batchllm.engine.prompts import Prepared
 from batchllm.engine.protocol import Adapter, Engine, Finished
 from batchllm.execution.engines import EngineCache
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.settings import Settings
 from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.store.models import Job
@@ -65,8 +65,8 @@ HALVES = {
     "control": "control job: the same rows",
     "plain": "plain job: the same rows",
 }
-# The settings batchllm stores for each kind of line (input/validate.py): what raw vLLM's twin of
-# each job is given, through batchllm's own SamplingParams construction.
+# The settings batchllm stores for each kind of line (input/validation/validate.py): what raw
+# vLLM's twin of each job is given, through batchllm's own SamplingParams construction.
 _RAW: dict[str, dict[str, Any]] = {
     "plain": {"ignore_eos": True},
     "json": {"structured": {"json": SCHEMA}},

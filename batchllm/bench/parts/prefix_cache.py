@@ -23,6 +23,7 @@ from typing import Any
 
 from batchllm.bench.figures import BenchFailed
 from batchllm.bench.own_engine import Say
+from batchllm.input.files.source import resolve_input
 from batchllm.jobs.create import create_job
 from batchllm.settings import Settings
 from batchllm.spec import JobSpec
@@ -274,7 +275,11 @@ def _job_engine_phase(engines, spec, source: Path, settings: Settings) -> dict[s
         update={"engine": spec.engine.model_copy(update={"max_model_len": None})}
     )
     created = create_job(
-        source, unsized, shard_size=settings.shard_size, settings=settings, local_run=True
+        resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint),
+        unsized,
+        shard_size=settings.shard_size,
+        settings=settings,
+        local_run=True,
     )
     job_id = created.job.id
     paths = [shard.path for shard in created.stored.shards]

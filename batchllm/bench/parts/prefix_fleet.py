@@ -134,12 +134,14 @@ def _time_job(
     workers, and each worker's own tokens (its Prometheus counters)."""
     from sqlalchemy import select
 
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.submit import submit_job
     from batchllm.store.db import session_scope
     from batchllm.store.models import Shard
 
+    resolved = resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint)
     started = time.monotonic()
-    job_id = submit_job(source, spec, shard_size=shard_size, settings=settings).id
+    job_id = submit_job(resolved, spec, shard_size=shard_size, settings=settings).id
     submit_seconds = time.monotonic() - started
     ended = wait_ended(job_id, settings, timeout=JOB_SECONDS, part=PART)
     seconds = ended["seen_ended"] - started

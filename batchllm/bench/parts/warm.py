@@ -123,11 +123,12 @@ def time_job(
     spec: JobSpec, *, source: Path, lines: int, settings: Settings, timeout: float
 ) -> dict[str, Any]:
     """Submit one single-shard job, wait for it to end and read its timestamps."""
+    from batchllm.input.files.source import resolve_input
     from batchllm.jobs.submit import submit_job
 
     dispatched: list[datetime] = []
     job_id = submit_job(
-        source,
+        resolve_input(source, s3_endpoint=settings.resolved_s3_endpoint),
         spec,
         shard_size=lines,
         settings=settings,

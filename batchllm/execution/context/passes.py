@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchllm.input.rows import InputRow
+from batchllm.input.formats.rows import InputRow
 from batchllm.input.shards import ShardInput, iter_shard_rows
 from batchllm.input.token_store import TokenFileWriter, token_path
 from batchllm.settings import Settings

@@ -1,11 +1,12 @@
 """A job's input file, resolved once where it comes in.
 
-The front doors (the CLI's FILE, the Client, the Batch API, jobs/'s run, submit and estimate)
-turn what they were given (a local path, or a URI such as s3://bucket/prompts.jsonl) into an
-InputSource: checked to be a readable file, its format read off its name, its name as errors
-give it and as the job records it, the S3 endpoint it is read through. Everything below
-(job_spec, store/service, input/shards, lines, validate, table) takes the InputSource and asks
-none of that again.
+The front doors (the CLI's FILE, the Client and the pipeline files it runs, the Batch API,
+`batchllm bench`'s workload files) turn what they were given (a local path, or a URI such as
+s3://bucket/prompts.jsonl) into an InputSource: checked to be a readable file, its format read
+off its name, its name as errors give it and as the job records it, the S3 endpoint it is read
+through. Everything below (jobs/, job_spec, store/service, input/shards, lines, validate,
+table) takes the InputSource and asks none of that again; tests/unit/test_layering.py fails
+when a module below the front doors calls resolve_input.
 """
 
 from __future__ import annotations

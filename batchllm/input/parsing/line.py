@@ -1,30 +1,13 @@
 """One decoded line into a Request: by its form (prompt, messages, input, or OpenAI's batch
-line for an endpoint of input/endpoints.py) and the job's task; or the LineProblem refusing it."""
+line for an endpoint of endpoints.py) and the job's task; or the LineProblem refusing it."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from batchllm.input.endpoints import (
-    CHAT_COMPLETIONS,
-    CLASSIFICATION,
-    EMBEDDINGS,
-    RERANK,
-    RESPONSES,
-    SCORE,
-    OpenAIBatchLine,
-    is_classify_line,
-    is_embedding_line,
-    is_score_line,
-)
 from batchllm.input.files.custom_ids import default_custom_id
-from batchllm.input.parsing.messages import stored_messages
-from batchllm.input.parsing.openai_fields import without_openai_extras
-from batchllm.input.parsing.problems import INVALID_JSON, LineProblem, validated
-from batchllm.input.parsing.responses import OpenAIResponsesBody, responses_request
-from batchllm.input.parsing.sampling import model_adapter, picked_adapter, sampling_of
-from batchllm.input.schemas import (
+from batchllm.input.formats.schemas import (
     ChatLine,
     ClassifyLine,
     EmbeddingLine,
@@ -37,8 +20,25 @@ from batchllm.input.schemas import (
     PromptLine,
     Request,
 )
-from batchllm.input.scoring import rerank_request, score_request, unpaired
-from batchllm.input.structured import ConstraintError
+from batchllm.input.formats.scoring import rerank_request, score_request, unpaired
+from batchllm.input.formats.structured import ConstraintError
+from batchllm.input.parsing.endpoints import (
+    CHAT_COMPLETIONS,
+    CLASSIFICATION,
+    EMBEDDINGS,
+    RERANK,
+    RESPONSES,
+    SCORE,
+    OpenAIBatchLine,
+    is_classify_line,
+    is_embedding_line,
+    is_score_line,
+)
+from batchllm.input.parsing.messages import stored_messages
+from batchllm.input.parsing.openai_fields import without_openai_extras
+from batchllm.input.parsing.problems import INVALID_JSON, LineProblem, validated
+from batchllm.input.parsing.responses import OpenAIResponsesBody, responses_request
+from batchllm.input.parsing.sampling import model_adapter, picked_adapter, sampling_of
 from batchllm.settings import Settings
 from batchllm.spec import CLASSIFY, EMBED, GENERATE
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchllm.input.formats.schemas import ChatMessage
 from batchllm.input.images import ImageProblem, check_image
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.schemas import ChatMessage
 from batchllm.settings import Settings
 
 

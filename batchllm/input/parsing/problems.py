@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from batchllm.input.schemas import LineError
+from batchllm.input.formats.schemas import LineError
 
 INVALID_JSON = "invalid_json"  # not UTF-8, or not JSON
 MISSING_REQUIRED_PARAMETER = "missing_required_parameter"

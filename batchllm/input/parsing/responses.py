@@ -16,9 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchllm.input.schemas import ChatMessage
-from batchllm.input.structured import ConstraintError, check_schema
-from batchllm.input.tools import line_tool_settings
+from batchllm.input.formats.schemas import ChatMessage
+from batchllm.input.formats.structured import ConstraintError, check_schema
+from batchllm.input.formats.tools import line_tool_settings
 from batchllm.spec import MAX_TOKENS_LIMIT, Float, Int
 
 ENDPOINT = "responses"  # the stored marker, under the settings key "endpoint"

@@ -7,10 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from batchllm.input.formats.rows import TEMPLATE_OPTIONS
+from batchllm.input.formats.structured import ConstraintError, constraint_of
+from batchllm.input.formats.tools import line_tool_settings
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.rows import TEMPLATE_OPTIONS
-from batchllm.input.structured import ConstraintError, constraint_of
-from batchllm.input.tools import line_tool_settings
 from batchllm.spec import ChatOptions, CompletionLogprobs, ConstraintFields, SamplingOverrides
 
 _SAMPLING_FIELDS = tuple(SamplingOverrides.model_fields)  # in field order: a stable stored text

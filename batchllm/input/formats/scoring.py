@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchllm.input.schemas import OpenAIRerankBody, OpenAIScoreBody, Request
+from batchllm.input.formats.schemas import OpenAIRerankBody, OpenAIScoreBody, Request
 
 SCORE_KEY = "score"  # the row settings' key of its shape
 

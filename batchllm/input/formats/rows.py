@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
-from batchllm.input.schemas import LineError, Request
+from batchllm.input.formats.schemas import LineError, Request
 
 RowKind = Literal["prompt", "chat", "embed", "score", "classify", "invalid"]
 # Rows the pooling runner serves: nothing is generated, an input needs no room for an output
@@ -51,7 +51,7 @@ INPUT_SCHEMA = pa.schema(
         pa.field("messages", pa.string()),  # JSON list of {role, content}
         pa.field("sampling", pa.string()),  # JSON object of per-line overrides (see above)
         pa.field("error", pa.string()),
-        # JSON list of the texts of a list embedding input, or a score row's (input/scoring.py)
+        # JSON list of the texts of a list embedding input, or a score row's (formats/scoring.py)
         pa.field("inputs", pa.string()),
     ]
 )
@@ -59,7 +59,7 @@ INPUT_SCHEMA = pa.schema(
 
 def request_payload(item: Request) -> tuple[str, str | None, str | None, str | None, str | None]:
     """A request's stored columns after line and custom_id: kind, prompt, messages, sampling,
-    inputs (the JSON texts as INPUT_SCHEMA holds them; input/columnar.py builds the same)."""
+    inputs (the JSON texts as INPUT_SCHEMA holds them; validation/columnar.py builds the same)."""
     return (
         item.kind,
         item.prompt,

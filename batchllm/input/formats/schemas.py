@@ -4,7 +4,7 @@ Three line forms are accepted (see docs/input.md):
   {"prompt": "..."}                         plain completion
   {"messages": [{"role": ..., "content": ...}]}  chat, the model's chat template is applied
   {"custom_id", "method": "POST", "url", "body": {...}}  OpenAI's, for an endpoint of
-                                                 input/endpoints.py
+                                                 input/parsing/endpoints.py
 Sampling overrides sit at the top level of the first two forms and inside `body` for the third.
 """
 
@@ -185,7 +185,7 @@ ScoreTexts = Annotated[list[NonEmptyStr], BeforeValidator(_one_or_many), Field(m
 class OpenAIScoreBody(BaseModel):
     """A /v1/score line's body as vLLM's run-batch takes it (ScoreTextRequest): `text_1`
     against each `text_2`, one text of `text_1` against them all or one per `text_2`
-    (input/scoring.py checks the counts)."""
+    (input/formats/scoring.py checks the counts)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -228,7 +228,7 @@ class OpenAIClassifyBody(BaseModel):
     user: str | None = None
 
 
-# What a request asks of the engine, stored as its row's kind (input/rows.py).
+# What a request asks of the engine, stored as its row's kind (input/formats/rows.py).
 RequestKind = Literal["prompt", "chat", "embed", "score", "classify"]
 
 
@@ -243,7 +243,7 @@ class Request(BaseModel):
     # {type: text, text} and images {type: image_url, image_url: {url}} (references, not pixels)
     messages: list[dict[str, Any]] | None = None
     # The texts of an embedding line with a list input; of a score line, its queries then
-    # its documents (input/scoring.py).
+    # its documents (input/formats/scoring.py).
     inputs: list[str] | None = None
     sampling: dict[str, Any] = Field(default_factory=dict)
 

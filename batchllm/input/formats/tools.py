@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchllm.input.structured import ConstraintError, check_schema
+from batchllm.input.formats.structured import ConstraintError, check_schema
 
 TOOL_MODES = ("none", "auto", "required")
 

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from batchllm.input.parsing.responses import OpenAIResponsesBody
-from batchllm.input.schemas import (
+from batchllm.input.formats.schemas import (
     OpenAIChatBody,
     OpenAIClassifyBody,
     OpenAICompletionBody,
@@ -19,6 +18,7 @@ from batchllm.input.schemas import (
     OpenAIScoreBody,
     RequestKind,
 )
+from batchllm.input.parsing.responses import OpenAIResponsesBody
 from batchllm.spec import CLASSIFY, EMBED, GENERATE, NonEmptyStr, Task
 
 
@@ -30,7 +30,7 @@ class Endpoint:
     task: Task  # the job task that runs them (one task per job)
     response_object: str | None  # the `object` of the body answering a line (none for rerank)
     # Its lines are text pairs: an embedding job scores them as the cosine of the texts'
-    # vectors (input/scoring.py), a classification job with a cross-encoder (metadata task).
+    # vectors (input/formats/scoring.py), a classification job with a cross-encoder (metadata task).
     pairs: bool = False
 
 
@@ -88,7 +88,7 @@ def is_embedding_line(obj: Any) -> bool:
 
 def is_score_line(obj: Any) -> bool:
     """Whether a decoded line is a /v1/score or /v1/rerank request, which an embedding job
-    runs (input/scoring.py says why), or with a cross-encoder a classification job."""
+    runs (input/formats/scoring.py says why), or with a cross-encoder a classification job."""
     endpoint = endpoint_of(obj)
     return endpoint is not None and endpoint.pairs
 

@@ -23,9 +23,9 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 
 from batchllm.input.files.lines import iter_lines
+from batchllm.input.formats.unicode_text import UNENCODABLE, may_hold_surrogates, unencodable_field
 from batchllm.input.parsing.line import decode_line
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.unicode_text import UNENCODABLE, may_hold_surrogates, unencodable_field
 
 BATCH_LINES = 65_536
 ID_KEY = "custom_id"

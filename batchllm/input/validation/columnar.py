@@ -49,7 +49,7 @@ _SLOW_BELOW = 64  # a part of a refused block this small goes line by line
 _BOM = b"\xef\xbb\xbf"
 
 # A stored row's values other than its line and custom_id: (kind, prompt, messages, sampling,
-# inputs), in INPUT_SCHEMA's terms (input/rows.py).
+# inputs), in INPUT_SCHEMA's terms (input/formats/rows.py).
 Payload = tuple[str, str | None, str | None, str | None, str | None]
 
 _SAMPLING_TYPES = {
@@ -120,7 +120,7 @@ Verdict = tuple[str, str, str | None]
 Judge = Callable[[Any, int], Verdict | None]
 
 # The columns of a CheckedBlock: the custom_id a line gives (null: none) and the stored values
-# after it (INPUT_SCHEMA's kind, prompt, messages, sampling, inputs; input/rows.py).
+# after it (INPUT_SCHEMA's kind, prompt, messages, sampling, inputs; input/formats/rows.py).
 BLOCK_COLUMNS = ("given", "kind", "prompt", "messages", "sampling", "inputs")
 
 

@@ -8,30 +8,29 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchllm.input import columnar
-from batchllm.input.columnar import Verdict
-from batchllm.input.endpoints import task_of_line
 from batchllm.input.files.custom_ids import CustomIds, given_id, may_give_default_id
 from batchllm.input.files.lines import Line, iter_line_chunks, iter_lines
-from batchllm.input.files.source import InputSource, resolve_input
-from batchllm.input.images import ImageChecks, image_urls
-from batchllm.input.parsing.line import decode_line, parse_line
-from batchllm.input.parsing.problems import LineProblem, duplicate
-from batchllm.input.rows import INPUT_SCHEMA, InputRow, request_payload
-from batchllm.input.schemas import LineError, Request
-from batchllm.input.unicode_text import (
+from batchllm.input.files.source import InputSource
+from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow, request_payload
+from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.unicode_text import (
     UNENCODABLE,
     encodable,
     may_hold_surrogates,
     unencodable_field,
 )
+from batchllm.input.images import ImageChecks, image_urls
+from batchllm.input.parsing.endpoints import task_of_line
+from batchllm.input.parsing.line import decode_line, parse_line
+from batchllm.input.parsing.problems import LineProblem, duplicate
+from batchllm.input.validation import columnar
+from batchllm.input.validation.columnar import Verdict
 from batchllm.settings import Settings
 from batchllm.spec import GENERATE, Task
 
@@ -93,21 +92,20 @@ def _check(
 
 
 def read_requests(
-    path: str | Path | InputSource,
+    source: InputSource,
     *,
     settings: Settings,
     max_line_bytes: int | None = None,
     adapters: frozenset[str] = frozenset(),
     task: str = GENERATE,
 ) -> Iterator[Request | LineError]:
-    """Yield one Request or LineError per non-blank line of `path` (a local path or a URI
+    """Yield one Request or LineError per non-blank line of `source` (a local file or a URI
     such as s3://bucket/key, streamed), in line order, validating line by line.
 
     Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
     A line over `max_line_bytes` (default: the settings') is an error without being parsed.
     The file is read twice (files/custom_ids.py), each time from its start.
     """
-    source = resolve_input(path, s3_endpoint=settings.resolved_s3_endpoint)
     limit = max_line_bytes or settings.max_line_bytes
     images = ImageChecks(settings)
 
@@ -134,9 +132,9 @@ def read_row_chunks(
     task: str = GENERATE,
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The non-blank lines of `source` as rows to store, a chunk of the file at a time: a table
-    of the lines' input-shard values (INPUT_SCHEMA, input/rows.py) in line order, and the
+    of the lines' input-shard values (INPUT_SCHEMA, formats/rows.py) in line order, and the
     LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
-    validated a block at a time (input/columnar.py) and kept in columns to the stored shard."""
+    validated a block at a time (columnar.py) and kept in columns to the stored shard."""
     limit = max_line_bytes or settings.max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:

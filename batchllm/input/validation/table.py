@@ -1,7 +1,7 @@
 """Table input: the rows of a Parquet or CSV file (a data pipeline's output) as requests, with
 no conversion to JSONL first.
 
-A row becomes the same stored input row a JSONL line becomes (INPUT_SCHEMA, input/rows.py), by
+A row becomes the same stored input row a JSONL line becomes (INPUT_SCHEMA, formats/rows.py), by
 the same rules and with the same error rows (validate.stored_block): a null or blank prompt is an
 error row naming its row and column; the id column's value is the row's custom_id (a missing one
 is an error row, a repeated one a duplicate), or without one the row number (from 1, as the
@@ -24,17 +24,17 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from batchllm.errors import InputError
-from batchllm.input.columnar import BLANK, BLOCK_COLUMNS, CheckedBlock, json_strings
 from batchllm.input.files.custom_ids import CustomIds
-from batchllm.input.files.jsonl_table import BATCH_LINES, ID_KEY, LineBatch, jsonl_batches
 from batchllm.input.files.source import InputSource
+from batchllm.input.formats.prompt_template import PromptTemplate
+from batchllm.input.formats.rows import request_payload
+from batchllm.input.formats.schemas import LineError
 from batchllm.input.images import ImageChecks, image_urls
 from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.prompt_template import PromptTemplate
-from batchllm.input.rows import request_payload
-from batchllm.input.schemas import LineError
-from batchllm.input.validate import stored_block
+from batchllm.input.validation.columnar import BLANK, BLOCK_COLUMNS, CheckedBlock, json_strings
+from batchllm.input.validation.jsonl_table import BATCH_LINES, ID_KEY, LineBatch, jsonl_batches
+from batchllm.input.validation.validate import stored_block
 from batchllm.settings import Settings
 from batchllm.spec import EMBED, POOLING_TASKS, TableColumns
 
