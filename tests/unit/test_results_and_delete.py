@@ -26,7 +26,7 @@ from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard
 from tests.support.fake_runs import FakeEngine, FakeEngines, write_items
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow, record_part, write_part
 
 
 def run_items(settings, tmp_path, rows: int, engine: FakeEngine | None = None):
@@ -244,17 +244,8 @@ def _commit(settings, storage, out_dir, job_id, *, seq, custom_id, line) -> None
 def _record(settings, job_id, seq, path, rows) -> None:
     with session_scope(settings) as session:
         shard = session.query(Shard).filter_by(job_id=job_id).one()
-        commit.record_checkpoint(
-            session,
-            shard_id=shard.id,
-            job_id=job_id,
-            seq=seq,
-            path=path,
-            rows_ok=rows,
-            rows_failed=0,
-            prompt_tokens=0,
-            completion_tokens=0,
-            engine_seconds=0.0,
+        record_part(
+            session, job_id, shard.id, seq, path, rows=(rows, 0), tokens=(0, 0), seconds=0.0
         )
 
 
