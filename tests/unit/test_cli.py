@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.execution.finalize import finalize_job
 from batchllm.jobs.create import create_job
-from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.spec import JobSpec
 from batchllm.storage import Storage
