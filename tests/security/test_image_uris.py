@@ -100,6 +100,10 @@ class Recorder(socketserver.ThreadingTCPServer):
     def address(self) -> str:
         return f"127.0.0.1:{self.server_address[1]}"
 
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
 
 class _RecordOne(socketserver.BaseRequestHandler):
     def handle(self) -> None:
@@ -205,31 +209,21 @@ class ImageServer:
 
 @pytest.fixture
 def recorder() -> Iterator[Recorder]:
-    server = Recorder()
-    try:
+    with contextlib.closing(Recorder()) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
 def images() -> Iterator[ImageServer]:
-    server = ImageServer("127.0.0.1")
-    try:
+    with contextlib.closing(ImageServer("127.0.0.1")) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
 def other_images() -> Iterator[ImageServer]:
     """An image server on 127.0.0.2: a loopback address a test lets in on its own."""
-    server = ImageServer("127.0.0.2")
-    try:
+    with contextlib.closing(ImageServer("127.0.0.2")) as server:
         yield server
-    finally:
-        server.close()
 
 
 # -- finding 2: s3:// URIs ----------------------------------------------------------------------
