@@ -104,6 +104,16 @@ def _serve(settings, shard_id: int, tokens: tuple[int, int], *, ago: float = 0.0
         state_machine.end_shard(session, shard_id, ShardStatus.COMPLETED)
 
 
+def _served_by_one_worker(
+    settings, tmp_path, *, long: int, short: int, short_owner: str
+) -> dict[str, int]:
+    """A job of `long` long-prompt shards (key_long's) and one of `short` short-prompt shards
+    (`short_owner`'s), served by one worker: the tokens each tenant was served."""
+    long_shards = _batch_job(settings, tmp_path, "long", "key_long", long)
+    short_shards = _batch_job(settings, tmp_path, "short", short_owner, short)
+    return _one_worker(settings, long_shards, short_shards)
+
+
 def _one_worker(settings, long_shards: list[int], short_shards: list[int]) -> dict[str, int]:
     """One worker takes turns until a tenant has nothing queued: the tokens each was served."""
     cost = {**{s: LONG for s in long_shards}, **{s: SHORT for s in short_shards}}
@@ -121,9 +131,7 @@ def _one_worker(settings, long_shards: list[int], short_shards: list[int]) -> di
 def test_a_tenant_with_prompts_20x_longer_gets_half_the_tokens_not_half_the_turns(
     settings, tmp_path
 ):
-    long_shards = _batch_job(settings, tmp_path, "long", "key_long", 6)
-    short_shards = _batch_job(settings, tmp_path, "short", "key_short", 90)
-    served = _one_worker(settings, long_shards, short_shards)
+    served = _served_by_one_worker(settings, tmp_path, long=6, short=90, short_owner="key_short")
     share = served["long"] / (served["long"] + served["short"])
     # By turns it was 208 / (208 + 18) = 92% for the long tenant.
     assert 0.4 <= share <= 0.6, served
@@ -131,9 +139,7 @@ def test_a_tenant_with_prompts_20x_longer_gets_half_the_tokens_not_half_the_turn
 
 def test_a_key_of_weight_3_is_served_three_times_the_tokens(settings, tmp_path):
     heavy = _weighted_key(settings, "heavy", 3.0)
-    long_shards = _batch_job(settings, tmp_path, "long", "key_long", 4)
-    short_shards = _batch_job(settings, tmp_path, "short", heavy, 120)
-    served = _one_worker(settings, long_shards, short_shards)
+    served = _served_by_one_worker(settings, tmp_path, long=4, short=120, short_owner=heavy)
     share = served["short"] / (served["long"] + served["short"])
     assert 0.65 <= share <= 0.85, served
 
