@@ -91,14 +91,19 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, migrated_database:
     get_settings.cache_clear()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model, built once per session (no download)."""
+def _require_model_libraries() -> None:
+    """torch and transformers build the demo models: without them, a skip (a failure under CI)."""
     try:
         import torch
         import transformers
     except ImportError as exc:
         require(False, f"torch/transformers not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model, built once per session (no download)."""
+    _require_model_libraries()
     from batchllm.engine.models.demo_model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("model") / "tiny")
@@ -115,11 +120,7 @@ def tokenizer(tiny_model: Path):
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo vision-language model (Idefics3), built once per session (no download)."""
-    try:
-        import torch
-        import transformers
-    except ImportError as exc:
-        require(False, f"torch/transformers not installed: {exc}")
+    _require_model_libraries()
     from batchllm.engine.models.demo_vlm import build_demo_vlm
 
     return build_demo_vlm(tmp_path_factory.mktemp("model") / "tiny-vlm")

@@ -21,6 +21,7 @@ import pytest
 
 from batchllm.input.formats.schemas import LineError, Request
 from tests.support.inputs import source_of
+from tests.support.ran_jobs import run_and_read
 
 # The module's jobs share the pooling engine the bench's embed part built (or build it).
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -39,21 +40,8 @@ def write_jsonl(path: Path, lines: list[dict]) -> Path:
 def run_job(run_here, source: Path, model: Path, home: Path) -> dict:
     """`batchllm run FILE` then `batchllm status JOB --json`, in this process: the job and its
     rows by custom_id."""
-    ran = run_here("run", str(source), "--model", str(model), *ENGINE_FLAGS, home=home)
-    assert ran.exit_code == 0, ran.output[-4000:]
-    job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    status = run_here("status", job_id, "--json", home=home)
-    assert status.exit_code == 0, status.output
-    job = json.loads(status.stdout)
-    table = ds.dataset(job["output_dir"], format="parquet").to_table()
-    rows = table.to_pylist()
-    return {
-        "run": ran,
-        "job": job,
-        "table": table,
-        "rows": {r["custom_id"]: r for r in rows},
-        "lines": sorted(r["line"] for r in rows),
-    }
+    read = run_and_read(run_here, str(source), "--model", str(model), *ENGINE_FLAGS, home=home)
+    return {**read, "lines": sorted(r["line"] for r in read["rows"].values())}
 
 
 def chat(text: str) -> list[dict]:

@@ -14,8 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow.dataset as ds
 import pytest
+
+from tests.support.ran_jobs import run_and_read
 
 # The module fixture builds the LoRA engine (the base job shares the session's tiny one).
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -31,22 +32,9 @@ PROMPTS = [
 def run_job(source: Path, model: Path, home: Path, *flags: str, here) -> dict:
     """`batchllm run FILE` then `batchllm status JOB --json`, both in this process on the
     session's engines (`here`: the conftest's run_here): the job and its rows by custom_id."""
-    args = ("run", str(source), "--model", str(model), "--max-model-len", "512", "--enforce-eager")
-    ran = here(*args, *flags, home=home)
-    assert ran.exit_code == 0, ran.output[-4000:]
-    status = here("status", ran.stdout.split("job        ", 1)[1].split()[0], "--json", home=home)
-    assert status.exit_code == 0, status.output
-    job = json.loads(status.stdout)
-    table = ds.dataset(job["output_dir"], format="parquet").to_table()
-    rows = table.to_pylist()
-    return {
-        "run": ran,
-        "job": job,
-        "home": home,
-        "table": table,
-        "rows": {r["custom_id"]: r for r in rows},
-        "lines": sorted(r["line"] for r in rows),
-    }
+    args = (str(source), "--model", str(model), "--max-model-len", "512", "--enforce-eager")
+    read = run_and_read(here, *args, *flags, home=home)
+    return {**read, "home": home, "lines": sorted(r["line"] for r in read["rows"].values())}
 
 
 def write_jsonl(path: Path, lines: list[dict]) -> Path:

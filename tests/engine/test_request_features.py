@@ -13,11 +13,11 @@ import json
 import re
 from pathlib import Path
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
 from batchllm.output.parts import MANIFEST_NAME, OUTPUT_SCHEMA, SUCCESS_NAME
+from tests.support.ran_jobs import run_and_read
 
 # The module fixture runs `batchllm run`; it builds the shared engine when it is the first.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -214,8 +214,8 @@ def features(tiny_model, run_here, tmp_path_factory):
     template.write_text(TEMPLATE)
     home = work / "home"
 
-    ran = run_here(
-        "run",
+    read = run_and_read(
+        run_here,
         str(source),
         *("--model", str(tiny_model)),
         *("--max-tokens", str(DEFAULT_MAX_TOKENS), "--temperature", "0"),
@@ -224,19 +224,9 @@ def features(tiny_model, run_here, tmp_path_factory):
         *("--chat-template", str(template)),
         home=home,
     )
-    assert ran.exit_code == 0, ran.output[-4000:]
-    job_id = ran.stdout.split("job        ", 1)[1].split()[0]
-    status = run_here("status", job_id, "--json", home=home)
-    assert status.exit_code == 0, status.output
-    job = json.loads(status.stdout)
-    out_dir = job["output_dir"]
-    table = ds.dataset(out_dir, format="parquet").to_table()
     return {
-        "run": ran,
-        "job": job,
-        "out_dir": out_dir,
-        "table": table,
-        "rows": {r["custom_id"]: r for r in table.to_pylist()},
+        **read,
+        "out_dir": read["job"]["output_dir"],
         "lines": {line["custom_id"]: line for line in LINES},
     }
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from sqlalchemy import func, select
 
 from batchllm.demo.workload import write_workload
 from batchllm.execution.engines import EngineCache
@@ -30,8 +29,9 @@ from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
-from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
+from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.cli import local_env, run_cli
+from tests.support.follow import HeldForFollower
 from tests.support.inputs import source_of
 from tests.support.skips import require
 
@@ -568,22 +568,7 @@ def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
     source = write_workload(
         tmp_path / "follow.jsonl", requests=30, prompt_words=(4, 8), max_tokens=(2, 12), seed=9
     )
-    created: list[str] = []
-    ready, follower_saw_a_row = threading.Event(), threading.Event()
-
-    def hold_until_seen(rows: int, tokens: int) -> None:
-        if follower_saw_a_row.is_set():
-            return
-        with session_scope(settings) as session:
-            committed = session.scalar(
-                select(func.count())
-                .select_from(Checkpoint)
-                .join(Shard)
-                .where(Shard.job_id == created[0])
-            )
-        if committed:
-            follower_saw_a_row.wait(120)
-
+    held = HeldForFollower(settings, wait_seconds=120)
     outcome: list[Job] = []
 
     def run() -> None:
@@ -593,17 +578,17 @@ def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
                 make_spec(tiny_model, max_tokens=16),
                 settings=settings,
                 engines=engines,
-                on_created=lambda job: (created.append(job.id), ready.set()),
-                on_progress=hold_until_seen,
+                on_created=held.created,
+                on_progress=held.progress,
             )
         )
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
-    assert ready.wait(60)
+    assert held.ready.wait(60)
     errors_path = tmp_path / "follower.err"
     follower = subprocess.Popen(
-        [sys.executable, "-m", "batchllm", "results", created[0], "--follow"],
+        [sys.executable, "-m", "batchllm", "results", held.job_id, "--follow"],
         env=local_env(settings.home),
         stdout=subprocess.PIPE,
         stderr=errors_path.open("w"),
@@ -612,15 +597,15 @@ def test_results_follow_prints_rows_while_the_job_runs_and_each_line_once(
     try:
         first = follower.stdout.readline()
         with session_scope(settings) as session:
-            state_at_first_row = session.get(Job, created[0]).status
-        follower_saw_a_row.set()
+            state_at_first_row = session.get(Job, held.job_id).status
+        held.follower_saw_a_row.set()
         # Read through the same buffered stream (communicate() would skip what readline
         # already buffered); the follower ends once the job has.
         rest = follower.stdout.read()
         follower.wait(timeout=300)
         errors = errors_path.read_text()
     finally:
-        follower_saw_a_row.set()
+        held.follower_saw_a_row.set()
         if follower.poll() is None:
             follower.kill()
     runner.join(120)

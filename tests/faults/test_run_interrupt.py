@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from batchllm.storage import Storage
 from tests.support.cli import kill_group
 from tests.support.faults import alive_of, descendants, kill_recorded
 from tests.support.fleet import REPO, tail
+from tests.support.homes import latest_job
 from tests.support.job_checks import assert_each_line_at_most_once, expected_rows
 from tests.support.skips import require
 
@@ -55,21 +55,8 @@ class Run:
     engine_left: dict[int, str] = field(default_factory=dict)
     engine_gone_seconds: float | None = None
 
-    @property
-    def db(self) -> Path:
-        return self.home / "batchllm.db"
-
     def job(self) -> dict | None:
-        """The job row, read straight from SQLite (WAL: readable while the run writes)."""
-        if not self.db.exists():
-            return None
-        try:
-            with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, timeout=2) as conn:
-                conn.row_factory = sqlite3.Row
-                row = conn.execute("SELECT * FROM jobs ORDER BY created_at DESC LIMIT 1").fetchone()
-                return dict(row) if row else None
-        except sqlite3.Error:
-            return None
+        return latest_job(self.home)
 
     def tail(self) -> str:
         return tail(self.log_path, 40)

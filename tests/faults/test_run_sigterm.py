@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +24,9 @@ import pytest
 from batchllm.demo.workload import write_workload
 from batchllm.output.parts import read_output
 from batchllm.storage import Storage
-from tests.support.faults import alive_of, descendants, kill_recorded
+from tests.support.faults import alive_of, descendants, kill_recorded, wait_all_gone
 from tests.support.fleet import REPO, tail
+from tests.support.homes import latest_job
 from tests.support.job_checks import assert_each_line_at_most_once, expected_rows, wait_for
 
 pytestmark = pytest.mark.faults
@@ -64,30 +64,19 @@ def _start(args: list[str], home: Path, log_path: Path) -> subprocess.Popen:
         )
 
 
-def _job(home: Path) -> dict | None:
-    db = home / "batchllm.db"
-    if not db.exists():
-        return None
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2) as conn:
-            conn.row_factory = sqlite3.Row
-            row = conn.execute("SELECT * FROM jobs ORDER BY created_at DESC LIMIT 1").fetchone()
-            return dict(row) if row else None
-    except sqlite3.Error:
-        return None
-
-
 def _wait_all_gone(proc: subprocess.Popen, recorded: dict[int, float], log_path: Path) -> None:
     def all_gone() -> bool:
         proc.poll()
         return not alive_of(recorded)
 
-    try:
-        wait_for(all_gone, timeout=STOPS_WITHIN, what="the run and its engine processes")
-    except AssertionError:
-        raise AssertionError(
-            f"alive {STOPS_WITHIN} s after SIGTERM: {alive_of(recorded)}\n" + tail(log_path)
-        ) from None
+    wait_all_gone(
+        all_gone,
+        recorded,
+        within=STOPS_WITHIN,
+        after="SIGTERM",
+        what="the run and its engine processes",
+        log_path=log_path,
+    )
     # It may have ended between all_gone's poll and its check of the recorded processes
     # (a CI run saw returncode None here): reap it.
     proc.wait(timeout=30)
@@ -111,7 +100,7 @@ def test_a_sigterm_while_run_runs_its_shards_stops_it_in_order(
 
         def some_rows_committed() -> dict | None:
             assert run.poll() is None, "the run exited early:\n" + tail(log_path)
-            job = _job(home)
+            job = latest_job(home)
             return job if job and (job["request_completed"] or 0) > 0 else None
 
         wait_for(some_rows_committed, timeout=ENGINE_STARTS_WITHIN, what="committed rows")
@@ -119,7 +108,7 @@ def test_a_sigterm_while_run_runs_its_shards_stops_it_in_order(
         run.send_signal(signal.SIGTERM)
         _wait_all_gone(run, recorded, log_path)
         assert run.returncode == 130, tail(log_path)  # as after Ctrl-C
-        job = _job(home)
+        job = latest_job(home)
         assert job is not None
         # In order, as the first Ctrl-C: the finished rows kept, the job failed, not completed.
         assert job["status"] == "failed", job

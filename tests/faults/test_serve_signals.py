@@ -31,6 +31,7 @@ from tests.support.faults import (
     descendants,
     engine_processes,
     kill_recorded,
+    wait_all_gone,
 )
 from tests.support.fleet import REPO, tail
 from tests.support.job_checks import wait_for
@@ -144,13 +145,14 @@ def test_a_signal_to_serve_with_a_worker_leaves_none_of_its_processes(
             serve.poll()  # reap it, so that it does not count as alive
             return not alive_of(recorded)
 
-        try:
-            wait_for(all_gone, timeout=ALL_GONE_WITHIN, what="serve and all its processes to end")
-        except AssertionError:
-            raise AssertionError(
-                f"alive {ALL_GONE_WITHIN} s after {sig.name}: {alive_of(recorded)}\n"
-                + tail(log_path)
-            ) from None
+        wait_all_gone(
+            all_gone,
+            recorded,
+            within=ALL_GONE_WITHIN,
+            after=sig.name,
+            what="serve and all its processes to end",
+            log_path=log_path,
+        )
         serve.wait(timeout=30)  # it may have ended between all_gone's poll and its check
         # SIGTERM and SIGHUP end it by SIGTERM once its worker is stopped, as systemd expects;
         # uvicorn.run ends Ctrl-C's KeyboardInterrupt itself.
@@ -186,13 +188,14 @@ def test_a_worker_started_by_serve_stops_when_serve_is_killed(
                 recorded.update(descendants(pid))
             return not alive_of(recorded)
 
-        try:
-            wait_for(all_gone, timeout=ALL_GONE_WITHIN, what="the worker to stop after serve")
-        except AssertionError:
-            raise AssertionError(
-                f"alive {ALL_GONE_WITHIN} s after serve's SIGKILL: {alive_of(recorded)}\n"
-                + tail(log_path)
-            ) from None
+        wait_all_gone(
+            all_gone,
+            recorded,
+            within=ALL_GONE_WITHIN,
+            after="serve's SIGKILL",
+            what="the worker to stop after serve",
+            log_path=log_path,
+        )
         assert "is gone: stopping" in log_path.read_text(errors="replace"), tail(log_path)
     finally:
         kill_recorded(recorded)

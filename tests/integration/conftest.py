@@ -17,15 +17,12 @@ import pytest
 
 from tests.support import fleet
 from tests.support.fleet import (
-    PACED_INSTANT_ARGS,
     WORKER_SETTINGS,
     FleetEnv,
     Worker,
     fleet_env_vars,
     settings_of,
-    start_workers,
-    stop_workers,
-    warm_up,
+    warm_workers,
 )
 from tests.support.services import postgres_database, redis_database
 from tests.support.skips import require
@@ -57,18 +54,10 @@ def fleet_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetEnv]:
 def pair(fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory) -> Iterator[list[Worker]]:
     """Two paced instant-engine workers serving the tiny model, alive for one test class."""
     work_dir = tmp_path_factory.mktemp("workers")
-    workers = start_workers(
-        ["w1@test", "w2@test"],
-        fleet_env=fleet_env,
-        model=tiny_model,
-        log_dir=work_dir,
-        engine_args=PACED_INSTANT_ARGS,
-    )
-    try:
-        warm_up(workers, fleet_env=fleet_env, model=tiny_model, work_dir=work_dir)
+    with warm_workers(
+        ["w1@test", "w2@test"], fleet_env=fleet_env, model=tiny_model, work_dir=work_dir
+    ) as workers:
         yield workers
-    finally:
-        stop_workers(workers)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -16,7 +16,7 @@ from batchllm.input.token_store import token_path
 from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
 from batchllm.worker.registry import live_workers
-from tests.support.fleet import start_workers, stop_workers
+from tests.support.fleet import INSTANT_ARGS, Worker, start_workers, stop_workers
 from tests.support.inputs import source_of
 from tests.support.job_checks import (
     assert_exactly_once,
@@ -29,7 +29,19 @@ from tests.support.skips import require
 
 pytestmark = pytest.mark.integration
 
-INSTANT_ARGS = ("--engine", "instant", "--max-model-len", "512")
+
+def _instant_workers(
+    names: list[str], fleet_env, tiny_model: Path, tmp_path: Path, *flags: str
+) -> list[Worker]:
+    """Instant-engine workers on the tiny model (`flags`: more worker options), ready."""
+    return start_workers(
+        names,
+        fleet_env=fleet_env,
+        model=tiny_model,
+        log_dir=tmp_path,
+        engine_args=(*INSTANT_ARGS, *flags),
+        ready_timeout=120,
+    )
 
 
 def _mapped_libraries(pid: int) -> str:
@@ -39,14 +51,7 @@ def _mapped_libraries(pid: int) -> str:
 def test_an_instant_worker_runs_a_job_exactly_once_through_celery_and_labels_it_instant(
     fleet_env, tiny_model, tmp_path
 ):
-    (worker,) = start_workers(
-        ["instant1"],
-        fleet_env=fleet_env,
-        model=tiny_model,
-        log_dir=tmp_path,
-        engine_args=INSTANT_ARGS,
-        ready_timeout=120,
-    )
+    (worker,) = _instant_workers(["instant1"], fleet_env, tiny_model, tmp_path)
     try:
         source = write_workload(
             tmp_path / "prompts.jsonl",
@@ -184,14 +189,7 @@ def test_a_worker_runs_a_jobs_shards_while_the_submit_is_still_validating_its_fi
     from batchllm.store.models import Job, Shard
     from tests.support.job_checks import wait_for
 
-    (worker,) = start_workers(
-        ["stream1"],
-        fleet_env=fleet_env,
-        model=tiny_model,
-        log_dir=tmp_path,
-        engine_args=INSTANT_ARGS,
-        ready_timeout=120,
-    )
+    (worker,) = _instant_workers(["stream1"], fleet_env, tiny_model, tmp_path)
     settings = fleet_env.settings
     seen: dict[str, object] = {}
 
@@ -251,14 +249,7 @@ def test_max_idle_stops_a_worker_with_nothing_to_do_with_exit_0_after_the_set_ti
     """`worker --max-idle 5`: a job first (a task resets the clock), then nothing: the worker
     stops warmly about 5 s after its last task and exits 0, so a Kubernetes Job or a spot
     instance can end."""
-    (worker,) = start_workers(
-        ["idle1"],
-        fleet_env=fleet_env,
-        model=tiny_model,
-        log_dir=tmp_path,
-        engine_args=(*INSTANT_ARGS, "--max-idle", "5"),
-        ready_timeout=120,
-    )
+    (worker,) = _instant_workers(["idle1"], fleet_env, tiny_model, tmp_path, "--max-idle", "5")
     try:
         source = write_workload(tmp_path / "prompts.jsonl", requests=20, prompt_words=(4, 8))
         job = fleet_env.submit(source, tiny_model, shard_size=10, max_tokens=4)
@@ -290,14 +281,7 @@ def test_a_job_without_a_context_length_is_sized_by_one_worker_while_the_others_
     from batchllm.spec import JobSpec, SamplingDefaults
 
     names = ["size1", "size2", "size3", "size4"]
-    workers = start_workers(
-        names,
-        fleet_env=fleet_env,
-        model=tiny_model,
-        log_dir=tmp_path,
-        engine_args=INSTANT_ARGS,
-        ready_timeout=120,
-    )
+    workers = _instant_workers(names, fleet_env, tiny_model, tmp_path)
     try:
         # Enough rows that the pass lasts seconds: every worker's task lands during it.
         source = write_workload(tmp_path / "unsized.jsonl", requests=20_000, max_tokens=(4, 8))

@@ -33,13 +33,10 @@ from batchllm.storage import Storage
 from batchllm.store.models import JobStatus, ShardStatus
 from tests.support.cli import run_cli
 from tests.support.fleet import (
-    PACED_INSTANT_ARGS,
     REPO,
     FleetEnv,
-    start_workers,
-    stop_workers,
     tails,
-    warm_up,
+    warm_workers,
 )
 from tests.support.job_checks import (
     assert_exactly_once,
@@ -246,18 +243,10 @@ def s3_pair(s3_fleet_env: FleetEnv, tiny_model: Path, tmp_path_factory):
     """Two workers (paced instant engines: the storage is the subject) whose storage is the
     bucket, proven by a first job (which also runs with its storage in the bucket)."""
     work_dir = tmp_path_factory.mktemp("s3-workers")
-    workers = start_workers(
-        ["s3w1@test", "s3w2@test"],
-        fleet_env=s3_fleet_env,
-        model=tiny_model,
-        log_dir=work_dir,
-        engine_args=PACED_INSTANT_ARGS,
-    )
-    try:
-        warm_up(workers, fleet_env=s3_fleet_env, model=tiny_model, work_dir=work_dir)
+    with warm_workers(
+        ["s3w1@test", "s3w2@test"], fleet_env=s3_fleet_env, model=tiny_model, work_dir=work_dir
+    ) as workers:
         yield workers
-    finally:
-        stop_workers(workers)
 
 
 def test_batchllm_submit_of_an_s3_input_runs_on_the_fleet_into_the_bucket(

@@ -31,10 +31,10 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from batchllm.store.db import get_engine, session_scope
+from batchllm.store.db import session_scope
 from batchllm.store.models import Batch
 from batchllm.worker.celery_app import queue_for_model
-from tests.support.serve import CHAT, Served, chat_line, jsonl, start_serve, stop_serve
+from tests.support.serve import CHAT, Served, chat_line, jsonl, running_serve
 from tests.support.services import redis_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -65,19 +65,15 @@ def broker() -> Iterator[tuple[redis.Redis, str]]:
 @pytest.fixture
 def served(tmp_path: Path, broker: tuple[redis.Redis, str]) -> Iterator[Served]:
     _, broker_url = broker
-    server = start_serve(
+    with running_serve(
         tmp_path,
         BATCHLLM_BROKER_URL=broker_url,
         BATCHLLM_SERVED_MODELS=json.dumps([MODEL]),
         BATCHLLM_API_MAX_ACTIVE_BATCHES=str(10 * CREATES),
         BATCHLLM_API_MAX_ENQUEUED_ROWS=str(1_000_000),
         BATCHLLM_API_MAX_STORED_BYTES=str(100 * 1024 * 1024),
-    )
-    try:
+    ) as server:
         yield server
-    finally:
-        stop_serve(server)
-        get_engine(server.settings).dispose()
 
 
 def _open_files(server: Served) -> int:

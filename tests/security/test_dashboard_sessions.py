@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import select
 
 from batchllm.api import keys
-from batchllm.output.commit import record_checkpoint
 from batchllm.output.parts import OutputBuffer, part_name, part_of, write_table
 from batchllm.storage import Storage
 from batchllm.store.db import session_scope
 from batchllm.store.models import ApiKey, Job, Shard, job_id_of, utcnow
 from batchllm.store.states import JobStatus, ShardStatus
+from tests.support.output_rows import record_part
 from tests.support.serve import Served, post_batch, start_serve, stop_serve
 
 pytestmark = pytest.mark.security
@@ -217,17 +217,15 @@ def test_control_characters_in_a_custom_id_are_shown_escaped(serve: Served) -> N
     part = part_of(buffer.take())
     path = write_table(storage, out_dir, part_name(index, 0), part.table)
     with session_scope(serve.settings) as session:
-        record_checkpoint(
+        record_part(
             session,
-            shard_id=shard_id,
-            job_id=job_id,
-            seq=0,
-            path=path,
-            rows_ok=part.rows_ok,
-            rows_failed=part.rows_failed,
-            prompt_tokens=part.prompt_tokens,
-            completion_tokens=part.completion_tokens,
-            engine_seconds=0.1,
+            job_id,
+            shard_id,
+            0,
+            path,
+            rows=(part.rows_ok, part.rows_failed),
+            tokens=(part.prompt_tokens, part.completion_tokens),
+            seconds=0.1,
         )
     with _dashboard(serve, key) as client:
         page = client.get(f"/ui/jobs/{job_id}")

@@ -100,6 +100,10 @@ class Recorder(socketserver.ThreadingTCPServer):
     def address(self) -> str:
         return f"127.0.0.1:{self.server_address[1]}"
 
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
 
 class _RecordOne(socketserver.BaseRequestHandler):
     def handle(self) -> None:
@@ -203,33 +207,32 @@ class ImageServer:
         self.httpd.server_close()
 
 
+def assert_fetched_side_by_side(images: ImageServer, elapsed: float) -> None:
+    """The 8 images of /delay/<i>.png (1 s each) were fetched at once, not one after another."""
+    assert elapsed < 6.5, (
+        f"{elapsed:.1f} s for 8 images of 1 s each (one after another: 8 s or more)"
+    )
+    assert images.most_in_flight >= 2
+    assert sorted(images.paths) == sorted(f"/delay/{i}.png" for i in range(8))
+
+
 @pytest.fixture
 def recorder() -> Iterator[Recorder]:
-    server = Recorder()
-    try:
+    with contextlib.closing(Recorder()) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
 def images() -> Iterator[ImageServer]:
-    server = ImageServer("127.0.0.1")
-    try:
+    with contextlib.closing(ImageServer("127.0.0.1")) as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
 def other_images() -> Iterator[ImageServer]:
     """An image server on 127.0.0.2: a loopback address a test lets in on its own."""
-    server = ImageServer("127.0.0.2")
-    try:
+    with contextlib.closing(ImageServer("127.0.0.2")) as server:
         yield server
-    finally:
-        server.close()
 
 
 # -- finding 2: s3:// URIs ----------------------------------------------------------------------
@@ -572,11 +575,7 @@ def test_a_file_s_images_are_fetched_concurrently(
     runnable, errors = validate_file(tmp_path / "delay.jsonl", lines)
     elapsed = time.monotonic() - started
     assert (runnable, errors) == (8, {})
-    assert elapsed < 6.5, (
-        f"{elapsed:.1f} s for 8 images of 1 s each (one after another: 8 s or more)"
-    )
-    assert images.most_in_flight >= 2
-    assert sorted(images.paths) == sorted(f"/delay/{i}.png" for i in range(8))
+    assert_fetched_side_by_side(images, elapsed)
 
 
 def test_a_body_sent_a_byte_at_a_time_ends_at_the_fetch_timeout(
@@ -675,11 +674,7 @@ def test_a_parquet_table_s_images_are_fetched_concurrently_and_checked_the_same_
     problems = {problem.custom_id: problem.message for _, found in chunks for problem in found}
     assert sum(chunk.num_rows for chunk, _ in chunks) == 9
     assert list(problems) == ["row-8"] and ONE_TEXT in problems["row-8"]
-    assert elapsed < 6.5, (
-        f"{elapsed:.1f} s for 8 images of 1 s each (one after another: 8 s or more)"
-    )
-    assert images.most_in_flight >= 2
-    assert sorted(images.paths) == sorted(f"/delay/{i}.png" for i in range(8))
+    assert_fetched_side_by_side(images, elapsed)
 
 
 def test_the_deadline_counts_the_wait_for_images_only_and_once_spent_fetches_nothing(

@@ -30,7 +30,7 @@ import pytest
 from sqlalchemy import func, select
 
 from batchllm.settings import Settings
-from batchllm.store.db import get_engine, session_scope, upgrade
+from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Batch, Job, job_id_of
 from batchllm.store.states import JobStatus
 from tests.support.cli import REPO
@@ -39,8 +39,7 @@ from tests.support.serve import (
     MAX_ACTIVE_BATCHES,
     Served,
     free_port,
-    start_serve,
-    stop_serve,
+    running_serve,
 )
 from tests.support.services import postgres_database
 
@@ -161,20 +160,13 @@ def _token_race(served: Served) -> None:
 def _served(tmp_path: Path, postgres: bool, **env: str) -> Iterator[Served]:
     """A server on the home's SQLite database, or on a fresh PostgreSQL database."""
     if not postgres:
-        served = start_serve(tmp_path, **env)
-        try:
+        with running_serve(tmp_path, **env) as served:
             yield served
-        finally:
-            stop_serve(served)
         return
     with postgres_database(f"batchllm_quota_{uuid.uuid4().hex[:12]}") as url:
         upgrade(url)
-        served = start_serve(tmp_path, database_url=url, **env)
-        try:
+        with running_serve(tmp_path, database_url=url, **env) as served:
             yield served
-        finally:
-            stop_serve(served)
-            get_engine(served.settings).dispose()
 
 
 def test_30_concurrent_creates_accept_exactly_the_quota_on_sqlite(tmp_path: Path) -> None:

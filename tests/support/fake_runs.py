@@ -82,6 +82,47 @@ def create_items_job(settings, tmp_path, rows: int, *, shard_size: int) -> tuple
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]
 
 
+def one_line_shards(
+    settings, tmp_path, name: str, shards: int, *, priority: str = "normal"
+) -> list[int]:
+    """A job of `shards` items (write_items) in shards of one line each, its shards' ids in
+    order: for the tests of whose turn a shard is. `name` names its input file, so that one
+    test can create several jobs."""
+    spec = make_spec().model_copy(update={"priority": priority})
+    created = create_job(
+        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
+        spec,
+        shard_size=1,
+        settings=settings,
+    )
+    with session_scope(settings) as session:
+        return [s.id for s in session.get(Job, created.job.id).shards]
+
+
+def retried_items_job(
+    settings, tmp_path, *, max_failures: int | None = None
+) -> tuple[str, list[int]]:
+    """A job of 20 items in two shards (lines 1-12 and 13-20) whose failed runs come back after
+    a 30 s backoff, at most `max_failures` times when it is given (the tests of shard
+    failures and storage outages)."""
+    settings.shard_retry_seconds = 30.0
+    if max_failures is not None:
+        settings.max_shard_failures = max_failures
+    return create_items_job(settings, tmp_path, 20, shard_size=12)
+
+
+def failing_sizing(monkeypatch, calls: list[str] | None = None) -> None:
+    """The job's sizing pass raises, as the tokenizer did on the probe's poison line; `calls`
+    gets the id of the job of each attempt."""
+
+    def resolve_max_model_len(job_id, **_kwargs):
+        if calls is not None:
+            calls.append(job_id)
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+
+    monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", resolve_max_model_len)
+
+
 def job_and_shards(settings, job_id: str) -> tuple[JobStatus, list[ShardStatus]]:
     with session_scope(settings) as session:
         job = session.get(Job, job_id)

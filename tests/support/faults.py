@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from benchmarks.private_postgres import PostgresCluster
 from benchmarks.private_postgres import (
     postgres_bin as postgres_bin,  # the fault suite's fixtures' too
 )
-from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit
+from tests.support.fleet import WORKER_ENGINE_ARGS, WorkerProcess, run_cli, submit, tail
 from tests.support.job_checks import wait_for
 from tests.support.skips import require
 
@@ -92,6 +93,25 @@ def alive_of(recorded: dict[int, float]) -> dict[int, str]:
             except psutil.Error:
                 pass
     return alive
+
+
+def wait_all_gone(
+    all_gone: Callable[[], bool],
+    recorded: dict[int, float],
+    *,
+    within: float,
+    after: str,
+    what: str,
+    log_path: Path,
+) -> None:
+    """Wait up to `within` s for `all_gone()`; else fail naming the recorded processes still
+    alive `after` the signal, with the tail of the log at `log_path`."""
+    try:
+        wait_for(all_gone, timeout=within, what=what)
+    except AssertionError:
+        raise AssertionError(
+            f"alive {within} s after {after}: {alive_of(recorded)}\n" + tail(log_path)
+        ) from None
 
 
 def engine_processes(root_pid: int) -> list[psutil.Process]:

@@ -12,11 +12,13 @@ test is about: orchestration needs a worker process, Redis and PostgreSQL, not v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,3 +309,19 @@ def warm_up(workers: list[Worker], *, fleet_env: FleetEnv, model: Path, work_dir
         workers
     )
     assert workers_used == {w.name for w in workers}, f"warm-up shards ran on {workers_used}"
+
+
+@contextlib.contextmanager
+def warm_workers(
+    names: list[str], *, fleet_env: FleetEnv, model: Path, work_dir: Path
+) -> Iterator[list[Worker]]:
+    """Paced instant-engine workers (the orchestration is the subject, not the engine), each
+    proven by a warm-up shard, stopped when the block ends."""
+    workers = start_workers(
+        names, fleet_env=fleet_env, model=model, log_dir=work_dir, engine_args=PACED_INSTANT_ARGS
+    )
+    try:
+        warm_up(workers, fleet_env=fleet_env, model=model, work_dir=work_dir)
+        yield workers
+    finally:
+        stop_workers(workers)

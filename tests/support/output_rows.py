@@ -1,5 +1,6 @@
-"""Output rows as named objects, for tests that write part files of their own: production
-keeps finished rows as value tuples in OUTPUT_SCHEMA's order (output/parts.py OutputBuffer)."""
+"""Output rows as named objects, for tests that write part files of their own and record their
+checkpoints: production keeps finished rows as value tuples in OUTPUT_SCHEMA's order
+(output/parts.py OutputBuffer)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from sqlalchemy.orm import Session
 
+from batchllm.output import commit
 from batchllm.output.parts import Values, generated_tokens, part_of, write_table
 from batchllm.storage import Storage
 
@@ -93,3 +96,32 @@ def rows_to_table(rows: Iterable[OutputRow]) -> pa.Table:
 def write_part(storage: Storage, out_dir: str, name: str, rows: list[OutputRow]) -> str:
     """Write one part file of these rows atomically; returns its path."""
     return write_table(storage, out_dir, name, rows_to_table(rows))
+
+
+def record_part(
+    session: Session,
+    job_id: str,
+    shard_id: int,
+    seq: int,
+    path: str,
+    *,
+    rows: tuple[int, int],
+    tokens: tuple[int, int],
+    seconds: float,
+    attempt: int | None = None,
+) -> None:
+    """Record the checkpoint of a part file as the runner does after writing it: `rows` (ok,
+    failed) and `tokens` (prompt, completion) are the counts it adds to its shard and job."""
+    commit.record_checkpoint(
+        session,
+        shard_id=shard_id,
+        job_id=job_id,
+        seq=seq,
+        path=path,
+        rows_ok=rows[0],
+        rows_failed=rows[1],
+        prompt_tokens=tokens[0],
+        completion_tokens=tokens[1],
+        engine_seconds=seconds,
+        attempt=attempt,
+    )

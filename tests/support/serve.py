@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,7 +22,7 @@ import httpx
 
 from batchllm.api import keys
 from batchllm.settings import Settings
-from batchllm.store.db import session_scope
+from batchllm.store.db import get_engine, session_scope
 from tests.support import job_checks
 from tests.support.cli import kill_group, start_batchllm
 from tests.support.fleet import HOST, FleetEnv, Worker
@@ -344,3 +345,17 @@ def start_serve(
 
 def stop_serve(served: Served) -> None:
     served.stop()
+
+
+@contextmanager
+def running_serve(
+    work: Path, *args: str, database_url: str | None = None, **env_extra: str
+) -> Iterator[Served]:
+    """start_serve's server for the block; then stopped, and this process's engine of its
+    database disposed (its pooled connections closed: a PostgreSQL database can be dropped)."""
+    served = start_serve(work, *args, database_url=database_url, **env_extra)
+    try:
+        yield served
+    finally:
+        stop_serve(served)
+        get_engine(served.settings).dispose()

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from batchllm.cli import cli
 from batchllm.execution.finalize import finalize_job
 from batchllm.jobs.create import create_job
-from batchllm.output import commit
 from batchllm.output.parts import part_name
 from batchllm.spec import JobSpec
 from batchllm.storage import Storage
@@ -24,7 +23,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.cli import invoke
 from tests.support.inputs import source_of
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow, record_part, write_part
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,18 +93,7 @@ def finished_job(settings, tmp_path) -> str:
         leases.claim_shard(session, shard.id, "test-worker")
         service.mark_generation_started(session, job_id)
         path = write_part(storage, storage.output_dir(job_id), part_name(0, 0), rows)
-        commit.record_checkpoint(
-            session,
-            shard_id=shard.id,
-            job_id=job_id,
-            seq=0,
-            path=path,
-            rows_ok=2,
-            rows_failed=1,
-            prompt_tokens=7,
-            completion_tokens=10,
-            engine_seconds=0.5,
-        )
+        record_part(session, job_id, shard.id, 0, path, rows=(2, 1), tokens=(7, 10), seconds=0.5)
         assert (
             state_machine.end_shard(session, shard.id, ShardStatus.COMPLETED)
             is JobStatus.FINALIZING

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import REGISTRY
 
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.process.stopping import StopRequest
+from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus
 from tests.support.fake_runs import (
@@ -60,6 +62,15 @@ def paced(monkeypatch) -> None:
     monkeypatch.setattr("batchllm.execution.runner._PREPARE_BATCH", 4)
 
 
+@pytest.fixture
+def paced_job(small_commits, tmp_path, monkeypatch) -> tuple[Settings, str, int]:
+    """A job of ROWS items in one shard, for a runner paced as paced() says: its settings,
+    its id and its shard's."""
+    paced(monkeypatch)
+    job_id, (shard_id,) = create_items_job(small_commits, tmp_path, ROWS, shard_size=ROWS)
+    return small_commits, job_id, shard_id
+
+
 class StopAt:
     """An on_step that asks for a stop after step `at`; once stopping, each step takes
     `step_seconds` (a real engine's pace, which is what a drain deadline is measured against)
@@ -75,12 +86,8 @@ class StopAt:
             time.sleep(self.step_seconds)
 
 
-def test_a_drain_lets_every_row_in_flight_finish_and_commits_them(
-    small_commits, tmp_path, monkeypatch
-):
-    settings = small_commits
-    paced(monkeypatch)
-    job_id, (shard_id,) = create_items_job(settings, tmp_path, ROWS, shard_size=ROWS)
+def test_a_drain_lets_every_row_in_flight_finish_and_commits_them(paced_job):
+    settings, job_id, shard_id = paced_job
     stop = StopRequest(drain_seconds=60.0)
     # 4 rows at a time, 4 steps each, a window of 16: at step 6 the first 4 rows are done
     # (steps 1-4), rows 5-8 are generating (two steps to go) and rows 9-20 wait their turn.
@@ -101,12 +108,8 @@ def test_a_drain_lets_every_row_in_flight_finish_and_commits_them(
     resume_and_check_exactly_once(settings, job_id, shard_id, already=8)
 
 
-def test_the_drain_deadline_aborts_the_rows_still_running_and_hands_them_back(
-    small_commits, tmp_path, monkeypatch
-):
-    settings = small_commits
-    paced(monkeypatch)
-    job_id, (shard_id,) = create_items_job(settings, tmp_path, ROWS, shard_size=ROWS)
+def test_the_drain_deadline_aborts_the_rows_still_running_and_hands_them_back(paced_job):
+    settings, job_id, shard_id = paced_job
     stop = StopRequest(drain_seconds=1.5)
     # 40 steps a row: at step 50 rows 5-8 (steps 41-80) need 30 more steps, 3 s at 0.1 s a
     # step: past the 1.5 s deadline.
@@ -130,10 +133,8 @@ def test_the_drain_deadline_aborts_the_rows_still_running_and_hands_them_back(
     resume_and_check_exactly_once(settings, job_id, shard_id, already=4)
 
 
-def test_a_second_request_cuts_the_drain_short(small_commits, tmp_path, monkeypatch):
-    settings = small_commits
-    paced(monkeypatch)
-    job_id, (shard_id,) = create_items_job(settings, tmp_path, ROWS, shard_size=ROWS)
+def test_a_second_request_cuts_the_drain_short(paced_job):
+    settings, job_id, shard_id = paced_job
     stop = StopRequest(drain_seconds=600.0)
     # Stopped at step 6 with rows 5-8 two steps from done; the second request comes at step 7,
     # before they finished: they are aborted too, long before 600 s.
@@ -152,10 +153,8 @@ def test_a_second_request_cuts_the_drain_short(small_commits, tmp_path, monkeypa
     resume_and_check_exactly_once(settings, job_id, shard_id, already=4)
 
 
-def test_no_drain_seconds_stops_at_once_as_before(small_commits, tmp_path, monkeypatch):
-    settings = small_commits
-    paced(monkeypatch)
-    job_id, (shard_id,) = create_items_job(settings, tmp_path, ROWS, shard_size=ROWS)
+def test_no_drain_seconds_stops_at_once_as_before(paced_job):
+    settings, job_id, shard_id = paced_job
     stop = StopRequest(drain_seconds=0.0)
     engine = FakeEngine(steps=4, on_step=StopAt(stop, at=6))
     saved_before = drain_rows("saved")

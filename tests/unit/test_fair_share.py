@@ -6,30 +6,17 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
-from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch, Job, Shard, ShardStatus, utcnow
 from batchllm.worker.celery_app import TASK_RUN_SHARD
 from batchllm.worker.fair_share import effective_level, next_shard, take_turn
 from batchllm.worker.shard_tasks import send_shard_tasks
-from tests.support.fake_runs import make_spec, update_shard, write_items
+from tests.support.fake_runs import make_spec, one_line_shards, update_shard, write_items
 from tests.support.inputs import source_of
 
 AGING = 600.0
 WINDOW = 300.0  # fair share's window of tokens served
-
-
-def _job(settings, tmp_path, name: str, shards: int, *, priority: str = "normal") -> list[int]:
-    spec = make_spec().model_copy(update={"priority": priority})
-    created = create_job(
-        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
-        spec,
-        shard_size=1,
-        settings=settings,
-    )
-    with session_scope(settings) as session:
-        return [s.id for s in session.get(Job, created.job.id).shards]
 
 
 def _start(settings, shard_id: int, *, ago: float = 0.0) -> None:
@@ -49,8 +36,8 @@ def _job_of(settings, shard_id: int) -> str:
 
 
 def test_a_high_priority_job_takes_the_turn_of_a_low_one_submitted_first(settings, tmp_path):
-    low = _job(settings, tmp_path, "low", 5, priority="low")
-    high = _job(settings, tmp_path, "high", 2, priority="high")
+    low = one_line_shards(settings, tmp_path, "low", 5, priority="low")
+    high = one_line_shards(settings, tmp_path, "high", 2, priority="high")
     _start(settings, low[0])
     assert _turn(settings, low[1]) == high[0]
     _start(settings, high[0])
@@ -61,16 +48,16 @@ def test_a_high_priority_job_takes_the_turn_of_a_low_one_submitted_first(setting
 
 
 def test_one_job_of_a_job_with_a_hundred_shards_waits_one_shard_at_most(settings, tmp_path):
-    big = _job(settings, tmp_path, "big", 100)
-    small = _job(settings, tmp_path, "small", 1)
+    big = one_line_shards(settings, tmp_path, "big", 100)
+    small = one_line_shards(settings, tmp_path, "small", 1)
     _start(settings, big[0])
     # The small job's tenant never had a turn: it comes before the big job's second shard.
     assert _turn(settings, big[1]) == small[0]
 
 
 def test_tenants_take_turns_whatever_their_number_of_batches(settings, tmp_path):
-    tenant_a = [_job(settings, tmp_path, f"a{i}", 1)[0] for i in range(5)]
-    tenant_b = _job(settings, tmp_path, "b", 1)[0]
+    tenant_a = [one_line_shards(settings, tmp_path, f"a{i}", 1)[0] for i in range(5)]
+    tenant_b = one_line_shards(settings, tmp_path, "b", 1)[0]
     with session_scope(settings) as session:
         for shard_id in [*tenant_a, tenant_b]:
             owner = "key_b" if shard_id == tenant_b else "key_a"
@@ -89,8 +76,8 @@ def test_tenants_take_turns_whatever_their_number_of_batches(settings, tmp_path)
 
 
 def test_a_low_job_that_waited_two_aging_periods_goes_before_a_fresh_high_one(settings, tmp_path):
-    low = _job(settings, tmp_path, "low", 3, priority="low")
-    high = _job(settings, tmp_path, "high", 3, priority="high")
+    low = one_line_shards(settings, tmp_path, "low", 3, priority="low")
+    high = one_line_shards(settings, tmp_path, "high", 3, priority="high")
     with session_scope(settings) as session:
         session.execute(
             update(Job)
@@ -106,8 +93,8 @@ def test_a_low_job_that_waited_two_aging_periods_goes_before_a_fresh_high_one(se
 
 
 def test_a_task_that_gives_its_turn_away_queues_its_own_shard_again(settings, tmp_path):
-    low = _job(settings, tmp_path, "low", 2, priority="low")
-    high = _job(settings, tmp_path, "high", 1, priority="high")
+    low = one_line_shards(settings, tmp_path, "low", 2, priority="low")
+    high = one_line_shards(settings, tmp_path, "high", 1, priority="high")
     app = _RecordingApp()
 
     def requeue(own: int) -> None:
@@ -131,8 +118,8 @@ class _RecordingApp:
 
 
 def test_a_running_or_done_shards_task_keeps_its_own_shard(settings, tmp_path):
-    low = _job(settings, tmp_path, "low", 2, priority="low")
-    _job(settings, tmp_path, "high", 1, priority="high")
+    low = one_line_shards(settings, tmp_path, "low", 2, priority="low")
+    one_line_shards(settings, tmp_path, "high", 1, priority="high")
     _start(settings, low[0])
     assert _turn(settings, low[0]) == low[0]
 
@@ -159,7 +146,7 @@ def _finish(settings, shard_id: int) -> None:
 def test_two_workers_split_a_placed_job_into_two_stretches_and_each_runs_its_own_in_order(
     settings, tmp_path
 ):
-    shards = _job(settings, tmp_path, "placed", 10)
+    shards = one_line_shards(settings, tmp_path, "placed", 10)
     index = {shard_id: i for i, shard_id in enumerate(shards)}
     ran: dict[str, list[int]] = {"w1": [], "w2": []}
     # Both free at once, each handed the task of the first queued shard: w1 runs it, w2 the
@@ -183,7 +170,7 @@ def test_two_workers_split_a_placed_job_into_two_stretches_and_each_runs_its_own
 def test_affinity_never_leaves_a_free_worker_idle_while_a_shard_of_the_job_waits(
     settings, tmp_path
 ):
-    shards = _job(settings, tmp_path, "placed", 3)
+    shards = one_line_shards(settings, tmp_path, "placed", 3)
     assert _take(settings, shards[0], "w1") == shards[0]
     assert _take(settings, shards[1], "w2") == shards[2]  # the middle of 1-2
     # w2 ended 2 before w1 ended 0: w2's neighbour (3) does not exist, so it takes 1, the
@@ -195,7 +182,7 @@ def test_affinity_never_leaves_a_free_worker_idle_while_a_shard_of_the_job_waits
 def test_a_worker_new_to_a_job_takes_a_stretch_nobody_is_heading_into_before_splitting_one(
     settings, tmp_path
 ):
-    shards = _job(settings, tmp_path, "placed", 8)
+    shards = one_line_shards(settings, tmp_path, "placed", 8)
     assert _take(settings, shards[0], "w1") == shards[0]
     assert _take(settings, shards[1], "w2") == shards[4]  # the middle of 1-7
     _finish(settings, shards[4])

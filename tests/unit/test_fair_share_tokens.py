@@ -10,12 +10,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from batchllm.api import keys
-from batchllm.jobs.create import create_job
 from batchllm.store import state_machine
 from batchllm.store.db import session_scope
-from batchllm.store.models import Batch, Checkpoint, Job, Shard, ShardStatus, utcnow
+from batchllm.store.models import Batch, Checkpoint, Shard, ShardStatus, utcnow
 from batchllm.worker.fair_share import Waiting, next_shard, order, tenants_served
-from tests.support.fake_runs import make_spec, write_items
+from tests.support.fake_runs import make_spec, one_line_shards, write_items
 from tests.support.inputs import source_of
 
 AGING = 600.0
@@ -58,23 +57,28 @@ def test_priority_still_comes_before_the_share():
 
 
 def _batch_job(settings, tmp_path, name: str, owner: str, shards: int) -> list[int]:
-    created = create_job(
-        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
-        make_spec(),
-        shard_size=1,
-        settings=settings,
-    )
+    """One-line shards of a job created through the Batch API by `owner` (a key's id)."""
+    shard_ids = one_line_shards(settings, tmp_path, name, shards)
     with session_scope(settings) as session:
+        job_id = session.get(Shard, shard_ids[0]).job_id
         session.add(
             Batch(
-                job_id=created.job.id,
+                job_id=job_id,
                 owner=owner,
                 endpoint="/v1/completions",
                 completion_window="24h",
                 input_file_id="file-x",
             )
         )
-        return [s.id for s in session.get(Job, created.job.id).shards]
+    return shard_ids
+
+
+def _weighted_key(settings, name: str, weight: float) -> str:
+    """A key's id whose share of the tokens is `weight` times a plain key's."""
+    with session_scope(settings) as session:
+        row, _ = keys.create_key(session, name)
+        row.share_weight = weight
+        return row.id
 
 
 def _serve(settings, shard_id: int, tokens: tuple[int, int], *, ago: float = 0.0) -> None:
@@ -101,6 +105,16 @@ def _serve(settings, shard_id: int, tokens: tuple[int, int], *, ago: float = 0.0
         state_machine.end_shard(session, shard_id, ShardStatus.COMPLETED)
 
 
+def _served_by_one_worker(
+    settings, tmp_path, *, long: int, short: int, short_owner: str
+) -> dict[str, int]:
+    """A job of `long` long-prompt shards (key_long's) and one of `short` short-prompt shards
+    (`short_owner`'s), served by one worker: the tokens each tenant was served."""
+    long_shards = _batch_job(settings, tmp_path, "long", "key_long", long)
+    short_shards = _batch_job(settings, tmp_path, "short", short_owner, short)
+    return _one_worker(settings, long_shards, short_shards)
+
+
 def _one_worker(settings, long_shards: list[int], short_shards: list[int]) -> dict[str, int]:
     """One worker takes turns until a tenant has nothing queued: the tokens each was served."""
     cost = {**{s: LONG for s in long_shards}, **{s: SHORT for s in short_shards}}
@@ -118,31 +132,21 @@ def _one_worker(settings, long_shards: list[int], short_shards: list[int]) -> di
 def test_a_tenant_with_prompts_20x_longer_gets_half_the_tokens_not_half_the_turns(
     settings, tmp_path
 ):
-    long_shards = _batch_job(settings, tmp_path, "long", "key_long", 6)
-    short_shards = _batch_job(settings, tmp_path, "short", "key_short", 90)
-    served = _one_worker(settings, long_shards, short_shards)
+    served = _served_by_one_worker(settings, tmp_path, long=6, short=90, short_owner="key_short")
     share = served["long"] / (served["long"] + served["short"])
     # By turns it was 208 / (208 + 18) = 92% for the long tenant.
     assert 0.4 <= share <= 0.6, served
 
 
 def test_a_key_of_weight_3_is_served_three_times_the_tokens(settings, tmp_path):
-    with session_scope(settings) as session:
-        row, _ = keys.create_key(session, "heavy")
-        row.share_weight = 3.0
-        heavy = row.id
-    long_shards = _batch_job(settings, tmp_path, "long", "key_long", 4)
-    short_shards = _batch_job(settings, tmp_path, "short", heavy, 120)
-    served = _one_worker(settings, long_shards, short_shards)
+    heavy = _weighted_key(settings, "heavy", 3.0)
+    served = _served_by_one_worker(settings, tmp_path, long=4, short=120, short_owner=heavy)
     share = served["short"] / (served["long"] + served["short"])
     assert 0.65 <= share <= 0.85, served
 
 
 def test_only_the_windows_tokens_count_and_a_keys_weight_divides_them(settings, tmp_path):
-    with session_scope(settings) as session:
-        row, _ = keys.create_key(session, "double")
-        row.share_weight = 2.0
-        double = row.id
+    double = _weighted_key(settings, "double", 2.0)
     old = _batch_job(settings, tmp_path, "old", "key_old", 2)
     doubled = _batch_job(settings, tmp_path, "doubled", double, 1)
     _serve(settings, old[0], (1_000, 0), ago=WINDOW + 60)  # before the window: not counted

@@ -179,6 +179,13 @@ def chat_row(line: int, messages: list[dict[str, Any]]) -> InputRow:
     return InputRow(line=line, custom_id=f"r{line}", kind="chat", messages=json.dumps(messages))
 
 
+def prepared_for_vlm(vlm_processor, rows: list[InputRow], max_model_len: int = 512) -> list:
+    """The rows prepared as the engine prepares them for the demo VLM: a prompt or a refusal
+    each."""
+    images = ImageProcessor(vlm_processor, settings=get_settings())
+    return prepare_prompts(vlm_processor.tokenizer, rows, max_model_len, None, images)
+
+
 def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_processor) -> None:
     from batchllm.engine.models.demo_vlm import TOKENS_PER_IMAGE
 
@@ -188,10 +195,7 @@ def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_
         chat_row(2, image_message(data_url(png(7, 300)), "cat.png", text="Compare")),
         chat_row(3, [{"role": "user", "content": "What is this?"}]),
     ]
-    prepared = prepare_prompts(
-        tokenizer, rows, 512, None, ImageProcessor(vlm_processor, settings=get_settings())
-    )
-    one, two, text = prepared
+    one, two, text = prepared_for_vlm(vlm_processor, rows)
     assert isinstance(one, ImagePrompt) and isinstance(two, ImagePrompt)
     assert [image.size for image in two.images] == [(7, 300), (48, 40)]
     image_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -205,13 +209,7 @@ def test_preparing_counts_each_image_in_the_prompt_tokens(images_dir: Path, vlm_
     expanded = vlm_processor(text=[rendered], images=[one.images], add_special_tokens=False)
     assert len(expanded["input_ids"][0]) == one.tokens
     # Over the context: an error naming the image tokens.
-    (refused,) = prepare_prompts(
-        tokenizer,
-        rows[:1],
-        one.tokens,
-        None,
-        ImageProcessor(vlm_processor, settings=get_settings()),
-    )
+    (refused,) = prepared_for_vlm(vlm_processor, rows[:1], one.tokens)
     assert refused == (
         f"prompt is {one.tokens} tokens with its images; the engine's max_model_len is "
         f"{one.tokens} (prompt plus at least one output token must fit)"
@@ -232,13 +230,7 @@ def test_a_text_only_model_makes_image_rows_error_rows(images_dir: Path, vlm_pro
 def test_an_image_gone_since_validation_is_an_error_row(images_dir: Path, vlm_processor) -> None:
     row = chat_row(1, image_message("cat.png"))
     (images_dir / "cat.png").unlink()
-    (refused,) = prepare_prompts(
-        vlm_processor.tokenizer,
-        [row],
-        512,
-        None,
-        ImageProcessor(vlm_processor, settings=get_settings()),
-    )
+    (refused,) = prepared_for_vlm(vlm_processor, [row])
     assert refused == "field 'messages.0.content.1.image_url': no such image file: cat.png"
 
 
@@ -249,24 +241,12 @@ def test_prepared_images_are_decoded_only_when_the_engine_takes_them(
     from batchllm.input.images import ImageProblem
 
     row = chat_row(1, image_message("cat.png"))
-    (good,) = prepare_prompts(
-        vlm_processor.tokenizer,
-        [row],
-        512,
-        None,
-        ImageProcessor(vlm_processor, settings=get_settings()),
-    )
+    (good,) = prepared_for_vlm(vlm_processor, [row])
     assert isinstance(good, ImagePrompt)
     assert [image.mode for image in decoded_images(good)] == ["RGB"]
     # Truncated since validation: the header still reads, the pixels do not.
     (images_dir / "cat.png").write_bytes((images_dir / "broken.png").read_bytes())
-    (cut,) = prepare_prompts(
-        vlm_processor.tokenizer,
-        [row],
-        512,
-        None,
-        ImageProcessor(vlm_processor, settings=get_settings()),
-    )
+    (cut,) = prepared_for_vlm(vlm_processor, [row])
     assert isinstance(cut, ImagePrompt) and cut.tokens == good.tokens
     with pytest.raises(ImageProblem, match="not a decodable image"):
         decoded_images(cut)

@@ -21,7 +21,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus, utcnow
 from tests.support import fake_runs
 from tests.support.inputs import source_of
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow, record_part, write_part
 
 
 def make_job(settings, tmp_path: Path, rows: int = 4) -> tuple[str, int]:
@@ -39,17 +39,15 @@ def age_heartbeat(settings, shard_id: int, seconds: float) -> None:
 
 
 def checkpoint(session, job_id: str, shard_id: int, seq: int, attempt: int) -> None:
-    commit.record_checkpoint(
+    record_part(
         session,
-        shard_id=shard_id,
-        job_id=job_id,
-        seq=seq,
-        path=f"p{seq}",
-        rows_ok=1,
-        rows_failed=0,
-        prompt_tokens=2,
-        completion_tokens=3,
-        engine_seconds=0.1,
+        job_id,
+        shard_id,
+        seq,
+        f"p{seq}",
+        rows=(1, 0),
+        tokens=(2, 3),
+        seconds=0.1,
         attempt=attempt,
     )
 
@@ -123,17 +121,15 @@ def test_finalizing_removes_part_files_no_checkpoint_records(settings, tmp_path)
     with session_scope(settings) as session:
         attempt = leases.claim_shard(session, shard_id, "w1").attempts
         kept = write_part(storage, out_dir, part_name(0, 0, attempt), rows)
-        commit.record_checkpoint(
+        record_part(
             session,
-            shard_id=shard_id,
-            job_id=job_id,
-            seq=0,
-            path=kept,
-            rows_ok=2,
-            rows_failed=0,
-            prompt_tokens=4,
-            completion_tokens=6,
-            engine_seconds=0.1,
+            job_id,
+            shard_id,
+            0,
+            kept,
+            rows=(2, 0),
+            tokens=(4, 6),
+            seconds=0.1,
             attempt=attempt,
         )
         # A zombie's file with the same rows, never checkpointed.

@@ -28,7 +28,7 @@ from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope, upgrade
 from batchllm.store.models import Checkpoint, Job, JobStatus, Shard, ShardStatus
 from tests.support.inputs import source_of
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow, record_part, write_part
 
 # -- Parquet output --------------------------------------------------------------------------
 
@@ -306,46 +306,19 @@ def test_a_job_runs_from_claim_through_checkpoints_to_finalizing_exactly_once(se
         assert service.job_status(session, job_id) is JobStatus.IN_PROGRESS
         service.mark_generation_started(session, job_id)
     with session_scope(settings) as session:
-        commit.record_checkpoint(
-            session,
-            shard_id=shard_ids[0],
-            job_id=job_id,
-            seq=0,
-            path="p0",
-            rows_ok=2,
-            rows_failed=0,
-            prompt_tokens=10,
-            completion_tokens=20,
-            engine_seconds=0.5,
+        record_part(
+            session, job_id, shard_ids[0], 0, "p0", rows=(2, 0), tokens=(10, 20), seconds=0.5
         )
-        commit.record_checkpoint(
-            session,
-            shard_id=shard_ids[0],
-            job_id=job_id,
-            seq=1,
-            path="p1",
-            rows_ok=0,
-            rows_failed=1,
-            prompt_tokens=0,
-            completion_tokens=0,
-            engine_seconds=0.25,
+        record_part(
+            session, job_id, shard_ids[0], 1, "p1", rows=(0, 1), tokens=(0, 0), seconds=0.25
         )
     with session_scope(settings) as session:
         assert state_machine.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
         assert state_machine.end_shard(session, shard_ids[0], ShardStatus.COMPLETED) is None
         assert leases.claim_shard(session, shard_ids[0], "w2") is None
         assert leases.claim_shard(session, shard_ids[1], "w2") is not None
-        commit.record_checkpoint(
-            session,
-            shard_id=shard_ids[1],
-            job_id=job_id,
-            seq=0,
-            path="p2",
-            rows_ok=3,
-            rows_failed=0,
-            prompt_tokens=15,
-            completion_tokens=30,
-            engine_seconds=1.0,
+        record_part(
+            session, job_id, shard_ids[1], 0, "p2", rows=(3, 0), tokens=(15, 30), seconds=1.0
         )
     with session_scope(settings) as session:
         assert (

@@ -210,24 +210,21 @@ def test_an_openai_field_asking_what_a_line_cannot_give_is_an_error_naming_it(tm
     assert err.message.startswith("stream: a batch line's answer is written whole")
 
 
-def test_unsupported_url_is_an_error_on_the_url_field(tmp_path):
+@pytest.mark.parametrize(
+    ("url", "told"),
+    [
+        ("/v1/moderations", "/v1/chat/completions"),  # unsupported: the message names the URLs
+        ("/v1/embeddings", "embedding line in a generation job"),
+    ],
+    ids=["unsupported url", "embedding line in a generation job"],
+)
+def test_a_url_the_job_does_not_take_is_an_error_on_the_url_field(tmp_path, url, told):
     err = only_error(
-        tmp_path,
-        {"custom_id": "e-1", "method": "POST", "url": "/v1/moderations", "body": {"input": "x"}},
+        tmp_path, {"custom_id": "e-1", "method": "POST", "url": url, "body": {"input": "x"}}
     )
 
     assert (err.custom_id, err.field) == ("e-1", "url")
-    assert "/v1/chat/completions" in err.message
-
-
-def test_an_embedding_line_in_a_generation_job_is_an_error_on_the_url_field(tmp_path):
-    err = only_error(
-        tmp_path,
-        {"custom_id": "e-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
-    )
-
-    assert (err.custom_id, err.field) == ("e-1", "url")
-    assert "embedding line in a generation job" in err.message
+    assert told in err.message
 
 
 @pytest.mark.parametrize("value", ["[1, 2]", '"just a string"', "42", "null"])

@@ -12,22 +12,21 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-from sqlalchemy import func, select
 
 from batchllm import Client
 from batchllm.cli import cli
 from batchllm.errors import BatchLLMError
 from batchllm.jobs.create import create_job
-from batchllm.output import commit
 from batchllm.output.parts import OUTPUT_SCHEMA, list_parts, part_name, write_table
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
-from batchllm.store.models import Checkpoint, Job, JobStatus, Shard
+from batchllm.store.models import Job, JobStatus, Shard
 from tests.support.fake_runs import FakeEngine, FakeEngines, write_items
+from tests.support.follow import HeldForFollower
 from tests.support.inputs import source_of
-from tests.support.output_rows import OutputRow, write_part
+from tests.support.output_rows import OutputRow, record_part, write_part
 
 
 def run_items(settings, tmp_path, rows: int, engine: FakeEngine | None = None):
@@ -102,50 +101,36 @@ def test_follow_hands_out_parts_as_they_are_committed_and_stops_when_the_job_end
 def test_follow_on_a_running_job_sees_rows_before_its_end_and_each_row_once(many_parts, tmp_path):
     """The job pauses once a part is committed until the follower has read a row, so rows are
     seen before the end whatever the machine's pace."""
-    created: list[str] = []
-    ready, follower_saw_a_row = threading.Event(), threading.Event()
+    held = HeldForFollower(many_parts, wait_seconds=30)
     requests = write_items(tmp_path / "in.jsonl", 150)
-
-    def hold_until_seen(rows: int, tokens: int) -> None:
-        if follower_saw_a_row.is_set():
-            return
-        with session_scope(many_parts) as session:
-            committed = session.scalar(
-                select(func.count())
-                .select_from(Checkpoint)
-                .join(Shard)
-                .where(Shard.job_id == created[0])
-            )
-        if committed:
-            follower_saw_a_row.wait(30)
 
     def run() -> None:
         Client(many_parts).run_spec(
             requests,
             _spec(),
             engines=FakeEngines(FakeEngine()),
-            on_created=lambda job: (created.append(job.id), ready.set()),
-            on_progress=hold_until_seen,
+            on_created=held.created,
+            on_progress=held.progress,
         )
 
     runner = threading.Thread(target=run)
     runner.start()
-    assert ready.wait(30)
+    assert held.ready.wait(30)
     client = Client(many_parts)
     seen_while_running = 0
     ids = []
     try:
-        for row in client.iter_results(created[0], follow=True, poll=0.02):
+        for row in client.iter_results(held.job_id, follow=True, poll=0.02):
             ids.append(row["custom_id"])
-            if not client.status(created[0]).done:
+            if not client.status(held.job_id).done:
                 seen_while_running += 1
-            follower_saw_a_row.set()
+            held.follower_saw_a_row.set()
     finally:
-        follower_saw_a_row.set()
+        held.follower_saw_a_row.set()
         runner.join(30)
 
     assert seen_while_running > 0
-    assert client.status(created[0]).status == "completed"
+    assert client.status(held.job_id).status == "completed"
     assert sorted(ids) == sorted(f"item-{i}" for i in range(150))
 
 
@@ -248,17 +233,8 @@ def _commit(settings, storage, out_dir, job_id, *, seq, custom_id, line) -> None
 def _record(settings, job_id, seq, path, rows) -> None:
     with session_scope(settings) as session:
         shard = session.query(Shard).filter_by(job_id=job_id).one()
-        commit.record_checkpoint(
-            session,
-            shard_id=shard.id,
-            job_id=job_id,
-            seq=seq,
-            path=path,
-            rows_ok=rows,
-            rows_failed=0,
-            prompt_tokens=0,
-            completion_tokens=0,
-            engine_seconds=0.0,
+        record_part(
+            session, job_id, shard.id, seq, path, rows=(rows, 0), tokens=(0, 0), seconds=0.0
         )
 
 

@@ -12,7 +12,6 @@ from sqlalchemy import update
 
 from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.shard_failures import retry_delay
-from batchllm.jobs.create import create_job
 from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
@@ -23,12 +22,13 @@ from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
     create_items_job,
-    make_spec,
+    failing_sizing,
+    one_line_shards,
     output_rows,
     past_backoff,
+    retried_items_job,
     shard_row,
     small_commits,
-    write_items,
 )
 from tests.support.inputs import source_of
 
@@ -36,16 +36,6 @@ __all__ = ["small_commits"]
 
 AGING = 600.0
 WINDOW = 300.0  # fair share's window of tokens served
-
-
-def _failing_sizing(monkeypatch, calls: list[str]) -> None:
-    """The job's sizing pass raises, as the tokenizer did on the probe's poison line."""
-
-    def resolve_max_model_len(job_id, **_kwargs):
-        calls.append(job_id)
-        raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
-
-    monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", resolve_max_model_len)
 
 
 def test_the_backoff_doubles_from_the_setting_up_to_ten_minutes(settings):
@@ -58,13 +48,11 @@ def test_a_failing_shard_is_counted_backed_off_and_ends_as_error_rows_after_the_
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    settings.max_shard_failures = 3
-    settings.shard_retry_seconds = 30.0
-    job_id, (first, second) = create_items_job(settings, tmp_path, 20, shard_size=12)
+    job_id, (first, second) = retried_items_job(settings, tmp_path, max_failures=3)
     # The second shard ran fine: the job keeps its results whatever the first one does.
     ShardRunner(FakeEngine(), worker="w1", settings=settings).run([second])
     calls: list[str] = []
-    _failing_sizing(monkeypatch, calls)
+    failing_sizing(monkeypatch, calls)
     engines = FakeEngines(FakeEngine())
 
     for failures in (1, 2):
@@ -124,17 +112,6 @@ def test_a_shard_that_ended_while_its_run_failed_is_not_counted_again(
     assert (shard.failures, shard.error) == (0, "ended elsewhere")
 
 
-def _job(settings, tmp_path, name: str, shards: int) -> list[int]:
-    created = create_job(
-        source_of(write_items(tmp_path / f"{name}.jsonl", shards), settings),
-        make_spec(),
-        shard_size=1,
-        settings=settings,
-    )
-    with session_scope(settings) as session:
-        return [s.id for s in session.get(Job, created.job.id).shards]
-
-
 def _turn(settings, shard_id: int) -> int:
     with session_scope(settings) as session:
         return next_shard(session, shard_id, aging_seconds=AGING, window_seconds=WINDOW)
@@ -152,8 +129,8 @@ def test_fair_share_never_picks_a_shard_that_just_failed_ahead_of_others(
     settings, tmp_path, own_task
 ):
     # Tenant A's job never started (so it would be first), and its shard just failed.
-    (poisoned,) = _job(settings, tmp_path, "a", 1)
-    tenant_b = _job(settings, tmp_path, "b", 2)
+    (poisoned,) = one_line_shards(settings, tmp_path, "a", 1)
+    tenant_b = one_line_shards(settings, tmp_path, "b", 2)
     _fail(settings, poisoned, 60.0)
     task = poisoned if own_task else tenant_b[1]
     assert _turn(settings, task) in tenant_b
@@ -162,8 +139,8 @@ def test_fair_share_never_picks_a_shard_that_just_failed_ahead_of_others(
 def test_a_failed_shard_past_its_backoff_counts_its_failure_as_its_jobs_latest_turn(
     settings, tmp_path
 ):
-    (poisoned,) = _job(settings, tmp_path, "a", 1)
-    tenant_b = _job(settings, tmp_path, "b", 2)
+    (poisoned,) = one_line_shards(settings, tmp_path, "a", 1)
+    tenant_b = one_line_shards(settings, tmp_path, "b", 2)
     _fail(settings, poisoned, 0.0)
     # Its backoff is over, but B never had a turn: B goes first, then A may run again.
     assert _turn(settings, poisoned) == tenant_b[0]
@@ -176,7 +153,7 @@ def test_a_failed_shard_past_its_backoff_counts_its_failure_as_its_jobs_latest_t
 def test_a_failed_shard_alone_in_its_queue_keeps_its_task_until_its_backoff_ends(
     settings, tmp_path
 ):
-    (poisoned,) = _job(settings, tmp_path, "a", 1)
+    (poisoned,) = one_line_shards(settings, tmp_path, "a", 1)
     _fail(settings, poisoned, 60.0)
     assert _turn(settings, poisoned) == poisoned
     assert 55 < backoff_left(poisoned, settings=settings) <= 60
@@ -220,9 +197,9 @@ def test_the_task_of_a_failed_shard_comes_back_after_its_backoff_not_at_once(
     settings.shard_retry_seconds = 40.0  # the task reads the same (cached) settings
     sent = SentTasks()
     monkeypatch.setattr(run_shard.app, "send_task", sent)
-    (shard_id,) = _job(settings, tmp_path, "a", 1)
+    (shard_id,) = one_line_shards(settings, tmp_path, "a", 1)
     calls: list[str] = []
-    _failing_sizing(monkeypatch, calls)
+    failing_sizing(monkeypatch, calls)
 
     assert _deliver(shard_id) == "retrying"
     (resent,) = sent.calls
@@ -240,8 +217,7 @@ def test_an_error_mid_shard_keeps_its_committed_rows_and_counts_one_failure(
     small_commits, tmp_path, caplog
 ):
     settings = small_commits  # commits every 5 rows
-    settings.shard_retry_seconds = 30.0
-    job_id, (shard_id, _) = create_items_job(settings, tmp_path, 20, shard_size=12)
+    job_id, (shard_id, _) = retried_items_job(settings, tmp_path)
 
     def bug_at(step: int) -> None:
         if step == 4:

@@ -28,6 +28,18 @@ with cleanups_run_on_signals():
 """
 
 
+def _kill_left(parent: subprocess.Popen, child: psutil.Process | None) -> None:
+    """Kill what a failed test left running of the parent and its child."""
+    if parent.poll() is None:
+        parent.kill()
+        parent.wait()
+    if child is not None:
+        try:
+            child.kill()  # psutil refuses a pid that now names another process
+        except psutil.NoSuchProcess:
+            pass
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_stop_signal_ends_the_child_and_then_the_process_by_sigterm(sig):
     parent = subprocess.Popen(
@@ -47,14 +59,7 @@ def test_a_stop_signal_ends_the_child_and_then_the_process_by_sigterm(sig):
             assert time.monotonic() < deadline, "the child outlived its parent"
             time.sleep(0.1)
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if child is not None:
-            try:
-                child.kill()  # psutil refuses a pid that now names another process
-            except psutil.NoSuchProcess:
-                pass
+        _kill_left(parent, child)
 
 
 def test_outside_the_block_the_previous_handlers_are_back():
@@ -110,10 +115,10 @@ def test_a_second_signal_is_passed_on_and_cuts_the_childs_drain_short(tmp_path):
         text=True,
         start_new_session=True,
     )
-    child_pid = None
+    child = None
     try:
         assert parent.stdout is not None
-        child_pid = int(parent.stdout.readline())
+        child = psutil.Process(int(parent.stdout.readline()))
 
         parent.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 60
@@ -128,15 +133,8 @@ def test_a_second_signal_is_passed_on_and_cuts_the_childs_drain_short(tmp_path):
         # (its handler ran), not by SIGKILL; the parent waited for that, then ended itself.
         assert parent.wait(timeout=60) == -signal.SIGTERM
         assert notes.read_text() == "term 1\nterm 2\n"
-        assert not psutil.pid_exists(child_pid) or (
-            psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
+        assert not psutil.pid_exists(child.pid) or (
+            psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
         )
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if child_pid is not None:
-            try:
-                psutil.Process(child_pid).kill()
-            except psutil.NoSuchProcess:
-                pass
+        _kill_left(parent, child)

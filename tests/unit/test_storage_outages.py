@@ -20,9 +20,10 @@ from batchllm.worker.delivery import process_shard
 from tests.support.fake_runs import (
     FakeEngine,
     FakeEngines,
-    create_items_job,
+    failing_sizing,
     output_rows,
     past_backoff,
+    retried_items_job,
     shard_row,
     small_commits,
 )
@@ -75,9 +76,7 @@ def test_a_storage_outage_puts_the_shard_back_without_counting_it_and_loses_no_l
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    settings.max_shard_failures = 2
-    settings.shard_retry_seconds = 30.0
-    job_id, (first, second) = create_items_job(settings, tmp_path, 20, shard_size=12)
+    job_id, (first, second) = retried_items_job(settings, tmp_path, max_failures=2)
     outage = _Outage(monkeypatch, S3_503)
     engines = FakeEngines(FakeEngine())
     # Five failed runs, more than the shard's bound of two: none of them counted.
@@ -110,14 +109,8 @@ def test_a_shard_giving_up_while_its_storage_is_away_waits_and_then_writes_a_row
     small_commits, tmp_path, monkeypatch
 ):
     settings = small_commits
-    settings.max_shard_failures = 1
-    settings.shard_retry_seconds = 30.0
-    job_id, (first, second) = create_items_job(settings, tmp_path, 20, shard_size=12)
-
-    def failing_sizing(job_id, **_kwargs):
-        raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
-
-    monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", failing_sizing)
+    job_id, (first, second) = retried_items_job(settings, tmp_path, max_failures=1)
+    failing_sizing(monkeypatch)
     outage = _Outage(monkeypatch, OSError(errno.ENOSPC, "No space left on device"))
     engines = FakeEngines(FakeEngine())
     # Its one allowed failure is used up: it gives up, but its error rows cannot be written.
