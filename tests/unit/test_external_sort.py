@@ -95,6 +95,36 @@ def test_spilled_runs_merge_to_every_row_once_in_order_and_are_removed_on_close(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_runs_that_fit_in_memory_are_sorted_beside_and_merged_there_spilling_nothing():
+    # A run per piece added (run_bytes 1), all of them held: merged in memory, in order.
+    table = shuffled_rows(TEXTS * 50, pa.string(), seed=8)
+
+    with ExternalSort(BY_KEY_THEN_LINE, memory_bytes=1 << 30, run_bytes=1) as sorter:
+        add_in_pieces(sorter, table, 97)
+        out = list(sorter.sorted_tables())
+        assert sorter.runs == []
+
+    assert pairs(out) == expected_order(table)
+
+
+def test_held_runs_are_spilled_with_the_rest_once_the_memory_bound_is_passed(tmp_path):
+    table = shuffled_rows([f"key-{i % 13}" for i in range(1_300)], pa.string(), seed=9)
+    piece = table.slice(0, 100).nbytes
+
+    # Three pieces fit in memory as runs of their own; the fourth spills them and itself.
+    sorter = ExternalSort(
+        BY_KEY_THEN_LINE, memory_bytes=3 * piece, run_bytes=1, spill_dir=str(tmp_path)
+    )
+    with sorter:
+        add_in_pieces(sorter, table, 100)
+        out = pairs(list(sorter.sorted_tables()))
+        assert len(sorter.runs) == 13
+        assert all(path.is_file() for path in sorter.runs)
+
+    assert out == expected_order(table)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_equal_keys_spread_over_many_runs_come_out_together_ordered_by_the_second_key():
     # Ten keys, each on 60 rows dealt over every run: the merge meets each key in all runs.
     table = shuffled_rows([f"key-{i % 10}" for i in range(600)], pa.string(), seed=3)
@@ -112,7 +142,9 @@ def test_equal_keys_in_runs_longer_than_a_merge_batch_stay_ordered_by_the_second
     count = 4 * BATCH_ROWS
     table = rows([7] * count, list(range(1, count + 1)), pa.int64())
 
-    with ExternalSort(BY_KEY_THEN_LINE, memory_bytes=table.nbytes // 2) as sorter:
+    with ExternalSort(
+        BY_KEY_THEN_LINE, memory_bytes=table.nbytes // 2, run_bytes=table.nbytes // 2
+    ) as sorter:
         add_in_pieces(sorter, table, BATCH_ROWS)
         out = list(sorter.sorted_tables())
         assert len(sorter.runs) == 2  # each of 2 * BATCH_ROWS rows
@@ -142,7 +174,9 @@ def test_a_spilled_sort_of_more_rows_than_a_merge_batch_hands_on_every_row_once_
     table = shuffled_rows(keys, pa.int64(), seed=7)
 
     # Two runs of one and a half merge batches each: the merge reads each in two batches.
-    with ExternalSort(BY_KEY_THEN_LINE, memory_bytes=table.nbytes // 2) as sorter:
+    with ExternalSort(
+        BY_KEY_THEN_LINE, memory_bytes=table.nbytes // 2, run_bytes=table.nbytes // 2
+    ) as sorter:
         add_in_pieces(sorter, table, BATCH_ROWS // 2)
         out = list(sorter.sorted_tables())
         assert len(sorter.runs) == 2
