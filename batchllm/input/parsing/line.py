@@ -7,16 +7,11 @@ import json
 from typing import Any
 
 from batchllm.input.files.custom_ids import default_custom_id
+from batchllm.input.formats import schemas as bodies  # the OpenAI bodies a line may carry
 from batchllm.input.formats.schemas import (
     ChatLine,
     ClassifyLine,
     EmbeddingLine,
-    OpenAIChatBody,
-    OpenAIClassifyBody,
-    OpenAICompletionBody,
-    OpenAIEmbeddingBody,
-    OpenAIRerankBody,
-    OpenAIScoreBody,
     PromptLine,
     Request,
 )
@@ -136,7 +131,7 @@ def _parse_generation_envelope(
     if endpoint is RESPONSES:
         return _responses_line(_body(envelope), envelope.custom_id, line, adapters)
     if endpoint is CHAT_COMPLETIONS:
-        chat: OpenAIChatBody = _body(envelope)
+        chat: bodies.OpenAIChatBody = _body(envelope)
         sampling = sampling_of(chat, settings.max_n, "body.")
         sampling |= model_adapter(chat.model, adapters)
         if chat.max_completion_tokens is not None:
@@ -148,7 +143,7 @@ def _parse_generation_envelope(
             messages=stored_messages(chat.messages, settings, "body."),
             sampling=sampling,
         )
-    completion: OpenAICompletionBody = _body(envelope)
+    completion: bodies.OpenAICompletionBody = _body(envelope)
     return Request(
         line=line,
         custom_id=envelope.custom_id,
@@ -192,15 +187,17 @@ def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
     if "url" in obj:
         envelope = validated(OpenAIBatchLine, obj)
         if envelope.endpoint is SCORE:
-            score: OpenAIScoreBody = _body(envelope)
+            score: bodies.OpenAIScoreBody = _body(envelope)
             problem = unpaired(score)
             if problem is not None:
                 raise LineProblem("body.text_1", problem)
             return score_request(line, envelope.custom_id, score)
         if envelope.endpoint is RERANK:
-            rerank: OpenAIRerankBody = _body(envelope)
+            rerank: bodies.OpenAIRerankBody = _body(envelope)
             return rerank_request(line, envelope.custom_id, rerank)
-        body: OpenAIEmbeddingBody = _body(envelope)  # an embedding line's (is_embedding_line)
+        body: bodies.OpenAIEmbeddingBody = _body(
+            envelope
+        )  # an embedding line's (is_embedding_line)
         return _embedding_request(line, envelope.custom_id, body.input, body.dimensions)
     plain = validated(EmbeddingLine, obj)
     return _embedding_request(
@@ -211,7 +208,7 @@ def _parse_embedding(obj: dict[str, Any], line: int) -> Request:
 def _parse_classify(obj: dict[str, Any], line: int) -> Request:
     if "url" in obj:
         envelope = validated(OpenAIBatchLine, obj)
-        body: OpenAIClassifyBody = _body(envelope)
+        body: bodies.OpenAIClassifyBody = _body(envelope)
         custom_id = envelope.custom_id
         text = body.input
     else:
