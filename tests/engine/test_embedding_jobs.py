@@ -162,7 +162,8 @@ def test_generation_lines_and_dimensions_are_error_rows_in_an_embedding_job(embe
 
 
 def test_embedding_lines_in_a_generation_job_are_error_rows_naming_the_field(tmp_path, settings):
-    from batchllm.input.validation.validate import infer_task, read_requests
+    from batchllm.input.validation.validate import infer_task
+    from tests.support.line_reader import read_requests
 
     source = write_jsonl(tmp_path / "embed.jsonl", EMBED_LINES)
 

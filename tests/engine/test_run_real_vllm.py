@@ -31,6 +31,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.job_view import job_view
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.cli import local_env, run_cli
+from tests.support.file_jobs import run_file
 from tests.support.follow import HeldForFollower
 from tests.support.inputs import source_of
 from tests.support.skips import require
@@ -151,12 +152,7 @@ def mixed_run(tiny_model, engines, tmp_path_factory):
         get_settings.cache_clear()
         settings = get_settings()
         mixed = MixedFile(home / "mixed.jsonl")
-        job = run_job(
-            source_of(mixed.path, settings),
-            make_spec(tiny_model),
-            settings=settings,
-            engines=engines,
-        )
+        job = run_file(mixed.path, make_spec(tiny_model), settings, engines=engines)
         storage = Storage.of(settings)
         out_dir = storage.output_dir(job.id)
         table = ds.dataset(out_dir, format="parquet").to_table()

@@ -18,6 +18,7 @@ from batchllm.settings import Settings
 from batchllm.store.db import session_scope
 from batchllm.store.models import Batch as BatchRow
 from batchllm.store.models import Job, StoredFile, job_id_of
+from tests.support.file_jobs import create_from_file
 
 pytest.importorskip("fastapi.testclient")
 openai_types = pytest.importorskip("openai.types")
@@ -561,11 +562,8 @@ def test_delete_an_ended_batch_of_ones_own_and_not_a_queued_one(
     from tests.support.fake_runs import make_spec, write_items
     from tests.support.inputs import source_of
 
-    queued = create_job(
-        source_of(write_items(tmp_path / "q.jsonl", 2), settings),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
+    queued = create_from_file(
+        write_items(tmp_path / "q.jsonl", 2), make_spec(), settings, shard_size=10
     ).job.id
     record_batch(settings, queued, owner=owner, endpoint=CHAT, window="24h", input_file_id="file-x")
     error = assert_error(

@@ -21,6 +21,7 @@ from batchllm.store import service, state_machine
 from batchllm.store.db import get_engine, session_scope
 from batchllm.store.models import StoredFile, batch_id_of, job_id_of
 from tests.support.fake_runs import make_spec, write_items
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 
 CHAT = "/v1/chat/completions"
@@ -41,11 +42,8 @@ def new_key(settings: Settings, name: str = "tenant") -> tuple[str, dict[str, st
 
 def queued_batch(settings: Settings, tmp_path: Path, owner: str, name: str = "in") -> str:
     """A batch's job, queued (never dispatched: no worker runs here); its job id."""
-    job_id = create_job(
-        source_of(write_items(tmp_path / f"{name}.jsonl", 2), settings),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
+    job_id = create_from_file(
+        write_items(tmp_path / f"{name}.jsonl", 2), make_spec(), settings, shard_size=10
     ).job.id
     record_batch(settings, job_id, owner=owner, endpoint=CHAT, window="24h", input_file_id="f")
     return job_id

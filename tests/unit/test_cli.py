@@ -22,6 +22,7 @@ from batchllm.store import leases, service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, ShardStatus
 from tests.support.cli import invoke
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, record_part, write_part
 
@@ -76,11 +77,8 @@ def finished_job(settings, tmp_path) -> str:
         '{"prompt": ""}\n'
         '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n'
     )
-    job_id = create_job(
-        source_of(source, settings),
-        JobSpec(model="/models/fake", metadata={"team": "cli"}),
-        shard_size=10,
-        settings=settings,
+    job_id = create_from_file(
+        source, JobSpec(model="/models/fake", metadata={"team": "cli"}), settings, shard_size=10
     ).job.id
     storage = Storage.of(settings)
     rows = [

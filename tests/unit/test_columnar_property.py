@@ -1,5 +1,5 @@
 """Block validation (input/validation/columnar.py) stores exactly the rows that line-by-line
-validation (validate.read_requests, the definition of validity) gives, whatever the lines hold;
+validation (tests/support/line_reader.py, the definition of validity) gives, whatever the lines hold;
 and for the common line shapes it does decide the lines itself, without the line-by-line path."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from batchllm.input.formats.schemas import LineError
 from batchllm.input.validation import columnar, validate
 from batchllm.settings import get_settings
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 LIMIT = 400
 
@@ -167,7 +168,7 @@ line_bytes = st.one_of(
 def expected_rows(path: Path, adapters: frozenset[str], task: str) -> list[tuple]:
     return [
         (InputRow.from_item(item).stored_values(), item if isinstance(item, LineError) else None)
-        for item in validate.read_requests(
+        for item in read_requests(
             source_of(path),
             max_line_bytes=LIMIT,
             adapters=adapters,

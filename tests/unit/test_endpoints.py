@@ -20,7 +20,7 @@ from batchllm.client import Client
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.job_spec import OptionOverLimit, build_job_spec
 from batchllm.input.parsing.endpoints import ENDPOINTS, URLS, OpenAIBatchLine
-from batchllm.input.validation.validate import read_requests, read_row_chunks
+from batchllm.input.validation.validate import read_row_chunks
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import ERRORS_NAME, export_openai
 from batchllm.settings import Settings, get_settings
@@ -29,6 +29,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job as JobRow
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, small_commits
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 from tests.support.openai_export_jobs import export_every_form
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,6 +16,7 @@ from batchllm.store.models import Job, Shard, ShardStatus
 from batchllm.worker.celery_app import queue_for_job, queue_for_model, worker_queues
 from batchllm.worker.delivery import process_shard
 from tests.support.fake_runs import write_items
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 
 SERVED = "/models/tiny"
@@ -49,11 +50,8 @@ def test_a_worker_never_sizes_a_job_of_another_model(settings, tmp_path, monkeyp
         raise OSError("models_tiny is not a local folder and not a model on the hub")
 
     monkeypatch.setattr("batchllm.worker.delivery.resolve_max_model_len", resolve_max_model_len)
-    created = create_job(
-        source_of(write_items(tmp_path / "in.jsonl", 3), settings),
-        JobSpec(model="models_tiny"),
-        shard_size=10,
-        settings=settings,
+    created = create_from_file(
+        write_items(tmp_path / "in.jsonl", 3), JobSpec(model="models_tiny"), settings, shard_size=10
     )
     with session_scope(settings) as session:
         (shard_id,) = [s.id for s in session.get(Job, created.job.id).shards]

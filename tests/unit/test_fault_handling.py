@@ -31,6 +31,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.file_jobs import run_file
 from tests.support.inputs import source_of
 
 RESULT_REASONS = ("stop", "length")
@@ -370,12 +371,7 @@ def test_a_first_ctrl_c_stops_the_run_in_order_and_fails_the_job_with_its_commit
     previous = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(JobInterrupted, match="interrupted"):
-            run_job(
-                source_of(source, settings),
-                make_spec(),
-                settings=settings,
-                engines=FakeEngines(engine),
-            )
+            run_file(source, make_spec(), settings, engines=FakeEngines(engine))
         assert signal.getsignal(signal.SIGINT) is previous
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -397,12 +393,7 @@ def test_a_second_ctrl_c_stops_at_once_and_still_keeps_the_committed_rows(
     previous = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(JobInterrupted):
-            run_job(
-                source_of(source, settings),
-                make_spec(),
-                settings=settings,
-                engines=FakeEngines(engine),
-            )
+            run_file(source, make_spec(), settings, engines=FakeEngines(engine))
         assert signal.getsignal(signal.SIGINT) is previous
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -422,12 +413,7 @@ def test_a_ctrl_c_during_the_last_step_never_reports_a_completed_job_as_failed(
     previous = signal.getsignal(signal.SIGINT)
     try:
         try:
-            run_job(
-                source_of(source, settings),
-                make_spec(),
-                settings=settings,
-                engines=FakeEngines(engine),
-            )
+            run_file(source, make_spec(), settings, engines=FakeEngines(engine))
             reported = "completed"
         except JobInterrupted:
             reported = "failed"

@@ -19,9 +19,9 @@ from batchllm.input.formats.rows import InputRow
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.parsing.line import parse_line
 from batchllm.input.parsing.problems import LineProblem
-from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 
 def png(width: int, height: int) -> bytes:

@@ -39,6 +39,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 from tests.support.ports import free_port
 
@@ -75,11 +76,11 @@ def since(before: dict[str, float], model: str = MODEL) -> dict[str, float]:
 
 
 def create(settings, tmp_path, rows: int, *, shard_size: int, extra=None) -> tuple[str, list[int]]:
-    created = create_job(
-        source_of(write_items(tmp_path / "in.jsonl", rows, extra=extra), settings),
+    created = create_from_file(
+        write_items(tmp_path / "in.jsonl", rows, extra=extra),
         make_spec(),
+        settings,
         shard_size=shard_size,
-        settings=settings,
     )
     with session_scope(settings) as session:
         return created.job.id, [s.id for s in session.get(Job, created.job.id).shards]

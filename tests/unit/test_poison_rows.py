@@ -13,7 +13,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.execution.stand_in_engines import WordTokenizer
 from batchllm.input.formats.rows import InputRow
 from batchllm.input.formats.schemas import LineError, Request
-from batchllm.input.validation.validate import read_requests, read_row_chunks
+from batchllm.input.validation.validate import read_row_chunks
 from batchllm.jobs.create import create_job
 from batchllm.settings import get_settings
 from batchllm.store import service
@@ -27,6 +27,7 @@ from tests.support.fake_runs import (
     write_items,
 )
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 __all__ = ["small_commits"]
 

@@ -30,6 +30,7 @@ from tests.support.fake_runs import (
     read_output_file,
     small_commits,
 )
+from tests.support.file_jobs import create_from_file, run_file
 from tests.support.inputs import source_of
 
 DOCUMENTS, QUESTIONS = 4, 6
@@ -89,12 +90,7 @@ def test_grouping_runs_each_documents_lines_together_and_keeps_every_line_once_b
     source = write_lines(tmp_path / "in.jsonl", [*lines, "{not json"])
     engine = FakeEngine()
 
-    job = run_job(
-        source_of(source, small_commits),
-        make_spec(),
-        settings=small_commits,
-        engines=FakeEngines(engine),
-    )
+    job = run_file(source, make_spec(), small_commits, engines=FakeEngines(engine))
 
     assert job.status is JobStatus.COMPLETED
     fed = [document_of(prompt) for prompt in engine.prompts_added]
@@ -134,12 +130,7 @@ def test_a_job_mixing_prefixed_and_unprefixed_lines_groups_the_prefixed_and_runs
     source = write_lines(tmp_path / "in.jsonl", lines)
     engine = FakeEngine()
 
-    job = run_job(
-        source_of(source, small_commits),
-        make_spec(),
-        settings=small_commits,
-        engines=FakeEngines(engine),
-    )
+    job = run_file(source, make_spec(), small_commits, engines=FakeEngines(engine))
 
     assert job.status is JobStatus.COMPLETED
     fed = engine.prompts_added
@@ -159,11 +150,11 @@ def test_resume_after_a_kill_mid_shard_with_grouping_runs_the_rest_grouped_exact
     settings = small_commits
     settings.shard_size = 100
     lines = document_lines(seed=11)
-    created = create_job(
-        source_of(write_lines(tmp_path / "in.jsonl", lines), settings),
+    created = create_from_file(
+        write_lines(tmp_path / "in.jsonl", lines),
         make_spec(),
+        settings,
         shard_size=settings.shard_size,
-        settings=settings,
     )
     job_id = created.job.id
     with session_scope(settings) as session:

@@ -12,10 +12,10 @@ from batchllm.errors import InputError
 from batchllm.input.formats.rows import InputRow
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 
 def write_lines(path: Path, lines: list[str | dict | bytes]) -> Path:

@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.shards import iter_shard_rows, store_input
-from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from batchllm.spec import MAX_TOKENS_LIMIT, JobSpec, SamplingDefaults
 from batchllm.storage import Storage
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 
 def write(path: Path, lines: list[str | dict | bytes], *, prefix: bytes = b"") -> Path:

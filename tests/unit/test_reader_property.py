@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchllm.input.formats.schemas import LineError, Request
-from batchllm.input.validation.validate import read_requests
 from batchllm.settings import get_settings
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 LIMIT = 64  # small, so that generated long lines go over it cheaply
 BOM = b"\xef\xbb\xbf"

@@ -24,6 +24,7 @@ from batchllm.store import service, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard
 from tests.support.fake_runs import FakeEngine, FakeEngines, write_items
+from tests.support.file_jobs import create_from_file
 from tests.support.follow import HeldForFollower
 from tests.support.inputs import source_of
 from tests.support.output_rows import OutputRow, record_part, write_part
@@ -206,11 +207,8 @@ def _spec():
 def _running_job_with_one_part(settings, tmp_path, *, first: bool = True):
     """A created job on one shard marked running, with (if `first`) one committed part of
     the row `first`."""
-    created = create_job(
-        source_of(write_items(tmp_path / "one.jsonl", 3), settings),
-        _spec(),
-        shard_size=100,
-        settings=settings,
+    created = create_from_file(
+        write_items(tmp_path / "one.jsonl", 3), _spec(), settings, shard_size=100
     )
     job_id = created.job.id
     storage = Storage.of(settings)

@@ -11,6 +11,7 @@ from batchllm.row_errors import (
     Refusal,
 )
 from tests.support.fake_runs import FakeEngines, make_spec, output_rows, write_items
+from tests.support.file_jobs import run_file
 from tests.support.inputs import source_of
 
 
@@ -45,12 +46,7 @@ class _Refusing(FakeEngine):
 
 def test_the_runner_writes_the_refusals_code_not_one_read_from_its_words(settings, tmp_path):
     source = write_items(tmp_path / "in.jsonl", 6)
-    job = run_job(
-        source_of(source, settings),
-        make_spec(),
-        settings=settings,
-        engines=FakeEngines(_Refusing()),
-    )
+    job = run_file(source, make_spec(), settings, engines=FakeEngines(_Refusing()))
     rows = output_rows(settings, job.id)
     assert [(r["line"], r["status"], r["error_code"]) for r in rows] == [
         (line, "ok", None) if line % 2 else (line, "error", REQUEST_REJECTED)

@@ -38,6 +38,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.file_jobs import create_from_file, run_file
 from tests.support.inputs import source_of
 
 # -- a whole job ------------------------------------------------------------------------------
@@ -130,12 +131,7 @@ def test_a_finished_job_is_completed_with_throughput_counts_and_a_manifest(small
     settings = small_commits
     source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
 
-    job = run_job(
-        source_of(source, settings),
-        make_spec(),
-        settings=settings,
-        engines=FakeEngines(FakeEngine()),
-    )
+    job = run_file(source, make_spec(), settings, engines=FakeEngines(FakeEngine()))
 
     assert job.status is JobStatus.COMPLETED
     assert (job.request_total, job.request_completed, job.request_failed) == (31, 30, 1)
@@ -320,11 +316,8 @@ def test_resume_after_a_crash_deletes_orphan_parts_and_runs_every_line_exactly_o
 
 def test_a_shard_running_on_a_live_worker_is_not_taken_over(small_commits, tmp_path):
     settings = small_commits
-    created = create_job(
-        source_of(write_items(tmp_path / "in.jsonl", 4), settings),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
+    created = create_from_file(
+        write_items(tmp_path / "in.jsonl", 4), make_spec(), settings, shard_size=10
     )
     with session_scope(settings) as session:
         (shard,) = session.get(Job, created.job.id).shards

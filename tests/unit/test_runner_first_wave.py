@@ -8,6 +8,7 @@ import pytest
 
 from batchllm.jobs.local import run_job
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, output_rows, write_items
+from tests.support.file_jobs import run_file
 from tests.support.inputs import source_of
 
 ROWS = 40
@@ -18,11 +19,8 @@ def in_engine_per_step(settings, tmp_path, first_wave: int) -> tuple[list[int], 
     seen: list[int] = []
     engine = FakeEngine(steps=3, max_num_seqs=4)
     engine.on_step = lambda step: seen.append(len(engine.waiting) + len(engine.running))
-    job = run_job(
-        source_of(write_items(tmp_path / "in.jsonl", ROWS), settings),
-        make_spec(),
-        settings=settings,
-        engines=FakeEngines(engine),
+    job = run_file(
+        write_items(tmp_path / "in.jsonl", ROWS), make_spec(), settings, engines=FakeEngines(engine)
     )
     assert job.status.value == "completed"
     return seen, output_rows(settings, job.id)

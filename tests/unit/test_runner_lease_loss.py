@@ -29,6 +29,7 @@ from tests.support.fake_runs import (
     small_commits,
     write_items,
 )
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 
 ROWS = 40
@@ -66,11 +67,8 @@ def test_a_runner_whose_shard_was_taken_over_stops_and_the_new_owner_finishes_it
 ):
     settings = small_commits
     monkeypatch.setattr("batchllm.execution.runner._CONTROL_INTERVAL", control_interval)
-    created = create_job(
-        source_of(write_items(tmp_path / "in.jsonl", ROWS), settings),
-        make_spec(),
-        shard_size=ROWS,
-        settings=settings,
+    created = create_from_file(
+        write_items(tmp_path / "in.jsonl", ROWS), make_spec(), settings, shard_size=ROWS
     )
     job_id = created.job.id
     with session_scope(settings) as session:

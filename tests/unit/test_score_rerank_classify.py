@@ -14,13 +14,15 @@ import pytest
 from batchllm.execution.stand_in_engines import FAKE_LABELS, FakeEngine
 from batchllm.input.formats.schemas import LineError, Request
 from batchllm.input.formats.scoring import ScoreShape, pair_scores, ranked
-from batchllm.input.validation.validate import infer_task, read_requests
+from batchllm.input.validation.validate import infer_task
 from batchllm.jobs.local import run_job
 from batchllm.output.openai_files import export_openai
 from batchllm.output.parts import OUTPUT_SCHEMA, SCHEMA_VERSION
 from batchllm.spec import EngineOptions, JobSpec, SamplingDefaults
 from tests.support.fake_runs import FakeEngines, output_rows
+from tests.support.file_jobs import run_file
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 QUERY = "the cat sat on the mat"
 PARAPHRASE = "a cat sat on a mat"
@@ -77,6 +79,14 @@ def write_jsonl(path: Path, lines: list[dict]) -> Path:
     return path
 
 
+def _read_by_id(source, task: str, settings) -> dict:
+    """The file's lines as read for a job of `task`, by custom_id."""
+    return {
+        r.custom_id: r
+        for r in read_requests(source_of(source, settings), task=task, settings=settings)
+    }
+
+
 def test_score_and_rerank_lines_make_an_embedding_job(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
     rerank_first = write_jsonl(tmp_path / "rerank.jsonl", GOOD_LINES[3:])
@@ -94,10 +104,7 @@ def test_classify_lines_make_a_classification_job(tmp_path, settings):
 
 def test_score_lines_store_their_texts_queries_first_and_their_shape(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
-    read = {
-        r.custom_id: r
-        for r in read_requests(source_of(source, settings), task="embed", settings=settings)
-    }
+    read = _read_by_id(source, "embed", settings)
 
     assert all(isinstance(r, Request) and r.kind == "score" for r in read.values())
     assert read["one-many"].inputs == [QUERY, PARAPHRASE, UNRELATED]
@@ -136,10 +143,7 @@ def test_score_lines_in_a_generation_job_are_error_rows_naming_the_url(tmp_path,
 
 def test_a_classification_job_takes_score_lines_for_a_cross_encoder(tmp_path, settings):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
-    read = {
-        r.custom_id: r
-        for r in read_requests(source_of(source, settings), task="classify", settings=settings)
-    }
+    read = _read_by_id(source, "classify", settings)
 
     assert all(isinstance(r, Request) and r.kind == "score" for r in read.values())
     assert read["rerank"].inputs == [QUERY, UNRELATED, PARAPHRASE]
@@ -162,10 +166,7 @@ def test_a_classification_job_takes_input_lines_and_refuses_others(tmp_path, set
         {"custom_id": "prompt", "prompt": QUERY},
     ]
     source = write_jsonl(tmp_path / "c.jsonl", lines)
-    read = {
-        r.custom_id: r
-        for r in read_requests(source_of(source, settings), task="classify", settings=settings)
-    }
+    read = _read_by_id(source, "classify", settings)
 
     assert (read["plain"].kind, read["plain"].prompt) == ("classify", QUERY)
     assert (read["oai"].kind, read["oai"].prompt) == ("classify", UNRELATED)
@@ -282,12 +283,7 @@ def test_a_classification_job_writes_labels_and_probs_and_exports_them(settings,
     ]
     source = write_jsonl(tmp_path / "c.jsonl", lines)
     engine = FakeEngine(max_model_len=64)
-    job = run_job(
-        source_of(source, settings),
-        spec("classify"),
-        settings=settings,
-        engines=FakeEngines(engine),
-    )
+    job = run_file(source, spec("classify"), settings, engines=FakeEngines(engine))
     rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
 
     assert job.status.value == "completed"
@@ -314,12 +310,7 @@ def test_a_classification_job_writes_labels_and_probs_and_exports_them(settings,
 def test_a_cross_encoder_job_writes_a_score_per_pair(settings, tmp_path):
     source = write_jsonl(tmp_path / "score.jsonl", GOOD_LINES)
     engine = FakeEngine(max_model_len=64)
-    job = run_job(
-        source_of(source, settings),
-        spec("classify"),
-        settings=settings,
-        engines=FakeEngines(engine),
-    )
+    job = run_file(source, spec("classify"), settings, engines=FakeEngines(engine))
     rows = {r["custom_id"]: r for r in output_rows(settings, job.id)}
 
     assert job.status.value == "completed"

@@ -21,7 +21,7 @@ from batchllm.execution.runner import Outcome, ShardRunner
 from batchllm.input.files.lines import has_requests
 from batchllm.input.formats.schemas import LineError
 from batchllm.input.shards import store_input
-from batchllm.input.validation.validate import infer_task, read_requests
+from batchllm.input.validation.validate import infer_task
 from batchllm.jobs.create import create_job
 from batchllm.jobs.local import run_job
 from batchllm.output import commit
@@ -38,7 +38,9 @@ from tests.support.fake_runs import (
     make_spec,
     write_items,
 )
+from tests.support.file_jobs import create_from_file, run_file
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 from tests.support.output_rows import OutputRow, write_part
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, moto_server
 
@@ -421,11 +423,8 @@ def test_a_local_run_of_an_s3_input_writes_its_output_manifest_and_success_to_th
     source = write_items(tmp_path / "in.jsonl", 30, extra=["[1, 2]"])
     upload(server, f"{bucket}/in/items.jsonl", source.read_bytes())
 
-    job = run_job(
-        source_of(f"s3://{bucket}/in/items.jsonl", settings),
-        make_spec(),
-        settings=settings,
-        engines=FakeEngines(FakeEngine()),
+    job = run_file(
+        f"s3://{bucket}/in/items.jsonl", make_spec(), settings, engines=FakeEngines(FakeEngine())
     )
 
     assert job.status is JobStatus.COMPLETED
@@ -498,11 +497,8 @@ def test_a_local_storage_path_that_cannot_be_made_fails_the_job_too(settings, tm
     settings.storage = str(tmp_path / "a-file" / "jobs")
 
     with pytest.raises(StorageError, match="cannot write"):
-        create_job(
-            source_of(write_items(tmp_path / "in.jsonl", 3), settings),
-            make_spec(),
-            shard_size=10,
-            settings=settings,
+        create_from_file(
+            write_items(tmp_path / "in.jsonl", 3), make_spec(), settings, shard_size=10
         )
 
     with session_scope(settings) as session:

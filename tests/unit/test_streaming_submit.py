@@ -16,6 +16,7 @@ from batchllm.store import service, shard_recording, state_machine
 from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from tests.support.fake_runs import FakeEngine, make_spec, output_rows, write_items
+from tests.support.file_jobs import create_from_file
 from tests.support.inputs import source_of
 
 
@@ -187,11 +188,8 @@ def test_a_job_whose_shards_all_ended_during_validation_is_finalized_by_the_subm
 
 
 def test_end_validation_moves_the_job_on_as_its_shards_say(settings, tmp_path):
-    created = create_job(
-        source_of(write_items(tmp_path / "in.jsonl", 20), settings),
-        make_spec(),
-        shard_size=10,
-        settings=settings,
+    created = create_from_file(
+        write_items(tmp_path / "in.jsonl", 20), make_spec(), settings, shard_size=10
     )
     job_id = created.job.id
     with session_scope(settings) as session:

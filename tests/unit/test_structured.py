@@ -30,7 +30,6 @@ from batchllm.input.formats.structured import (
     from_response_format,
     satisfies,
 )
-from batchllm.input.validation.validate import read_requests
 from batchllm.output.parts import MANIFEST_NAME
 from batchllm.settings import get_settings
 from batchllm.storage import Storage
@@ -39,6 +38,7 @@ from batchllm.store.models import Job, JobStatus
 from tests.support.cli import invoke
 from tests.support.fake_runs import FakeEngine, FakeEngines, make_spec, output_rows, small_commits
 from tests.support.inputs import source_of
+from tests.support.line_reader import read_requests
 
 SCHEMA = {
     "type": "object",

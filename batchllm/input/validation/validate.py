@@ -1,4 +1,5 @@
-"""Streaming validation of JSONL input: one `Request` or one `LineError` per non-blank line.
+"""Streaming validation of JSONL input: a block of lines at a time, into the rows to store and a
+`LineError` for each line that cannot run.
 
 Memory stays flat in the file size: lines are read one at a time, bounded in size (files/lines.py),
 and custom_ids are kept in an on-disk SQLite table rather than a Python set (files/custom_ids.py).
@@ -7,7 +8,7 @@ and custom_ids are kept in an on-disk SQLite table rather than a Python set (fil
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from batchllm.input.files.custom_ids import CustomIds, given_id, may_give_defaul
 from batchllm.input.files.lines import Line, iter_line_chunks, iter_lines
 from batchllm.input.files.source import InputSource
 from batchllm.input.formats.rows import INPUT_SCHEMA, InputRow, request_payload
-from batchllm.input.formats.schemas import LineError, Request
+from batchllm.input.formats.schemas import LineError
 from batchllm.input.formats.unicode_text import (
     UNENCODABLE,
     encodable,
@@ -91,38 +92,6 @@ def _check(
     return line.number, given_id(obj), problem
 
 
-def read_requests(
-    source: InputSource,
-    *,
-    settings: Settings,
-    max_line_bytes: int | None = None,
-    adapters: frozenset[str] = frozenset(),
-    task: str = GENERATE,
-) -> Iterator[Request | LineError]:
-    """Yield one Request or LineError per non-blank line of `source` (a local file or a URI
-    such as s3://bucket/key, streamed), in line order, validating line by line.
-
-    Blank lines are not requests and produce nothing. Line numbers are 1-based physical lines.
-    A line over `max_line_bytes` (default: the settings') is an error without being parsed.
-    The file is read twice (files/custom_ids.py), each time from its start.
-    """
-    limit = max_line_bytes or settings.max_line_bytes
-    images = ImageChecks(settings)
-
-    def checked(lines: list[Line]) -> list[_Checked]:
-        with images.prefetching(image_urls(line.raw for line in lines)):
-            return [_check(line, limit, adapters, task, settings) for line in lines]
-
-    try:
-        for resolved in _resolved_chunks(source, limit, checked):
-            for _, custom_id, item in resolved:
-                if isinstance(item, Request):
-                    item.custom_id = custom_id  # parse_line's `line-<N>` may have moved on
-                yield item
-    finally:
-        images.close()
-
-
 def read_row_chunks(
     source: InputSource,
     *,
@@ -133,8 +102,9 @@ def read_row_chunks(
 ) -> Iterator[tuple[pa.Table, list[LineError]]]:
     """The non-blank lines of `source` as rows to store, a chunk of the file at a time: a table
     of the lines' input-shard values (INPUT_SCHEMA, formats/rows.py) in line order, and the
-    LineErrors of the chunk's lines that cannot run. The same rows as read_requests gives,
-    validated a block at a time (columnar.py) and kept in columns to the stored shard."""
+    LineErrors of the chunk's lines that cannot run. The same rows as the line-by-line reader
+    gives (tests/support/line_reader.py), validated a block at a time (columnar.py) and kept
+    in columns to the stored shard."""
     limit = max_line_bytes or settings.max_line_bytes
 
     def one(line: Line) -> tuple[str | None, Any]:
@@ -228,50 +198,3 @@ def _line_chunks(source: InputSource, limit: int, ids: CustomIds) -> Iterator[li
     ids.defer_first_pass(given_lines)
     with source.open() as handle:
         yield from iter_line_chunks(handle, limit)
-
-
-def _resolved_chunks(
-    source: InputSource,
-    limit: int,
-    checked: Callable[[list[Line]], list[_Checked]],
-) -> Iterator[list[tuple[int, str, Any]]]:
-    """(line number, final custom_id, the checked item or the LineError refusing the line)
-    per non-blank line, a list per chunk of lines that `checked` checks at once."""
-    ids = CustomIds()
-    try:
-        for chunk in _line_chunks(source, limit, ids):
-            yield _resolve_chunk(checked(chunk), ids, source.name)
-    finally:
-        ids.close()
-
-
-def _resolve_chunk(
-    chunk: list[_Checked],
-    ids: CustomIds,
-    name: str,
-) -> list[tuple[int, str, Any]]:
-    missing = [number for number, given, _ in chunk if given is None]
-    defaults = ids.defaults(missing) if missing else {}
-    final = [given if given is not None else defaults[number] for number, given, _ in chunk]
-    runnable = [
-        (custom_id, number)
-        for custom_id, (number, _, item) in zip(final, chunk, strict=True)
-        if not isinstance(item, LineProblem)
-    ]
-    duplicates = {
-        line: first
-        for _, line, first in ids.add_first([i for i, _ in runnable], [n for _, n in runnable])
-    }
-    if not duplicates and len(runnable) == len(chunk):  # the common chunk: every line runs
-        return [(number, custom_id, item) for custom_id, (number, _, item) in zip(final, chunk)]
-    resolved: list[tuple[int, str, Any]] = []
-    for custom_id, (number, _, item) in zip(final, chunk, strict=True):
-        if isinstance(item, LineProblem):
-            problem = item
-        elif number in duplicates:
-            problem = duplicate(custom_id, duplicates[number])
-        else:
-            resolved.append((number, custom_id, item))
-            continue
-        resolved.append((number, custom_id, problem.error(name, number, custom_id)))
-    return resolved
