@@ -89,6 +89,14 @@ class ExternalSort:
 
     def sorted_tables(self) -> Iterator[pa.Table]:
         """Every row added, exactly once, in order, a table at a time."""
+        if self._gathered and not self._held and not self.runs:
+            # One run in all (a small file): sorted here, with no thread started for it. A
+            # thread per create grew a busy server's memory (an allocator arena each).
+            table = pa.concat_tables(self._gathered)
+            self._gathered, self._gathered_bytes = [], 0
+            for batch in self._sorted(table).to_batches(max_chunksize=BATCH_ROWS):
+                yield pa.Table.from_batches([batch])
+            return
         if self._gathered:
             self._close_run()
         if self.runs:

@@ -50,10 +50,13 @@ CREATES = 300
 # Measured over the 300 creates on a 2-core machine: the fixed server 2 new open files and
 # 4.9-5.0 MiB more anonymous memory (its pools and SQLite's page caches still filling); the
 # one that froze and thawed its heap in every create (batchllm/heap.py) 20.7-21.1 MiB; the
-# one with an app per submit 300 files and 109 MiB (of all its RSS). Room for a pool
-# connection or two; in memory about twice the fixed growth, under 60% of the heap's leak.
+# one with an app per submit 300 files and 109 MiB (of all its RSS). On another 2-core
+# machine (2026-12-07 night) the fixed server grew 8.6-11.6 MiB at 479de3e and 9.4-13.1 MiB
+# with poll threads (up to 20 pooled connections, each with SQLite's page cache of up to
+# 2 MiB filling as the database grows; still growing after 200 creates of warm-up): 12 MiB
+# failed one run of make test by 36 KiB. 16 MiB stays below the heap leak's 20.7 MiB.
 MAX_NEW_FILES = 8
-MAX_RSS_GROWTH = 12 * 1024 * 1024
+MAX_RSS_GROWTH = 16 * 1024 * 1024
 
 
 @pytest.fixture
