@@ -90,12 +90,11 @@ class ExternalSort:
     def sorted_tables(self) -> Iterator[pa.Table]:
         """Every row added, exactly once, in order, a table at a time."""
         if self._gathered and not self._held and not self.runs:
-            # One run in all (a small file): sorted here, with no thread started for it. A
-            # thread per create grew a busy server's memory (an allocator arena each).
+            # One run in all (a small file, such as an API create's): nothing is left to
+            # overlap with, so it is sorted here and no thread is started for it.
             table = pa.concat_tables(self._gathered)
             self._gathered, self._gathered_bytes = [], 0
-            for batch in self._sorted(table).to_batches(max_chunksize=BATCH_ROWS):
-                yield pa.Table.from_batches([batch])
+            yield from _in_slices(self._sorted(table))
             return
         if self._gathered:
             self._close_run()
@@ -108,9 +107,8 @@ class ExternalSort:
             return
         held = [run.result() for run in self._held]
         self._held, self._held_bytes = [], 0
-        if len(held) == 1:  # sorted already: handed on as it is, a slice at a time
-            for batch in held[0].to_batches(max_chunksize=BATCH_ROWS):
-                yield pa.Table.from_batches([batch])
+        if len(held) == 1:  # sorted already: handed on as it is
+            yield from _in_slices(held[0])
         elif held:
             yield from self._merge([iter(run.to_batches(max_chunksize=BATCH_ROWS)) for run in held])
 
@@ -243,6 +241,12 @@ def _take(table: pa.Table, order: pa.Array) -> pa.Table:
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         columns = list(pool.map(lambda column: column.combine_chunks().take(order), table.columns))
     return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def _in_slices(table: pa.Table) -> Iterator[pa.Table]:
+    """A sorted table handed on a slice of BATCH_ROWS at a time (no copy)."""
+    for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+        yield pa.Table.from_batches([batch])
 
 
 def _up_to(table: pa.Table, columns: list[str], frontier: tuple) -> pa.ChunkedArray:
