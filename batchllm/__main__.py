@@ -1,5 +1,5 @@
 """`python -m batchllm`: the CLI, as the `batchllm` console script runs it."""
 
-from batchllm.cli import main
+from batchllm.launcher import main
 
 main()

@@ -123,6 +123,15 @@ class Settings(BaseSettings):
         "until `batchllm engine stop`; 0 keeps none (each run builds its engine in its own "
         "process and unloads it at its end; a kept engine already up is still used).",
     )
+    warm_runs: bool = Field(
+        default=True,
+        description="A kept engine's process starts a warm runner after its first run: a "
+        "process with batchllm, pyarrow and SQLAlchemy imported, which the next `batchllm "
+        "run`s of this checkout hand themselves to (it forks a child that runs the command "
+        "with the caller's terminal, directory and environment), skipping a second of "
+        "imports. false: no runner is started, and the `batchllm` command runs every command "
+        "in its own process (the command reads this variable itself, before any import).",
+    )
     lease_seconds: float = Field(
         default=120.0,
         gt=0,

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT = 0.2  # seconds the engine thread waits for work while nothing runs
 _ACCEPT_WAIT = 0.5  # how often the idle time and a stop are checked
+_FIRST_RUN_WAIT = 3.0  # a run that started the engine connects within a second of it ready
 
 
 @dataclass(eq=False)
@@ -64,8 +65,13 @@ class EngineHost:
         info: dict[str, Any],
         keep_alive: float,
         size: Callable[[dict[str, Any]], int],
+        first_idle: Callable[[], None] | None = None,
     ) -> None:
+        """`first_idle`: called once, from the accepting thread, when the engine is first
+        idle: its first run has ended, or none came within _FIRST_RUN_WAIT of it being ready
+        (`batchllm engine start`). The warm runner starts then, not beside a cold run."""
         self.engine = engine
+        self._first_idle = first_idle
         self.info = info
         self.keep_alive = keep_alive
         self._size = size
@@ -345,6 +351,7 @@ class EngineHost:
         engine_thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         engine_thread.start()
         listener.settimeout(_ACCEPT_WAIT)
+        ready_at = time.monotonic()
         reason = "stopped"
         while not self.stopping.is_set():
             try:
@@ -352,6 +359,13 @@ class EngineHost:
             except TimeoutError:
                 with self._lock:
                     idle = not self._runs
+                if (
+                    idle
+                    and self._first_idle is not None
+                    and (self.runs_served or time.monotonic() - ready_at >= _FIRST_RUN_WAIT)
+                ):
+                    first_idle, self._first_idle = self._first_idle, None
+                    first_idle()
                 if (
                     idle
                     and time.monotonic() - self.last_active >= self.keep_alive

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.errors import BatchLLMError
+from batchllm.kept_engine.handoff import RUNNER_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,12 @@ def socket_path(home: Path, engine_id: str) -> str:
     private.mkdir(mode=0o700, exist_ok=True)
     check_owned(private)
     return str(private / f"{engine_id}.sock")
+
+
+def runner_files(home: Path, engine_id: str) -> tuple[Path, str]:
+    """The state file and socket of the engine's warm runner (kept_engine/warm_runner.py)."""
+    name = RUNNER_PREFIX + engine_id
+    return engines_dir(home) / f"{name}.json", socket_path(home, name)
 
 
 def check_owned(path: Path | str) -> None:
@@ -139,6 +146,9 @@ def list_records(home: Path) -> list[EngineRecord]:
             with contextlib.suppress(FileNotFoundError):
                 if record.socket and Path(record.socket).exists():
                     os.unlink(record.socket)
+            for leftover in runner_files(home, record.id):  # its runner ends with it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
             continue
         records.append(record)
     return records

@@ -11,9 +11,11 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from batchllm.engine.protocol import Engine
@@ -97,6 +99,7 @@ def serve(config: dict[str, Any]) -> int:
         return 1
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     reason = "stopped"
+    runner: RunnerProcess | None = None
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(record.socket)
@@ -116,11 +119,14 @@ def serve(config: dict[str, Any]) -> int:
             "version": engine.version,
             "hardware": engine.hardware,
         }
+        if settings.warm_runs:
+            runner = RunnerProcess(home, record.id)
         host = EngineHost(
             engine,
             info=info,
             keep_alive=config["keep_alive"],
             size=lambda job: size_job(job, settings),
+            first_idle=runner.start if runner is not None else None,
         )
         signal.signal(signal.SIGTERM, lambda *_: host.stopping.set())
         if stop.is_set():  # asked to stop while the engine was being built
@@ -137,12 +143,48 @@ def serve(config: dict[str, Any]) -> int:
         reason = host.serve(listener)
     finally:
         listener.close()
+        if runner is not None:
+            runner.stop()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(record.socket)
         registry.remove_record(home, record.id)
         log.info("kept engine %s unloading: %s", record.id, reason)
         engine.shutdown()
     return 0
+
+
+class RunnerProcess:
+    """The engine's warm runner (batchllm/warm_runner.py): started once, ended with it."""
+
+    def __init__(self, home: Path, engine_id: str) -> None:
+        self.state, self.socket = registry.runner_files(home, engine_id)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        config = {"socket": self.socket, "state": str(self.state), "parent": os.getpid()}
+        try:  # its log goes where the engine's goes (the engine's log file)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "batchllm.warm_runner", json.dumps(config)],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:  # runs go on in their own processes, as without a runner
+            log.warning("could not start a warm runner: %s", exc)
+        if self.process is not None:
+            log.info("warm runner starting (pid %d)", self.process.pid)
+
+    def stop(self) -> None:
+        """End the runner (its children, users' runs, go on) and remove its files."""
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for path in (self.state, Path(self.socket)):  # a runner killed mid-way leaves them
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def _await_context(config: dict[str, Any]) -> bool:

@@ -76,7 +76,7 @@ def test_the_wheel_declares_the_console_script_and_the_vllm_plugin(wheel):
         points = configparser.ConfigParser()
         points.read_string(archive.read(name).decode())
 
-    assert dict(points["console_scripts"]) == {"batchllm": "batchllm.cli:main"}
+    assert dict(points["console_scripts"]) == {"batchllm": "batchllm.launcher:main"}
     assert dict(points["vllm.general_plugins"]) == {
         "batchllm_parent_watch": "batchllm.process.parent_watch:register"
     }
