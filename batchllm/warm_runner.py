@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -88,6 +89,11 @@ def _take_request(conn: socket.socket) -> dict[str, Any]:
     os.environ.clear()
     os.environ.update(request["env"])
     os.umask(request["umask"])
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = request["open_files"]
+    if hard != resource.RLIM_INFINITY and (wanted == resource.RLIM_INFINITY or wanted > hard):
+        wanted = hard  # the caller's soft limit, as far as the runner's hard limit allows
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     return request
 
 

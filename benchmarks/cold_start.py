@@ -13,12 +13,14 @@ repo root, `python -m` imports the repo's batchllm whatever PYTHONPATH says):
     BATCHLLM_HOME=H [PYTHONPATH=DIR] python -m batchllm -v run q8.jsonl --model MODEL \\
         --temperature 0 --max-tokens 64 --enforce-eager --kv-cache-memory-bytes 536870912 \\
         --output H/cold                      # cold: starts a kept engine, which stays up
+    (--pause seconds, 5 by default: the next command, as a user types it)
     ... the same, --output H/warm8           # warm, 8 questions
     ... the same with q1.jsonl, H/warm1      # warm, 1 question
     BATCHLLM_HOME=H [PYTHONPATH=DIR] python -m batchllm engine stop --all
 
-then waits for the kept engines' processes to end (SIGKILL after 60 s). The cold run's offsets
-are the log lines "batchllm.jobs.create: job", "vLLM engine ready in" and finalize's
+then waits for the kept engines' processes to end (SIGKILL after 60 s). Each contender's
+warm runs handed to a warm runner (batchllm/warm_runner.py) are counted from its engine log.
+The cold run's offsets are the log lines "batchllm.jobs.create: job", "vLLM engine ready in" and finalize's
 "completed:" (its -v output and H/engines/*.log) from the moment the benchmark started it.
 """
 
@@ -163,7 +165,12 @@ def stop_engines(env: dict[str, str], home: Path, cwd: Path, wait: float = 60.0)
 
 
 def one_contender(
-    pythonpath: str | None, model: str, work: Path, questions: tuple[Path, Path], timeout: float
+    pythonpath: str | None,
+    model: str,
+    work: Path,
+    questions: tuple[Path, Path],
+    timeout: float,
+    pause: float,
 ) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="home-", dir=work))
     env = environment(home, pythonpath)
@@ -178,12 +185,24 @@ def one_contender(
         cold, output = job(q8, "cold")
         logs = [output] + [p.read_text(errors="replace") for p in (home / "engines").glob("*.log")]
         found = stamps("\n".join(logs), started)
+        time.sleep(pause)  # the user's next command: typed, not fired the moment one ends
         warm8, _ = job(q8, "warm8")
         warm1, _ = job(q1, "warm1")
+        handed = sum(
+            p.read_text(errors="replace").count("run handed over: child")
+            for p in (home / "engines").glob("*.log")
+        )
     finally:
         stop = stop_engines(env, home, work)
         shutil.rmtree(home, ignore_errors=True)
-    return {"cold_s": cold, **found, "warm8_s": warm8, "warm1_s": warm1, "stop_s": stop}
+    return {
+        "cold_s": cold,
+        **found,
+        "warm8_s": warm8,
+        "warm1_s": warm1,
+        "warm_runs_handed_over": handed,
+        "stop_s": stop,
+    }
 
 
 def median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -239,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="cold + warm runs per contender")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per command")
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=5.0,
+        help="seconds between the cold run and the warm ones, as a user types the next "
+        "command (a kept engine starts its warm runner 2 s after its first run; it is ready "
+        "1-2 s later)",
+    )
     args = parser.parse_args(argv)
     model = local_model(args.model)
     contenders: dict[str, str | None] = {"current": None}
@@ -253,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for repeat in range(args.repeats):
                 for name, pythonpath in contenders.items():
-                    row = one_contender(pythonpath, model, work, questions, args.timeout)
+                    row = one_contender(
+                        pythonpath, model, work, questions, args.timeout, args.pause
+                    )
                     runs[name].append(row)
                     print(
                         f"repeat {repeat + 1} {name}: cold {row['cold_s']:.1f} s, warm 8 "
-                        f"{row['warm8_s']:.1f} s, warm 1 {row['warm1_s']:.1f} s, engines "
+                        f"{row['warm8_s']:.1f} s, warm 1 {row['warm1_s']:.1f} s (handed to "
+                        f"a warm runner: {row['warm_runs_handed_over']} of 2), engines "
                         f"stopped in {row['stop_s']:.1f} s",
                         flush=True,
                     )

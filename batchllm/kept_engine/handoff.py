@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -160,6 +161,7 @@ def hand_off(argv: list[str]) -> int | None:
             "cwd": os.getcwd(),
             "env": dict(os.environ),
             "umask": _umask(),
+            "open_files": resource.getrlimit(resource.RLIMIT_NOFILE)[0],  # `ulimit -n`
             "encodings": [getattr(s, "encoding", None) for s in (sys.stdin, sys.stdout)],
         }
         try:

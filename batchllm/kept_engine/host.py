@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT = 0.2  # seconds the engine thread waits for work while nothing runs
 _ACCEPT_WAIT = 0.5  # how often the idle time and a stop are checked
-_FIRST_RUN_WAIT = 3.0  # a run that started the engine connects within a second of it ready
+# Idle this long first: a run that started the engine connects within a second of it being
+# ready, and exits within one of leaving it (its output written then, not beside a new process).
+_FIRST_IDLE = 2.0
 
 
 @dataclass(eq=False)
@@ -68,7 +70,7 @@ class EngineHost:
         first_idle: Callable[[], None] | None = None,
     ) -> None:
         """`first_idle`: called once, from the accepting thread, when the engine is first
-        idle: its first run has ended, or none came within _FIRST_RUN_WAIT of it being ready
+        idle: _FIRST_IDLE after its first run ended, or after it was ready if no run came
         (`batchllm engine start`). The warm runner starts then, not beside a cold run."""
         self.engine = engine
         self._first_idle = first_idle
@@ -359,11 +361,8 @@ class EngineHost:
             except TimeoutError:
                 with self._lock:
                     idle = not self._runs
-                if (
-                    idle
-                    and self._first_idle is not None
-                    and (self.runs_served or time.monotonic() - ready_at >= _FIRST_RUN_WAIT)
-                ):
+                quiet = time.monotonic() - (self.last_active if self.runs_served else ready_at)
+                if idle and self._first_idle is not None and quiet >= _FIRST_IDLE:
                     first_idle, self._first_idle = self._first_idle, None
                     first_idle()
                 if (
