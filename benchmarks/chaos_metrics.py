@@ -199,8 +199,8 @@ def unscraped_bound(
     final_at: float,
 ) -> int:
     """The most rows `worker` can have committed that no scrape of it saw: the fleet's commits
-    from COUNT_LAG_S before its last scrape (its start if never scraped) to its end. 0 for a worker alive at the
-    final scrape, which read all it had committed."""
+    from COUNT_LAG_S before its last scrape (its start if never scraped) to its end. 0 for a
+    worker alive at the final scrape, which read all it had committed."""
     ended = worker.get("ended")
     if ended is None or ended >= final_at:
         return 0

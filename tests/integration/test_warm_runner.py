@@ -234,7 +234,7 @@ def test_a_killed_caller_takes_its_handed_run_with_it(
 def test_engine_stop_ends_the_warm_runner_and_removes_its_files(
     kept: KeptHome, model: Path, tmp_path: Path
 ) -> None:
-    engine, runner = warm_engine(kept, model, tmp_path)
+    _, runner = warm_engine(kept, model, tmp_path)
     stopped = kept.cli("engine", "stop", "--all")
     assert stopped.returncode == 0, str(stopped)
     wait_for(lambda: not pid_alive(runner["pid"]), timeout=30, what="the runner to end")
