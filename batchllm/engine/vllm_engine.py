@@ -42,7 +42,7 @@ from batchllm.engine.start_settings import (
 )
 from batchllm.engine.versions import check_vllm_version
 from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
-from batchllm.heap import frozen_heap
+from batchllm.heap import frozen_heap, uncollected_imports
 from batchllm.input.formats.rows import InputRow
 from batchllm.input.images import ImageProblem
 from batchllm.process.engine_output import engine_output_to_log
@@ -72,8 +72,11 @@ _SAMPLING_KEYS = (
 
 
 def import_vllm() -> Any:
+    """vLLM with its engine's modules, imported with the collector paused (heap.py)."""
     try:
-        import vllm
+        with uncollected_imports():
+            import vllm
+            from vllm import LLM  # noqa: F401  (the engine, its config and executor modules)
     except ImportError as exc:
         raise EngineUnavailable(
             "vLLM is not installed: `pip install 'batchllm[gpu]'` on a CUDA machine or "

@@ -191,9 +191,10 @@ def _await_context(config: dict[str, Any]) -> bool:
     """A spare (kept_engine/client.Spare): load vLLM, then read the job's context from stdin.
     False when the run ended the pipe instead (the spare was not needed)."""
     started = time.monotonic()
-    from vllm import LLM  # noqa: F401  (vLLM's engine, config and executor modules)
-
+    from batchllm.engine.vllm_engine import import_vllm
     from batchllm.execution.engines import build_vllm_engine  # noqa: F401  (the engine's own)
+
+    import_vllm()  # vLLM's engine, config and executor modules, the collector paused
 
     log.info(
         "vLLM loaded ahead in %.1f s; waiting for the job's context", time.monotonic() - started
