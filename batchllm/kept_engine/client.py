@@ -29,7 +29,7 @@ from batchllm.errors import BatchLLMError, EngineDied, EngineUnavailable
 from batchllm.execution.engines import EngineCache, context_free_key, with_min_lora_rank
 from batchllm.execution.instant import InstantEngines
 from batchllm.input.formats.rows import InputRow
-from batchllm.kept_engine import registry, wire
+from batchllm.kept_engine import early, registry, wire
 from batchllm.kept_engine.registry import EngineRecord
 from batchllm.settings import Settings
 from batchllm.spec import JobSpec
@@ -177,14 +177,10 @@ def _new_record(
     )
 
 
-def _spawn(
-    settings: Settings, record: EngineRecord, spec: JobSpec, step_seconds: float
-) -> subprocess.Popen[bytes]:
-    """The kept engine's process for `record` (pid set). A spare (max_model_len None) reads
-    its context from its stdin; the end of the pipe (this process gone, or the spare not
-    needed) ends it."""
+def _config(record: EngineRecord, spec: JobSpec, step_seconds: float) -> dict[str, Any]:
+    """What the kept engine's process is started with (kept_engine/server.py)."""
     keep_alive = record.keep_alive
-    config = {
+    return {
         "id": record.id,
         "key": record.key,
         "model": spec.model,
@@ -195,6 +191,38 @@ def _spawn(
         "step_seconds": step_seconds,
         "socket": record.socket,
     }
+
+
+def _adopt(
+    settings: Settings, record: EngineRecord, spec: JobSpec
+) -> subprocess.Popen[bytes] | None:
+    """The early engine process the console script started (kept_engine/early.py), told it is
+    this spare: None when there is none, or it ended."""
+    process = early.take()
+    if process is None or process.stdin is None:
+        return None
+    config = {
+        **_config(record, spec, 0.0),
+        "home": str(settings.home),
+        "log": str(engine_log(settings.home, record.id)),
+    }
+    try:
+        process.stdin.write(json.dumps(config).encode() + b"\n")
+        process.stdin.flush()
+    except OSError:  # it died: the spare is started the usual way
+        return None
+    threading.Thread(target=process.wait, name="kept-engine-reaper", daemon=True).start()
+    record.pid = process.pid
+    return process
+
+
+def _spawn(
+    settings: Settings, record: EngineRecord, spec: JobSpec, step_seconds: float
+) -> subprocess.Popen[bytes]:
+    """The kept engine's process for `record` (pid set). A spare (max_model_len None) reads
+    its context from its stdin; the end of the pipe (this process gone, or the spare not
+    needed) ends it."""
+    config = _config(record, spec, step_seconds)
     env = {**os.environ, "BATCHLLM_HOME": str(settings.home)}
     with open(engine_log(settings.home, record.id), "ab") as out:
         process = subprocess.Popen(
@@ -245,7 +273,9 @@ class Spare:
         self.record = _new_record(
             settings, kind="vllm", spec=spec, key=key, max_model_len=None, keep_alive=keep_alive
         )
-        self._process = _spawn(settings, self.record, spec, 0.0)
+        self._process = _adopt(settings, self.record, spec) or _spawn(
+            settings, self.record, spec, 0.0
+        )
         log.info("loading vLLM ahead in kept engine %s (pid %d)", self.record.id, self.record.pid)
 
     def start(self, max_model_len: int) -> EngineRecord:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 from batchllm.engine.protocol import Engine
 from batchllm.kept_engine import registry
+from batchllm.kept_engine.early import CONFIG_ON_STDIN
 from batchllm.kept_engine.host import EngineHost
 from batchllm.settings import Settings, get_settings
 from batchllm.spec import EngineOptions, JobSpec
@@ -207,11 +209,73 @@ def _await_context(config: dict[str, Any]) -> bool:
     return True
 
 
+def _await_adoption(early_log: Path) -> dict[str, Any] | None:
+    """An early engine process (kept_engine/early.py): load vLLM while the run starts, then
+    take the config the run's spare writes on stdin and the job's context after it. The end of
+    stdin before the config ends the process at once (the run did not need it: no import to
+    finish); after it, as a spare's (`not needed`). None when not needed."""
+    started = time.monotonic()
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    adopted = threading.Event()
+
+    def read() -> None:
+        for line in sys.stdin:
+            adopted.set()
+            lines.put(line)
+        if not adopted.is_set():  # the run ended without adopting it: stop importing now
+            early_log.unlink(missing_ok=True)
+            os._exit(0)
+        lines.put(None)
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+    from batchllm.engine.vllm_engine import import_vllm
+    from batchllm.execution.engines import build_vllm_engine  # noqa: F401  (the engine's own)
+
+    import_vllm()
+    line = lines.get()
+    if line is None:
+        early_log.unlink(missing_ok=True)
+        return None
+    config = json.loads(line)
+    _move_output(early_log, Path(config.pop("log")))
+    os.environ["BATCHLLM_HOME"] = config.pop("home")  # the run's home, as a spare's
+    log.info(
+        "vLLM loaded ahead in %.1f s (started with the command); waiting for the job's context",
+        time.monotonic() - started,
+    )
+    line = lines.get()
+    if not line or not line.strip():
+        log.info("not needed: exiting")
+        return None
+    config["max_model_len"] = json.loads(line)["max_model_len"]
+    return config
+
+
+def _move_output(early_log: Path, engine_log: Path) -> None:
+    """This process's output (the import's, so far in early_log) into the engine's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(engine_log, "ab") as out:
+        with contextlib.suppress(OSError):
+            out.write(early_log.read_bytes())
+            out.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    early_log.unlink(missing_ok=True)
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = json.loads(argv[1])
+    if argv[1] == CONFIG_ON_STDIN:
+        adopted = _await_adoption(Path(argv[2]))
+        if adopted is None:
+            return 0
+        config = adopted
+    else:
+        config = json.loads(argv[1])
     if config["max_model_len"] is None and not _await_context(config):
         return 0
     if config["keep_alive"] < 0:

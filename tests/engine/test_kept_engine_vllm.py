@@ -115,7 +115,8 @@ def test_two_runs_use_the_kept_vllm_engine_and_answer_alike(
 def test_a_cold_run_loads_vllm_ahead_and_a_refused_file_lets_it_go(
     kept: KeptHome, settings: Settings, tiny_model: Path, tmp_path: Path
 ) -> None:
-    """With no kept engine up, `run` starts its engine's process before it reads the file:
+    """With no kept engine up, `run` starts its engine's process before it reads the file (the
+    console script does, before the CLI's imports: kept_engine/early.py):
     vLLM is imported there while the file is validated and sized (kept_engine/client.Spare),
     then built with the job's context. A run whose file is refused lets that process go: it
     exits by itself, and no engine is left or listed."""
@@ -133,6 +134,7 @@ def test_a_cold_run_loads_vllm_ahead_and_a_refused_file_lets_it_go(
     wait_for(lambda: not pid_alive(spare_pid), timeout=180, what="the spare engine process to exit")
     assert kept.records() == []
     assert "not needed: exiting" in (kept.engines_dir / f"{found.group(1)}.log").read_text()
+    assert not list(kept.engines_dir.glob("early-*.log"))  # its output moved to its log
 
     source = write_prompts(tmp_path / "p.jsonl", "p", PROMPTS)
     ran = run_prompts(kept, source, tiny_model)
@@ -142,6 +144,8 @@ def test_a_cold_run_loads_vllm_ahead_and_a_refused_file_lets_it_go(
     assert engine["id"] == started
     log_text = (kept.engines_dir / f"{started}.log").read_text()
     assert "vLLM loaded ahead in" in log_text and "vLLM engine ready in" in log_text
+    # The console script started it before the CLI's imports (kept_engine/early.py).
+    assert "(started with the command)" in log_text, log_text[-3000:]
     rows = Client(settings).results(job_id_of(ran.stderr)).to_table().to_pylist()
     assert sorted(r["custom_id"] for r in rows) == [f"p-{i}" for i in range(PROMPTS)]
     assert all(r["status"] == "ok" and r["text"] for r in rows), rows
