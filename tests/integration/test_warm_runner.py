@@ -141,6 +141,11 @@ def test_a_warm_run_runs_in_the_runner_with_the_caller_s_directory_environment_a
     assert sorted(table.column("custom_id").to_pylist()) == sorted(f"w-{i}" for i in range(12))
     assert set(table.column("completion_tokens").to_pylist()) == {5}
 
+    # Another checkout's import path (PYTHONPATH) is not the runner's: not handed over.
+    other = call(kept, run_args("prompts.jsonl", model), elsewhere, PYTHONPATH=str(tmp_path))
+    assert other.returncode == 0, other.stderr
+    assert handed_children(kept, engine) == children
+
 
 @pytest.mark.timeout(400)
 def test_a_handed_run_s_errors_and_exit_codes_are_those_of_a_run_in_its_own_process(
@@ -159,18 +164,6 @@ def test_a_handed_run_s_errors_and_exit_codes_are_those_of_a_run_in_its_own_proc
         assert len(handed_children(kept, engine)) == len(before) + 1  # not handed over
         assert handed.returncode == alone.returncode != 0, (handed.stderr, alone.stderr)
         assert handed.stderr == alone.stderr and handed.stdout == alone.stdout
-
-
-@pytest.mark.timeout(400)
-def test_another_checkout_s_python_path_is_not_handed_over(
-    kept: KeptHome, model: Path, tmp_path: Path
-) -> None:
-    engine, _ = warm_engine(kept, model, tmp_path)
-    before = handed_children(kept, engine)
-    source = write_prompts(tmp_path / "p.jsonl", "p", 2)
-    ran = call(kept, run_args(source, model), tmp_path, PYTHONPATH=str(tmp_path))
-    assert ran.returncode == 0, ran.stderr
-    assert handed_children(kept, engine) == before
 
 
 @pytest.mark.timeout(400)
@@ -203,7 +196,7 @@ def test_ctrl_c_reaches_a_handed_run_which_fails_its_job_as_interrupted(
 
 
 @pytest.mark.timeout(400)
-def test_a_killed_caller_takes_its_handed_run_with_it(
+def test_a_killed_caller_takes_its_handed_run_with_it_and_engine_stop_ends_the_runner(
     kept: KeptHome, settings: Settings, model: Path, tmp_path: Path
 ) -> None:
     engine, runner = warm_engine(kept, model, tmp_path)
@@ -230,11 +223,7 @@ def test_a_killed_caller_takes_its_handed_run_with_it(
     assert job.status is JobStatus.IN_PROGRESS  # as a killed run leaves it (test_run_killed)
     assert pid_alive(runner["pid"]) and pid_alive(engine["pid"])  # they serve the next run
 
-
-def test_engine_stop_ends_the_warm_runner_and_removes_its_files(
-    kept: KeptHome, model: Path, tmp_path: Path
-) -> None:
-    _, runner = warm_engine(kept, model, tmp_path)
+    # `engine stop` ends the runner with its engine, and their files go with them.
     stopped = kept.cli("engine", "stop", "--all")
     assert stopped.returncode == 0, str(stopped)
     wait_for(lambda: not pid_alive(runner["pid"]), timeout=30, what="the runner to end")
