@@ -29,6 +29,7 @@ from typing import Any
 
 from batchllm.kept_engine.handoff import fingerprint, receive_message, send_message
 from batchllm.kept_engine.wire import peer_uid
+from batchllm.launcher import exit_now, exit_status
 
 log = logging.getLogger("batchllm.warm_runner")
 
@@ -148,29 +149,11 @@ def _run_child(conn: socket.socket) -> None:
         main()
         exit_code[0] = 0
     except SystemExit as exc:
-        exit_code[0] = _exit_status(exc)
+        exit_code[0] = exit_status(exc)
     except BaseException:
         traceback.print_exc()
         exit_code[0] = 1
-    _exit(exit_code[0])
-
-
-def _exit(code: int) -> None:
-    """Python's own exit (wait for the run's non-daemon threads, then the exit handlers), and
-    out: a SystemExit would unwind through the runner's frames and remove its socket."""
-    with contextlib.suppress(Exception):
-        threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    os._exit(code)
-
-
-def _exit_status(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
+    exit_now(exit_code[0])  # a SystemExit would unwind through the runner's frames
 
 
 def serve(listener: socket.socket, parent: int, stopping: threading.Event) -> None:
