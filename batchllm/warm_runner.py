@@ -27,7 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from batchllm.kept_engine.handoff import fingerprint, receive_message, send_message
+from batchllm.kept_engine import wire
+from batchllm.kept_engine.handoff import fingerprint
 from batchllm.kept_engine.wire import peer_uid
 from batchllm.launcher import exit_now, exit_status
 
@@ -79,8 +80,8 @@ def _stdio(encodings: list[str | None]) -> None:
 def _take_request(conn: socket.socket) -> dict[str, Any]:
     """The caller's descriptors onto 0-2 and its directory, environment and umask here."""
     _, fds, _, _ = socket.recv_fds(conn, 16, 3)
-    request = receive_message(conn)
-    if request is None or len(fds) != 3:
+    request = wire.receive(conn)
+    if len(fds) != 3:
         raise ConnectionError("the caller left before its request was read")
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
@@ -137,10 +138,10 @@ def _run_child(conn: socket.socket) -> None:
                 stream.flush()
         done.set()
         with contextlib.suppress(OSError):
-            send_message(conn, {"exit": exit_code[0]})
+            wire.send(conn, {"exit": exit_code[0]})
 
     atexit.register(say_exit)
-    send_message(conn, {"pid": os.getpid()})
+    wire.send(conn, {"pid": os.getpid()})
     threading.Thread(target=_watch_caller, args=(conn, done), daemon=True).start()
     sys.argv = ["batchllm", *request["argv"]]
     try:

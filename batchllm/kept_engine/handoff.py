@@ -24,13 +24,13 @@ import os
 import resource
 import signal
 import socket
-import struct
 import sys
 from pathlib import Path
 from typing import Any
 
+from batchllm.kept_engine import wire
+
 RUNNER_PREFIX = "runner-"  # HOME/engines/runner-<engine id>.json names its socket
-_HEADER = struct.Struct("!I")
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _OFF = ("0", "false", "f", "no", "n", "off")  # as pydantic reads a bool
 _CONNECT_WAIT = 2.0  # seconds: a runner accepts at once, or it is stopping
@@ -79,34 +79,6 @@ def is_handed_command(argv: list[str]) -> bool:
             continue
         return arg == "run"
     return False
-
-
-def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
-    data = json.dumps(message).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def receive_message(sock: socket.socket) -> dict[str, Any] | None:
-    """The next message, or None when the other end closed the connection."""
-    header = _receive_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    data = _receive_exactly(sock, _HEADER.unpack(header)[0])
-    return None if data is None else json.loads(data)
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks, needed = [], size
-    while needed:
-        try:
-            chunk = sock.recv(needed)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        needed -= len(chunk)
-    return b"".join(chunks)
 
 
 def _connect(engines: Path) -> socket.socket | None:
@@ -166,9 +138,9 @@ def hand_off(argv: list[str]) -> int | None:
         }
         try:
             socket.send_fds(sock, [b"R"], [0, 1, 2])
-            send_message(sock, request)
-            started = receive_message(sock)
-        except OSError:
+            wire.send(sock, request)
+            started = wire.receive(sock)
+        except (OSError, wire.ConnectionClosed):
             started = None
         if started is None:  # the runner refused or ended before its child started
             return None
@@ -184,7 +156,10 @@ def _follow(sock: socket.socket, child: int) -> int:
 
     for signum in _FORWARDED:
         signal.signal(signum, forward)
-    ended = receive_message(sock)
+    try:
+        ended = wire.receive(sock)
+    except (OSError, wire.ConnectionClosed):
+        ended = None
     if ended is None:  # the child died before it could say how (killed, or a crash)
         print(
             f"error: the run (pid {child} of the warm runner) ended without an exit code",

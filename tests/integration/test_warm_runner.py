@@ -26,6 +26,7 @@ from batchllm.store.db import session_scope
 from batchllm.store.models import Job, JobStatus
 from tests.support.kept_engines import (
     KeptHome,
+    Running,
     job_id_of,
     pid_alive,
     wait_for,
@@ -166,11 +167,11 @@ def test_a_handed_run_s_errors_and_exit_codes_are_those_of_a_run_in_its_own_proc
         assert handed.stderr == alone.stderr and handed.stdout == alone.stdout
 
 
-@pytest.mark.timeout(400)
-def test_ctrl_c_reaches_a_handed_run_which_fails_its_job_as_interrupted(
-    kept: KeptHome, settings: Settings, model: Path, tmp_path: Path
-) -> None:
-    engine, _ = warm_engine(kept, model, tmp_path)
+def slow_handed_run(
+    kept: KeptHome, settings: Settings, engine: dict, model: Path, tmp_path: Path
+) -> tuple[Running, int, str]:
+    """A paced 200-line run in the background (25 s), once it is handed over and its job has
+    rows: the run, the runner's child running it, and its job's id."""
     before = handed_children(kept, engine)
     source = write_prompts(tmp_path / "slow.jsonl", "slow", 200)
     pace = ("--instant-step-seconds", "0.05", "--max-num-seqs", "8", "--max-tokens", "20")
@@ -185,6 +186,15 @@ def test_ctrl_c_reaches_a_handed_run_which_fails_its_job_as_interrupted(
         timeout=RUN_DEADLINE,
         what=lambda: f"progress\n{run.ran()}",
     )
+    return run, child, job_id
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_reaches_a_handed_run_which_fails_its_job_as_interrupted(
+    kept: KeptHome, settings: Settings, model: Path, tmp_path: Path
+) -> None:
+    engine, _ = warm_engine(kept, model, tmp_path)
+    run, child, job_id = slow_handed_run(kept, settings, engine, model, tmp_path)
 
     os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the caller's process group
     ran = run.wait(timeout=60)
@@ -200,20 +210,7 @@ def test_a_killed_caller_takes_its_handed_run_with_it_and_engine_stop_ends_the_r
     kept: KeptHome, settings: Settings, model: Path, tmp_path: Path
 ) -> None:
     engine, runner = warm_engine(kept, model, tmp_path)
-    before = handed_children(kept, engine)
-    source = write_prompts(tmp_path / "slow.jsonl", "slow", 200)
-    pace = ("--instant-step-seconds", "0.05", "--max-num-seqs", "8", "--max-tokens", "20")
-    run = kept.start(*run_args(source, model, *pace))
-    child = wait_for(
-        lambda: (handed_children(kept, engine)[len(before) :] or [None])[0],
-        timeout=RUN_DEADLINE,
-        what=lambda: f"the run handed over\n{run.ran()}",
-    )
-    job_id = wait_for(
-        lambda: _progressed(settings, run),
-        timeout=RUN_DEADLINE,
-        what=lambda: f"progress\n{run.ran()}",
-    )
+    run, child, job_id = slow_handed_run(kept, settings, engine, model, tmp_path)
 
     run.proc.send_signal(signal.SIGKILL)
     run.proc.wait(timeout=30)
